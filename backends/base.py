@@ -1,0 +1,73 @@
+"""The attention plug point.
+
+A backend owns its KV-cache layout and its per-step metadata. The model runner calls
+`prepare` once per step (host-side planning lives there) and `forward` once per layer.
+GPU backends import their kernel library lazily, inside the backend, so that importing this
+package never needs CUDA.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from varlen.batch import ForwardBatch
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run on this machine; the message says what is missing and how to install it."""
+
+
+@dataclass
+class AttentionMetadata:
+    """What every backend needs on the device; backends subclass it to add their own."""
+
+    slot_mapping: torch.Tensor  # [N] int64
+    batch: ForwardBatch  # the host-side description, for host-side loops and planning
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str]
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    block_size_multiple: ClassVar[int] = 1  # e.g. 256 for PyPI flash-attn 2.x paged KV
+
+    def check(self, device: torch.device | str, dtype: torch.dtype, block_size: int) -> None:
+        """Raise ValueError (bad setting) or BackendUnavailable (missing library/hardware)."""
+        device = torch.device(device)
+        if device.type not in self.devices:
+            raise ValueError(f"backend {self.name!r} runs on {', '.join(self.devices)}, not {device.type}")
+        if dtype not in self.dtypes:
+            raise ValueError(f"backend {self.name!r} supports dtypes {[str(d) for d in self.dtypes]}, not {dtype}")
+        if block_size < 1 or block_size % self.block_size_multiple:
+            raise ValueError(f"backend {self.name!r} needs a block size that is a positive multiple of "
+                             f"{self.block_size_multiple}, got {block_size}")
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's cache. Default: K and V stacked, NHD inside each block."""
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                          head_dim: int, dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+        shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def prepare(self, batch: ForwardBatch, device: torch.device | str) -> Any:
+        """Once per step: move/plan the metadata the layers need."""
+        return AttentionMetadata(
+            slot_mapping=torch.from_numpy(batch.slot_mapping).to(device, non_blocking=True), batch=batch)
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: Any, scale: float) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D] → [N, Hq, D]. Writes k/v at the slot mapping first."""
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the new K/V of a [2, num_blocks, block_size, H, D] cache at their slots."""
+    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))

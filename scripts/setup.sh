@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Installs varlen and its test tools into the current Python environment.
+# torch comes first and pinned: on these CPU machines `torch==2.13.0` is a CPU build on local
+# disk, while an unpinned torch (asked for by any dependency) would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q "torch==2.13.0"
+fi
+"$PY" -m pip install -q -e ".[test]"

@@ -1,0 +1,128 @@
+"""Runs a stock transformers model on a flat varlen batch, with attention done by a pluggable backend.
+
+The model is the unmodified HF module tree. We register one attention function, "varlen", in
+transformers' `AttentionInterface`; it receives q/k/v after q/k-norm and RoPE and hands them to
+the backend with this step's metadata, which travels as an extra forward() keyword. A mask
+function registered under the same name returns None, so no N×N mask is ever built. The LM head
+runs only at `logits_indices` (transformers' `logits_to_keep`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backends.base import AttentionBackend
+from varlen.batch import ForwardBatch
+
+ATTN_NAME = "varlen"
+
+
+@dataclass
+class StepContext:
+    backend: AttentionBackend
+    kv_caches: list[torch.Tensor]
+    meta: Any
+
+
+def _varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
+    ctx: StepContext | None = kwargs.get("varlen_ctx")
+    if ctx is None:
+        raise RuntimeError("the 'varlen' attention was called without a step context; "
+                           "run the model through varlen.ModelRunner")
+    # HF hands us [1, heads, N, D]; backends speak the flat [N, heads, D].
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = ctx.backend.forward(q, k, v, ctx.kv_caches[module.layer_idx], ctx.meta, scale)
+    return out.unsqueeze(0), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def register_varlen_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, _varlen_attention)
+    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device | str,
+               attn_implementation: str = ATTN_NAME) -> torch.nn.Module:
+    """Load a local HF folder (config.json + safetensors), never touching the network."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json); "
+                                f"use model=tiny or write one with `python -m varlen.tiny_model DIR`")
+    if attn_implementation == ATTN_NAME:
+        register_varlen_attention()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True,
+        use_safetensors=True)
+    return model.to(device).eval()
+
+
+class ModelRunner:
+    """Model + attention backend + paged KV cache: `execute(batch)` returns logits [M, vocab]."""
+
+    def __init__(self, model: str | os.PathLike | torch.nn.Module, backend: AttentionBackend, block_size: int,
+                 num_blocks: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        """`model` is a local HF folder, or a model already loaded by `load_model` (shared, e.g. by tests)."""
+        self.device = torch.device(device)
+        self.dtype = dtype
+        backend.check(self.device, dtype, block_size)
+        self.backend = backend
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        if isinstance(model, torch.nn.Module):
+            if model.config._attn_implementation != ATTN_NAME:
+                raise ValueError("a preloaded model must be loaded with load_model(..., attn_implementation='varlen')")
+            self.model = model
+        else:
+            self.model = load_model(model, dtype, self.device)
+        model_path = getattr(self.model.config, "_name_or_path", "model")
+        cfg = self.model.config
+        self.config = cfg
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) and \
+                cfg.sliding_window < getattr(cfg, "max_position_embeddings", 0):
+            raise ValueError(f"{model_path}: sliding-window attention ({cfg.sliding_window}) is not "
+                             f"supported by the varlen backends yet; use a full-attention model")
+        self.kv_caches = backend.allocate_kv_cache(self.num_layers, num_blocks, block_size, self.num_kv_heads,
+                                                   self.head_dim, dtype, self.device)
+
+    @staticmethod
+    def kv_bytes_per_block(config: Any, block_size: int, dtype: torch.dtype) -> int:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        elem = torch.empty(0, dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * head_dim * elem
+
+    @torch.inference_mode()
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        if batch.block_size != self.block_size:
+            raise ValueError(f"batch built for block size {batch.block_size}, cache has {self.block_size}")
+        if batch.block_tables.size and int(batch.block_tables.max()) >= self.num_blocks:
+            raise ValueError(f"block table refers to block {int(batch.block_tables.max())} but the "
+                             f"KV pool has {self.num_blocks} blocks")
+        dev = self.device
+        ctx = StepContext(self.backend, self.kv_caches, self.backend.prepare(batch, dev))
+        input_ids = torch.from_numpy(batch.input_ids).to(dev, non_blocking=True)[None]
+        positions = torch.from_numpy(batch.positions).to(dev, non_blocking=True)[None]
+        keep = torch.from_numpy(batch.logits_indices).to(dev, non_blocking=True)
+        out = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=keep,
+                         use_cache=False, varlen_ctx=ctx)
+        return out.logits[0]

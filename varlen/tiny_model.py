@@ -1,0 +1,139 @@
+"""Tiny Hugging Face model folders written locally, so nothing is ever downloaded.
+
+`write_tiny_model(dir, arch)` produces a real HF folder (config.json, model.safetensors,
+tokenizer files) that loads through `AutoConfig`, `AutoModelForCausalLM.from_pretrained` and
+`AutoTokenizer`. Weights are random from a fixed seed; `initializer_range` is large so that
+greedy decoding has clear top-1 margins (random small weights give near-flat logits whose
+argmax flips on 1e-6 noise, which would make greedy-equality tests meaningless).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+# A small fixed corpus for the byte-level BPE tokenizer. Byte-level means any text
+# round-trips, so the corpus only shapes which merges exist, not what can be encoded.
+_CORPUS = [
+    "varlen batches every request's new tokens end to end in one flat array.",
+    "Prefill, a chunk of a prefill and a decode are all n new tokens after k cached ones.",
+    "The scheduler decides, the allocator hands out blocks, the backend does attention.",
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.",
+    "Hello world! Once upon a time there was a tiny model that needed no download.",
+    "def forward(self, x): return self.proj(x) + x  # residual",
+    "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \" @ # $ % ^ & _ ~",
+]
+
+ARCHITECTURES: dict[str, dict] = {
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    ),
+    "llama": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", head_dim=16,
+        rope_theta=10_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+}
+
+TINY_SHAPE = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+)
+
+
+def default_model_dir(arch: str = "qwen3") -> Path:
+    """Where the embedded default model lives (created on first use)."""
+    root = os.environ.get("VARLEN_HOME", os.path.join(os.path.expanduser("~"), ".cache", "varlen"))
+    return Path(root) / f"tiny-{arch}"
+
+
+def _write_tokenizer(path: Path, vocab_size: int) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
+    )
+    fast.save_pretrained(path)
+    return tok.get_vocab_size()
+
+
+def write_tiny_model(
+    path: str | os.PathLike, arch: str = "qwen3", seed: int = 0, vocab_size: int = 512,
+    initializer_range: float = 0.1, **overrides,
+) -> Path:
+    """Write a random-weight HF model folder for `arch` ("qwen3" or "llama") and return its path.
+
+    `overrides` replace entries of the config (e.g. hidden_size=512 for a bigger model).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(ARCHITECTURES)}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    actual_vocab = _write_tokenizer(path, vocab_size)
+    spec = dict(ARCHITECTURES[arch])
+    model_type = spec.pop("model_type")
+    cfg = dict(TINY_SHAPE, **spec)
+    cfg.update(
+        vocab_size=actual_vocab, initializer_range=initializer_range,
+        bos_token_id=0, eos_token_id=1, pad_token_id=2, dtype="float32",
+    )
+    cfg.update(overrides)
+    config = AutoConfig.for_model(model_type, **cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def ensure_tiny_model(arch: str = "qwen3") -> Path:
+    """Return the embedded default model folder, writing it on first use.
+
+    Written to a temporary sibling and renamed, so a concurrent or interrupted first use never
+    leaves a half-written folder behind.
+    """
+    path = default_model_dir(arch)
+    if (path / "model.safetensors").exists():
+        return path
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    write_tiny_model(tmp, arch)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another process won the race; its folder is as good as ours
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Write a tiny random-weight HF model folder.")
+    p.add_argument("path")
+    p.add_argument("--arch", default="qwen3", choices=sorted(ARCHITECTURES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=INT",
+                   help="config overrides, e.g. hidden_size=512 num_hidden_layers=8")
+    a = p.parse_args()
+    overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in a.set)}
+    print(write_tiny_model(a.path, a.arch, a.seed, **overrides))
+
+
+if __name__ == "__main__":
+    main()
