@@ -1,0 +1,143 @@
+"""The scheduling plug point: each step, which requests run and how many new tokens each gets.
+
+Policies are pure: no wall clock, no model, no tensors, so the simulator runs them as they are.
+A policy owns the waiting and running queues and asks the KV allocator for room. When the
+allocator has none for a running request, the policy preempts by recompute: the victim's blocks
+are freed and it goes back to the front of the waiting queue, to be computed again from scratch
+(the prefix cache usually gives much of it back).
+
+Victim choice (documented, policy-overridable via `victim_order`): the running request admitted
+last goes first (LIFO, as in vLLM): it has made the least progress, so recomputing it wastes the
+least work, and the oldest requests keep their latency.
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+from collections import deque
+from dataclasses import dataclass, field
+
+from varlen.kv.base import KVAllocator
+from varlen.request import Request, Status
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens), batch order
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class SchedulerPolicy(ABC):
+    """Base with the shared mechanics; a policy decides *order* and *admission* only."""
+
+    #: False: a prompt is computed in one step (so it must fit the token budget whole).
+    chunked_prefill: bool = False
+
+    def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, got "
+                             f"{max_num_seqs} and {max_num_batched_tokens}")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    # -- queue bookkeeping, called by the engine -------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """The request finished or was aborted; forget it (the engine frees its blocks)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the decision ----------------------------------------------------------------------
+    def schedule(self, kv: KVAllocator) -> SchedulerOutput:
+        """Choose this step's batch: running requests first, then admissions from the waiting queue."""
+        out = SchedulerOutput()
+        budget = self._schedule_running(kv, out, self.max_num_batched_tokens)
+        self._admit_waiting(kv, out, budget)
+        return out
+
+    def waiting_order(self) -> list[Request]:
+        """Order in which waiting requests are considered (FCFS unless overridden)."""
+        return list(self.waiting)
+
+    def victim_order(self) -> list[Request]:
+        """Running requests, most preemptible first."""
+        return self.running[::-1]
+
+    # -- shared mechanics ------------------------------------------------------------------
+    def _grant(self, req: Request, budget: int) -> int:
+        pending = req.num_pending
+        return min(pending, budget) if self.chunked_prefill else (pending if pending <= budget else 0)
+
+    def _schedule_running(self, kv: KVAllocator, out: SchedulerOutput, budget: int) -> int:
+        """Give every running request its next tokens, preempting when the pool is full."""
+        for req in list(self.running):
+            if req not in self.running:  # preempted as a victim earlier in this loop
+                continue
+            n = self._grant(req, budget)
+            if n == 0:
+                continue
+            while not kv.allocate(req, req.num_computed_tokens + n):
+                victim = next(v for v in self.victim_order() if v not in (r for r, _ in out.scheduled))
+                self._preempt(victim, kv, out)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append((req, n))
+                budget -= n
+        return budget
+
+    def _preempt(self, victim: Request, kv: KVAllocator, out: SchedulerOutput) -> None:
+        kv.free(victim)
+        self.running.remove(victim)
+        victim.reset_for_recompute()
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+
+    def _admit_waiting(self, kv: KVAllocator, out: SchedulerOutput, budget: int,
+                       limit: int | None = None) -> int:
+        """Admit waiting requests in `waiting_order` while seats, budget and memory last.
+
+        Stops at the first request that does not fit (no overtaking), so a long prompt is not
+        starved by a stream of short ones.
+        """
+        seats = self.max_num_seqs - len(self.running)
+        if limit is not None:
+            seats = min(seats, limit)
+        preempted = set(map(id, out.preempted))
+        for req in self.waiting_order():
+            if seats <= 0 or budget <= 0 or id(req) in preempted:
+                break
+            hit = kv.match_prefix(req)
+            req.num_computed_tokens = hit
+            n = self._grant(req, budget)
+            if n == 0 or not kv.allocate(req, hit + n):
+                req.num_computed_tokens = 0
+                break
+            req.num_prefix_hit_tokens = hit
+            self.waiting.remove(req)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+            seats -= 1
+        return budget

@@ -1,0 +1,34 @@
+"""Request-level (static) batching: a batch is formed only when the previous one has fully
+finished; until then only its members run. The baseline continuous batching was invented to beat."""
+
+from schedulers.base import SchedulerOutput, SchedulerPolicy
+from varlen.kv.base import KVAllocator
+
+
+class StaticPolicy(SchedulerPolicy):
+    chunked_prefill = False
+
+    def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
+        super().__init__(max_num_seqs, max_num_batched_tokens)
+        self.members: set[str] = set()  # the current batch; a member preempted for memory stays one
+
+    def schedule(self, kv: KVAllocator) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if not self.members:
+            self._admit_waiting(kv, out, self.max_num_batched_tokens)
+            self.members = {r.req_id for r, _ in out.scheduled}
+            return out
+        budget = self._schedule_running(kv, out, self.max_num_batched_tokens)
+        # A member preempted for memory re-enters its own batch, never a newcomer.
+        if self.waiting and self.waiting[0].req_id in self.members:
+            self._admit_waiting(kv, out, budget, limit=sum(r.req_id in self.members for r in self.waiting))
+        return out
+
+    def waiting_order(self):
+        if self.members:
+            return [r for r in self.waiting if r.req_id in self.members]
+        return list(self.waiting)
+
+    def remove(self, req) -> None:
+        super().remove(req)
+        self.members.discard(req.req_id)

@@ -1,0 +1,169 @@
+"""The engine loop: schedule → execute → update, the same object in a real run and in the simulator.
+
+Only the executor (a real forward and sampler, or a cost model) and the clock (wall or simulated)
+differ, so the simulator's scheduling decisions are the engine's by construction. No torch here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from schedulers.base import SchedulerPolicy
+from varlen.clock import WallClock
+from varlen.kv.base import KVAllocator
+from varlen.request import FinishReason, Request, Status
+
+
+class Executor(ABC):
+    """Runs one step's batch and returns a sampled token for each request whose step reaches the
+    end of its known tokens (None for a prefill chunk that does not)."""
+
+    @abstractmethod
+    def execute(self, scheduled: Sequence[tuple[Request, int]], kv: KVAllocator) -> list[int | None]: ...
+
+    def release(self, req: Request) -> None:
+        """Forget per-request state: the request finished, was aborted or was preempted."""
+
+
+@dataclass(slots=True)
+class StepRecord:
+    step: int
+    start: float
+    duration: float
+    req_ids: list[str]
+    new_tokens: list[int]
+    cached_tokens: list[int]
+    num_preempted: int
+    kv_reserved_slots: int
+    kv_live_tokens: int
+    num_waiting: int
+
+
+class Engine:
+    def __init__(self, policy: SchedulerPolicy, kv: KVAllocator, executor: Executor, clock=None,
+                 max_model_len: int | None = None, eos_token_id: int | None = None):
+        self.policy, self.kv, self.executor = policy, kv, executor
+        self.clock = clock or WallClock()
+        self.max_model_len = min(max_model_len or kv.max_request_tokens(), kv.max_request_tokens())
+        self.eos_token_id = eos_token_id
+        if not policy.chunked_prefill and policy.max_num_batched_tokens < self.max_model_len:
+            # A request preempted late must be recomputed in one step, so the budget must hold it.
+            raise ValueError(
+                f"scheduler {policy.name} computes a prompt in one step, so max_num_batched_tokens "
+                f"({policy.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}); "
+                f"raise it, lower max_model_len, or use the chunked scheduler")
+        self.requests: dict[str, Request] = {}
+        self.steps: list[StepRecord] = []
+        self.num_preemptions = 0
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.req_id in self.requests:
+            raise ValueError(f"duplicate request id {req.req_id!r}")
+        self.requests[req.req_id] = req
+        req.arrival = req.arrival if req.arrival else self.clock.now()
+        problem = self._reject_reason(req)
+        if problem:
+            req.finish(FinishReason.REJECTED, self.clock.now(), problem)
+            return
+        self.policy.add(req)
+
+    def _reject_reason(self, req: Request) -> str:
+        n = req.num_prompt_tokens
+        if n == 0:
+            return "empty prompt: a request needs at least one prompt token"
+        if n > self.kv.capacity_tokens:
+            return f"prompt of {n} tokens is longer than the whole KV pool ({self.kv.capacity_tokens} slots)"
+        if n > self.max_model_len:
+            return f"prompt of {n} tokens is longer than max_model_len ({self.max_model_len} tokens)"
+        return ""
+
+    def abort(self, req_id: str, message: str = "aborted by the caller") -> None:
+        req = self.requests.get(req_id)
+        if req is None or req.is_finished:
+            return
+        self._finish(req, FinishReason.ABORTED, message)
+
+    def _finish(self, req: Request, reason: FinishReason, message: str = "") -> None:
+        req.finish(reason, self.clock.now(), message)
+        self.policy.remove(req)
+        self.kv.free(req)
+        self.executor.release(req)
+
+    def has_unfinished(self) -> bool:
+        return self.policy.has_work()
+
+    # -- one step --------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one step; return the requests that finished in it."""
+        start = self.clock.now()
+        out = self.policy.schedule(self.kv)
+        for r in out.preempted:
+            self.executor.release(r)
+        self.num_preemptions += len(out.preempted)
+        if not out:
+            return self._unstick()
+        cached = [r.num_computed_tokens for r, _ in out.scheduled]
+        for r, _ in out.scheduled:
+            if r.first_scheduled is None:
+                r.first_scheduled = start
+        tokens = self.executor.execute(out.scheduled, self.kv)
+        end = self.clock.now()
+        finished = []
+        for (r, n), tok in zip(out.scheduled, tokens):
+            r.num_computed_tokens += n
+            if tok is None:
+                continue
+            r.output_token_ids.append(tok)
+            r.token_times.append(end)
+            reason = self._stop_reason(r, tok)
+            if reason is not None:
+                self._finish(r, reason)
+                finished.append(r)
+        usage = self.kv.usage()
+        self.steps.append(StepRecord(
+            len(self.steps), start, end - start, [r.req_id for r, _ in out.scheduled],
+            [n for _, n in out.scheduled], cached, len(out.preempted), usage.reserved_slots,
+            usage.live_tokens, len(self.policy.waiting)))
+        return finished
+
+    def _stop_reason(self, r: Request, tok: int) -> FinishReason | None:
+        sp = r.sampling
+        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok == self.eos_token_id):
+            return FinishReason.STOP
+        if r.num_output_tokens >= sp.max_tokens or r.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _unstick(self) -> list[Request]:
+        """Nothing could be scheduled. With nothing running, nothing will ever free room for the
+        head of the queue, so it is aborted with the reason rather than waiting forever."""
+        if self.policy.running or not self.policy.waiting:
+            return []
+        head = self.policy.waiting[0]
+        self._finish(head, FinishReason.ABORTED,
+                     f"could not be scheduled on an idle engine ({head.num_pending} tokens to compute, "
+                     f"{self.kv.usage().free_slots} free KV slots, budget "
+                     f"{self.policy.max_num_batched_tokens} tokens)")
+        return [head]
+
+    # -- driving ---------------------------------------------------------------------------
+    def run(self, requests: Iterable[Request] = (), on_step: Callable[[list[Request]], None] | None = None) -> None:
+        """Replay `requests` by arrival time (0 = at once) and run until every request has ended."""
+        pending = deque(sorted(requests, key=lambda r: r.arrival))
+        while pending or self.has_unfinished():
+            now = self.clock.now()
+            while pending and pending[0].arrival <= now:
+                self.add_request(pending.popleft())
+            if not self.has_unfinished():
+                if pending:
+                    self.clock.sleep_until(pending[0].arrival)
+                continue
+            finished = self.step()
+            if on_step is not None:
+                on_step(finished)
+        for r in self.requests.values():
+            assert r.status is Status.FINISHED, f"request {r.req_id} left unfinished"

@@ -1,0 +1,64 @@
+"""The real executor: persistent batch buffers → ModelRunner forward → Sampler."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from varlen.batch import BatchBuffers
+from varlen.engine import Executor
+from varlen.kv.base import KVAllocator
+from varlen.model_runner import ModelRunner
+from varlen.request import Request
+from varlen.sampler import Sampler
+
+
+class ModelExecutor(Executor):
+    """Keeps one buffer row per running request, updated incrementally: a decode step writes one
+    token and, every block_size steps, one block id per request."""
+
+    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int, sampler: Sampler | None = None):
+        self.runner = runner
+        self.sampler = sampler or Sampler()
+        bs = runner.block_size
+        self.buffers = BatchBuffers(max_num_seqs, max_model_len + 1, -(-(max_model_len + 1) // bs))
+        self.rows: dict[str, int] = {}
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.tokens_written = np.zeros(max_num_seqs, dtype=np.int64)
+
+    def _row(self, req: Request, kv: KVAllocator) -> int:
+        row = self.rows.get(req.req_id)
+        if row is None:
+            row = self.rows[req.req_id] = self.free_rows.pop()
+            self.tokens_written[row] = 0
+            self.buffers.num_blocks[row] = 0
+        written = int(self.tokens_written[row])
+        if written < req.num_tokens:
+            self.buffers.set_tokens(row, written, req.token_ids(written))
+            self.tokens_written[row] = req.num_tokens
+        table = kv.block_table(req)
+        have = int(self.buffers.num_blocks[row])
+        if len(table) != have:  # blocks are only ever appended while a request holds its row
+            self.buffers.block_tables[row, have:len(table)] = table[have:]
+            self.buffers.num_blocks[row] = len(table)
+        return row
+
+    def execute(self, scheduled: Sequence[tuple[Request, int]], kv: KVAllocator) -> list[int | None]:
+        rows = np.fromiter((self._row(r, kv) for r, _ in scheduled), dtype=np.int64, count=len(scheduled))
+        cached = np.fromiter((r.num_computed_tokens for r, _ in scheduled), dtype=np.int64, count=len(scheduled))
+        new = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=len(scheduled))
+        wants = cached + new == np.fromiter((r.num_tokens for r, _ in scheduled), dtype=np.int64,
+                                            count=len(scheduled))
+        batch = self.buffers.build(rows, cached, new, wants, self.runner.block_size, self.runner.num_blocks,
+                                   req_ids=[r.req_id for r, _ in scheduled])
+        logits = self.runner.execute(batch)
+        sampled_reqs = [r for (r, _), w in zip(scheduled, wants) if w]
+        tokens = iter(self.sampler.sample(logits, sampled_reqs))
+        return [next(tokens) if w else None for w in wants]
+
+    def release(self, req: Request) -> None:
+        row = self.rows.pop(req.req_id, None)
+        if row is not None:
+            self.free_rows.append(row)
+        self.sampler.release(req)

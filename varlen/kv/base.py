@@ -1,0 +1,64 @@
+"""The KV allocator plug point: hands out KV slots to requests as block tables.
+
+Whatever the allocator's strategy (paged blocks, one contiguous run), its answer is a block table,
+so attention backends never care which allocator is in use. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Sequence
+
+from varlen.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class KVUsage:
+    live_tokens: int  # tokens requests have asked slots for (a shared block counts once per holder)
+    reserved_slots: int  # slots in blocks held by some request (internal fragmentation = reserved - live)
+    free_slots: int  # slots a new allocation could take (includes evictable prefix-cache blocks)
+    total_slots: int
+
+    @property
+    def utilization(self) -> float:
+        return (self.total_slots - self.free_slots) / self.total_slots if self.total_slots else 0.0
+
+
+class KVAllocator(ABC):
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int | None = None):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a KV pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len or num_blocks * block_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def match_prefix(self, req: Request) -> int:
+        """Tokens of `req` already in the cache (a multiple of the block size, never its last token).
+
+        No side effect; `allocate` takes the same hit when the request gets its first blocks.
+        """
+        return 0
+
+    @abstractmethod
+    def allocate(self, req: Request, num_tokens: int) -> bool:
+        """Make `req`'s first `num_tokens` positions have slots. All or nothing: False if no room."""
+
+    @abstractmethod
+    def free(self, req: Request) -> None:
+        """Give back every block `req` holds (finished, aborted or preempted)."""
+
+    @abstractmethod
+    def block_table(self, req: Request) -> Sequence[int]:
+        """The block ids holding `req`'s tokens, in order."""
+
+    @abstractmethod
+    def usage(self) -> KVUsage: ...
+
+    def max_request_tokens(self) -> int:
+        """The longest request (prompt + output) this pool can ever hold on its own."""
+        return min(self.capacity_tokens, self.max_model_len)

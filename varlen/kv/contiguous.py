@@ -1,0 +1,81 @@
+"""Contiguous reservation: one run of consecutive blocks per request, sized at admission.
+
+This is static preallocation as early serving systems did it. The reservation policy decides the
+run's length: `max` (max_model_len, what a system that does not know the output length must
+do), `pow2` (the request's own maximum, prompt + max_tokens, rounded up to a power of two) or
+`oracle` (its true final length: the trace's output length when known, else prompt + max_tokens).
+Reserved-but-unused slots are internal fragmentation; gaps between runs are external.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Sequence
+
+from varlen.kv.base import KVAllocator, KVUsage
+from varlen.request import Request
+
+POLICIES = ("max", "pow2", "oracle")
+
+
+class ContiguousAllocator(KVAllocator):
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, reservation: str = "max"):
+        super().__init__(num_blocks, block_size, max_model_len)
+        if reservation not in POLICIES:
+            raise ValueError(f"unknown reservation policy {reservation!r}; choose one of {POLICIES}")
+        self.reservation = reservation
+        self.extents: list[tuple[int, int]] = [(0, num_blocks)]  # free runs (start, length), sorted
+        self.runs: dict[str, tuple[int, int]] = {}
+        self.num_tokens: dict[str, int] = {}
+
+    def reserve_tokens(self, req: Request) -> int:
+        if self.reservation == "max":
+            n = self.max_model_len
+        else:
+            out = req.expected_output_len if self.reservation == "oracle" and req.expected_output_len \
+                else req.sampling.max_tokens
+            n = min(req.num_prompt_tokens + out, self.max_model_len)
+            if self.reservation == "pow2":
+                n = min(1 << max(0, n - 1).bit_length(), self.max_model_len)
+        return max(n, req.num_tokens)  # a resumed request never gets less than it already has
+
+    def allocate(self, req: Request, num_tokens: int) -> bool:
+        run = self.runs.get(req.req_id)
+        if run is None:
+            want = -(-self.reserve_tokens(req) // self.block_size)
+            for i, (start, length) in enumerate(self.extents):  # first fit
+                if length >= want:
+                    self.extents[i:i + 1] = [(start + want, length - want)] if length > want else []
+                    run = self.runs[req.req_id] = (start, want)
+                    break
+            else:
+                return False
+        if -(-num_tokens // self.block_size) > run[1]:
+            # The reservation was sized to cover the request's whole life, so this is a caller bug.
+            raise ValueError(f"request {req.req_id!r} needs {num_tokens} tokens but reserved "
+                             f"{run[1] * self.block_size} ({self.reservation} policy)")
+        self.num_tokens[req.req_id] = max(num_tokens, self.num_tokens.get(req.req_id, 0))
+        return True
+
+    def free(self, req: Request) -> None:
+        run = self.runs.pop(req.req_id, None)
+        self.num_tokens.pop(req.req_id, None)
+        if run is None:
+            return
+        i = bisect.bisect(self.extents, run)
+        self.extents.insert(i, run)
+        # Merge with neighbours so external fragmentation is only what really is.
+        if i + 1 < len(self.extents) and self.extents[i][0] + self.extents[i][1] == self.extents[i + 1][0]:
+            self.extents[i:i + 2] = [(self.extents[i][0], self.extents[i][1] + self.extents[i + 1][1])]
+        if i > 0 and self.extents[i - 1][0] + self.extents[i - 1][1] == self.extents[i][0]:
+            self.extents[i - 1:i + 1] = [(self.extents[i - 1][0], self.extents[i - 1][1] + self.extents[i][1])]
+
+    def block_table(self, req: Request) -> Sequence[int]:
+        run = self.runs.get(req.req_id)
+        return range(run[0], run[0] + run[1]) if run else ()
+
+    def usage(self) -> KVUsage:
+        bs = self.block_size
+        free = sum(n for _, n in self.extents)
+        return KVUsage(live_tokens=sum(self.num_tokens.values()), reserved_slots=(self.num_blocks - free) * bs,
+                       free_slots=free * bs, total_slots=self.num_blocks * bs)

@@ -1,0 +1,125 @@
+"""Paged KV allocation: a pool of fixed-size blocks, reference counts, prefix caching.
+
+Prefix caching: every full block is registered under a chained hash of its content (its tokens
+and its parent's hash). A new request walks its own chain and reuses registered blocks, after
+checking their tokens (hashes can collide). Freed blocks keep their content and stay findable
+until reused; reuse takes the least recently freed first (LRU), and blocks with no cached content
+go before any cached one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+from varlen.kv.base import KVAllocator, KVUsage
+from varlen.request import Request
+
+
+class PagedAllocator(KVAllocator):
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True):
+        super().__init__(num_blocks, block_size, max_model_len)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.tables: dict[str, list[int]] = {}
+        self.num_tokens: dict[str, int] = {}
+        self.registered: dict[str, int] = {}  # how many leading blocks of a request are registered
+        self.prefix_hit_blocks = 0  # counters, for tests and reports
+        self.prefix_query_blocks = 0
+
+    def _hits(self, req: Request) -> list[int]:
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        # Never the last token: its logits are needed, so it must be computed.
+        hashes = req.block_hashes(bs, (req.num_tokens - 1) // bs)
+        hits = []
+        for j, h in enumerate(hashes):
+            bid = self.cached.get(h)
+            if bid is None or self.block_tokens[bid] != tuple(req.token_ids(j * bs, (j + 1) * bs)):
+                break
+            hits.append(bid)
+        return hits
+
+    def match_prefix(self, req: Request) -> int:
+        return len(self._hits(req)) * self.block_size
+
+    def allocate(self, req: Request, num_tokens: int) -> bool:
+        table = self.tables.get(req.req_id)
+        hits: list[int] = []
+        if table is None:
+            hits = self._hits(req)
+            table = []
+        need = -(-num_tokens // self.block_size) - len(table) - len(hits)
+        revived = sum(1 for b in hits if self.ref_count[b] == 0)  # hits sitting in the free list
+        if need > len(self.free_blocks) - revived:
+            return False
+        if req.req_id not in self.tables:
+            self.tables[req.req_id] = table
+            self.registered[req.req_id] = len(hits)
+            self.prefix_hit_blocks += len(hits)
+            self.prefix_query_blocks += (req.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0
+            for b in hits:
+                if self.ref_count[b] == 0:
+                    del self.free_blocks[b]
+                self.ref_count[b] += 1
+            table.extend(hits)
+        for _ in range(max(0, need)):
+            b, _ = self.free_blocks.popitem(last=False)
+            if self.block_hash[b] is not None:  # evict its cached content
+                if self.cached.get(self.block_hash[b]) == b:
+                    del self.cached[self.block_hash[b]]
+                self.block_hash[b] = self.block_tokens[b] = None
+            self.ref_count[b] = 1
+            table.append(b)
+        self.num_tokens[req.req_id] = max(num_tokens, self.num_tokens.get(req.req_id, 0))
+        self._register_full_blocks(req, num_tokens)
+        return True
+
+    def _register_full_blocks(self, req: Request, num_tokens: int) -> None:
+        # Blocks filled by the end of this step become findable now: within one forward every
+        # layer writes all new K/V before any attention reads, so a same-step hit is safe.
+        if not self.enable_prefix_caching:
+            return
+        bs, table = self.block_size, self.tables[req.req_id]
+        full = min(num_tokens, req.num_tokens) // bs
+        start = self.registered[req.req_id]
+        if full <= start:
+            return
+        hashes = req.block_hashes(bs, full)
+        for j in range(start, full):
+            b, h = table[j], hashes[j]
+            if self.block_hash[b] is None:
+                self.block_hash[b] = h
+                self.block_tokens[b] = tuple(req.token_ids(j * bs, (j + 1) * bs))
+                self.cached.setdefault(h, b)
+        self.registered[req.req_id] = full
+
+    def free(self, req: Request) -> None:
+        table = self.tables.pop(req.req_id, None)
+        self.num_tokens.pop(req.req_id, None)
+        self.registered.pop(req.req_id, None)
+        if table is None:
+            return
+        for b in reversed(table):  # a prefix's tail is evicted before its head
+            self.ref_count[b] -= 1
+            if self.ref_count[b] < 0:
+                raise AssertionError(f"block {b} freed more often than it was taken")
+            if self.ref_count[b] == 0:
+                self.free_blocks[b] = None
+                if self.block_hash[b] is None:
+                    self.free_blocks.move_to_end(b, last=False)
+
+    def block_table(self, req: Request) -> Sequence[int]:
+        return self.tables.get(req.req_id, ())
+
+    def usage(self) -> KVUsage:
+        bs = self.block_size
+        return KVUsage(live_tokens=sum(self.num_tokens.values()),
+                       reserved_slots=(self.num_blocks - len(self.free_blocks)) * bs,
+                       free_slots=len(self.free_blocks) * bs, total_slots=self.num_blocks * bs)

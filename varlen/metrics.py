@@ -1,0 +1,101 @@
+"""Request and step metrics, shared by the real engine and the simulator. No torch; pandas is
+imported only when a table is asked for, so the simulator starts fast."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from varlen.request import Request
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    finish: float | None
+    ttft: float | None  # arrival → first token
+    tpot: float | None  # mean time per output token after the first
+    e2e: float | None  # arrival → finish
+    itl: list[float]  # gaps between consecutive tokens
+    num_preemptions: int
+    num_prefix_hit_tokens: int
+
+    @classmethod
+    def of(cls, r: Request) -> "RequestMetrics":
+        t = r.token_times
+        first = t[0] if t else None
+        return cls(
+            arrival=r.arrival, first_scheduled=r.first_scheduled, first_token=first, finish=r.finish_time,
+            ttft=None if first is None else first - r.arrival,
+            tpot=(t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None,
+            e2e=None if r.finish_time is None else r.finish_time - r.arrival,
+            itl=np.diff(t).tolist() if len(t) > 1 else [],
+            num_preemptions=r.num_preemptions, num_prefix_hit_tokens=r.num_prefix_hit_tokens)
+
+
+def request_table(requests: Iterable[Request]):
+    import pandas as pd
+
+    rows = []
+    for r in requests:
+        m = RequestMetrics.of(r)
+        rows.append(dict(
+            req_id=r.req_id, prompt_tokens=r.num_prompt_tokens, output_tokens=r.num_output_tokens,
+            finish_reason=r.finish_reason.value if r.finish_reason else None, finish_message=r.finish_message,
+            arrival=m.arrival, first_scheduled=m.first_scheduled, first_token=m.first_token, finish=m.finish,
+            ttft=m.ttft, tpot=m.tpot, e2e=m.e2e,
+            normalized_latency=m.e2e / r.num_output_tokens if m.e2e is not None and r.num_output_tokens else None,
+            num_preemptions=m.num_preemptions, prefix_hit_tokens=m.num_prefix_hit_tokens,
+            priority=r.priority))
+    return pd.DataFrame(rows)
+
+
+def step_table(steps: Sequence) -> "pd.DataFrame":  # noqa: F821
+    import pandas as pd
+
+    return pd.DataFrame([dict(
+        step=s.step, start=s.start, duration=s.duration, num_seqs=len(s.req_ids),
+        num_new_tokens=sum(s.new_tokens), num_cached_tokens=sum(s.cached_tokens),
+        num_decodes=sum(1 for n in s.new_tokens if n == 1), num_preempted=s.num_preempted,
+        kv_reserved_slots=s.kv_reserved_slots, kv_live_tokens=s.kv_live_tokens, num_waiting=s.num_waiting,
+        req_ids=" ".join(s.req_ids), new_tokens=" ".join(map(str, s.new_tokens)),
+        cached_tokens=" ".join(map(str, s.cached_tokens))) for s in steps])
+
+
+def _pct(x: Sequence[float], q: float) -> float:
+    return float(np.percentile(x, q)) if len(x) else float("nan")
+
+
+def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
+              ttft_slo: float | None = None, tpot_slo: float | None = None) -> dict[str, float]:
+    """One row of headline figures: throughput, latency percentiles, preemptions, KV usage, goodput."""
+    done = [r for r in requests if r.finish_reason is not None and r.finish_reason.value in ("length", "stop")]
+    ms = [RequestMetrics.of(r) for r in done]
+    start = min((r.arrival for r in requests), default=0.0)
+    end = max((m.finish for m in ms if m.finish is not None), default=start)
+    span = max(end - start, 1e-9)
+    out_tokens = sum(r.num_output_tokens for r in done)
+    ttft = [m.ttft for m in ms if m.ttft is not None]
+    tpot = [m.tpot for m in ms if m.tpot is not None]
+    itl = [x for m in ms for x in m.itl]
+    e2e = [m.e2e for m in ms if m.e2e is not None]
+    row = dict(requests=len(requests), finished=len(done),
+               rejected=sum(r.finish_reason is not None and r.finish_reason.value == "rejected" for r in requests),
+               aborted=sum(r.finish_reason is not None and r.finish_reason.value == "aborted" for r in requests),
+               duration_s=span, requests_per_s=len(done) / span, output_tokens_per_s=out_tokens / span,
+               preemptions=sum(r.num_preemptions for r in requests),
+               peak_kv_usage=max((s.kv_reserved_slots for s in steps), default=0) / max(total_slots, 1),
+               mean_batch_size=float(np.mean([len(s.req_ids) for s in steps])) if steps else 0.0)
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
+        for q in (50, 90, 99):
+            row[f"{name}_p{q}"] = _pct(xs, q)
+    if ttft_slo is not None or tpot_slo is not None:
+        ok = sum(1 for m in ms if (ttft_slo is None or (m.ttft is not None and m.ttft <= ttft_slo))
+                 and (tpot_slo is None or m.tpot is None or m.tpot <= tpot_slo))
+        row["goodput_requests_per_s"] = ok / span
+        row["slo_attainment"] = ok / max(len(requests), 1)
+    return row

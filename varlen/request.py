@@ -1,0 +1,111 @@
+"""A request's life: waiting → running → (preempted → waiting) → finished, with a reason.
+
+Plain data, no torch: the simulator runs the same objects.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from varlen.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    ABORTED = "aborted"
+    REJECTED = "rejected"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    arrival: float = 0.0
+    priority: int = 0  # lower runs first under the priority policy
+    prompt: str | None = None
+    expected_output_len: int | None = None  # known to traces and the `oracle` reservation only
+
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    finish_message: str = ""
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_prefix_hit_tokens: int = 0  # of those, reused from the prefix cache at the last admission
+    num_preemptions: int = 0
+
+    first_scheduled: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    _hashes: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to be computed before the next sample (the whole prompt, a rest of it, or 1)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
+        end = self.num_tokens if end is None else end
+        p = self.num_prompt_tokens
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - p):end - p]
+
+    def block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
+        """Chained content hashes of the first `num_blocks` full blocks (computed once, extended lazily).
+
+        Each hash covers the block's tokens and its parent's hash, so equal hashes mean equal prefixes.
+        """
+        hashes = self._hashes
+        if len(hashes) < num_blocks:
+            toks = np.asarray(self.token_ids(0, num_blocks * block_size), dtype=np.int64)
+            parent = hashes[-1] if hashes else 0
+            for j in range(len(hashes), num_blocks):
+                parent = hash((parent, toks[j * block_size:(j + 1) * block_size].tobytes()))
+                hashes.append(parent)
+        return hashes[:num_blocks]
+
+    def finish(self, reason: FinishReason, now: float, message: str = "") -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.finish_message = message
+        self.finish_time = now
+
+    def reset_for_recompute(self) -> None:
+        """Preempted by recompute: its blocks are gone, everything will be computed again."""
+        self.status = Status.WAITING
+        self.num_computed_tokens = 0
+        self.num_prefix_hit_tokens = 0
+        self.num_preemptions += 1
+
+
+def make_request(req_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None,
+                 **kw) -> Request:
+    return Request(req_id, list(map(int, prompt_token_ids)), sampling or SamplingParams(), **kw)

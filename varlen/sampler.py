@@ -1,0 +1,51 @@
+"""Turns the step's logits [M, vocab] into one token per row, honouring each request's SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from varlen.request import Request
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.default = torch.Generator().manual_seed(seed)
+        # One generator per seeded request, kept across preemptions: a recomputed request draws
+        # the same tokens it would have drawn without the interruption.
+        self.generators: dict[str, torch.Generator] = {}
+
+    def release(self, req: Request) -> None:
+        if req.is_finished:
+            self.generators.pop(req.req_id, None)
+
+    def sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
+        greedy = [i for i, r in enumerate(reqs) if r.sampling.greedy]
+        tokens: list[int] = [0] * len(reqs)
+        if greedy:
+            for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
+                tokens[i] = t
+        for i, r in enumerate(reqs):
+            if not r.sampling.greedy:
+                tokens[i] = self._sample_one(logits[i], r)
+        return tokens
+
+    def _sample_one(self, row: torch.Tensor, r: Request) -> int:
+        sp = r.sampling
+        row = row.float() / sp.temperature
+        if sp.top_k and sp.top_k < row.shape[-1]:
+            kth = torch.topk(row, sp.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = row.softmax(-1)
+        if sp.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            # Keep the smallest set whose mass reaches top_p (the token that crosses it included).
+            drop = sorted_p.cumsum(-1) - sorted_p >= sp.top_p
+            probs = probs.scatter(0, order[drop], 0.0)
+        gen = self.default
+        if sp.seed is not None:
+            gen = self.generators.get(r.req_id)
+            if gen is None:
+                gen = self.generators[r.req_id] = torch.Generator().manual_seed(sp.seed)
+        return int(torch.multinomial(probs, 1, generator=gen).item())
