@@ -30,7 +30,7 @@ class FinishReason(str, enum.Enum):
 @dataclass(slots=True, eq=False)
 class Request:
     req_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | np.ndarray  # an int array is fine (traces), never mutated
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival: float = 0.0
     priority: int = 0  # lower runs first under the priority policy
@@ -71,12 +71,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
+    def token_ids(self, start: int = 0, end: int | None = None) -> Sequence[int]:
+        """Tokens [start, end) of prompt + output (a list, or an array slice for array prompts)."""
         end = self.num_tokens if end is None else end
         p = self.num_prompt_tokens
         if end <= p:
             return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - p):end - p]
+        return [*self.prompt_token_ids[start:], *self.output_token_ids[max(0, start - p):end - p]]
 
     def block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
         """Chained content hashes of the first `num_blocks` full blocks (computed once, extended lazily).
