@@ -9,6 +9,7 @@ from backends.base import AttentionBackend, AttentionMetadata, write_kv
 
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
+    batch_invariant = True  # one request at a time: nothing else in the batch touches its numbers
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -6,8 +6,9 @@ differ, so the simulator's scheduling decisions are the engine's by construction
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -40,6 +41,8 @@ class StepRecord:
     kv_reserved_slots: int
     kv_live_tokens: int
     num_waiting: int
+    num_sampled: int = -1  # requests that sampled a token (logit rows); -1 = not recorded
+    num_running: int = -1  # running requests after the step (0 = the engine went idle)
 
 
 class Engine:
@@ -58,6 +61,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.steps: list[StepRecord] = []
         self.num_preemptions = 0
+        # Wall seconds spent in each phase of step() (profiling, whatever the clock is).
+        self.timings: dict[str, float] = defaultdict(float)
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -97,9 +102,16 @@ class Engine:
         return self.policy.has_work()
 
     # -- one step --------------------------------------------------------------------------
-    def step(self) -> list[Request]:
-        """Run one step; return the requests that finished in it."""
-        start = self.clock.now()
+    def step(self, start: float | None = None) -> list[Request]:
+        """Run one step; return the requests that finished in it.
+
+        `start`: the time arrivals were last polled (Engine.run passes it), so a step's recorded
+        start is exactly the instant that decided which requests it could see. A simulator
+        replaying recorded start times then sees the same arrivals.
+        """
+        if start is None:
+            start = self.clock.now()
+        t0 = time.perf_counter()
         out = self.policy.schedule(self.kv)
         for r in out.preempted:
             self.executor.release(r)
@@ -110,13 +122,17 @@ class Engine:
         for r, _ in out.scheduled:
             if r.first_scheduled is None:
                 r.first_scheduled = start
+        t1 = time.perf_counter()
         tokens = self.executor.execute(out.scheduled, self.kv)
+        t2 = time.perf_counter()
         end = self.clock.now()
         finished = []
+        sampled = 0
         for (r, n), tok in zip(out.scheduled, tokens):
             r.num_computed_tokens += n
             if tok is None:
                 continue
+            sampled += 1
             r.output_token_ids.append(tok)
             r.token_times.append(end)
             reason = self._stop_reason(r, tok)
@@ -127,7 +143,7 @@ class Engine:
         self.steps.append(StepRecord(
             len(self.steps), start, end - start, [r.req_id for r, _ in out.scheduled],
             [n for _, n in out.scheduled], cached, len(out.preempted), usage.reserved_slots,
-            usage.live_tokens, len(self.policy.waiting)))
+            usage.live_tokens, len(self.policy.waiting), sampled, len(self.policy.running)))
         return finished
 
     def _stop_reason(self, r: Request, tok: int) -> FinishReason | None:
@@ -162,7 +178,7 @@ class Engine:
                 if pending:
                     self.clock.sleep_until(pending[0].arrival)
                 continue
-            finished = self.step()
+            finished = self.step(now)
             if on_step is not None:
                 on_step(finished)
         for r in self.requests.values():

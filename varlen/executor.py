@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
 from typing import Sequence
 
 import numpy as np
@@ -26,6 +28,7 @@ class ModelExecutor(Executor):
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.tokens_written = np.zeros(max_num_seqs, dtype=np.int64)
+        self.timings: dict[str, float] = defaultdict(float)  # wall seconds per phase
 
     def _row(self, req: Request, kv: KVAllocator) -> int:
         row = self.rows.get(req.req_id)
@@ -45,6 +48,7 @@ class ModelExecutor(Executor):
         return row
 
     def execute(self, scheduled: Sequence[tuple[Request, int]], kv: KVAllocator) -> list[int | None]:
+        t0 = time.perf_counter()
         rows = np.fromiter((self._row(r, kv) for r, _ in scheduled), dtype=np.int64, count=len(scheduled))
         cached = np.fromiter((r.num_computed_tokens for r, _ in scheduled), dtype=np.int64, count=len(scheduled))
         new = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=len(scheduled))
@@ -52,10 +56,17 @@ class ModelExecutor(Executor):
                                             count=len(scheduled))
         batch = self.buffers.build(rows, cached, new, wants, self.runner.block_size, self.runner.num_blocks,
                                    req_ids=[r.req_id for r, _ in scheduled])
+        t1 = time.perf_counter()
         logits = self.runner.execute(batch)
+        t2 = time.perf_counter()
         sampled_reqs = [r for (r, _), w in zip(scheduled, wants) if w]
         tokens = iter(self.sampler.sample(logits, sampled_reqs))
-        return [next(tokens) if w else None for w in wants]
+        out = [next(tokens) if w else None for w in wants]
+        t3 = time.perf_counter()
+        self.timings["batch_build"] += t1 - t0
+        self.timings["forward"] += t2 - t1
+        self.timings["sample"] += t3 - t2
+        return out
 
     def release(self, req: Request) -> None:
         row = self.rows.pop(req.req_id, None)

@@ -72,6 +72,7 @@ class LLM:
         dtype: str | torch.dtype = "float32",
         device: str = "cpu",
         seed: int = 0,
+        batch_invariant: bool = False,
         verbose: bool = False,
         **allocator_options,
     ):
@@ -111,7 +112,8 @@ class LLM:
                 raise ValueError(f"unknown allocator {allocator!r}; choose one of {sorted(ALLOCATORS)}")
             allocator = partial(ALLOCATORS[allocator], **allocator_options)
         kv = allocator(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len)
-        self.runner = ModelRunner(hf, self.backend, block_size, num_blocks, self.dtype, self.device)
+        self.runner = ModelRunner(hf, self.backend, block_size, num_blocks, self.dtype, self.device,
+                                  batch_invariant=batch_invariant)
         self.executor = ModelExecutor(self.runner, scheduler.max_num_seqs, max_model_len, Sampler(seed))
         eos = getattr(cfg, "eos_token_id", None)
         self.engine = Engine(scheduler, kv, self.executor, max_model_len=max_model_len,

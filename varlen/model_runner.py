@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from backends.base import AttentionBackend
 from varlen.batch import ForwardBatch
@@ -45,6 +47,30 @@ def _varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+def _tiled_linear(layer: torch.nn.Linear, tile: int, x: torch.Tensor) -> torch.Tensor:
+    """A linear layer computed in GEMMs of exactly `tile` rows (the last one zero-padded).
+
+    GEMM libraries pick kernels and blockings by the matrix shape, so a row's result can change
+    with the number of rows beside it. With every call the same shape, each row goes through the
+    same kernel whatever the batch holds: this is what makes batch-invariant mode bitwise exact.
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[0]
+    if n == 0:
+        return F.linear(x, layer.weight, layer.bias)
+    pad = -n % tile
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
+    out = torch.cat([F.linear(chunk, layer.weight, layer.bias) for chunk in flat.split(tile)])
+    return out[:n].reshape(*x.shape[:-1], -1)
+
+
+def make_batch_invariant(model: torch.nn.Module, tile: int = 16) -> None:
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.forward = partial(_tiled_linear, m, tile)
 
 
 def register_varlen_attention() -> None:
@@ -78,8 +104,13 @@ class ModelRunner:
     """Model + attention backend + paged KV cache: `execute(batch)` returns logits [M, vocab]."""
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module, backend: AttentionBackend, block_size: int,
-                 num_blocks: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        """`model` is a local HF folder, or a model already loaded by `load_model` (shared, e.g. by tests)."""
+                 num_blocks: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 batch_invariant: bool = False):
+        """`model` is a local HF folder, or a model already loaded by `load_model` (shared, e.g. by tests).
+
+        batch_invariant: each request's logits are bitwise identical whatever else is in the batch
+        (fixed-shape GEMMs, per-request attention), at a cost that benchmarks/ measures.
+        """
         self.device = torch.device(device)
         self.dtype = dtype
         backend.check(self.device, dtype, block_size)
@@ -92,6 +123,11 @@ class ModelRunner:
             self.model = model
         else:
             self.model = load_model(model, dtype, self.device)
+        if batch_invariant:
+            if not hasattr(backend, "batch_invariant"):
+                raise ValueError(f"backend {backend.name!r} has no batch-invariant mode; use torch_ref or torch_sdpa")
+            backend.batch_invariant = True
+            make_batch_invariant(self.model)
         model_path = getattr(self.model.config, "_name_or_path", "model")
         cfg = self.model.config
         self.config = cfg
