@@ -39,7 +39,8 @@ class AttentionBackend(ABC):
         """Raise ValueError (bad setting) or BackendUnavailable (missing library/hardware)."""
         device = torch.device(device)
         if device.type not in self.devices:
-            raise ValueError(f"backend {self.name!r} runs on {', '.join(self.devices)}, not {device.type}")
+            raise ValueError(f"backend {self.name!r} runs on {', '.join(self.devices)}, not {device.type}: "
+                             f"choose the device (engine.device=... / LLM(device=...)) or another backend")
         if dtype not in self.dtypes:
             raise ValueError(f"backend {self.name!r} supports dtypes {[str(d) for d in self.dtypes]}, not {dtype}")
         if block_size < 1 or block_size % self.block_size_multiple:

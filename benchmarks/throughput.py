@@ -71,8 +71,8 @@ def workload(n: int, max_prompt: int, max_output: int, vocab: int, seed: int = 0
     return prompts, outputs.tolist(), source
 
 
-def run_varlen(path, prompts, outputs, scheduler, backend, block_size=16, max_batched=512):
-    llm = LLM(str(path), backend=backend, scheduler=scheduler, block_size=block_size,
+def run_varlen(path, prompts, outputs, scheduler, backend, block_size=16, max_batched=512, batch_invariant=False):
+    llm = LLM(str(path), backend=backend, scheduler=scheduler, block_size=block_size, batch_invariant=batch_invariant,
               max_num_seqs=len(prompts), max_model_len=2048,
               max_num_batched_tokens=max_batched if scheduler == "chunked" else 2048 * 4,
               kv_cache_memory="1GiB")
@@ -179,6 +179,8 @@ def main() -> None:
 
     contenders = {f"varlen {s} + torch_sdpa": (lambda s=s: run_varlen(path, prompts, outputs, s, "torch_sdpa")[:2])
                   for s in ("chunked", "continuous", "static")}
+    contenders["varlen chunked, batch-invariant"] = \
+        lambda: run_varlen(path, prompts, outputs, "chunked", "torch_sdpa", batch_invariant=True)[:2]
     if "hf_static" not in skip:
         for bs in map(int, a.hf_batch_sizes.split(",")):
             contenders[f"HF generate, static batch {bs}"] = lambda bs=bs: run_hf_static(hf, prompts, outputs, bs)

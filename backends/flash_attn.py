@@ -1,0 +1,173 @@
+"""flash-attn backend: `flash_attn_varlen_func` over the paged cache through a block table.
+
+The cache keeps the base layout, one [2, num_blocks, block_size, Hkv, D] tensor per layer, so
+`cache[0]` / `cache[1]` are exactly flash-attn's paged `k_cache` / `v_cache`
+([num_blocks, page_block_size, nheads_k, headdim]) and the base `write_kv` stores new tokens.
+
+Two kernel libraries are understood, imported lazily (never when this module is imported):
+
+- flash-attn 2.x (`pip install flash-attn`, module `flash_attn`): paged KV through
+  `block_table`, with `cu_seqlens_k` the running sum of each request's *whole* length (cached +
+  new), since with a block table the keys of request b are its logical positions
+  0..cu_seqlens_k[b+1]-cu_seqlens_k[b]-1 read through `block_table[b]`. Its kernels require page
+  sizes that are multiples of 256. Pure-decode steps go to `flash_attn_with_kvcache`, whose
+  split-KV path keeps the GPU busy when few long sequences decode.
+- flash-attn 4 (`pip install flash-attn-4`, module `flash_attn.cute`, CuTe DSL kernels for
+  Hopper and Blackwell): the same call with `page_table` and per-request `seqused_k` (it
+  refuses `cu_seqlens_k` together with a page table). Used when 2.x is not importable, or when
+  asked for with `FlashAttnBackend(version="4")`. PyPI ships 2.x only as a source package that
+  compiles for hours, while FA4 is pure Python plus the `nvidia-cutlass-dsl` wheels, so on a
+  machine without network FA4 is often the one that can be installed.
+
+Both are called with `causal=True`, which flash-attn aligns to the bottom-right corner: new token
+j of a request with n new and L total tokens sees keys 0..L-n+j, the project's convention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from backends.base import AttentionBackend, AttentionMetadata, BackendUnavailable, write_kv
+from varlen.batch import ForwardBatch
+
+INSTALL_HINT = 'pip install -e ".[flash-attn]"'
+
+
+def flash_attn_inputs(batch: ForwardBatch) -> dict[str, Any]:
+    """The step's arguments for flash-attn's paged varlen call, as host (numpy int32) arrays.
+
+    Pure numpy so that tests can check them on any machine: `cu_seqlens_q` [B+1] (= query_start_loc),
+    `cu_seqlens_k` [B+1] (running sum of whole lengths, flash-attn 2), `seqused_k` [B] (whole
+    lengths, flash-attn 4 and `flash_attn_with_kvcache`), `block_table` [B, W] (contiguous), and
+    the two Python ints `max_seqlen_q`, `max_seqlen_k`.
+    """
+    seq_lens = np.ascontiguousarray(batch.seq_lens, dtype=np.int32)
+    cu_seqlens_k = np.zeros(seq_lens.shape[0] + 1, dtype=np.int32)
+    np.cumsum(seq_lens, out=cu_seqlens_k[1:])
+    return {
+        "cu_seqlens_q": np.ascontiguousarray(batch.query_start_loc, dtype=np.int32),
+        "cu_seqlens_k": cu_seqlens_k,
+        "seqused_k": seq_lens,
+        "block_table": np.ascontiguousarray(batch.block_tables, dtype=np.int32),
+        "max_seqlen_q": int(batch.max_query_len),
+        "max_seqlen_k": int(batch.max_seq_len),
+    }
+
+
+@dataclass
+class FlashAttnMetadata(AttentionMetadata):
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    cu_seqlens_k: torch.Tensor  # [B+1] int32
+    seqused_k: torch.Tensor  # [B] int32
+    block_table: torch.Tensor  # [B, W] int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+@dataclass(frozen=True)
+class _Kernels:
+    version: str  # "2" or "4"
+    varlen: Callable[..., Any]
+    with_kvcache: Callable[..., Any] | None  # flash-attn 2 only
+
+
+def _first_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _load_kernels(version: str) -> _Kernels:
+    """Import the kernel library; BackendUnavailable (one line) when neither is importable."""
+    errors: list[str] = []
+    if version in ("auto", "2"):
+        try:
+            # A broad except: a wheel built for another CUDA/torch fails with OSError or
+            # RuntimeError while loading its extension, and that is "unavailable" too.
+            from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+            return _Kernels("2", flash_attn_varlen_func, flash_attn_with_kvcache)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"flash-attn 2 ({_first_line(exc)})")
+    if version in ("auto", "4"):
+        try:
+            from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
+            return _Kernels("4", fa4_varlen, None)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"flash-attn 4 ({_first_line(exc)})")
+    raise BackendUnavailable(
+        f"backend 'flash_attn' needs the flash-attn package, which is not importable: "
+        f"{'; '.join(errors)}; install it with {INSTALL_HINT} (or pip install flash-attn-4)")
+
+
+class FlashAttnBackend(AttentionBackend):
+    name = "flash_attn"
+    devices = ("cuda",)
+    dtypes = (torch.float16, torch.bfloat16)
+    block_size_multiple = 256  # flash-attn 2.x paged KV refuses other page sizes
+
+    def __init__(self, version: str = "auto", decode_with_kvcache: bool = True) -> None:
+        """`version`: "auto" (2.x if importable, else 4), "2" or "4". `decode_with_kvcache`:
+        send pure-decode steps to `flash_attn_with_kvcache` (flash-attn 2 only)."""
+        if version not in ("auto", "2", "4"):
+            raise ValueError(f"flash_attn version must be 'auto', '2' or '4', got {version!r}")
+        self.version = version
+        self.decode_with_kvcache = decode_with_kvcache
+        self._kernels: _Kernels | None = None
+
+    def check(self, device: torch.device | str, dtype: torch.dtype, block_size: int) -> None:
+        # Settings first: a wrong block size is wrong on every machine, so say so even here.
+        super().check(device, dtype, block_size)
+        if not torch.cuda.is_available():
+            raise BackendUnavailable(
+                f"backend 'flash_attn' needs an NVIDIA GPU, but torch {torch.__version__} sees no CUDA "
+                f"device; on a GPU machine install the kernels with {INSTALL_HINT}")
+        self._kernels = _load_kernels(self.version)
+
+    @property
+    def kernel_version(self) -> str:
+        """"2" or "4": which flash-attn this backend calls (imports it if not done yet)."""
+        if self._kernels is None:
+            self._kernels = _load_kernels(self.version)
+        return self._kernels.version
+
+    def prepare(self, batch: ForwardBatch, device: torch.device | str) -> FlashAttnMetadata:
+        host = flash_attn_inputs(batch)
+
+        def dev(name: str) -> torch.Tensor:
+            return torch.from_numpy(host[name]).to(device, non_blocking=True)
+
+        return FlashAttnMetadata(
+            slot_mapping=torch.from_numpy(batch.slot_mapping).to(device, non_blocking=True),
+            batch=batch,
+            cu_seqlens_q=dev("cu_seqlens_q"),
+            cu_seqlens_k=dev("cu_seqlens_k"),
+            seqused_k=dev("seqused_k"),
+            block_table=dev("block_table"),
+            max_seqlen_q=host["max_seqlen_q"],
+            max_seqlen_k=host["max_seqlen_k"],
+        )
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: FlashAttnMetadata, scale: float) -> torch.Tensor:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        if self._kernels is None:
+            self._kernels = _load_kernels(self.version)
+        fa = self._kernels
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        # HF hands q over as a transposed view; the kernels want unit-stride rows they can TMA.
+        q = q.contiguous()
+        if fa.version == "2":
+            if meta.batch.is_pure_decode and self.decode_with_kvcache and fa.with_kvcache is not None:
+                # K/V are already in the cache (k=v=None), so cache_seqlens are the whole lengths.
+                out = fa.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seqused_k,
+                                      block_table=meta.block_table, softmax_scale=scale, causal=True)
+                return out.squeeze(1)
+            return fa.varlen(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
+                             meta.max_seqlen_k, softmax_scale=scale, causal=True, block_table=meta.block_table)
+        out = fa.varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
+                        max_seqlen_k=meta.max_seqlen_k, seqused_k=meta.seqused_k, page_table=meta.block_table,
+                        softmax_scale=scale, causal=True)
+        return out[0] if isinstance(out, tuple) else out

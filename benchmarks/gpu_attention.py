@@ -1,0 +1,214 @@
+"""Attention-only GPU benchmark of the varlen backends: decode against the HBM roofline, prefill throughput.
+
+    python benchmarks/gpu_attention.py [--backends flashinfer,flash_attn,torch_ref] [--dtype bf16]
+                                       [--context 4096] [--batches 1,16,64,256] [--json out.json]
+
+One attention layer of Llama-3-8B's shape (32 query heads, 8 KV heads, head dim 128) through each
+backend's real `prepare` + `forward` (so the K/V write at the slot mapping is included), on a paged
+cache with scattered, shuffled blocks.
+
+Decode: B requests, each with `--context` tokens of which the last is new. A decode step reads
+every cached K and V once, so its floor is roofline = KV bytes / HBM bandwidth; we report the
+time per layer, the achieved bandwidth and the fraction of the roofline, against both the
+bandwidth of a device-to-device copy measured here and the datasheet's 4.8 TB/s (H200). Enough
+layers (separate caches) are cycled that the data read per step is several times the 60 MB L2,
+so the numbers are HBM numbers. `step_overhead_us` is the host cost a step adds once, before
+its layers: `prepare` plus the first layer's plan (FlashInfer plans there).
+
+Prefill: whole prompts and a chunk after a cached prefix; tokens/s and TFLOP/s per layer, where
+causal attention costs 4 * Hq * D * sum(new * cached + new * (new + 1) / 2) FLOPs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from backends import make_backend
+from backends.base import AttentionBackend, BackendUnavailable
+from varlen.batch import ForwardBatch, SeqSlice, build_batch
+
+HQ, HKV, D = 32, 8, 128
+SPEC_HBM_BPS = 4.8e12  # H200 datasheet
+SPEC_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 datasheet
+L2_BYTES = 60e6
+DEVICE = torch.device("cuda")  # a module global so that a CPU smoke run can point it elsewhere
+DEFAULT_BLOCK = {"flash_attn": 256, "flashinfer": 16, "torch_ref": 16}
+
+
+def measured_copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes read + written per second by a device-to-device copy: the practical HBM ceiling."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / 10
+    del src, dst
+    return 2 * nbytes / seconds
+
+
+def make_step(lengths: list[tuple[int, int]], block_size: int, seed: int = 0) -> tuple[ForwardBatch, int]:
+    """(cached, new) per request → a batch over a shuffled pool of exactly the blocks needed."""
+    need = [-(-(c + n) // block_size) for c, n in lengths]
+    pool = sum(need)
+    perm = np.random.default_rng(seed).permutation(pool)
+    seqs, at = [], 0
+    for i, ((cached, new), k) in enumerate(zip(lengths, need)):
+        seqs.append(SeqSlice(np.zeros(new, np.int64), cached, perm[at:at + k], req_id=i))
+        at += k
+    return build_batch(seqs, block_size, pool), pool
+
+
+def time_layers(backend: AttentionBackend, batch: ForwardBatch, pool: int, dtype: torch.dtype, layers: int,
+                iters: int) -> dict[str, float]:
+    dev = DEVICE
+    caches = backend.allocate_kv_cache(layers, pool, batch.block_size, HKV, D, dtype, dev)
+    for c in caches:
+        c.normal_()
+    n = batch.num_tokens
+    q = torch.randn(n, HQ, D, device=dev, dtype=dtype)
+    k = torch.randn(n, HKV, D, device=dev, dtype=dtype)
+    v = torch.randn(n, HKV, D, device=dev, dtype=dtype)
+    scale = D ** -0.5
+
+    def step() -> None:
+        meta = backend.prepare(batch, dev)
+        for c in caches:
+            backend.forward(q, k, v, c, meta, scale)
+
+    step()  # JIT compilation and planning caches happen here, outside the timings
+    torch.cuda.synchronize()
+    # Host overhead once per step: prepare + the first layer (which plans), synchronised.
+    overhead = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        meta = backend.prepare(batch, dev)
+        backend.forward(q, k, v, caches[0], meta, scale)
+        torch.cuda.synchronize()
+        overhead.append(time.perf_counter() - t0)
+    meta = backend.prepare(batch, dev)
+    backend.forward(q, k, v, caches[0], meta, scale)  # planned: the loop below times the layers alone
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        for c in caches:
+            backend.forward(q, k, v, c, meta, scale)
+    end.record()
+    torch.cuda.synchronize()
+    layer_s = start.elapsed_time(end) / 1e3 / (iters * layers)
+    # A whole step, as an engine runs it: prepare, plan at the first layer, all layers.
+    t0 = time.perf_counter()
+    for _ in range(max(1, iters // 4)):
+        step()
+    torch.cuda.synchronize()
+    step_s = (time.perf_counter() - t0) / max(1, iters // 4)
+    caches.clear()  # free this size's cache before the next one is allocated
+    torch.cuda.empty_cache()
+    return {"layer_us": layer_s * 1e6, "step_ms": step_s * 1e3, "layers": layers,
+            "step_overhead_us": (min(overhead) - layer_s) * 1e6}
+
+
+def bench_decode(name: str, dtype: torch.dtype, batches: list[int], context: int, block_size: int,
+                 copy_bps: float, quick: bool) -> list[dict[str, Any]]:
+    rows = []
+    elem = torch.empty(0, dtype=dtype).element_size()
+    for b in batches:
+        batch, pool = make_step([(context - 1, 1)] * b, block_size, seed=b)
+        kv_bytes = int(batch.seq_lens.sum()) * 2 * HKV * D * elem
+        layers = max(1, min(32, math.ceil(4 * L2_BYTES / kv_bytes)))
+        iters = 3 if (quick or name == "torch_ref") else 20
+        t = time_layers(make_backend(name), batch, pool, dtype, layers, iters)
+        roof_spec = kv_bytes / SPEC_HBM_BPS * 1e6
+        roof_meas = kv_bytes / copy_bps * 1e6
+        rows.append(dict(kind="decode", backend=name, batch=b, context=context, block_size=block_size,
+                         kv_mb=kv_bytes / 1e6, achieved_tbps=kv_bytes / t["layer_us"] / 1e6,
+                         roofline_us_spec=roof_spec, roofline_us_measured=roof_meas,
+                         frac_of_roofline_measured=roof_meas / t["layer_us"], **t))
+    return rows
+
+
+def bench_prefill(name: str, dtype: torch.dtype, block_size: int, quick: bool) -> list[dict[str, Any]]:
+    rows = []
+    cases = {"4 x 2048 new": [(0, 2048)] * 4, "4 x 1024 new after 3072 cached": [(3072, 1024)] * 4}
+    for label, lengths in cases.items():
+        batch, pool = make_step(lengths, block_size)
+        flops = 4 * HQ * D * sum(n * c + n * (n + 1) / 2 for c, n in lengths)
+        iters = 2 if (quick or name == "torch_ref") else 10
+        t = time_layers(make_backend(name), batch, pool, dtype, 1, iters)
+        rows.append(dict(kind="prefill", backend=name, case=label, block_size=block_size, tokens=batch.num_tokens,
+                         tokens_per_s=batch.num_tokens / (t["layer_us"] / 1e6),
+                         tflops=flops / (t["layer_us"] / 1e6) / 1e12,
+                         frac_of_bf16_peak=flops / (t["layer_us"] / 1e6) / SPEC_BF16_FLOPS, **t))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backends", default="flashinfer,flash_attn,torch_ref")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--block-size", type=int, default=0, help="0: each backend's usual size")
+    ap.add_argument("--quick", action="store_true", help="fewer iterations")
+    ap.add_argument("--json", default="", help="also write the rows here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu_attention.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    torch.set_num_threads(1)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    batches = [int(x) for x in args.batches.split(",") if x]
+    copy_bps = measured_copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bps / 1e12:.2f} TB/s "
+          f"(datasheet {SPEC_HBM_BPS / 1e12:.1f}), dtype {args.dtype}, Hq={HQ} Hkv={HKV} D={D}", flush=True)
+    rows: list[dict[str, Any]] = []
+    for name in [x for x in args.backends.split(",") if x]:
+        bs = args.block_size or DEFAULT_BLOCK.get(name, 16)
+        try:
+            make_backend(name).check("cuda", dtype, bs)
+        except (BackendUnavailable, ValueError) as err:
+            print(f"{name}: skipped: {err}", flush=True)
+            continue
+        try:
+            bt = batches if name != "torch_ref" else [b for b in batches if b <= 64]
+            rows += bench_decode(name, dtype, bt, args.context, bs, copy_bps, args.quick)
+            rows += bench_prefill(name, dtype, bs, args.quick)
+        except Exception as err:  # noqa: BLE001 - one backend failing must not hide the others' numbers
+            print(f"{name}: failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}", flush=True)
+        for r in rows:
+            if r["backend"] == name:
+                print(_fmt(r), flush=True)
+    print("\nSUMMARY (per attention layer)")
+    for r in rows:
+        print(_fmt(r))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_bandwidth_Bps": copy_bps, "dtype": args.dtype, "rows": rows}, f, indent=1)
+
+
+def _fmt(r: dict[str, Any]) -> str:
+    if r["kind"] == "decode":
+        return (f"decode  {r['backend']:<10} B={r['batch']:<4} ctx={r['context']} bs={r['block_size']:<4} "
+                f"{r['layer_us']:9.1f} us/layer  roofline {r['roofline_us_measured']:8.1f} us (copy bw) "
+                f"{r['roofline_us_spec']:8.1f} us (spec)  {r['achieved_tbps']:5.2f} TB/s "
+                f"= {100 * r['frac_of_roofline_measured']:5.1f}% of roofline; "
+                f"step overhead {r['step_overhead_us']:7.1f} us")
+    return (f"prefill {r['backend']:<10} {r['case']:<31} bs={r['block_size']:<4} {r['layer_us']:9.1f} us/layer  "
+            f"{r['tokens_per_s'] / 1e6:7.2f} M tok/s  {r['tflops']:6.1f} TFLOP/s "
+            f"({100 * r['frac_of_bf16_peak']:4.1f}% of dense bf16 peak)")
+
+
+if __name__ == "__main__":
+    main()
