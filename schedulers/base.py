@@ -16,6 +16,7 @@ from __future__ import annotations
 from abc import ABC
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 from varlen.kv.base import KVAllocator
 from varlen.request import Request, Status
@@ -85,13 +86,16 @@ class SchedulerPolicy(ABC):
 
     # -- shared mechanics ------------------------------------------------------------------
     def _grant(self, req: Request, budget: int) -> int:
-        pending = req.num_pending
+        # req.num_pending, inlined: this runs for every request in every step.
+        pending = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens
         return min(pending, budget) if self.chunked_prefill else (pending if pending <= budget else 0)
 
     def _schedule_running(self, kv: KVAllocator, out: SchedulerOutput, budget: int) -> int:
         """Give every running request its next tokens, preempting when the pool is full."""
         for req in list(self.running):
-            if req not in self.running:  # preempted as a victim earlier in this loop
+            # Preempted as a victim earlier in this loop (only _preempt takes a request out of
+            # `running` here, and it lists it in out.preempted: a short list, unlike `running`).
+            if out.preempted and req in out.preempted:
                 continue
             n = self._grant(req, budget)
             if n == 0:
@@ -123,8 +127,16 @@ class SchedulerPolicy(ABC):
         seats = self.max_num_seqs - len(self.running)
         if limit is not None:
             seats = min(seats, limit)
+        if seats <= 0 or budget <= 0 or not self.waiting:
+            return budget
         preempted = set(map(id, out.preempted))
-        for req in self.waiting_order():
+        if type(self).waiting_order is SchedulerPolicy.waiting_order:
+            # FCFS: at most `seats` requests can be looked at (each admission takes a seat, the
+            # first refusal stops), so copy only those rather than a long queue every step.
+            order: list[Request] = list(islice(self.waiting, seats))
+        else:
+            order = self.waiting_order()
+        for req in order:
             if seats <= 0 or budget <= 0 or id(req) in preempted:
                 break
             hit = kv.match_prefix(req)

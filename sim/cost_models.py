@@ -26,11 +26,46 @@ import numpy as np
 HARDWARE_DIR = Path(__file__).resolve().parents[1] / "conf" / "hardware"
 
 
+@dataclass(slots=True)
+class StepSums:
+    """The sums over a step's requests that the analytic and fitted models depend on.
+
+    A simulator computes them in one pass over the batch, far cheaper than building arrays for
+    a batch of a few requests, which dominates a simulation's time otherwise.
+    """
+
+    num_seqs: int
+    new: float  # sum n_i
+    cached: float  # sum c_i
+    new_cached: float  # sum n_i * c_i
+    new_sq: float  # sum n_i^2
+    num_logits: int
+
+    @property
+    def attention_pairs(self) -> float:
+        return self.new_cached + (self.new_sq + self.new) / 2.0
+
+    @classmethod
+    def of(cls, new_tokens: Any, cached_tokens: Any, num_logits: int | None = None) -> StepSums:
+        n, c = _as_arrays(new_tokens, cached_tokens)
+        return cls(len(n), float(n.sum()), float(c.sum()), float(np.dot(n, c)), float(np.dot(n, n)),
+                   len(n) if num_logits is None else int(num_logits))
+
+
 class CostModel(ABC):
     @abstractmethod
     def step_time(self, new_tokens: np.ndarray, cached_tokens: np.ndarray,
                   num_logits: int | None = None) -> float:
         """Seconds for one step; num_logits defaults to one logit row per request."""
+
+    def step_time_sums(self, s: StepSums) -> float:
+        """step_time from the batch's sums (equal to step_time up to float rounding).
+        Models that need the individual requests keep this default."""
+        raise NotImplementedError
+
+    @property
+    def uses_sums(self) -> bool:
+        return type(self).step_time_sums is not CostModel.step_time_sums
 
 
 def _as_arrays(new_tokens: Any, cached_tokens: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -294,6 +329,21 @@ class RooflineCostModel(CostModel):
         t, *terms = self._terms(new_tokens, cached_tokens, num_logits)
         return self._combine(*terms) if t else self.overhead_s
 
+    def step_time_sums(self, s: StepSums) -> float:
+        # The same terms as _terms, from the sums.
+        t = s.new
+        if not t:
+            return self.overhead_s
+        m, d = self.shape, self.dtype_bytes
+        rows = s.num_logits
+        lin_f = 2.0 * self._linear_params * t
+        lin_b = self._weight_bytes_layer + self._act_bytes_token * t
+        attn_f = self._attn_flops_pair * s.attention_pairs
+        attn_b = self._kv_bytes_token_layer * (s.cached + 2.0 * t) + 2.0 * m.q_dim * d * t
+        head_f = 2.0 * rows * m.hidden * m.vocab
+        head_b = self._head_bytes + 4.0 * rows * m.vocab + t * m.hidden * d
+        return self._combine(lin_f, lin_b, attn_f, attn_b, head_f, head_b)
+
 
 # ---------------------------------------------------------------------------------------------
 # Profiled
@@ -334,6 +384,16 @@ FEATURES = {
     "logit_rows": _feat_logits,
 }
 DEFAULT_FEATURES = ("const", "new_tokens", "num_seqs", "attn_work", "cached_tokens")
+
+# The same features from a step's sums (StepSums), for the simulator's fast path.
+FEATURES_FROM_SUMS = {
+    "const": lambda s: 1.0,
+    "new_tokens": lambda s: s.new,
+    "num_seqs": lambda s: float(s.num_seqs),
+    "attn_work": lambda s: s.attention_pairs,
+    "cached_tokens": lambda s: s.cached,
+    "logit_rows": lambda s: float(s.num_logits),
+}
 
 
 @dataclass(slots=True)
@@ -484,6 +544,9 @@ class ProfiledCostModel(CostModel):
                   num_logits: int | None = None) -> float:
         return float(self.feature_row(new_tokens, cached_tokens, num_logits) @ self.coef)
 
+    def step_time_sums(self, s: StepSums) -> float:
+        return sum(c * FEATURES_FROM_SUMS[f](s) for f, c in zip(self.features, self.coef.tolist()))
+
 
 # ---------------------------------------------------------------------------------------------
 # Replay
@@ -494,15 +557,28 @@ class ReplayCostModel(CostModel):
 
     Given the engine's own step times, a simulator that schedules exactly as the engine did sees
     exactly the engine's clock, so any divergence in the batches is a scheduling difference.
+    With `starts` (the recorded step start times) the simulator also waits, as the real engine
+    did, between one step's end and the next one's start (bookkeeping outside the step, idle
+    time), so arrivals land between the same two steps as they did for real.
     """
 
-    def __init__(self, durations: Sequence[float] | str | os.PathLike):
+    def __init__(self, durations: Sequence[float] | str | os.PathLike,
+                 starts: Sequence[float] | None = None):
         if isinstance(durations, (str, os.PathLike)):
             # A JSON list, or one number per line.
             text = Path(durations).read_text()
             durations = json.loads(text) if text.lstrip().startswith("[") else text.split()
         self.durations = [float(d) for d in durations]
+        self.starts = None if starts is None else [float(t) for t in starts]
+        if self.starts is not None and len(self.starts) != len(self.durations):
+            raise ValueError(f"{len(self.starts)} start times for {len(self.durations)} durations")
         self.position = 0
+
+    @classmethod
+    def from_steps(cls, steps: Sequence[Any], timeline: bool = True) -> ReplayCostModel:
+        """From an engine's step log (StepRecord-like: .start, .duration); timeline=True also
+        replays the start times."""
+        return cls([s.duration for s in steps], [s.start for s in steps] if timeline else None)
 
     @property
     def remaining(self) -> int:
@@ -510,6 +586,12 @@ class ReplayCostModel(CostModel):
 
     def reset(self) -> None:
         self.position = 0
+
+    def next_start(self, now: float) -> float:
+        """The recorded start of the next step (never before `now`); `now` without a timeline."""
+        if self.starts is None or self.position >= len(self.starts):
+            return now
+        return max(now, self.starts[self.position])
 
     def step_time(self, new_tokens: np.ndarray, cached_tokens: np.ndarray,
                   num_logits: int | None = None) -> float:
@@ -519,6 +601,36 @@ class ReplayCostModel(CostModel):
         d = self.durations[self.position]
         self.position += 1
         return d
+
+
+# ---------------------------------------------------------------------------------------------
+# From an engine's step log
+
+
+def profile_rows(steps: Sequence[Any], busy_period: bool = True,
+                 max_gap_factor: float = 5.0) -> list[Step]:
+    """(new_tokens, cached_tokens, seconds, num_logits) per recorded step, for ProfiledCostModel.fit.
+
+    busy_period=True charges each step the time until the next step starts when the engine
+    stayed busy: the engine's bookkeeping after the forward (appending tokens, stop checks,
+    freeing blocks) is real per-step time that a simulator must spend too, but it falls outside
+    StepRecord.duration. A gap is idle time, not bookkeeping, when the engine went idle
+    (num_running == 0 and nothing waiting) or, for logs that lack that, when the gap is over
+    max_gap_factor times the median gap.
+    """
+    rows: list[Step] = []
+    gaps = [b.start - (a.start + a.duration) for a, b in zip(steps, steps[1:])]
+    typical = float(np.median(gaps)) if gaps else 0.0
+    for i, s in enumerate(steps):
+        t = s.duration
+        if busy_period and i < len(gaps):
+            running = getattr(s, "num_running", -1)
+            idle = (running == 0 and s.num_waiting == 0) if running >= 0 else gaps[i] > max_gap_factor * typical
+            if not idle:
+                t += max(gaps[i], 0.0)
+        sampled = getattr(s, "num_sampled", -1)
+        rows.append((list(s.new_tokens), list(s.cached_tokens), t, None if sampled < 0 else sampled))
+    return rows
 
 
 COST_MODELS: dict[str, type[CostModel]] = {

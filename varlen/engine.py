@@ -118,8 +118,9 @@ class Engine:
         self.num_preemptions += len(out.preempted)
         if not out:
             return self._unstick()
-        cached = [r.num_computed_tokens for r, _ in out.scheduled]
+        cached = []
         for r, _ in out.scheduled:
+            cached.append(r.num_computed_tokens)
             if r.first_scheduled is None:
                 r.first_scheduled = start
         t1 = time.perf_counter()
@@ -144,13 +145,19 @@ class Engine:
             len(self.steps), start, end - start, [r.req_id for r, _ in out.scheduled],
             [n for _, n in out.scheduled], cached, len(out.preempted), usage.reserved_slots,
             usage.live_tokens, len(self.policy.waiting), sampled, len(self.policy.running)))
+        timings = self.timings
+        timings["schedule"] += t1 - t0
+        timings["execute"] += t2 - t1
+        timings["update"] += time.perf_counter() - t2
         return finished
 
     def _stop_reason(self, r: Request, tok: int) -> FinishReason | None:
         sp = r.sampling
         if tok in sp.stop_token_ids or (not sp.ignore_eos and tok == self.eos_token_id):
             return FinishReason.STOP
-        if r.num_output_tokens >= sp.max_tokens or r.num_tokens >= self.max_model_len:
+        # r.num_output_tokens and r.num_tokens, inlined: this runs for every sampled token.
+        n_out = len(r.output_token_ids)
+        if n_out >= sp.max_tokens or len(r.prompt_token_ids) + n_out >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

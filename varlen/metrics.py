@@ -54,20 +54,54 @@ def request_table(requests: Iterable[Request]):
     return pd.DataFrame(rows)
 
 
-def step_table(steps: Sequence) -> "pd.DataFrame":  # noqa: F821
+def step_table(steps: Sequence, detail: bool = True) -> "pd.DataFrame":  # noqa: F821
+    """One row per step; detail=False leaves out the per-request columns (ids, new and cached
+    tokens as space-separated lists), which dominate the size of a long simulation's table."""
     import pandas as pd
 
-    return pd.DataFrame([dict(
-        step=s.step, start=s.start, duration=s.duration, num_seqs=len(s.req_ids),
-        num_new_tokens=sum(s.new_tokens), num_cached_tokens=sum(s.cached_tokens),
-        num_decodes=sum(1 for n in s.new_tokens if n == 1), num_preempted=s.num_preempted,
-        kv_reserved_slots=s.kv_reserved_slots, kv_live_tokens=s.kv_live_tokens, num_waiting=s.num_waiting,
-        req_ids=" ".join(s.req_ids), new_tokens=" ".join(map(str, s.new_tokens)),
-        cached_tokens=" ".join(map(str, s.cached_tokens))) for s in steps])
+    rows = []
+    for s in steps:
+        row = dict(
+            step=s.step, start=s.start, duration=s.duration, num_seqs=len(s.req_ids),
+            num_new_tokens=sum(s.new_tokens), num_cached_tokens=sum(s.cached_tokens),
+            num_decodes=sum(1 for n in s.new_tokens if n == 1), num_preempted=s.num_preempted,
+            kv_reserved_slots=s.kv_reserved_slots, kv_live_tokens=s.kv_live_tokens, num_waiting=s.num_waiting)
+        if detail:
+            row.update(req_ids=" ".join(s.req_ids), new_tokens=" ".join(map(str, s.new_tokens)),
+                       cached_tokens=" ".join(map(str, s.cached_tokens)))
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def kv_usage_table(steps: Sequence, total_slots: int, max_points: int | None = 2000) -> "pd.DataFrame":  # noqa: F821
+    """KV utilisation over time: at each step's end, reserved slots (held by some request) and
+    live tokens as fractions of the pool, with the queue lengths. max_points thins a long run
+    by keeping every k-th step plus the peak, enough for a plot and small as a CSV."""
+    import pandas as pd
+
+    df = pd.DataFrame({
+        "time": [s.start + s.duration for s in steps],
+        "kv_usage": [s.kv_reserved_slots / total_slots for s in steps],
+        "kv_live": [s.kv_live_tokens / total_slots for s in steps],
+        "batch_size": [len(s.req_ids) for s in steps],
+        "num_waiting": [s.num_waiting for s in steps],
+    })
+    if max_points and len(df) > max_points:
+        keep = set(range(0, len(df), -(-len(df) // max_points))) | {int(df["kv_usage"].to_numpy().argmax())}
+        df = df.iloc[sorted(keep)].reset_index(drop=True)
+    return df
 
 
 def _pct(x: Sequence[float], q: float) -> float:
     return float(np.percentile(x, q)) if len(x) else float("nan")
+
+
+def _time_weighted_kv(steps: Sequence, total_slots: int) -> float:
+    """Reserved KV fraction averaged over busy time (each step weighs its duration)."""
+    busy = sum(s.duration for s in steps)
+    if not steps or busy <= 0 or total_slots <= 0:
+        return 0.0
+    return sum(s.kv_reserved_slots * s.duration for s in steps) / busy / total_slots
 
 
 def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
@@ -89,6 +123,7 @@ def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
                duration_s=span, requests_per_s=len(done) / span, output_tokens_per_s=out_tokens / span,
                preemptions=sum(r.num_preemptions for r in requests),
                peak_kv_usage=max((s.kv_reserved_slots for s in steps), default=0) / max(total_slots, 1),
+               mean_kv_usage=_time_weighted_kv(steps, total_slots),
                mean_batch_size=float(np.mean([len(s.req_ids) for s in steps])) if steps else 0.0)
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         for q in (50, 90, 99):

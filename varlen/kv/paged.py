@@ -51,6 +51,13 @@ class PagedAllocator(KVAllocator):
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
         table = self.tables.get(req.req_id)
+        if table is not None and -(-num_tokens // self.block_size) <= len(table):
+            # Fast path (most calls: a decode inside its last block): no block to take.
+            if num_tokens > self.num_tokens[req.req_id]:
+                self.num_tokens[req.req_id] = num_tokens
+            if self.enable_prefix_caching:
+                self._register_full_blocks(req, num_tokens)
+            return True
         hits: list[int] = []
         if table is None:
             hits = self._hits(req)

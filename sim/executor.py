@@ -1,0 +1,63 @@
+"""The simulator's executor: a cost model instead of a forward pass, a simulated clock instead of
+the wall. Plugged into the unmodified `varlen.engine.Engine`, so every scheduling decision in a
+simulation is the engine's own."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from sim.cost_models import CostModel, StepSums
+from varlen.clock import SimClock
+from varlen.engine import Executor
+from varlen.kv.base import KVAllocator
+from varlen.request import Request
+
+#: What a simulated request "samples". The simulator's engines have no EOS token and trace
+#: requests no stop tokens, so only max_tokens (the trace's output length) ends a request.
+SIM_TOKEN = 0
+
+
+class CostModelExecutor(Executor):
+    """Advances the clock by the cost model's time for the batch and samples SIM_TOKEN wherever
+    the real executor would sample (a request whose step reaches the end of its known tokens)."""
+
+    def __init__(self, cost: CostModel, clock: SimClock):
+        self.cost, self.clock = cost, clock
+        self._sums = cost.uses_sums
+
+    def execute(self, scheduled: Sequence[tuple[Request, int]], kv: KVAllocator) -> list[int | None]:
+        out: list[int | None] = []
+        sampled = 0
+        if self._sums:
+            tn = tc = tnc = tnn = 0
+            for r, n in scheduled:
+                c = r.num_computed_tokens
+                tn += n
+                tc += c
+                tnc += n * c
+                tnn += n * n
+                if c + n == len(r.prompt_token_ids) + len(r.output_token_ids):  # r.num_tokens, inlined
+                    out.append(SIM_TOKEN)
+                    sampled += 1
+                else:
+                    out.append(None)
+            dt = self.cost.step_time_sums(StepSums(len(scheduled), tn, tc, tnc, tnn, sampled))
+        else:
+            new, cached = [], []
+            for r, n in scheduled:
+                c = r.num_computed_tokens
+                new.append(n)
+                cached.append(c)
+                if c + n == r.num_tokens:
+                    out.append(SIM_TOKEN)
+                    sampled += 1
+                else:
+                    out.append(None)
+            dt = self.cost.step_time(new, cached, sampled)
+        self.clock.advance(dt)
+        return out
+
+    def ready_time(self, now: float) -> float:
+        """When the next step may start: now, unless the cost model replays a recorded timeline."""
+        next_start = getattr(self.cost, "next_start", None)
+        return now if next_start is None else next_start(now)

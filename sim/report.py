@@ -1,0 +1,130 @@
+"""`python -m sim.report <multirun dir> [...]`: gather a sweep into one table and draw it.
+
+Reads every run's summary.json (and requests.csv / kv_usage.csv) under the given directories and
+writes, next to them (or to --out): summary.csv, latency_throughput.png, ttft_cdf.png,
+tpot_cdf.png, kv_usage.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on a server
+import matplotlib.ticker  # noqa: E402
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+COLUMNS = ["scheduler", "allocator", "rate", "requests", "finished", "requests_per_s", "output_tokens_per_s",
+           "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "e2e_p50", "mean_batch_size", "peak_kv_usage",
+           "mean_kv_usage", "preemptions", "goodput_requests_per_s", "slo_attainment", "steps", "sim_wall_s"]
+
+
+def gather(dirs: Sequence[str | Path]) -> pd.DataFrame:
+    """One row per run (a folder holding summary.json), with the run's folder."""
+    rows = []
+    for d in dirs:
+        for f in sorted(Path(d).rglob("summary.json")):
+            row = json.loads(f.read_text())
+            row["run_dir"] = str(f.parent)
+            rows.append(row)
+    if not rows:
+        raise SystemExit(f"no summary.json under {', '.join(map(str, dirs))}")
+    df = pd.DataFrame(rows)
+    df["policy"] = df["scheduler"].astype(str) + "/" + df["allocator"].astype(str)
+    return df.sort_values(["policy", "rate"]).reset_index(drop=True)
+
+
+def plot_latency_throughput(df: pd.DataFrame, path: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for policy, g in df.groupby("policy"):
+        for ax, (col, label) in zip(axes, [("ttft_p90", "p90 TTFT (s)"), ("e2e_p50", "p50 end-to-end latency (s)")]):
+            ax.plot(g["requests_per_s"], g[col], "o-", label=policy)
+            ax.set_xlabel("achieved throughput (requests/s)")
+            ax.set_ylabel(label)
+            ax.set_yscale("log")
+            ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("Latency vs throughput (one point per offered rate)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_cdfs(df: pd.DataFrame, metric: str, path: Path) -> None:
+    """One panel per offered rate, one line per policy."""
+    rates = sorted(df["rate"].unique())
+    fig, axes = plt.subplots(1, len(rates), figsize=(3.6 * len(rates), 3.4), squeeze=False, sharey=True)
+    for ax, rate in zip(axes[0], rates):
+        for _, run in df[df["rate"] == rate].iterrows():
+            f = Path(run["run_dir"]) / "requests.csv"
+            if not f.is_file():
+                continue
+            x = np.sort(pd.read_csv(f, usecols=[metric])[metric].dropna().to_numpy())
+            if len(x):
+                ax.plot(x, np.arange(1, len(x) + 1) / len(x), label=run["policy"])
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # minor labels overlap
+        ax.set_title(f"{rate:.3g} req/s")
+        ax.set_xlabel(f"{metric.upper()} (s)")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("fraction of requests")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_kv(df: pd.DataFrame, path: Path) -> None:
+    """KV usage over time at the highest offered rate, one line per policy (replica 0)."""
+    top = df[df["rate"] == df["rate"].max()]
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    for _, run in top.iterrows():
+        f = Path(run["run_dir"]) / "kv_usage.csv"
+        if f.is_file():
+            kv = pd.read_csv(f)
+            kv = kv[kv["replica"] == 0]
+            ax.plot(kv["time"], kv["kv_usage"], label=run["policy"], lw=0.8)
+    ax.set_xlabel("simulated time (s)")
+    ax.set_ylabel("KV slots reserved (fraction of pool)")
+    ax.set_title(f"KV usage over time at {top['rate'].max():.3g} req/s")
+    ax.set_ylim(0, 1.02)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(dirs: Sequence[str | Path], out: str | Path | None = None) -> pd.DataFrame:
+    df = gather(dirs)
+    out = Path(out or dirs[0])
+    out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out / "summary.csv", index=False)
+    plot_latency_throughput(df, out / "latency_throughput.png")
+    plot_cdfs(df, "ttft", out / "ttft_cdf.png")
+    plot_cdfs(df, "tpot", out / "tpot_cdf.png")
+    plot_kv(df, out / "kv_usage.png")
+    return df
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m sim.report", description=__doc__.splitlines()[0])
+    p.add_argument("dirs", nargs="+", help="multirun directories (or single runs)")
+    p.add_argument("--out", help="where to write the table and plots (default: the first directory)")
+    a = p.parse_args(argv)
+    df = report(a.dirs, a.out)
+    cols = ["policy"] + [c for c in COLUMNS if c in df.columns and c not in ("scheduler", "allocator")]
+    with pd.option_context("display.width", 250, "display.max_columns", 40, "display.float_format", "{:.4g}".format):
+        print(df[cols].to_string(index=False))
+    print(f"table and plots written to {Path(a.out or a.dirs[0])}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""`python -m sim.run`: one simulation from a Hydra config (conf/sim.yaml); `-m` for sweeps.
+
+    python -m sim.run scheduler=continuous allocator=contiguous workload.rate=4
+    python -m sim.run -m scheduler=static,continuous,chunked workload.rate=1,2,4,8   # joblib, in parallel
+    python -m sim.report multirun/sim/<date>/<time>                                  # one table + plots
+
+Each run writes summary.json (labels + headline metrics), requests.csv, kv_usage.csv and, on
+request, steps.csv to its output directory. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+CONF = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+def load_requests(workload: Mapping[str, Any], vocab_size: int):
+    """(trace, requests) from a sim_workload config: `rate` is the target arrival rate of a
+    recorded trace (None = its own) and the generation rate of a synthetic one."""
+    from varlen.sampling_params import SamplingParams
+    from varlen.traces import load_trace
+    from varlen.workload import trace_requests
+
+    w = dict(workload)
+    token_ids = bool(w.pop("token_ids", False))
+    rate = w.pop("rate", None)
+    if w.get("source") == "synthetic":
+        if rate is not None:
+            w["rate"] = float(rate)
+    elif rate is not None:
+        w["target_rate"] = float(rate)
+    trace = load_trace(**w)
+    # ignore_eos: the trace's output length is the request's length, as in the real engine's replay.
+    reqs = trace_requests(trace, vocab_size, SamplingParams(ignore_eos=True), token_ids=token_ids)
+    return trace, reqs
+
+
+def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Any):
+    from sim.cost_models import ProfiledCostModel, ReplayCostModel, RooflineCostModel
+
+    name = cost.get("model", "roofline")
+    if name == "roofline":
+        return RooflineCostModel(model_config, hardware)
+    if cost.get("path") is None:
+        raise ValueError(f"cost.model={name} needs cost.path (a fitted model JSON or a durations file)")
+    if name == "profiled":
+        return ProfiledCostModel.load(cost["path"])
+    if name == "replay":
+        return ReplayCostModel(cost["path"])
+    raise ValueError(f"unknown cost.model {name!r} (roofline, profiled, replay)")
+
+
+def simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    """Run the simulation `cfg` describes; return (SimResult, summary row with labels)."""
+    from hydra.utils import instantiate
+
+    from sim.cost_models import HardwareSpec, RooflineCostModel, load_model_config
+    from sim.executor import CostModelExecutor
+    from sim.simulator import simulate
+    from varlen.engine import Engine
+    from varlen.metrics import summarize
+
+    c = OmegaConf.to_container(cfg, resolve=True)
+    e = c["engine"]
+    model_config = load_model_config(c["sim_model"]["config"])
+    hardware = HardwareSpec.from_dict(c["hardware"])
+    num_blocks = e.get("num_blocks")
+    if num_blocks is None:
+        tokens = RooflineCostModel(model_config, hardware).kv_capacity_tokens(e["gpu_memory_utilization"])
+        num_blocks = tokens // e["block_size"]
+        if num_blocks < 1:
+            raise ValueError(f"{c['sim_model']['name']} does not fit on {hardware.name}: no room for KV blocks")
+    trace, reqs = load_requests(c["workload"], int(model_config["vocab_size"]))
+    max_model_len = min(e["max_model_len"], num_blocks * e["block_size"])
+
+    alloc_kw = {}
+    if not c["workload"].get("token_ids", False) and "enable_prefix_caching" in c["allocator"]:
+        # Content-free prompts (Azure) are all zeros, so every prompt would "hit" every other's
+        # blocks; without content there is nothing to cache.
+        alloc_kw["enable_prefix_caching"] = False
+
+    def make_engine(clock):
+        kv = instantiate(cfg.allocator, **alloc_kw)(num_blocks=num_blocks, block_size=e["block_size"],
+                                                    max_model_len=max_model_len)
+        executor = CostModelExecutor(build_cost_model(c["cost"], model_config, hardware), clock)
+        engine = Engine(instantiate(cfg.scheduler), kv, executor, clock=clock, max_model_len=max_model_len)
+        return engine, executor
+
+    res = simulate(reqs, make_engine, c["cluster"]["replicas"], c["cluster"]["router"])
+    row = dict(labels or {})
+    row.update(model=c["sim_model"]["name"], hardware=hardware.name, cost_model=c["cost"]["model"],
+               replicas=c["cluster"]["replicas"], router=c["cluster"]["router"],
+               num_blocks=num_blocks, block_size=e["block_size"], max_model_len=max_model_len,
+               max_num_seqs=c["scheduler"].get("max_num_seqs"),
+               max_num_batched_tokens=c["scheduler"].get("max_num_batched_tokens"),
+               rate=trace.stats.mean_rate, trace=c["workload"].get("source"))
+    row.update(summarize(reqs, res.steps, res.total_slots, c["slo"]["ttft_s"], c["slo"]["tpot_s"]))
+    row.update(steps=res.num_steps, sim_wall_s=res.wall_s,
+               sim_requests_per_wall_s=len(reqs) / max(res.wall_s, 1e-9),
+               sim_time_s=max(r.clock.now() for r in res.replicas))
+    return res, row
+
+
+def hydra_labels() -> dict[str, Any]:
+    """The chosen config options (scheduler=..., allocator=...), which name a run in a sweep."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    ch = hc.runtime.choices
+    return {"scheduler": ch.get("scheduler"), "allocator": ch.get("allocator"),
+            "overrides": ",".join(hc.overrides.task)}
+
+
+def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig) -> None:
+    from varlen.metrics import kv_usage_table, request_table, step_table
+
+    out.mkdir(parents=True, exist_ok=True)
+    o = cfg.output
+    if o.requests:
+        df = request_table(res.requests)
+        df["replica"] = df["req_id"].map(res.routed)
+        df.to_csv(out / "requests.csv", index=False)
+    kv = []
+    for rep in res.replicas:
+        t = kv_usage_table(rep.engine.steps, rep.engine.kv.capacity_tokens, o.kv_points)
+        t.insert(0, "replica", rep.index)
+        kv.append(t)
+    import pandas as pd
+
+    pd.concat(kv).to_csv(out / "kv_usage.csv", index=False)
+    if o.steps:
+        frames = []
+        for rep in res.replicas:
+            t = step_table(rep.engine.steps, detail=o.step_detail)
+            t.insert(0, "replica", rep.index)
+            frames.append(t)
+        pd.concat(frames).to_csv(out / "steps.csv", index=False)
+    (out / "summary.json").write_text(json.dumps(dict(row), indent=2, default=str))
+    (out / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+
+def format_row(row: Mapping[str, Any]) -> str:
+    ms = lambda k: f"{row[k] * 1e3:.0f}" if row.get(k) == row.get(k) else "nan"  # noqa: E731
+    s = (f"{row.get('scheduler')}/{row.get('allocator')} @ {row['rate']:.3g} req/s: "
+         f"{row['finished']}/{row['requests']} finished, {row['requests_per_s']:.3g} req/s, "
+         f"{row['output_tokens_per_s']:.4g} tok/s, TTFT p50/p90 {ms('ttft_p50')}/{ms('ttft_p90')} ms, "
+         f"TPOT p50/p90 {ms('tpot_p50')}/{ms('tpot_p90')} ms, mean batch {row['mean_batch_size']:.1f}, "
+         f"peak KV {row['peak_kv_usage']:.0%}, preemptions {row['preemptions']}")
+    if "slo_attainment" in row:
+        s += f", SLO attainment {row['slo_attainment']:.1%}"
+    return s + (f"\n  simulated {row['requests']} requests, {row['steps']} steps in {row['sim_wall_s']:.2f} s "
+                f"({row['sim_requests_per_wall_s']:.0f} requests/s of wall time)")
+
+
+@hydra.main(config_path=CONF, config_name="sim", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    from hydra.core.hydra_config import HydraConfig
+
+    from varlen.traces import TraceFormatError
+
+    try:
+        res, row = simulate_config(cfg, hydra_labels())
+    except (ValueError, FileNotFoundError, TraceFormatError) as err:
+        print(f"error: {err}", file=sys.stderr)  # a setting or input problem: one line, no traceback
+        sys.exit(2)
+    out = Path(HydraConfig.get().runtime.output_dir)
+    write_outputs(res, row, out, cfg)
+    print(format_row(row))
+    print(f"written to {out}")
+    return float(row.get("goodput_requests_per_s", row["requests_per_s"]))
+
+
+if __name__ == "__main__":
+    main()
