@@ -41,6 +41,15 @@ class SchedulerPolicy(ABC):
     #: False: a prompt is computed in one step (so it must fit the token budget whole).
     chunked_prefill: bool = False
 
+    #: Opt-in promise that lets the simulator fast-forward (Engine.step with `until`): after a
+    #: step that scheduled every running request for exactly one (sampled) token, with nothing
+    #: preempted, nothing finished and the waiting queue empty, my next decision is the same
+    #: batch in the same order, and stays so while no request arrives, none finishes and every
+    #: allocation succeeds. The engine then runs such stretches without asking me each step.
+    #: True for the shipped policies; a policy that looks at anything else (time, step counts,
+    #: randomness, state outside the queues) must leave it False.
+    repeats_decode_batches: bool = False
+
     def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, got "

@@ -7,3 +7,4 @@ from schedulers.base import SchedulerPolicy
 
 class ChunkedPolicy(SchedulerPolicy):
     chunked_prefill = True
+    repeats_decode_batches = True

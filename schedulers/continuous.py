@@ -6,3 +6,4 @@ from schedulers.base import SchedulerPolicy
 
 class ContinuousPolicy(SchedulerPolicy):
     chunked_prefill = False
+    repeats_decode_batches = True

@@ -7,6 +7,7 @@ from varlen.kv.base import KVAllocator
 
 class StaticPolicy(SchedulerPolicy):
     chunked_prefill = False
+    repeats_decode_batches = True  # with waiting empty, the batch's members are all that run
 
     def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
         super().__init__(max_num_seqs, max_num_batched_tokens)

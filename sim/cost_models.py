@@ -67,6 +67,22 @@ class CostModel(ABC):
     def uses_sums(self) -> bool:
         return type(self).step_time_sums is not CostModel.step_time_sums
 
+    def decode_step_times(self, num_seqs: int, cached: int, num_steps: int) -> np.ndarray:
+        """Durations of `num_steps` consecutive pure-decode steps of the same `num_seqs` requests,
+        the first with `cached` tokens in their caches in all (each step adds num_seqs).
+
+        Each equals step_time_sums of that step bit for bit: the sums go in as arrays through the
+        same arithmetic (elementwise float64 is IEEE like Python floats), so a fast-forwarded
+        simulation keeps the clock of a step-by-step one exactly. Models whose step_time_sums is
+        not array-safe override `_step_times_sums`.
+        """
+        c = cached + num_seqs * np.arange(num_steps, dtype=np.int64)
+        t = self._step_times_sums(StepSums(num_seqs, num_seqs, c, c, num_seqs, num_seqs))
+        return np.broadcast_to(np.asarray(t, dtype=np.float64), (num_steps,))
+
+    def _step_times_sums(self, s: StepSums) -> Any:
+        return self.step_time_sums(s)
+
 
 def _as_arrays(new_tokens: Any, cached_tokens: Any) -> tuple[np.ndarray, np.ndarray]:
     # float64: the attention work sum_i n_i * c_i reaches 1e12 for long-context batches, and
@@ -319,10 +335,11 @@ class RooflineCostModel(CostModel):
                             flops, nbytes, flops / F, nbytes / B)
 
     def _combine(self, lin_f: float, lin_b: float, attn_f: float, attn_b: float,
-                 head_f: float, head_b: float) -> float:
+                 head_f: float, head_b: float, mx: Any = max) -> float:
+        # mx: max for one step, np.maximum for a run of steps given as arrays.
         F, B = self._flops, self._bw
-        return (self.shape.layers * (max(lin_f / F, lin_b / B) + max(attn_f / F, attn_b / B))
-                + max(head_f / F, head_b / B) + self.overhead_s)
+        return (self.shape.layers * (mx(lin_f / F, lin_b / B) + mx(attn_f / F, attn_b / B))
+                + mx(head_f / F, head_b / B) + self.overhead_s)
 
     def step_time(self, new_tokens: np.ndarray, cached_tokens: np.ndarray,
                   num_logits: int | None = None) -> float:
@@ -330,7 +347,13 @@ class RooflineCostModel(CostModel):
         return self._combine(*terms) if t else self.overhead_s
 
     def step_time_sums(self, s: StepSums) -> float:
-        # The same terms as _terms, from the sums.
+        return self._time_from_sums(s, max)
+
+    def _step_times_sums(self, s: StepSums) -> Any:
+        return self._time_from_sums(s, np.maximum)
+
+    def _time_from_sums(self, s: StepSums, mx: Any) -> Any:
+        # The same terms as _terms, from the sums (scalars, or arrays over a run of steps).
         t = s.new
         if not t:
             return self.overhead_s
@@ -342,7 +365,7 @@ class RooflineCostModel(CostModel):
         attn_b = self._kv_bytes_token_layer * (s.cached + 2.0 * t) + 2.0 * m.q_dim * d * t
         head_f = 2.0 * rows * m.hidden * m.vocab
         head_b = self._head_bytes + 4.0 * rows * m.vocab + t * m.hidden * d
-        return self._combine(lin_f, lin_b, attn_f, attn_b, head_f, head_b)
+        return self._combine(lin_f, lin_b, attn_f, attn_b, head_f, head_b, mx)
 
 
 # ---------------------------------------------------------------------------------------------

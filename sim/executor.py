@@ -57,6 +57,29 @@ class CostModelExecutor(Executor):
         self.clock.advance(dt)
         return out
 
+    def decode_run(self, batch: Sequence[Request], max_steps: int, until: float) -> tuple[int, list[float]] | None:
+        # A replayed timeline has its own start times and durations in order; it goes step by step.
+        if not self._sums or getattr(self.cost, "next_start", None) is not None:
+            return None
+        t = self.clock.now()
+        ends: list[float] = []
+        if t >= until:
+            return SIM_TOKEN, ends
+        num_seqs = len(batch)
+        cached = sum(r.num_computed_tokens for r in batch)
+        # Runs are cut by the next arrival, usually after tens of steps: time them in growing
+        # chunks rather than up to max_steps (a request's whole output) at once.
+        chunk = 16
+        while len(ends) < max_steps:
+            n = min(chunk, max_steps - len(ends))
+            for d in self.cost.decode_step_times(num_seqs, cached + len(ends) * num_seqs, n).tolist():
+                t += d  # the clock's own sum, one step at a time: bit-identical end times
+                ends.append(t)
+                if t >= until:  # the next step would start at or after the arrival
+                    return SIM_TOKEN, ends
+            chunk *= 4
+        return SIM_TOKEN, ends
+
     def ready_time(self, now: float) -> float:
         """When the next step may start: now, unless the cost model replays a recorded timeline."""
         next_start = getattr(self.cost, "next_start", None)

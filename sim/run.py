@@ -93,7 +93,7 @@ def simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None = None) ->
         engine = Engine(instantiate(cfg.scheduler), kv, executor, clock=clock, max_model_len=max_model_len)
         return engine, executor
 
-    res = simulate(reqs, make_engine, c["cluster"]["replicas"], c["cluster"]["router"])
+    res = simulate(reqs, make_engine, c["cluster"]["replicas"], c["cluster"]["router"], c.get("fast_forward", True))
     row = dict(labels or {})
     row.update(model=c["sim_model"]["name"], hardware=hardware.name, cost_model=c["cost"]["model"],
                replicas=c["cluster"]["replicas"], router=c["cluster"]["router"],

@@ -90,11 +90,15 @@ class SimResult:
 
 
 def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tuple[Engine, CostModelExecutor]],
-             num_replicas: int = 1, router: str | Router = "round_robin") -> SimResult:
+             num_replicas: int = 1, router: str | Router = "round_robin", fast_forward: bool = True) -> SimResult:
     """Serve `requests` (by arrival time) on `num_replicas` engines built by make_engine(clock).
 
     make_engine must build the Engine around the executor it returns (a CostModelExecutor on the
     given clock); each replica gets its own policy, allocator and cost-model state.
+
+    fast_forward: tell each step when the next arrival comes, so that an engine runs a stretch
+    of repeating pure-decode steps in one go (Engine.step's `until`). The result is the same,
+    request for request and step for step (tests/test_sim_fastforward.py); False steps one by one.
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
@@ -114,7 +118,7 @@ def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tupl
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        _event_loop(pending, replicas, route, routed)
+        _event_loop(pending, replicas, route, routed, fast_forward)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -122,7 +126,8 @@ def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tupl
     return SimResult(list(requests), replicas, wall, routed)
 
 
-def _event_loop(pending: list[Request], replicas: list[Replica], route: Router, routed: dict[str, int]) -> None:
+def _event_loop(pending: list[Request], replicas: list[Replica], route: Router, routed: dict[str, int],
+                fast_forward: bool) -> None:
     num_replicas = len(replicas)
     busy: list[tuple[float, int]] = []  # (time of the replica's next step, replica index)
     is_busy = [False] * num_replicas
@@ -148,7 +153,9 @@ def _event_loop(pending: list[Request], replicas: list[Replica], route: Router, 
         eng = rep.engine
         rep.clock.sleep_until(t)
         before = len(eng.steps)
-        eng.step(t)
+        # Replicas interact only through the router, at arrivals: a replica may run ahead of the
+        # others until the next arrival, never past it.
+        eng.step(t, (pending[i].arrival if i < n else inf) if fast_forward else None)
         if len(eng.steps) == before and rep.clock.now() == t and eng.policy.running:
             # Engine.run would spin here too; a simulation must not hang silently.
             raise RuntimeError(f"replica {k}: the policy scheduled nothing at t={t} with requests running")

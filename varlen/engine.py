@@ -6,6 +6,7 @@ differ, so the simulator's scheduling decisions are the engine's by construction
 
 from __future__ import annotations
 
+import heapq
 import time
 from abc import ABC, abstractmethod
 from collections import defaultdict, deque
@@ -27,6 +28,16 @@ class Executor(ABC):
 
     def release(self, req: Request) -> None:
         """Forget per-request state: the request finished, was aborted or was preempted."""
+
+    def decode_run(self, batch: Sequence[Request], max_steps: int, until: float) -> tuple[int, list[float]] | None:
+        """Time up to `max_steps` pure-decode steps of `batch` (one token per request per step,
+        each step's caches one token longer), starting on the clock's now, keeping only steps that
+        start before `until`: (the token every request samples each step, each step's end time).
+
+        The clock is not moved (the engine does, once it knows how many steps it keeps). None:
+        this executor steps one at a time (a real forward), the default.
+        """
+        return None
 
 
 @dataclass(slots=True)
@@ -61,6 +72,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.steps: list[StepRecord] = []
         self.num_preemptions = 0
+        self.num_fast_forwarded_steps = 0  # steps run by _decode_run rather than one by one
         # Wall seconds spent in each phase of step() (profiling, whatever the clock is).
         self.timings: dict[str, float] = defaultdict(float)
 
@@ -102,12 +114,18 @@ class Engine:
         return self.policy.has_work()
 
     # -- one step --------------------------------------------------------------------------
-    def step(self, start: float | None = None) -> list[Request]:
+    def step(self, start: float | None = None, until: float | None = None) -> list[Request]:
         """Run one step; return the requests that finished in it.
 
         `start`: the time arrivals were last polled (Engine.run passes it), so a step's recorded
         start is exactly the instant that decided which requests it could see. A simulator
         replaying recorded start times then sees the same arrivals.
+
+        `until`: the next time anything outside the engine happens (the next arrival; inf for
+        none), which the simulator knows and a real run does not. Given it, a pure-decode step
+        whose decision the policy promises to repeat (`SchedulerPolicy.repeats_decode_batches`)
+        is followed at once by the same batch's next steps, up to the first finish, allocation
+        failure or step starting at `until` (`_decode_run`), when the executor can time them.
         """
         if start is None:
             start = self.clock.now()
@@ -141,14 +159,115 @@ class Engine:
                 self._finish(r, reason)
                 finished.append(r)
         usage = self.kv.usage()
-        self.steps.append(StepRecord(
+        new = [n for _, n in out.scheduled]
+        rec = StepRecord(
             len(self.steps), start, end - start, [r.req_id for r, _ in out.scheduled],
-            [n for _, n in out.scheduled], cached, len(out.preempted), usage.reserved_slots,
-            usage.live_tokens, len(self.policy.waiting), sampled, len(self.policy.running)))
+            new, cached, len(out.preempted), usage.reserved_slots,
+            usage.live_tokens, len(self.policy.waiting), sampled, len(self.policy.running))
+        self.steps.append(rec)
         timings = self.timings
         timings["schedule"] += t1 - t0
         timings["execute"] += t2 - t1
         timings["update"] += time.perf_counter() - t2
+        policy = self.policy
+        if (until is not None and policy.repeats_decode_batches and not finished and not out.preempted
+                and not policy.waiting and sampled == len(new) == sum(new) == len(policy.running)):
+            t3 = time.perf_counter()
+            finished = self._decode_run([r for r, _ in out.scheduled], rec, end, until)
+            timings["decode_run"] += time.perf_counter() - t3
+        return finished
+
+    # -- decode fast-forward ---------------------------------------------------------------
+    def _steps_to_stop(self, r: Request, tok: int | None = None) -> int:
+        """Decode steps until _stop_reason ends `r` if it samples `tok` every step (the last
+        included; tok None: by length alone). Mirrors _stop_reason; the fast-forward tests prove
+        they agree."""
+        sp = r.sampling
+        if tok is not None and (tok in sp.stop_token_ids or (not sp.ignore_eos and tok == self.eos_token_id)):
+            return 1
+        n_out = len(r.output_token_ids)
+        return min(sp.max_tokens - n_out, self.max_model_len - len(r.prompt_token_ids) - n_out)
+
+    def _decode_run(self, batch: list[Request], rec: StepRecord, run_start: float, until: float) -> list[Request]:
+        """Step `batch` again and again in one go, exactly as step() would one step at a time.
+
+        Valid because the step just recorded (`rec`) was a pure decode of every running request
+        with the waiting queue empty, and the policy promises (repeats_decode_batches) the same
+        batch until a request arrives (none before `until`), one finishes (the run ends with the
+        first finish) or an allocation fails (the run ends before that step, whose allocations
+        are then asked again by the policy: allocate is idempotent). Of the allocator calls the
+        steps would make, only those it names as events (`next_allocation_event`) are made, in
+        step and batch order, each with the request as that step finds it; the others only
+        record a count, which one call per request at the end records too.
+        """
+        run = self.executor.decode_run(batch, min(self._steps_to_stop(r) for r in batch), until)
+        if run is None:
+            return []
+        tok, ends = run
+        k = min(len(ends), min(self._steps_to_stop(r, tok) for r in batch))
+        if k == 0:
+            return []
+        kv = self.kv
+        base = [r.num_computed_tokens for r in batch]  # = each one's count at the allocator
+        n_out = [len(r.output_token_ids) for r in batch]
+        events = []  # (run step asking for the count, batch position, count)
+        for p, r in enumerate(batch):
+            m = kv.next_allocation_event(r, base[p])
+            if m - base[p] - 1 < k:
+                events.append((m - base[p] - 1, p, m))
+        heapq.heapify(events)
+        reserved_after: dict[int, int] = {}  # run step -> reserved slots after its allocations
+        failed = False
+        while events and events[0][0] < k:
+            j, p, m = heapq.heappop(events)
+            r = batch[p]
+            r.num_computed_tokens = base[p] + j
+            missing = n_out[p] + j - len(r.output_token_ids)
+            if missing > 0:
+                r.output_token_ids.extend([tok] * missing)
+            if not kv.allocate(r, m):
+                k, failed = j, True  # step j is the policy's to decide (it preempts)
+                break
+            m = kv.next_allocation_event(r, m)
+            if m - base[p] - 1 < k:
+                heapq.heappush(events, (m - base[p] - 1, p, m))
+            if not events or events[0][0] != j:  # step j's last allocation
+                reserved_after[j] = kv.usage().reserved_slots
+        if k == 0:
+            return []
+        times = ends[:k]
+        for p, r in enumerate(batch):
+            r.num_computed_tokens = base[p] + k
+            missing = n_out[p] + k - len(r.output_token_ids)
+            if missing > 0:
+                r.output_token_ids.extend([tok] * missing)
+            r.token_times.extend(times)
+            if not kv.allocate(r, base[p] + k):  # records the count (or repeats an event call)
+                raise AssertionError(f"{type(kv).__name__}.next_allocation_event missed an event for {r.req_id!r}")
+        self.clock.sleep_until(times[-1])
+        finished = []
+        for r in batch:
+            reason = self._stop_reason(r, tok)
+            if reason is not None:
+                self._finish(r, reason)
+                finished.append(r)
+        # The steps' records, as step() would have written them; the allocator's usage between
+        # steps changes only at events, and its live tokens by one per request per step.
+        steps, B, waiting = self.steps, len(batch), len(self.policy.waiting)
+        reserved, live = rec.kv_reserved_slots, rec.kv_live_tokens
+        ids, new = rec.req_ids, rec.new_tokens
+        start = run_start
+        for i in range(k):
+            reserved = reserved_after.get(i, reserved)
+            steps.append(StepRecord(len(steps), start, times[i] - start, ids, new, [c + i for c in base], 0,
+                                    reserved, live + B * (i + 1), waiting, B, B))
+            start = times[i]
+        self.num_fast_forwarded_steps += k
+        if not failed:
+            usage = kv.usage()  # the last step's, after its finishes freed their blocks
+            last = steps[-1]
+            last.kv_reserved_slots, last.kv_live_tokens = usage.reserved_slots, usage.live_tokens
+            last.num_running = len(self.policy.running)
         return finished
 
     def _stop_reason(self, r: Request, tok: int) -> FinishReason | None:

@@ -73,6 +73,7 @@ def write_tiny_model(
 ) -> Path:
     """Write a random-weight HF model folder for `arch` ("qwen3" or "llama") and return its path.
 
+    `vocab_size` is the model's; the locally trained tokenizer has at most that many tokens.
     `overrides` replace entries of the config (e.g. hidden_size=512 for a bigger model).
     """
     import torch
@@ -89,7 +90,9 @@ def write_tiny_model(
     model_type = spec.pop("model_type")
     cfg = dict(TINY_SHAPE, **spec)
     cfg.update(
-        vocab_size=actual_vocab, initializer_range=initializer_range,
+        # The embedding may be larger than the tokenizer's vocabulary (ids past it are simply
+        # never produced by the tokenizer), so benchmark shapes can ask for e.g. 32000.
+        vocab_size=max(vocab_size, actual_vocab), initializer_range=initializer_range,
         bos_token_id=0, eos_token_id=1, pad_token_id=2, dtype="float32",
     )
     cfg.update(overrides)

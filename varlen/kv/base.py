@@ -48,6 +48,18 @@ class KVAllocator(ABC):
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Make `req`'s first `num_tokens` positions have slots. All or nothing: False if no room."""
 
+    def next_allocation_event(self, req: Request, num_tokens: int) -> int:
+        """For `req`, which has been given slots for `num_tokens` and grows one token at a time (a
+        decode): the smallest count m > num_tokens for which `allocate(req, m)` may do more than
+        record m (take a block, register a full block, fail or raise).
+
+        Calls for counts in between only record the count (usage().live_tokens counts each holder's
+        largest asked count), so a caller may skip them and make only the last one; the engine's
+        decode fast-forward does, to step many decodes at once. The default, num_tokens + 1, says
+        every call may matter: always exact, never a saving.
+        """
+        return num_tokens + 1
+
     @abstractmethod
     def free(self, req: Request) -> None:
         """Give back every block `req` holds (finished, aborted or preempted)."""

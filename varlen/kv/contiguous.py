@@ -57,6 +57,11 @@ class ContiguousAllocator(KVAllocator):
         self.num_tokens[req.req_id] = max(num_tokens, self.num_tokens.get(req.req_id, 0))
         return True
 
+    def next_allocation_event(self, req: Request, num_tokens: int) -> int:
+        # The run was reserved at admission; only a count past its end does more (it raises).
+        run = self.runs.get(req.req_id)
+        return run[1] * self.block_size + 1 if run else num_tokens + 1
+
     def free(self, req: Request) -> None:
         run = self.runs.pop(req.req_id, None)
         self.num_tokens.pop(req.req_id, None)

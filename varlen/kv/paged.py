@@ -88,6 +88,17 @@ class PagedAllocator(KVAllocator):
         self._register_full_blocks(req, num_tokens)
         return True
 
+    def next_allocation_event(self, req: Request, num_tokens: int) -> int:
+        # A decode asks allocate(req, req.num_tokens): it takes a block when the count passes the
+        # table's last slot, and registers a block when the count fills one (prefix caching).
+        bs = self.block_size
+        held = max(len(self.tables.get(req.req_id, ())), -(-num_tokens // bs))
+        event = held * bs + 1
+        if self.enable_prefix_caching:
+            full = max(self.registered.get(req.req_id, 0), num_tokens // bs)
+            event = min(event, (full + 1) * bs)
+        return event
+
     def _register_full_blocks(self, req: Request, num_tokens: int) -> None:
         # Blocks filled by the end of this step become findable now: within one forward every
         # layer writes all new K/V before any attention reads, so a same-step hit is safe.

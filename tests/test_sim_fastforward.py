@@ -1,0 +1,199 @@
+"""Proof that the decode fast-forward (Engine.step with `until`, simulate(fast_forward=True)) changes
+nothing: for every policy and allocator, the same requests (tokens, token times, finishes), the
+same step records, the same summary and the same allocator state as stepping one by one."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import astuple
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+from schedulers import POLICIES
+from sim.cost_models import ProfiledCostModel, RooflineCostModel, StepSums
+from sim.executor import SIM_TOKEN, CostModelExecutor
+from sim.simulator import simulate
+from sim.validate import fresh_copies
+from varlen.engine import Engine
+from varlen.kv import ContiguousAllocator, PagedAllocator
+from varlen.metrics import step_table, summarize
+from varlen.request import Request
+from varlen.sampling_params import SamplingParams
+from varlen.traces import default_traces_dir, load_trace
+from varlen.workload import trace_requests
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ALLOCATORS = {
+    "paged-cache": partial(PagedAllocator, enable_prefix_caching=True),
+    "paged": partial(PagedAllocator, enable_prefix_caching=False),
+    "contiguous-pow2": partial(ContiguousAllocator, reservation="pow2"),
+    "contiguous-max": partial(ContiguousAllocator, reservation="max"),
+}
+
+
+def factory(policy: str, allocator: str, num_blocks: int, block_size: int = 16, max_model_len: int = 1024,
+            budget: int = 256, seats: int = 16, cost=None, eos: int | None = None):
+    cost = cost or RooflineCostModel("tiny", "cpu_2core")
+    if policy in ("static", "continuous"):
+        budget = max(budget, max_model_len)  # whole prompts must fit one step
+
+    def make(clock):
+        ex = CostModelExecutor(cost, clock)
+        kv = ALLOCATORS[allocator](num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len)
+        pol = POLICIES[policy](max_num_seqs=seats, max_num_batched_tokens=budget)
+        return Engine(pol, kv, ex, clock=clock, max_model_len=max_model_len, eos_token_id=eos), ex
+
+    return make
+
+
+def shared_prefix_requests(n: int, rate: float, seed: int, max_len: int = 600) -> list[Request]:
+    """A synthetic trace whose prompts start with one of a few shared prefixes (prefix cache hits),
+    with priorities for the priority policy."""
+    tr = load_trace("synthetic", num_requests=n, rate=rate, prompt_len=f"uniform:8:{max_len}",
+                    output_len="uniform:1:120", seed=seed, max_model_len=1024)
+    reqs = trace_requests(tr, 512, SamplingParams(ignore_eos=True), token_ids=True)
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(1, 512, 64).tolist() for _ in range(3)]
+    for i, r in enumerate(reqs):
+        p = prefixes[i % 3][: int(rng.integers(0, 65))]
+        r.prompt_token_ids = (p + list(map(int, r.prompt_token_ids)))[:max(len(r.prompt_token_ids), 1)]
+        r.priority = int(rng.integers(0, 3))
+    return reqs
+
+
+def run_both(reqs, make, **kw):
+    a = simulate(fresh_copies(reqs), make, fast_forward=False, **kw)
+    b = simulate(fresh_copies(reqs), make, fast_forward=True, **kw)
+    return a, b
+
+
+def assert_same(a, b) -> None:
+    for x, y in zip(a.requests, b.requests):
+        assert x.req_id == y.req_id
+        assert x.output_token_ids == y.output_token_ids, x.req_id
+        # Bit for bit: the fast-forward sums step times the way the clock does, one at a time.
+        assert x.token_times == y.token_times, x.req_id
+        assert (x.finish_reason, x.finish_time, x.finish_message) == (y.finish_reason, y.finish_time, y.finish_message)
+        assert (x.num_computed_tokens, x.num_preemptions, x.num_prefix_hit_tokens, x.first_scheduled) == \
+               (y.num_computed_tokens, y.num_preemptions, y.num_prefix_hit_tokens, y.first_scheduled)
+    assert a.routed == b.routed
+    for ra, rb in zip(a.replicas, b.replicas):
+        assert [astuple(s) for s in ra.engine.steps] == [astuple(s) for s in rb.engine.steps]
+        assert step_table(ra.engine.steps).equals(step_table(rb.engine.steps))
+        assert ra.engine.num_preemptions == rb.engine.num_preemptions
+        assert ra.clock.now() == rb.clock.now()
+        assert vars(ra.engine.kv) == vars(rb.engine.kv)  # blocks, free-list order, prefix cache
+    sa, sb = (summarize(r.requests, r.steps, r.total_slots, 1.0, 0.05) for r in (a, b))
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k] == sb[k] or (math.isnan(sa[k]) and math.isnan(sb[k])), k
+
+
+@pytest.mark.parametrize("allocator", list(ALLOCATORS))
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_fast_forward_changes_nothing(policy, allocator):
+    """Roomy pool (long stretches) and a small one (allocation failures, preemptions)."""
+    reqs = shared_prefix_requests(70, rate=30.0, seed=1)
+    for num_blocks in (400, 70):
+        a, b = run_both(reqs, factory(policy, allocator, num_blocks))
+        assert_same(a, b)
+        eng = b.replicas[0].engine
+        # Static batching keeps arrivals waiting while a batch runs, as does a full pool (or
+        # max-length reservations), and a non-empty queue stops the fast-forward (the
+        # conservative rule), so it saves less there.
+        roomy = num_blocks == 400 and policy != "static" and allocator.startswith("paged")
+        assert eng.num_fast_forwarded_steps > (0.3 * len(eng.steps) if roomy else 0)
+        if num_blocks == 70 and allocator.startswith("paged"):
+            assert eng.num_preemptions > 0
+    if allocator == "paged-cache":
+        assert sum(r.num_prefix_hit_tokens for r in b.requests) > 0
+
+
+@pytest.mark.parametrize("router", ["round_robin", "least_outstanding"])
+def test_fast_forward_with_replicas_and_profiled_cost(router):
+    cost = ProfiledCostModel(coef={"const": 2e-3, "new_tokens": 3e-6, "num_seqs": 1e-5, "attn_work": 2e-10,
+                                   "cached_tokens": 4e-8, "logit_rows": 5e-6})
+    reqs = shared_prefix_requests(80, rate=60.0, seed=2)
+    a, b = run_both(reqs, factory("chunked", "paged-cache", 150, cost=cost), num_replicas=3, router=router)
+    assert_same(a, b)
+
+
+def test_stop_tokens_and_max_model_len_end_runs():
+    """Requests that stop on the simulated token, or on max_model_len, finish where they would."""
+    reqs = shared_prefix_requests(40, rate=50.0, seed=3, max_len=200)
+    for i, r in enumerate(reqs):
+        if i % 3 == 0:
+            r.sampling = SamplingParams(stop_token_ids=[SIM_TOKEN], ignore_eos=True, max_tokens=50)
+        elif i % 3 == 1:
+            r.sampling = SamplingParams(ignore_eos=True, max_tokens=10_000)  # ends at max_model_len
+    a, b = run_both(reqs, factory("chunked", "paged", 200, max_model_len=256))
+    assert_same(a, b)
+    reasons = {r.finish_reason.value for r in b.requests}
+    assert reasons == {"stop", "length"}
+    # An engine whose EOS is the simulated token ends every request at its first token.
+    a, b = run_both(reqs[1::3], factory("continuous", "paged", 200, max_model_len=256, eos=SIM_TOKEN))
+    assert_same(a, b)
+
+
+def test_decode_step_times_are_step_time_sums_bit_for_bit():
+    for cost in (RooflineCostModel("tiny", "h100_sxm"), RooflineCostModel("tiny", "cpu_2core"),
+                 ProfiledCostModel(coef={"const": 1e-3, "attn_work": 1e-9, "cached_tokens": 3e-8}),
+                 ProfiledCostModel(coef={"const": 1e-3, "num_seqs": 2e-5})):
+        for B, c in ((1, 0), (7, 12345), (250, 3_000_000)):
+            times = cost.decode_step_times(B, c, 40).tolist()
+            assert times == [cost.step_time_sums(StepSums(B, B, c + j * B, c + j * B, B, B)) for j in range(40)]
+
+
+@pytest.mark.skipif(not (default_traces_dir() / "AzureLLMInferenceTrace_conv.csv").is_file(),
+                    reason=f"the Azure conversation trace is not in {default_traces_dir()}")
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_azure_slice(policy):
+    """200 requests of the Azure conversation trace at twice its rate, Llama-3-8B on an H100."""
+    # Static batching steps through every batch's longest request: fewer requests keep it short.
+    tr = load_trace("azure_conv", limit=60 if policy == "static" else 200, max_model_len=4096, target_rate=11.0)
+    reqs = trace_requests(tr, 128256, SamplingParams(ignore_eos=True))
+    conf = yaml.safe_load((ROOT / "conf" / "sim_model" / "llama3_8b.yaml").read_text())
+    cost = RooflineCostModel(conf["config"], "h100_sxm")
+    for allocator, blocks in (("paged", 3000), ("paged", 400), ("contiguous-pow2", 3000)):
+        a, b = run_both(reqs, factory(policy, allocator, blocks, max_model_len=4096, budget=512, seats=64, cost=cost))
+        assert_same(a, b)
+        if policy != "static" and blocks == 3000:
+            assert b.replicas[0].engine.num_fast_forwarded_steps > 0.4 * b.num_steps
+
+
+@st.composite
+def workloads(draw):
+    n = draw(st.integers(1, 14))
+    block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    max_model_len = draw(st.integers(8, 96))
+    num_blocks = draw(st.integers(-(-max_model_len // block_size), 4 * -(-max_model_len // block_size)))
+    gaps = draw(st.lists(st.sampled_from([0.0, 0.0005, 0.003, 0.02, 0.2]), min_size=n, max_size=n))
+    reqs = []
+    t = 0.0
+    for i, gap in enumerate(gaps):
+        t += gap
+        plen = draw(st.integers(1, max_model_len))
+        prompt = [draw(st.integers(0, 3)) for _ in range(plen)]  # few symbols: prefix hits
+        stop = [SIM_TOKEN] if draw(st.integers(0, 9)) == 0 else []
+        sp = SamplingParams(ignore_eos=True, max_tokens=draw(st.integers(1, 60)), stop_token_ids=stop)
+        reqs.append(Request(f"r{i}", prompt, sp, arrival=t, priority=draw(st.integers(0, 2))))
+    return dict(reqs=reqs, policy=draw(st.sampled_from(sorted(POLICIES))),
+                allocator=draw(st.sampled_from(sorted(ALLOCATORS))), num_blocks=num_blocks,
+                block_size=block_size, max_model_len=max_model_len, budget=draw(st.integers(1, 48)),
+                seats=draw(st.integers(1, 6)), replicas=draw(st.sampled_from([1, 1, 2])))
+
+
+@given(workloads())
+def test_fast_forward_never_changes_anything(w):
+    """Random small traces, tiny pools (preemption, rejections, aborts), every policy and allocator."""
+    make = factory(w["policy"], w["allocator"], w["num_blocks"], w["block_size"], w["max_model_len"],
+                   w["budget"], w["seats"])
+    a, b = run_both(w["reqs"], make, num_replicas=w["replicas"], router="least_outstanding")
+    assert_same(a, b)
