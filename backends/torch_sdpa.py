@@ -23,11 +23,29 @@ from varlen.batch import ForwardBatch
 
 @dataclass
 class SdpaMetadata(AttentionMetadata):
-    decode_rows: torch.Tensor | None = None  # [D] token index of each decode's query
-    decode_blocks: torch.Tensor | None = None  # [D, W] block ids of each decode's context (padded)
-    decode_mask: torch.Tensor | None = None  # [D, 1, 1, W * block_size] True where a key is real
+    # Decodes in groups of similar context length, each one padded SDPA call:
+    # (token index of each query [D], block ids [D, W], key mask [D, 1, 1, W * block_size])
+    decodes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     prefills: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] | None = None
     # (start, end, context length, context block ids or None for a fresh prefill, causal mask or None)
+
+
+def _length_groups(rows: np.ndarray, seq_lens: np.ndarray, max_waste: float = 1.5) -> list[np.ndarray]:
+    """Split decode rows into groups of similar context length, so that padding each group to its
+    longest context costs at most `max_waste` times the real work (one long context would
+    otherwise make every short one attend over its length)."""
+    if rows.size == 0:
+        return []
+    order = rows[np.argsort(seq_lens[rows], kind="stable")]
+    groups, start, total = [], 0, 0
+    for i, r in enumerate(order):
+        length = int(seq_lens[r])
+        if i > start and length * (i - start + 1) > max_waste * (total + length):
+            groups.append(order[start:i])
+            start, total = i, 0
+        total += length
+    groups.append(order[start:])
+    return groups
 
 
 class TorchSdpaBackend(AttentionBackend):
@@ -42,16 +60,16 @@ class TorchSdpaBackend(AttentionBackend):
         is_decode = (q_lens == 1) & (not self.batch_invariant)
         meta = SdpaMetadata(slot_mapping=torch.from_numpy(batch.slot_mapping).to(device), batch=batch, prefills=[])
         bs = batch.block_size
-        dec = np.flatnonzero(is_decode)
-        if dec.size:
+        meta.decodes = []
+        for group in _length_groups(np.flatnonzero(is_decode), seq_lens):
             # Gather whole blocks (contiguous copies), not single slots: far fewer, larger copies.
-            W = -(-int(seq_lens[dec].max()) // bs)
-            blocks = batch.block_tables[dec, :W].astype(np.int64)
-            real = np.arange(W * bs)[None, :] < seq_lens[dec, None]
+            W = -(-int(seq_lens[group].max()) // bs)
+            blocks = batch.block_tables[group, :W].astype(np.int64)
+            real = np.arange(W * bs)[None, :] < seq_lens[group, None]
             blocks = np.where(real[:, ::bs], blocks, 0)  # unspecified padding entries → block 0, masked
-            meta.decode_rows = torch.from_numpy(qsl[dec].astype(np.int64)).to(device)
-            meta.decode_blocks = torch.from_numpy(blocks).to(device)
-            meta.decode_mask = torch.from_numpy(real[:, None, None, :]).to(device)
+            meta.decodes.append((torch.from_numpy(qsl[group].astype(np.int64)).to(device),
+                                 torch.from_numpy(blocks).to(device),
+                                 torch.from_numpy(real[:, None, None, :]).to(device)))
         for i in np.flatnonzero(~is_decode):
             start, end, L = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
             n = end - start
@@ -70,13 +88,13 @@ class TorchSdpaBackend(AttentionBackend):
         hkv, d = kv_cache.shape[-2], kv_cache.shape[-1]
         group = q.shape[1] // hkv
         out = torch.empty_like(q)
-        if meta.decode_rows is not None:
-            D = meta.decode_rows.shape[0]
-            qd = q[meta.decode_rows].view(D, hkv, group, d)  # GQA: a KV head's query heads side by side
-            kd = kv_cache[0][meta.decode_blocks].view(D, -1, hkv, d).transpose(1, 2)  # [D, Hkv, W*bs, d]
-            vd = kv_cache[1][meta.decode_blocks].view(D, -1, hkv, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-            out[meta.decode_rows] = o.reshape(D, -1, d)
+        for rows, blocks, mask in meta.decodes:
+            D = rows.shape[0]
+            qd = q[rows].view(D, hkv, group, d)  # GQA: a KV head's query heads side by side
+            kd = kv_cache[0][blocks].view(D, -1, hkv, d).transpose(1, 2)  # [D, Hkv, W*bs, d]
+            vd = kv_cache[1][blocks].view(D, -1, hkv, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
+            out[rows] = o.reshape(D, -1, d)
         for start, end, L, blocks, mask in meta.prefills:
             qp = q[start:end].transpose(0, 1)[None]  # [1, Hq, n, d]
             if blocks is None:
