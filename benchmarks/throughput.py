@@ -166,7 +166,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hf-batch-sizes", default="16,64")
-    ap.add_argument("--skip", default="", help="comma list of contenders to skip: hf_static,hf_cb,vllm")
+    ap.add_argument("--skip", default="", help="comma list of contenders to skip: hf_static,hf_cb,vllm,invariant")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     skip = set(filter(None, a.skip.split(",")))
@@ -179,8 +179,9 @@ def main() -> None:
 
     contenders = {f"varlen {s} + torch_sdpa": (lambda s=s: run_varlen(path, prompts, outputs, s, "torch_sdpa")[:2])
                   for s in ("chunked", "continuous", "static")}
-    contenders["varlen chunked, batch-invariant"] = \
-        lambda: run_varlen(path, prompts, outputs, "chunked", "torch_sdpa", batch_invariant=True)[:2]
+    if "invariant" not in skip:
+        contenders["varlen chunked, batch-invariant"] = \
+            lambda: run_varlen(path, prompts, outputs, "chunked", "torch_sdpa", batch_invariant=True)[:2]
     if "hf_static" not in skip:
         for bs in map(int, a.hf_batch_sizes.split(",")):
             contenders[f"HF generate, static batch {bs}"] = lambda bs=bs: run_hf_static(hf, prompts, outputs, bs)
