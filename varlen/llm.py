@@ -60,7 +60,7 @@ class LLM:
     def __init__(
         self,
         model: str = "tiny",
-        backend: str | AttentionBackend = "torch_ref",
+        backend: str | AttentionBackend = "torch_sdpa",
         scheduler: str | SchedulerPolicy = "chunked",
         allocator: str | Callable[..., KVAllocator] = "paged",
         block_size: int = 16,
