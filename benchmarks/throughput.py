@@ -4,6 +4,7 @@ manager) and vLLM's CPU build when its venv exists, same model files, prompts an
     python benchmarks/throughput.py                       # the ~50M Qwen3 shape, 64 requests
     python benchmarks/throughput.py --model tiny --repeats 1
     python benchmarks/throughput.py --requests 16 --max-prompt 256 --max-output 64   # quicker
+    python benchmarks/throughput.py --online-rate 1.0 --skip hf_static,hf_cb,vllm    # online variant only
 
 Prompt lengths are drawn (fixed seed) from the Azure conversation trace's prompt-length
 distribution, scaled into [16, max-prompt]; output lengths from its output distribution scaled
@@ -83,6 +84,20 @@ def run_varlen(path, prompts, outputs, scheduler, backend, block_size=16, max_ba
     assert [len(o.token_ids) for o in outs] == outputs
     timings = {**llm.engine.timings, **llm.executor.timings}
     return sum(outputs) / dt, dt, timings, len(llm.engine.steps), [o.token_ids for o in outs]
+
+
+def run_varlen_online(path, prompts, outputs, scheduler, rate, seed=0):
+    """The same requests arriving as a Poisson process at `rate` req/s, replayed on the wall clock."""
+    from varlen.metrics import summarize
+
+    llm = LLM(str(path), backend="torch_sdpa", scheduler=scheduler, block_size=16, max_num_seqs=len(prompts),
+              max_model_len=2048, max_num_batched_tokens=512 if scheduler == "chunked" else 2048 * 4,
+              kv_cache_memory="1GiB")
+    arrivals = np.cumsum(np.random.default_rng(seed).exponential(1 / rate, len(prompts))).tolist()
+    sps = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in outputs]
+    reqs = llm.make_requests(prompts, sps, arrivals=arrivals)
+    llm.run(reqs)
+    return summarize(reqs, llm.engine.steps, llm.engine.kv.capacity_tokens)
 
 
 def run_hf_static(model, prompts, outputs, batch_size):
@@ -166,6 +181,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hf-batch-sizes", default="16,64")
+    ap.add_argument("--online-rate", type=float, default=None,
+                    help="also replay the requests as Poisson arrivals at this rate (req/s) through each "
+                         "varlen scheduler and report TTFT/TPOT")
     ap.add_argument("--skip", default="", help="comma list of contenders to skip: hf_static,hf_cb,vllm,invariant")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -218,6 +236,15 @@ def main() -> None:
             print(f"{name:<34} {med:>13.1f} {f'{min(v):.1f}–{max(v):.1f}':>17} {best_varlen / med:>18.2f}x")
     for name, why in errors.items():
         print(f"{name:<34} {why}")
+
+    if a.online_rate:
+        print(f"\nonline: the same {a.requests} requests as Poisson arrivals at {a.online_rate} req/s")
+        print(f"{'scheduler':<12} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p90':>9} {'TPOT p50':>9} "
+              f"{'TPOT p90':>9} {'e2e p50':>8}   (seconds)")
+        for sched in ("chunked", "continuous", "static"):
+            row = run_varlen_online(path, prompts, outputs, sched, a.online_rate)
+            print(f"{sched:<12} {row['output_tokens_per_s']:>10.1f} {row['ttft_p50']:>9.3f} {row['ttft_p90']:>9.3f} "
+                  f"{row['tpot_p50']:>9.3f} {row['tpot_p90']:>9.3f} {row['e2e_p50']:>8.2f}")
 
     _, dt, timings, steps, _ = run_varlen(path, prompts, outputs, "chunked", "torch_sdpa")
     total = sum(timings[k] for k in ("schedule", "execute", "update"))
