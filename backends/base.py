@@ -47,6 +47,13 @@ class AttentionBackend(ABC):
             raise ValueError(f"backend {self.name!r} needs a block size that is a positive multiple of "
                              f"{self.block_size_multiple}, got {block_size}")
 
+    def require_cuda(self, install_hint: str) -> None:
+        """For GPU backends' `check`: one line naming what is missing and how to get it."""
+        if not torch.cuda.is_available():
+            raise BackendUnavailable(
+                f"backend {self.name!r} needs an NVIDIA GPU, but torch {torch.__version__} sees no CUDA "
+                f"device; on a GPU machine install the kernels with {install_hint}")
+
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """Shape of one layer's cache. Default: K and V stacked, NHD inside each block."""
         return (2, num_blocks, block_size, num_kv_heads, head_dim)

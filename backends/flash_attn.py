@@ -120,10 +120,7 @@ class FlashAttnBackend(AttentionBackend):
     def check(self, device: torch.device | str, dtype: torch.dtype, block_size: int) -> None:
         # Settings first: a wrong block size is wrong on every machine, so say so even here.
         super().check(device, dtype, block_size)
-        if not torch.cuda.is_available():
-            raise BackendUnavailable(
-                f"backend 'flash_attn' needs an NVIDIA GPU, but torch {torch.__version__} sees no CUDA "
-                f"device; on a GPU machine install the kernels with {INSTALL_HINT}")
+        self.require_cuda(INSTALL_HINT)
         self._kernels = _load_kernels(self.version)
 
     @property

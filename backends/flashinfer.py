@@ -105,10 +105,7 @@ class FlashInferBackend(AttentionBackend):
 
     def check(self, device: torch.device | str, dtype: torch.dtype, block_size: int) -> None:
         super().check(device, dtype, block_size)
-        if not torch.cuda.is_available():
-            raise BackendUnavailable(
-                f"backend 'flashinfer' needs an NVIDIA GPU, but torch {torch.__version__} sees no CUDA "
-                f"device; on a GPU machine install the kernels with {INSTALL_HINT}")
+        self.require_cuda(INSTALL_HINT)
         self._fi = _import_flashinfer()
 
     def prepare(self, batch: ForwardBatch, device: torch.device | str) -> FlashInferMetadata:
