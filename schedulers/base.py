@@ -41,13 +41,12 @@ class SchedulerPolicy(ABC):
     #: False: a prompt is computed in one step (so it must fit the token budget whole).
     chunked_prefill: bool = False
 
-    #: Opt-in promise that lets the simulator fast-forward (Engine.step with `until`): after a
-    #: step that scheduled every running request for exactly one (sampled) token, with nothing
-    #: preempted, nothing finished and the waiting queue empty, my next decision is the same
-    #: batch in the same order, and stays so while no request arrives, none finishes and every
-    #: allocation succeeds. The engine then runs such stretches without asking me each step.
-    #: True for the shipped policies; a policy that looks at anything else (time, step counts,
-    #: randomness, state outside the queues) must leave it False.
+    #: Opt-in promise that lets the simulator fast-forward (see next_decode_batch): with the
+    #: waiting queue empty and every running request needing exactly one token, my decision is
+    #: every running request for one token, in `running` order, and stays so (less the requests
+    #: that finish) while no request arrives and every allocation succeeds. True for the shipped
+    #: policies; a policy that looks at anything else (time, step counts, randomness, state
+    #: outside the queues) must leave it False.
     repeats_decode_batches: bool = False
 
     def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
@@ -84,6 +83,19 @@ class SchedulerPolicy(ABC):
         budget = self._schedule_running(kv, out, self.max_num_batched_tokens)
         self._admit_waiting(kv, out, budget)
         return out
+
+    def next_decode_batch(self) -> list[Request] | None:
+        """The batch my next `schedule` returns if it is certain to be a pure decode of every
+        running request (the promise of `repeats_decode_batches`), else None. The engine then
+        runs such steps without asking me each one (`Engine.step` with `until`)."""
+        running = self.running
+        if (not self.repeats_decode_batches or self.waiting or not running
+                or len(running) > self.max_num_batched_tokens):
+            return None
+        for r in running:
+            if len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens != 1:
+                return None
+        return list(running)
 
     def waiting_order(self) -> list[Request]:
         """Order in which waiting requests are considered (FCFS unless overridden)."""

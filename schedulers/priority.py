@@ -17,6 +17,10 @@ class PriorityPolicy(SchedulerPolicy):
         self.running.sort(key=lambda r: (r.priority, r.arrival))
         return super().schedule(kv)
 
+    def next_decode_batch(self):
+        self.running.sort(key=lambda r: (r.priority, r.arrival))  # what schedule() would do first
+        return super().next_decode_batch()
+
     def waiting_order(self):
         return sorted(self.waiting, key=lambda r: (r.priority, r.arrival))
 

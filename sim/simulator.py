@@ -19,8 +19,9 @@ from typing import Callable, Sequence
 
 from sim.executor import CostModelExecutor
 from varlen.clock import SimClock
-from varlen.engine import Engine, StepRecord
+from varlen.engine import Engine
 from varlen.request import Request
+from varlen.steplog import StepLog
 
 
 @dataclass(slots=True)
@@ -76,8 +77,9 @@ class SimResult:
     routed: dict[str, int] = field(default_factory=dict)  # req_id -> replica index
 
     @property
-    def steps(self) -> list[StepRecord]:
-        return [s for r in self.replicas for s in r.engine.steps]
+    def steps(self) -> StepLog:
+        """Every replica's steps, one log (a sequence of StepRecords; columns() for arrays)."""
+        return StepLog.concat(r.engine.steps for r in self.replicas)
 
     @property
     def num_steps(self) -> int:

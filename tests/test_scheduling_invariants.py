@@ -92,13 +92,19 @@ class SchedulingMachine(RuleBasedStateMachine):
         if isinstance(self.kv, PagedAllocator):
             held = Counter(b for rid, t in self.kv.tables.items() for b in t)
             assert set(self.kv.tables) == holders, "only running requests hold blocks"
+            free = [*self.kv.free_plain, *self.kv.free_cached]
+            assert len(set(free)) == len(free), "a block listed free twice"
+            assert all(self.kv.block_hash[b] is None for b in self.kv.free_plain), "cached content on the plain stack"
+            assert self.kv.live_tokens == sum(self.kv.num_tokens.values())
             for b in range(self.kv.num_blocks):
                 assert self.kv.ref_count[b] == held[b], f"block {b}: refcount != holders"
-                assert (b in self.kv.free_blocks) == (held[b] == 0), f"block {b} leaked or double-listed"
+                assert (b in free) == (held[b] == 0), f"block {b} leaked or double-listed"
             for t in self.kv.tables.values():
                 assert len(set(t)) == len(t)
         else:
             assert set(self.kv.runs) == holders
+            assert self.kv.live_tokens == sum(self.kv.num_tokens.values())
+            assert self.kv.free_blocks == sum(n for _, n in self.kv.extents)
             spans = sorted([*self.kv.extents, *self.kv.runs.values()])
             at = 0
             for start, length in spans:

@@ -10,13 +10,13 @@ import heapq
 import time
 from abc import ABC, abstractmethod
 from collections import defaultdict, deque
-from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from schedulers.base import SchedulerPolicy
 from varlen.clock import WallClock
 from varlen.kv.base import KVAllocator
 from varlen.request import FinishReason, Request, Status
+from varlen.steplog import DecodeRun, StepLog, StepRecord
 
 
 class Executor(ABC):
@@ -40,22 +40,6 @@ class Executor(ABC):
         return None
 
 
-@dataclass(slots=True)
-class StepRecord:
-    step: int
-    start: float
-    duration: float
-    req_ids: list[str]
-    new_tokens: list[int]
-    cached_tokens: list[int]
-    num_preempted: int
-    kv_reserved_slots: int
-    kv_live_tokens: int
-    num_waiting: int
-    num_sampled: int = -1  # requests that sampled a token (logit rows); -1 = not recorded
-    num_running: int = -1  # running requests after the step (0 = the engine went idle)
-
-
 class Engine:
     def __init__(self, policy: SchedulerPolicy, kv: KVAllocator, executor: Executor, clock=None,
                  max_model_len: int | None = None, eos_token_id: int | None = None):
@@ -70,7 +54,7 @@ class Engine:
                 f"({policy.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}); "
                 f"raise it, lower max_model_len, or use the chunked scheduler")
         self.requests: dict[str, Request] = {}
-        self.steps: list[StepRecord] = []
+        self.steps = StepLog()  # reads as a list of StepRecords
         self.num_preemptions = 0
         self.num_fast_forwarded_steps = 0  # steps run by _decode_run rather than one by one
         # Wall seconds spent in each phase of step() (profiling, whatever the clock is).
@@ -122,10 +106,11 @@ class Engine:
         replaying recorded start times then sees the same arrivals.
 
         `until`: the next time anything outside the engine happens (the next arrival; inf for
-        none), which the simulator knows and a real run does not. Given it, a pure-decode step
-        whose decision the policy promises to repeat (`SchedulerPolicy.repeats_decode_batches`)
-        is followed at once by the same batch's next steps, up to the first finish, allocation
-        failure or step starting at `until` (`_decode_run`), when the executor can time them.
+        none), which the simulator knows and a real run does not. Given it, when the policy
+        promises that its next steps are pure decodes of every running request
+        (`SchedulerPolicy.next_decode_batch`), they follow at once, finishes leaving the batch,
+        up to an allocation failure or a step starting at `until` (`_decode_run`), when the
+        executor can time them.
         """
         if start is None:
             start = self.clock.now()
@@ -159,22 +144,21 @@ class Engine:
                 self._finish(r, reason)
                 finished.append(r)
         usage = self.kv.usage()
-        new = [n for _, n in out.scheduled]
         rec = StepRecord(
             len(self.steps), start, end - start, [r.req_id for r, _ in out.scheduled],
-            new, cached, len(out.preempted), usage.reserved_slots,
+            [n for _, n in out.scheduled], cached, len(out.preempted), usage.reserved_slots,
             usage.live_tokens, len(self.policy.waiting), sampled, len(self.policy.running))
         self.steps.append(rec)
         timings = self.timings
         timings["schedule"] += t1 - t0
         timings["execute"] += t2 - t1
         timings["update"] += time.perf_counter() - t2
-        policy = self.policy
-        if (until is not None and policy.repeats_decode_batches and not finished and not out.preempted
-                and not policy.waiting and sampled == len(new) == sum(new) == len(policy.running)):
-            t3 = time.perf_counter()
-            finished = self._decode_run([r for r, _ in out.scheduled], rec, end, until)
-            timings["decode_run"] += time.perf_counter() - t3
+        if until is not None and not out.preempted:
+            batch = self.policy.next_decode_batch()
+            if batch:
+                t3 = time.perf_counter()
+                finished += self._decode_run(batch, until)
+                timings["decode_run"] += time.perf_counter() - t3
         return finished
 
     # -- decode fast-forward ---------------------------------------------------------------
@@ -188,35 +172,48 @@ class Engine:
         n_out = len(r.output_token_ids)
         return min(sp.max_tokens - n_out, self.max_model_len - len(r.prompt_token_ids) - n_out)
 
-    def _decode_run(self, batch: list[Request], rec: StepRecord, run_start: float, until: float) -> list[Request]:
-        """Step `batch` again and again in one go, exactly as step() would one step at a time.
+    def _decode_run(self, batch: list[Request], until: float) -> list[Request]:
+        """Run the pure-decode steps the policy promises (`next_decode_batch`) in one go, exactly
+        as step() would one at a time, until a step would start at `until` (the next arrival)
+        or an allocation fails; a request that finishes leaves and the rest go on."""
+        finished: list[Request] = []
+        while batch:
+            done, go_on = self._decode_segment(batch, until)
+            finished += done
+            if not go_on:
+                break
+            batch = self.policy.next_decode_batch()
+        return finished
 
-        Valid because the step just recorded (`rec`) was a pure decode of every running request
-        with the waiting queue empty, and the policy promises (repeats_decode_batches) the same
-        batch until a request arrives (none before `until`), one finishes (the run ends with the
-        first finish) or an allocation fails (the run ends before that step, whose allocations
-        are then asked again by the policy: allocate is idempotent). Of the allocator calls the
-        steps would make, only those it names as events (`next_allocation_event`) are made, in
-        step and batch order, each with the request as that step finds it; the others only
-        record a count, which one call per request at the end records too.
+    def _decode_segment(self, batch: list[Request], until: float) -> tuple[list[Request], bool]:
+        """Steps of `batch` up to its first finish: (the finished requests, whether a next step
+        of the remaining batch still starts before `until` with every allocation so far made).
+
+        Of the allocator calls the steps would make, only those it names as events
+        (`next_allocation_event`) are made, in step and batch order, each with the request as
+        that step finds it; the others only record a count, which one call per request at the
+        end records too. An event that fails ends the segment before that step, whose
+        allocations the policy then asks again (allocate is idempotent) and preempts for.
         """
         run = self.executor.decode_run(batch, min(self._steps_to_stop(r) for r in batch), until)
         if run is None:
-            return []
+            return [], False
         tok, ends = run
         k = min(len(ends), min(self._steps_to_stop(r, tok) for r in batch))
         if k == 0:
-            return []
+            return [], False
         kv = self.kv
         base = [r.num_computed_tokens for r in batch]  # = each one's count at the allocator
         n_out = [len(r.output_token_ids) for r in batch]
+        usage = kv.usage()
+        reserved, live_before = usage.reserved_slots, usage.live_tokens
         events = []  # (run step asking for the count, batch position, count)
         for p, r in enumerate(batch):
             m = kv.next_allocation_event(r, base[p])
             if m - base[p] - 1 < k:
                 events.append((m - base[p] - 1, p, m))
         heapq.heapify(events)
-        reserved_after: dict[int, int] = {}  # run step -> reserved slots after its allocations
+        changed: dict[int, int] = {}  # run step -> reserved slots after its allocations
         failed = False
         while events and events[0][0] < k:
             j, p, m = heapq.heappop(events)
@@ -232,10 +229,10 @@ class Engine:
             if m - base[p] - 1 < k:
                 heapq.heappush(events, (m - base[p] - 1, p, m))
             if not events or events[0][0] != j:  # step j's last allocation
-                reserved_after[j] = kv.usage().reserved_slots
+                changed[j] = kv.usage().reserved_slots
         if k == 0:
-            return []
-        times = ends[:k]
+            return [], False
+        times = ends[:k] if k < len(ends) else ends
         for p, r in enumerate(batch):
             r.num_computed_tokens = base[p] + k
             missing = n_out[p] + k - len(r.output_token_ids)
@@ -244,6 +241,7 @@ class Engine:
             r.token_times.extend(times)
             if not kv.allocate(r, base[p] + k):  # records the count (or repeats an event call)
                 raise AssertionError(f"{type(kv).__name__}.next_allocation_event missed an event for {r.req_id!r}")
+        start = self.clock.now()
         self.clock.sleep_until(times[-1])
         finished = []
         for r in batch:
@@ -251,24 +249,21 @@ class Engine:
             if reason is not None:
                 self._finish(r, reason)
                 finished.append(r)
-        # The steps' records, as step() would have written them; the allocator's usage between
-        # steps changes only at events, and its live tokens by one per request per step.
-        steps, B, waiting = self.steps, len(batch), len(self.policy.waiting)
-        reserved, live = rec.kv_reserved_slots, rec.kv_live_tokens
-        ids, new = rec.req_ids, rec.new_tokens
-        start = run_start
+        reserved_after = []
         for i in range(k):
-            reserved = reserved_after.get(i, reserved)
-            steps.append(StepRecord(len(steps), start, times[i] - start, ids, new, [c + i for c in base], 0,
-                                    reserved, live + B * (i + 1), waiting, B, B))
-            start = times[i]
-        self.num_fast_forwarded_steps += k
+            reserved = changed.get(i, reserved)
+            reserved_after.append(reserved)
+        live_last = live_before + len(batch) * k
         if not failed:
-            usage = kv.usage()  # the last step's, after its finishes freed their blocks
-            last = steps[-1]
-            last.kv_reserved_slots, last.kv_live_tokens = usage.reserved_slots, usage.live_tokens
-            last.num_running = len(self.policy.running)
-        return finished
+            # After the finishes freed their blocks. (A failed event leaves no finish in the run,
+            # but allocations of the step it failed in, which are not the run's to record.)
+            usage = kv.usage()
+            reserved_after[-1], live_last = usage.reserved_slots, usage.live_tokens
+        self.steps.append(DecodeRun(
+            len(self.steps), start, times, [r.req_id for r in batch], base, reserved_after, live_before,
+            live_last, len(self.policy.waiting), len(self.policy.running)))
+        self.num_fast_forwarded_steps += k
+        return finished, bool(finished) and not failed and times[-1] < until
 
     def _stop_reason(self, r: Request, tok: int) -> FinishReason | None:
         sp = r.sampling

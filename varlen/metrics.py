@@ -3,12 +3,14 @@ imported only when a table is asked for, so the simulator starts fast."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from varlen.request import Request
+from varlen.steplog import step_columns
 
 
 @dataclass(slots=True)
@@ -79,12 +81,13 @@ def kv_usage_table(steps: Sequence, total_slots: int, max_points: int | None = 2
     by keeping every k-th step plus the peak, enough for a plot and small as a CSV."""
     import pandas as pd
 
+    c = step_columns(steps)
     df = pd.DataFrame({
-        "time": [s.start + s.duration for s in steps],
-        "kv_usage": [s.kv_reserved_slots / total_slots for s in steps],
-        "kv_live": [s.kv_live_tokens / total_slots for s in steps],
-        "batch_size": [len(s.req_ids) for s in steps],
-        "num_waiting": [s.num_waiting for s in steps],
+        "time": c["start"] + c["duration"],
+        "kv_usage": c["kv_reserved_slots"] / total_slots,
+        "kv_live": c["kv_live_tokens"] / total_slots,
+        "batch_size": c["num_seqs"],
+        "num_waiting": c["num_waiting"],
     })
     if max_points and len(df) > max_points:
         keep = set(range(0, len(df), -(-len(df) // max_points))) | {int(df["kv_usage"].to_numpy().argmax())}
@@ -96,41 +99,58 @@ def _pct(x: Sequence[float], q: float) -> float:
     return float(np.percentile(x, q)) if len(x) else float("nan")
 
 
-def _time_weighted_kv(steps: Sequence, total_slots: int) -> float:
+def _time_weighted_kv(c: dict[str, np.ndarray], total_slots: int) -> float:
     """Reserved KV fraction averaged over busy time (each step weighs its duration)."""
-    busy = sum(s.duration for s in steps)
-    if not steps or busy <= 0 or total_slots <= 0:
+    busy = float(c["duration"].sum())
+    if busy <= 0 or total_slots <= 0:
         return 0.0
-    return sum(s.kv_reserved_slots * s.duration for s in steps) / busy / total_slots
+    return float(np.dot(c["kv_reserved_slots"], c["duration"])) / busy / total_slots
 
 
 def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
               ttft_slo: float | None = None, tpot_slo: float | None = None) -> dict[str, float]:
     """One row of headline figures: throughput, latency percentiles, preemptions, KV usage, goodput."""
+    c = step_columns(steps)
     done = [r for r in requests if r.finish_reason is not None and r.finish_reason.value in ("length", "stop")]
-    ms = [RequestMetrics.of(r) for r in done]
+    # All token times in one array: a long simulation has millions, too many to handle one by one.
+    times = [r.token_times for r in done]
+    lens = np.fromiter(map(len, times), np.int64, len(times))
+    flat = np.fromiter(itertools.chain.from_iterable(times), np.float64, int(lens.sum()))
+    first = np.cumsum(lens) - lens
+    has = lens > 0
+    arrival = np.array([r.arrival for r in done], np.float64)
+    finish = np.array([np.nan if r.finish_time is None else r.finish_time for r in done], np.float64)
+    ttft_all = np.full(len(done), np.nan)
+    ttft_all[has] = flat[first[has]] - arrival[has]
+    tpot_all = np.full(len(done), np.nan)
+    many = lens > 1
+    tpot_all[many] = (flat[first[many] + lens[many] - 1] - flat[first[many]]) / (lens[many] - 1)
+    gaps = np.diff(flat)
+    between = np.ones(len(gaps), bool)  # False where a gap spans two requests
+    starts = first[has & (first > 0)]
+    between[starts - 1] = False
+    ttft, tpot = ttft_all[has], tpot_all[many]
+    itl = gaps[between]
+    e2e = (finish - arrival)[~np.isnan(finish)]
     start = min((r.arrival for r in requests), default=0.0)
-    end = max((m.finish for m in ms if m.finish is not None), default=start)
+    end = float(np.nanmax(finish)) if len(done) and not np.isnan(finish).all() else start
     span = max(end - start, 1e-9)
     out_tokens = sum(r.num_output_tokens for r in done)
-    ttft = [m.ttft for m in ms if m.ttft is not None]
-    tpot = [m.tpot for m in ms if m.tpot is not None]
-    itl = [x for m in ms for x in m.itl]
-    e2e = [m.e2e for m in ms if m.e2e is not None]
     row = dict(requests=len(requests), finished=len(done),
                rejected=sum(r.finish_reason is not None and r.finish_reason.value == "rejected" for r in requests),
                aborted=sum(r.finish_reason is not None and r.finish_reason.value == "aborted" for r in requests),
                duration_s=span, requests_per_s=len(done) / span, output_tokens_per_s=out_tokens / span,
                preemptions=sum(r.num_preemptions for r in requests),
-               peak_kv_usage=max((s.kv_reserved_slots for s in steps), default=0) / max(total_slots, 1),
-               mean_kv_usage=_time_weighted_kv(steps, total_slots),
-               mean_batch_size=float(np.mean([len(s.req_ids) for s in steps])) if steps else 0.0)
+               peak_kv_usage=int(c["kv_reserved_slots"].max(initial=0)) / max(total_slots, 1),
+               mean_kv_usage=_time_weighted_kv(c, total_slots),
+               mean_batch_size=float(c["num_seqs"].mean()) if len(c["num_seqs"]) else 0.0)
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         for q in (50, 90, 99):
             row[f"{name}_p{q}"] = _pct(xs, q)
     if ttft_slo is not None or tpot_slo is not None:
-        ok = sum(1 for m in ms if (ttft_slo is None or (m.ttft is not None and m.ttft <= ttft_slo))
-                 and (tpot_slo is None or m.tpot is None or m.tpot <= tpot_slo))
+        ok_ttft = np.ones(len(done), bool) if ttft_slo is None else has & (np.nan_to_num(ttft_all, nan=np.inf) <= ttft_slo)
+        ok_tpot = np.ones(len(done), bool) if tpot_slo is None else ~many | (np.nan_to_num(tpot_all) <= tpot_slo)
+        ok = int((ok_ttft & ok_tpot).sum())
         row["goodput_requests_per_s"] = ok / span
         row["slo_attainment"] = ok / max(len(requests), 1)
     return row

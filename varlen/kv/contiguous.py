@@ -27,6 +27,9 @@ class ContiguousAllocator(KVAllocator):
         self.extents: list[tuple[int, int]] = [(0, num_blocks)]  # free runs (start, length), sorted
         self.runs: dict[str, tuple[int, int]] = {}
         self.num_tokens: dict[str, int] = {}
+        # Sums kept as they change, since usage() runs every step.
+        self.live_tokens = 0  # of num_tokens
+        self.free_blocks = num_blocks  # in extents
 
     def reserve_tokens(self, req: Request) -> int:
         if self.reservation == "max":
@@ -47,6 +50,7 @@ class ContiguousAllocator(KVAllocator):
                 if length >= want:
                     self.extents[i:i + 1] = [(start + want, length - want)] if length > want else []
                     run = self.runs[req.req_id] = (start, want)
+                    self.free_blocks -= want
                     break
             else:
                 return False
@@ -54,7 +58,10 @@ class ContiguousAllocator(KVAllocator):
             # The reservation was sized to cover the request's whole life, so this is a caller bug.
             raise ValueError(f"request {req.req_id!r} needs {num_tokens} tokens but reserved "
                              f"{run[1] * self.block_size} ({self.reservation} policy)")
-        self.num_tokens[req.req_id] = max(num_tokens, self.num_tokens.get(req.req_id, 0))
+        had = self.num_tokens.get(req.req_id, 0)
+        if num_tokens > had:
+            self.num_tokens[req.req_id] = num_tokens
+            self.live_tokens += num_tokens - had
         return True
 
     def next_allocation_event(self, req: Request, num_tokens: int) -> int:
@@ -64,9 +71,10 @@ class ContiguousAllocator(KVAllocator):
 
     def free(self, req: Request) -> None:
         run = self.runs.pop(req.req_id, None)
-        self.num_tokens.pop(req.req_id, None)
+        self.live_tokens -= self.num_tokens.pop(req.req_id, 0)
         if run is None:
             return
+        self.free_blocks += run[1]
         i = bisect.bisect(self.extents, run)
         self.extents.insert(i, run)
         # Merge with neighbours so external fragmentation is only what really is.
@@ -81,6 +89,6 @@ class ContiguousAllocator(KVAllocator):
 
     def usage(self) -> KVUsage:
         bs = self.block_size
-        free = sum(n for _, n in self.extents)
-        return KVUsage(live_tokens=sum(self.num_tokens.values()), reserved_slots=(self.num_blocks - free) * bs,
+        free = self.free_blocks
+        return KVUsage(live_tokens=self.live_tokens, reserved_slots=(self.num_blocks - free) * bs,
                        free_slots=free * bs, total_slots=self.num_blocks * bs)

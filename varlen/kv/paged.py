@@ -4,7 +4,8 @@ Prefix caching: every full block is registered under a chained hash of its conte
 and its parent's hash). A new request walks its own chain and reuses registered blocks, after
 checking their tokens (hashes can collide). Freed blocks keep their content and stay findable
 until reused; reuse takes the least recently freed first (LRU), and blocks with no cached content
-go before any cached one.
+go before any cached one. The free blocks are kept in two structures for that order: a stack of
+content-free blocks (taken and returned in bulk, the common case) and an LRU of cached ones.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ class PagedAllocator(KVAllocator):
         super().__init__(num_blocks, block_size, max_model_len)
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.free_plain: list[int] = list(range(num_blocks - 1, -1, -1))  # no cached content; top = next
+        self.free_cached: OrderedDict[int, None] = OrderedDict()  # cached content, least recently freed first
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id
         self.tables: dict[str, list[int]] = {}
         self.num_tokens: dict[str, int] = {}
+        self.live_tokens = 0  # sum of num_tokens, kept as it changes: usage() runs every step
         self.registered: dict[str, int] = {}  # how many leading blocks of a request are registered
         self.prefix_hit_blocks = 0  # counters, for tests and reports
         self.prefix_query_blocks = 0
@@ -53,8 +56,10 @@ class PagedAllocator(KVAllocator):
         table = self.tables.get(req.req_id)
         if table is not None and -(-num_tokens // self.block_size) <= len(table):
             # Fast path (most calls: a decode inside its last block): no block to take.
-            if num_tokens > self.num_tokens[req.req_id]:
+            had = self.num_tokens[req.req_id]
+            if num_tokens > had:
                 self.num_tokens[req.req_id] = num_tokens
+                self.live_tokens += num_tokens - had
             if self.enable_prefix_caching:
                 self._register_full_blocks(req, num_tokens)
             return True
@@ -64,7 +69,7 @@ class PagedAllocator(KVAllocator):
             table = []
         need = -(-num_tokens // self.block_size) - len(table) - len(hits)
         revived = sum(1 for b in hits if self.ref_count[b] == 0)  # hits sitting in the free list
-        if need > len(self.free_blocks) - revived:
+        if need > len(self.free_plain) + len(self.free_cached) - revived:
             return False
         if req.req_id not in self.tables:
             self.tables[req.req_id] = table
@@ -73,18 +78,31 @@ class PagedAllocator(KVAllocator):
             self.prefix_query_blocks += (req.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0
             for b in hits:
                 if self.ref_count[b] == 0:
-                    del self.free_blocks[b]
+                    del self.free_cached[b]  # a hit has content, so it is never a plain block
                 self.ref_count[b] += 1
             table.extend(hits)
-        for _ in range(max(0, need)):
-            b, _ = self.free_blocks.popitem(last=False)
-            if self.block_hash[b] is not None:  # evict its cached content
-                if self.cached.get(self.block_hash[b]) == b:
-                    del self.cached[self.block_hash[b]]
+        if need > 0:
+            rc, plain = self.ref_count, self.free_plain
+            n = min(need, len(plain))
+            if n:
+                got = plain[-n:]
+                del plain[-n:]
+                got.reverse()
+                for b in got:
+                    rc[b] = 1
+                table += got
+            for _ in range(need - n):
+                b, _ = self.free_cached.popitem(last=False)
+                h = self.block_hash[b]  # evict its cached content
+                if self.cached.get(h) == b:
+                    del self.cached[h]
                 self.block_hash[b] = self.block_tokens[b] = None
-            self.ref_count[b] = 1
-            table.append(b)
-        self.num_tokens[req.req_id] = max(num_tokens, self.num_tokens.get(req.req_id, 0))
+                rc[b] = 1
+                table.append(b)
+        had = self.num_tokens.get(req.req_id, 0)
+        if num_tokens > had:
+            self.num_tokens[req.req_id] = num_tokens
+            self.live_tokens += num_tokens - had
         self._register_full_blocks(req, num_tokens)
         return True
 
@@ -120,24 +138,27 @@ class PagedAllocator(KVAllocator):
 
     def free(self, req: Request) -> None:
         table = self.tables.pop(req.req_id, None)
-        self.num_tokens.pop(req.req_id, None)
+        self.live_tokens -= self.num_tokens.pop(req.req_id, 0)
         self.registered.pop(req.req_id, None)
         if table is None:
             return
+        rc, plain, block_hash = self.ref_count, self.free_plain, self.block_hash
         for b in reversed(table):  # a prefix's tail is evicted before its head
-            self.ref_count[b] -= 1
-            if self.ref_count[b] < 0:
+            c = rc[b] - 1
+            rc[b] = c
+            if c == 0:
+                if block_hash[b] is None:
+                    plain.append(b)
+                else:
+                    self.free_cached[b] = None
+            elif c < 0:
                 raise AssertionError(f"block {b} freed more often than it was taken")
-            if self.ref_count[b] == 0:
-                self.free_blocks[b] = None
-                if self.block_hash[b] is None:
-                    self.free_blocks.move_to_end(b, last=False)
 
     def block_table(self, req: Request) -> Sequence[int]:
         return self.tables.get(req.req_id, ())
 
     def usage(self) -> KVUsage:
         bs = self.block_size
-        return KVUsage(live_tokens=sum(self.num_tokens.values()),
-                       reserved_slots=(self.num_blocks - len(self.free_blocks)) * bs,
-                       free_slots=len(self.free_blocks) * bs, total_slots=self.num_blocks * bs)
+        free = len(self.free_plain) + len(self.free_cached)
+        return KVUsage(live_tokens=self.live_tokens, reserved_slots=(self.num_blocks - free) * bs,
+                       free_slots=free * bs, total_slots=self.num_blocks * bs)
