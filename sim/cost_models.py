@@ -19,7 +19,7 @@ import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Callable, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -67,21 +67,14 @@ class CostModel(ABC):
     def uses_sums(self) -> bool:
         return type(self).step_time_sums is not CostModel.step_time_sums
 
-    def decode_step_times(self, num_seqs: int, cached: int, num_steps: int) -> np.ndarray:
-        """Durations of `num_steps` consecutive pure-decode steps of the same `num_seqs` requests,
-        the first with `cached` tokens in their caches in all (each step adds num_seqs).
-
-        Each equals step_time_sums of that step bit for bit: the sums go in as arrays through the
-        same arithmetic (elementwise float64 is IEEE like Python floats), so a fast-forwarded
-        simulation keeps the clock of a step-by-step one exactly. Models whose step_time_sums is
-        not array-safe override `_step_times_sums`.
-        """
-        c = cached + num_seqs * np.arange(num_steps, dtype=np.int64)
-        t = self._step_times_sums(StepSums(num_seqs, num_seqs, c, c, num_seqs, num_seqs))
-        return np.broadcast_to(np.asarray(t, dtype=np.float64), (num_steps,))
-
-    def _step_times_sums(self, s: StepSums) -> Any:
-        return self.step_time_sums(s)
+    def decode_step_time(self, num_seqs: int) -> Callable[[int], float]:
+        """The time of a pure-decode step of `num_seqs` requests as a function of the tokens in
+        their caches in all: step_time_sums of that step, bit for bit, so a fast-forwarded
+        simulation keeps the clock of a step-by-step one exactly. The simulator times millions
+        of such steps; models override it with a closure over what the batch size fixes."""
+        def step(cached: int) -> float:
+            return self.step_time_sums(StepSums(num_seqs, num_seqs, cached, cached, num_seqs, num_seqs))
+        return step
 
 
 def _as_arrays(new_tokens: Any, cached_tokens: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -349,8 +342,21 @@ class RooflineCostModel(CostModel):
     def step_time_sums(self, s: StepSums) -> float:
         return self._time_from_sums(s, max)
 
-    def _step_times_sums(self, s: StepSums) -> Any:
-        return self._time_from_sums(s, np.maximum)
+    def decode_step_time(self, num_seqs: int) -> Callable[[int], float]:
+        # _time_from_sums with the terms a decode batch fixes computed once, the rest in the
+        # same order of operations (the same floats).
+        t = rows = num_seqs
+        m, d, F, B, L = self.shape, self.dtype_bytes, self._flops, self._bw, self.shape.layers
+        lin = max(2.0 * self._linear_params * t / F, (self._weight_bytes_layer + self._act_bytes_token * t) / B)
+        head = max(2.0 * rows * m.hidden * m.vocab / F,
+                   (self._head_bytes + 4.0 * rows * m.vocab + t * m.hidden * d) / B)
+        pair_flops, kv_bytes, q_bytes = self._attn_flops_pair, self._kv_bytes_token_layer, 2.0 * m.q_dim * d * t
+        half_pairs, overhead = (t + t) / 2.0, self.overhead_s
+
+        def step(cached: int) -> float:
+            attn = max(pair_flops * (cached + half_pairs) / F, (kv_bytes * (cached + 2.0 * t) + q_bytes) / B)
+            return L * (lin + attn) + head + overhead
+        return step
 
     def _time_from_sums(self, s: StepSums, mx: Any) -> Any:
         # The same terms as _terms, from the sums (scalars, or arrays over a run of steps).
@@ -474,8 +480,8 @@ class ProfiledCostModel(CostModel):
 
     Non-negative because each coefficient is the cost of a unit of real work; a negative one
     would be the fit trading features against each other, and it extrapolates badly.
-    Rows are weighted by 1 / duration by default ("relative"): decode steps are short and many,
-    and TPOT depends on them, so percentage error is the error that matters.
+    Rows are weighted by 1 / predicted duration by default ("relative", see `fit`): decode steps
+    are short and many, and TPOT depends on them, so percentage error is the error that matters.
     Pure-decode logs alone make num_seqs, new_tokens and attn_work collinear; profile a mix of
     prefills, chunks and decodes for coefficients that mean something.
     """
@@ -521,21 +527,48 @@ class ProfiledCostModel(CostModel):
 
     @classmethod
     def fit(cls, steps: Iterable[Step], features: Sequence[str] = DEFAULT_FEATURES,
-            weighting: str = "relative") -> ProfiledCostModel:
-        """Fit to (new_tokens, cached_tokens, duration_s[, num_logits]) per step."""
+            weighting: str = "relative", outlier_factor: float | None = 3.0,
+            iterations: int = 4) -> ProfiledCostModel:
+        """Fit to (new_tokens, cached_tokens, duration_s[, num_logits]) per step.
+
+        weighting "relative": each step's squared error is weighted by 1 / its predicted time
+        squared (iteratively reweighted, starting from the absolute fit), so a short decode step
+        counts as much as a long prefill in percent. The weights come from the model, not from
+        the measured durations: weighting by 1 / measured time favours the steps that happened to
+        run fast and biases every prediction low (by ~4% of a CPU decode step's time, measured),
+        while the simulator needs each step's mean time, since TPOT, e2e latency and throughput
+        are sums of step times. "absolute": plain least squares.
+
+        outlier_factor: steps that took more than this many times the model's prediction
+        (a garbage collection, the process preempted by another) are dropped from the next
+        iteration's fit; they are not a function of the batch. None keeps every step.
+        The report scores all the steps, outliers included.
+        """
         if weighting not in ("relative", "absolute"):
             raise ValueError(f"weighting must be 'relative' or 'absolute', got {weighting!r}")
         model = cls(features=features)
         X, y = model._design(steps)
-        w = 1.0 / np.maximum(y, 1e-9) if weighting == "relative" else np.ones_like(y)
-        A, b = X * w[:, None], y * w
-        # Features span ten orders of magnitude (const vs attention pairs); scale columns to unit
-        # norm so the solver's tolerances mean the same thing for every coefficient.
-        norms = np.linalg.norm(A, axis=0)
-        norms[norms == 0] = 1.0
-        model.coef = _nnls(A / norms, b) / norms
+        keep = np.ones(len(y), bool)
+        coef = np.zeros(X.shape[1])
+        for it in range(max(1, iterations)):
+            if it == 0 or weighting == "absolute":
+                w = np.ones_like(y)
+            else:
+                w = 1.0 / np.maximum(X @ coef, 1e-3 * float(np.median(y)))
+            A, b = X[keep] * w[keep, None], y[keep] * w[keep]
+            # Features span ten orders of magnitude (const vs attention pairs); scale columns to
+            # unit norm so the solver's tolerances mean the same thing for every coefficient.
+            norms = np.linalg.norm(A, axis=0)
+            norms[norms == 0] = 1.0
+            coef = _nnls(A / norms, b) / norms
+            if outlier_factor is not None:
+                pred = X @ coef
+                keep = ~(y > outlier_factor * np.maximum(pred, 1e-12))
+                if keep.sum() < X.shape[1]:
+                    keep[:] = True
+        model.coef = coef
         model.report = model._score(X, y)
-        model.meta = {"weighting": weighting}
+        model.meta = {"weighting": weighting, "outliers_dropped": int((~keep).sum())}
         return model
 
     def _score(self, X: np.ndarray, y: np.ndarray) -> FitReport:
@@ -641,6 +674,7 @@ def profile_rows(steps: Sequence[Any], busy_period: bool = True,
     (num_running == 0 and nothing waiting) or, for logs that lack that, when the gap is over
     max_gap_factor times the median gap.
     """
+    steps = list(steps)  # a StepLog reads as a sequence, but slices only as a list
     rows: list[Step] = []
     gaps = [b.start - (a.start + a.duration) for a, b in zip(steps, steps[1:])]
     typical = float(np.median(gaps)) if gaps else 0.0

@@ -4,7 +4,7 @@ simulation is the engine's own."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from sim.cost_models import CostModel, StepSums
 from varlen.clock import SimClock
@@ -24,6 +24,7 @@ class CostModelExecutor(Executor):
     def __init__(self, cost: CostModel, clock: SimClock):
         self.cost, self.clock = cost, clock
         self._sums = cost.uses_sums
+        self._decode_fns: dict[int, Callable[[int], float]] = {}  # batch size -> cost.decode_step_time
 
     def execute(self, scheduled: Sequence[tuple[Request, int]], kv: KVAllocator) -> list[int | None]:
         out: list[int | None] = []
@@ -61,23 +62,18 @@ class CostModelExecutor(Executor):
         # A replayed timeline has its own start times and durations in order; it goes step by step.
         if not self._sums or getattr(self.cost, "next_start", None) is not None:
             return None
-        t = self.clock.now()
-        ends: list[float] = []
-        if t >= until:
-            return SIM_TOKEN, ends
         num_seqs = len(batch)
+        step_time = self._decode_fns.get(num_seqs)
+        if step_time is None:
+            step_time = self._decode_fns[num_seqs] = self.cost.decode_step_time(num_seqs)
+        t = self.clock.now()
         cached = sum(r.num_computed_tokens for r in batch)
-        # Runs are cut by the next arrival, usually after tens of steps: time them in growing
-        # chunks rather than up to max_steps (a request's whole output) at once.
-        chunk = 16
-        while len(ends) < max_steps:
-            n = min(chunk, max_steps - len(ends))
-            for d in self.cost.decode_step_times(num_seqs, cached + len(ends) * num_seqs, n).tolist():
-                t += d  # the clock's own sum, one step at a time: bit-identical end times
-                ends.append(t)
-                if t >= until:  # the next step would start at or after the arrival
-                    return SIM_TOKEN, ends
-            chunk *= 4
+        ends: list[float] = []
+        # The clock's own sum, one step at a time: bit-identical end times.
+        while t < until and len(ends) < max_steps:
+            t += step_time(cached)
+            ends.append(t)
+            cached += num_seqs
         return SIM_TOKEN, ends
 
     def ready_time(self, now: float) -> float:

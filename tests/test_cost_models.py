@@ -233,6 +233,41 @@ def test_profiled_fit_with_noise_reports_quality_and_keeps_coefficients_non_nega
     assert against_truth.mape < 1.5
 
 
+def test_relative_fit_predicts_the_mean_step_time_under_multiplicative_noise() -> None:
+    # A real engine's step times scatter around the batch's cost by a fraction of it. The
+    # simulator adds step times up (TPOT, e2e, throughput), so it needs each step's mean time.
+    # Weights from the measured durations (1 / y) favour the steps that ran fast and predict
+    # low; weights from the model's own prediction (the default "relative") do not.
+    rng = np.random.default_rng(5)
+    clean = _durations(_random_steps(rng, 3000), TRUE)
+    noisy = [(n, c, d * (1 + rng.normal(0, 0.2))) for n, c, d in clean]
+    model = ProfiledCostModel.fit(noisy)
+    truth = np.array([d for _, _, d in clean])
+    pred = np.array([model.step_time(n, c) for n, c, _ in clean])
+    assert abs(pred.sum() / truth.sum() - 1) < 0.01
+    assert abs(np.median(pred / truth) - 1) < 0.015
+    X, y = model._design(noisy)  # the old weighting, 1 / measured duration, for contrast
+    w = 1 / y
+    old = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)[0]
+    assert np.median((X @ old) / truth) - 1 < -0.02
+
+
+def test_fit_drops_outlier_steps() -> None:
+    rng = np.random.default_rng(6)
+    data = _durations(_random_steps(rng, 500), TRUE)
+    hiccups = set(rng.choice(len(data), 10, replace=False).tolist())  # e.g. a GC pause, a preemption
+    spoiled = [(n, c, d * 20 if i in hiccups else d) for i, (n, c, d) in enumerate(data)]
+    for weighting in ("relative", "absolute"):
+        model = ProfiledCostModel.fit(spoiled, weighting=weighting)
+        assert model.meta["outliers_dropped"] == len(hiccups)
+        for k, v in TRUE.items():
+            assert model.coefficients()[k] == pytest.approx(v, rel=0.01), k
+        assert model.report.n_steps == len(data)  # the report scores every step
+    kept = ProfiledCostModel.fit(spoiled, outlier_factor=None)
+    assert kept.meta["outliers_dropped"] == 0
+    assert max(abs(kept.coefficients()[k] / v - 1) for k, v in TRUE.items()) > 0.05
+
+
 def test_numpy_nnls_satisfies_the_optimality_conditions() -> None:
     rng = np.random.default_rng(2)
     for trial in range(20):
@@ -266,7 +301,7 @@ def test_profiled_save_load_round_trip(tmp_path: Path) -> None:
     back = ProfiledCostModel.load(path)
     assert back.features == model.features == DEFAULT_FEATURES
     np.testing.assert_array_equal(back.coef, model.coef)
-    assert back.report == model.report and back.meta == {"weighting": "relative"}
+    assert back.report == model.report and back.meta == {"weighting": "relative", "outliers_dropped": 0}
     for n, c, _ in data[:10]:
         assert back.step_time(n, c) == model.step_time(n, c)
     via_factory = make_cost_model("profiled", path=str(path))

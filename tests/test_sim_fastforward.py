@@ -142,12 +142,13 @@ def test_stop_tokens_and_max_model_len_end_runs():
     assert_same(a, b)
 
 
-def test_decode_step_times_are_step_time_sums_bit_for_bit():
+def test_decode_step_time_is_step_time_sums_bit_for_bit():
     for cost in (RooflineCostModel("tiny", "h100_sxm"), RooflineCostModel("tiny", "cpu_2core"),
                  ProfiledCostModel(coef={"const": 1e-3, "attn_work": 1e-9, "cached_tokens": 3e-8}),
                  ProfiledCostModel(coef={"const": 1e-3, "num_seqs": 2e-5})):
-        for B, c in ((1, 0), (7, 12345), (250, 3_000_000)):
-            times = cost.decode_step_times(B, c, 40).tolist()
+        for B, c in ((1, 0), (7, 12345), (250, 3_000_000), (4096, 100)):  # both sides of each max()
+            step = cost.decode_step_time(B)
+            times = [step(c + j * B) for j in range(40)]
             assert times == [cost.step_time_sums(StepSums(B, B, c + j * B, c + j * B, B, B)) for j in range(40)]
 
 

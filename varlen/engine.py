@@ -162,16 +162,6 @@ class Engine:
         return finished
 
     # -- decode fast-forward ---------------------------------------------------------------
-    def _steps_to_stop(self, r: Request, tok: int | None = None) -> int:
-        """Decode steps until _stop_reason ends `r` if it samples `tok` every step (the last
-        included; tok None: by length alone). Mirrors _stop_reason; the fast-forward tests prove
-        they agree."""
-        sp = r.sampling
-        if tok is not None and (tok in sp.stop_token_ids or (not sp.ignore_eos and tok == self.eos_token_id)):
-            return 1
-        n_out = len(r.output_token_ids)
-        return min(sp.max_tokens - n_out, self.max_model_len - len(r.prompt_token_ids) - n_out)
-
     def _decode_run(self, batch: list[Request], until: float) -> list[Request]:
         """Run the pure-decode steps the policy promises (`next_decode_batch`) in one go, exactly
         as step() would one at a time, until a step would start at `until` (the next arrival)
@@ -189,47 +179,42 @@ class Engine:
         """Steps of `batch` up to its first finish: (the finished requests, whether a next step
         of the remaining batch still starts before `until` with every allocation so far made).
 
-        Of the allocator calls the steps would make, only those it names as events
-        (`next_allocation_event`) are made, in step and batch order, each with the request as
-        that step finds it; the others only record a count, which one call per request at the
-        end records too. An event that fails ends the segment before that step, whose
-        allocations the policy then asks again (allocate is idempotent) and preempts for.
+        The allocator calls the steps would make go in one bulk call when the allocator offers
+        one (`grow_decodes`); else only those it names as events (`next_allocation_event`) are
+        made, in step and batch order, each with the request as that step finds it, and the
+        others only record a count, which one call per request at the end records too. A call
+        that fails ends the segment before that step, whose allocations the policy then asks
+        again (allocate is idempotent) and preempts for.
         """
-        run = self.executor.decode_run(batch, min(self._steps_to_stop(r) for r in batch), until)
+        base, n_out, stop_at = [], [], []
+        max_len = self.max_model_len
+        for r in batch:
+            base.append(r.num_computed_tokens)  # = its count at the allocator
+            n = len(r.output_token_ids)
+            n_out.append(n)
+            # Steps until _stop_reason ends it by length (the last included).
+            stop_at.append(min(r.sampling.max_tokens - n, max_len - len(r.prompt_token_ids) - n))
+        run = self.executor.decode_run(batch, min(stop_at), until)
         if run is None:
             return [], False
         tok, ends = run
-        k = min(len(ends), min(self._steps_to_stop(r, tok) for r in batch))
+        k = len(ends)
+        if k > 1 and any(self._is_stop_token(r, tok) for r in batch):
+            k = 1
         if k == 0:
             return [], False
         kv = self.kv
-        base = [r.num_computed_tokens for r in batch]  # = each one's count at the allocator
-        n_out = [len(r.output_token_ids) for r in batch]
         usage = kv.usage()
         reserved, live_before = usage.reserved_slots, usage.live_tokens
-        events = []  # (run step asking for the count, batch position, count)
-        for p, r in enumerate(batch):
-            m = kv.next_allocation_event(r, base[p])
-            if m - base[p] - 1 < k:
-                events.append((m - base[p] - 1, p, m))
-        heapq.heapify(events)
         changed: dict[int, int] = {}  # run step -> reserved slots after its allocations
         failed = False
-        while events and events[0][0] < k:
-            j, p, m = heapq.heappop(events)
-            r = batch[p]
-            r.num_computed_tokens = base[p] + j
-            missing = n_out[p] + j - len(r.output_token_ids)
-            if missing > 0:
-                r.output_token_ids.extend([tok] * missing)
-            if not kv.allocate(r, m):
-                k, failed = j, True  # step j is the policy's to decide (it preempts)
-                break
-            m = kv.next_allocation_event(r, m)
-            if m - base[p] - 1 < k:
-                heapq.heappush(events, (m - base[p] - 1, p, m))
-            if not events or events[0][0] != j:  # step j's last allocation
-                changed[j] = kv.usage().reserved_slots
+        bulk = kv.grow_decodes(batch, base, k)
+        if bulk is not None:
+            ok, changed = bulk
+            if ok < k:
+                k, failed = ok, True
+        else:
+            k, failed = self._decode_allocations(batch, base, n_out, tok, k, changed)
         if k == 0:
             return [], False
         times = ends[:k] if k < len(ends) else ends
@@ -239,7 +224,8 @@ class Engine:
             if missing > 0:
                 r.output_token_ids.extend([tok] * missing)
             r.token_times.extend(times)
-            if not kv.allocate(r, base[p] + k):  # records the count (or repeats an event call)
+            # Records the count (or repeats an event call); grow_decodes recorded them itself.
+            if bulk is None and not kv.allocate(r, base[p] + k):
                 raise AssertionError(f"{type(kv).__name__}.next_allocation_event missed an event for {r.req_id!r}")
         start = self.clock.now()
         self.clock.sleep_until(times[-1])
@@ -265,10 +251,41 @@ class Engine:
         self.num_fast_forwarded_steps += k
         return finished, bool(finished) and not failed and times[-1] < until
 
+    def _decode_allocations(self, batch: list[Request], base: list[int], n_out: list[int], tok: int, k: int,
+                            changed: dict[int, int]) -> tuple[int, bool]:
+        """The allocator calls of k decode steps that it names as events, each with the request
+        as that step finds it; fills `changed` (step -> reserved slots after its allocations).
+        Returns (steps whose calls all succeeded, whether one failed)."""
+        kv = self.kv
+        events = []  # (run step asking for the count, batch position, count)
+        for p, r in enumerate(batch):
+            m = kv.next_allocation_event(r, base[p])
+            if m - base[p] - 1 < k:
+                events.append((m - base[p] - 1, p, m))
+        heapq.heapify(events)
+        while events and events[0][0] < k:
+            j, p, m = heapq.heappop(events)
+            r = batch[p]
+            r.num_computed_tokens = base[p] + j
+            missing = n_out[p] + j - len(r.output_token_ids)
+            if missing > 0:
+                r.output_token_ids.extend([tok] * missing)
+            if not kv.allocate(r, m):
+                return j, True  # step j is the policy's to decide (it preempts)
+            m = kv.next_allocation_event(r, m)
+            if m - base[p] - 1 < k:
+                heapq.heappush(events, (m - base[p] - 1, p, m))
+            if not events or events[0][0] != j:  # step j's last allocation
+                changed[j] = kv.usage().reserved_slots
+        return k, False
+
+    def _is_stop_token(self, r: Request, tok: int) -> bool:
+        return tok in r.sampling.stop_token_ids or (not r.sampling.ignore_eos and tok == self.eos_token_id)
+
     def _stop_reason(self, r: Request, tok: int) -> FinishReason | None:
-        sp = r.sampling
-        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok == self.eos_token_id):
+        if self._is_stop_token(r, tok):
             return FinishReason.STOP
+        sp = r.sampling
         # r.num_output_tokens and r.num_tokens, inlined: this runs for every sampled token.
         n_out = len(r.output_token_ids)
         if n_out >= sp.max_tokens or len(r.prompt_token_ids) + n_out >= self.max_model_len:

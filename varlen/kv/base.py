@@ -60,6 +60,18 @@ class KVAllocator(ABC):
         """
         return num_tokens + 1
 
+    def grow_decodes(self, reqs: Sequence[Request], counts: Sequence[int],
+                     num_steps: int) -> tuple[int, dict[int, int]] | None:
+        """Optional bulk form of `num_steps` decode steps' calls: at step j, allocate(reqs[p],
+        counts[p] + j + 1) for each p in order (counts: what each has now), until one fails.
+
+        Returns (steps whose calls all succeeded, {step: reserved slots after its calls} for the
+        steps that changed them) and leaves the allocator as those calls would have, the failed
+        step's earlier calls included. None, the default: not offered, the caller makes the
+        calls (skipping those next_allocation_event says only record a count).
+        """
+        return None
+
     @abstractmethod
     def free(self, req: Request) -> None:
         """Give back every block `req` holds (finished, aborted or preempted)."""

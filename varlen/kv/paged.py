@@ -117,6 +117,48 @@ class PagedAllocator(KVAllocator):
             event = min(event, (full + 1) * bs)
         return event
 
+    def grow_decodes(self, reqs: Sequence[Request], counts: Sequence[int],
+                     num_steps: int) -> tuple[int, dict[int, int]] | None:
+        if self.enable_prefix_caching:
+            return None  # decodes fill blocks that must be registered as they fill: call by call
+        # Without prefix caching a decode call only takes a block when its count passes the
+        # table's last slot, and every free block is a plain one: list the takes, step then batch
+        # order, and hand out blocks from the top of the stack in that order.
+        bs, tables, plain = self.block_size, self.tables, self.free_plain
+        takes = []
+        for p, r in enumerate(reqs):
+            takes += [(j, p) for j in range(len(tables[r.req_id]) * bs - counts[p], num_steps, bs)]
+        takes.sort()
+        ok = num_steps
+        if len(takes) > len(plain):
+            ok = takes[len(plain)][0]  # the step whose call finds the pool empty
+            del takes[len(plain):]
+        changed: dict[int, int] = {}
+        if takes:
+            got = plain[-len(takes):]
+            del plain[-len(takes):]
+            got.reverse()
+            rc = self.ref_count
+            reserved = (self.num_blocks - len(plain) - len(got)) * bs
+            for (j, p), b in zip(takes, got):
+                tables[reqs[p].req_id].append(b)
+                rc[b] = 1
+                reserved += bs
+                changed[j] = reserved
+        num_tokens, live = self.num_tokens, 0
+        for p, r in enumerate(reqs):
+            want = counts[p] + ok
+            had = num_tokens[r.req_id]
+            if want > had:
+                num_tokens[r.req_id] = want
+                live += want - had
+        for j, p in takes:
+            if j == ok:  # the failed step's calls before the failing one
+                num_tokens[reqs[p].req_id] += 1
+                live += 1
+        self.live_tokens += live
+        return ok, changed
+
     def _register_full_blocks(self, req: Request, num_tokens: int) -> None:
         # Blocks filled by the end of this step become findable now: within one forward every
         # layer writes all new K/V before any attention reads, so a same-step hit is safe.
@@ -143,6 +185,14 @@ class PagedAllocator(KVAllocator):
         if table is None:
             return
         rc, plain, block_hash = self.ref_count, self.free_plain, self.block_hash
+        if not self.enable_prefix_caching:  # nothing shared, nothing cached: all go on the stack
+            for b in table:
+                if rc[b] != 1:
+                    raise AssertionError(f"block {b} has {rc[b]} holders without prefix caching")
+                rc[b] = 0
+            table.reverse()
+            plain += table
+            return
         for b in reversed(table):  # a prefix's tail is evicted before its head
             c = rc[b] - 1
             rc[b] = c
