@@ -70,7 +70,9 @@ class CostModelExecutor(Executor):
         cached = sum(r.num_computed_tokens for r in batch)
         ends: list[float] = []
         # The clock's own sum, one step at a time: bit-identical end times.
-        while t < until and len(ends) < max_steps:
+        for _ in range(max_steps):
+            if t >= until:
+                break
             t += step_time(cached)
             ends.append(t)
             cached += num_seqs

@@ -25,6 +25,7 @@ from varlen.kv import ContiguousAllocator, PagedAllocator
 from varlen.metrics import step_table, summarize
 from varlen.request import Request
 from varlen.sampling_params import SamplingParams
+from varlen.steplog import step_columns
 from varlen.traces import default_traces_dir, load_trace
 from varlen.workload import trace_requests
 
@@ -90,6 +91,11 @@ def assert_same(a, b) -> None:
         assert ra.engine.num_preemptions == rb.engine.num_preemptions
         assert ra.clock.now() == rb.clock.now()
         assert vars(ra.engine.kv) == vars(rb.engine.kv)  # blocks, free-list order, prefix cache
+        # The compact log's columns are those of its records, read one by one.
+        fast, slow = rb.engine.steps.columns(), step_columns(list(rb.engine.steps))
+        assert fast.keys() == slow.keys()
+        for k in fast:
+            assert np.array_equal(fast[k], slow[k]), k
     sa, sb = (summarize(r.requests, r.steps, r.total_slots, 1.0, 0.05) for r in (a, b))
     assert sa.keys() == sb.keys()
     for k in sa:

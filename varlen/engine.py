@@ -186,14 +186,11 @@ class Engine:
         that fails ends the segment before that step, whose allocations the policy then asks
         again (allocate is idempotent) and preempts for.
         """
-        base, n_out, stop_at = [], [], []
         max_len = self.max_model_len
-        for r in batch:
-            base.append(r.num_computed_tokens)  # = its count at the allocator
-            n = len(r.output_token_ids)
-            n_out.append(n)
-            # Steps until _stop_reason ends it by length (the last included).
-            stop_at.append(min(r.sampling.max_tokens - n, max_len - len(r.prompt_token_ids) - n))
+        base = [r.num_computed_tokens for r in batch]  # = each one's count at the allocator
+        n_out = [len(r.output_token_ids) for r in batch]
+        # Steps until _stop_reason ends each by length (the last included).
+        stop_at = [min(r.sampling.max_tokens - n, max_len - len(r.prompt_token_ids) - n) for r, n in zip(batch, n_out)]
         run = self.executor.decode_run(batch, min(stop_at), until)
         if run is None:
             return [], False
@@ -218,27 +215,34 @@ class Engine:
         if k == 0:
             return [], False
         times = ends[:k] if k < len(ends) else ends
-        for p, r in enumerate(batch):
-            r.num_computed_tokens = base[p] + k
-            missing = n_out[p] + k - len(r.output_token_ids)
-            if missing > 0:
-                r.output_token_ids.extend([tok] * missing)
-            r.token_times.extend(times)
-            # Records the count (or repeats an event call); grow_decodes recorded them itself.
-            if bulk is None and not kv.allocate(r, base[p] + k):
-                raise AssertionError(f"{type(kv).__name__}.next_allocation_event missed an event for {r.req_id!r}")
+        if bulk is not None:  # every request as it was: k more tokens, and their times
+            toks = [tok] * k
+            for r in batch:
+                r.num_computed_tokens += k
+                r.output_token_ids += toks
+                r.token_times += times
+        else:
+            for p, r in enumerate(batch):
+                r.num_computed_tokens = base[p] + k
+                missing = n_out[p] + k - len(r.output_token_ids)  # events may have added some
+                if missing > 0:
+                    r.output_token_ids.extend([tok] * missing)
+                r.token_times += times
+                if not kv.allocate(r, base[p] + k):  # records the count (or repeats an event call)
+                    raise AssertionError(f"{type(kv).__name__}.next_allocation_event missed an event for {r.req_id!r}")
         start = self.clock.now()
         self.clock.sleep_until(times[-1])
         finished = []
-        for r in batch:
+        # Only those at their length limit or sampling a stop token can stop (_stop_reason).
+        for r in (batch if k == 1 else [r for r, s in zip(batch, stop_at) if s == k]):
             reason = self._stop_reason(r, tok)
             if reason is not None:
                 self._finish(r, reason)
                 finished.append(r)
-        reserved_after = []
-        for i in range(k):
-            reserved = changed.get(i, reserved)
-            reserved_after.append(reserved)
+        reserved_after = [reserved] * k
+        for j in sorted(changed):
+            if j < k:
+                reserved_after[j:] = [changed[j]] * (k - j)
         live_last = live_before + len(batch) * k
         if not failed:
             # After the finishes freed their blocks. (A failed event leaves no finish in the run,

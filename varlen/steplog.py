@@ -110,19 +110,22 @@ class StepLog:
         """Per-step arrays (start, duration, num_seqs, num_new_tokens, num_cached_tokens,
         kv_reserved_slots, kv_live_tokens, num_waiting), equal to reading them off the records."""
         start: list[float] = []
-        dur: list[float] = []
+        end: list[float] = []  # a run's step ends (NaN for a record, whose duration is kept)
+        dur: list[float] = []  # a record's duration (NaN for a run's step)
         seqs: list[int] = []
         new: list[int] = []
         cached: list[int] = []
         reserved: list[int] = []
         live: list[int] = []
         waiting: list[int] = []
+        nan = float("nan")
         for e in self.entries:
             if type(e) is DecodeRun:
                 k, B = len(e.ends), len(e.req_ids)
-                starts = [e.start, *e.ends[:-1]]
-                start += starts
-                dur += [b - a for a, b in zip(starts, e.ends)]
+                start.append(e.start)
+                start += e.ends[:-1]
+                end += e.ends
+                dur += [nan] * k
                 seqs += [B] * k
                 new += [B] * k
                 c0 = sum(e.cached_tokens)
@@ -133,6 +136,7 @@ class StepLog:
                 waiting += [e.num_waiting] * k
             else:
                 start.append(e.start)
+                end.append(nan)
                 dur.append(e.duration)
                 seqs.append(len(e.req_ids))
                 new.append(sum(e.new_tokens))
@@ -141,7 +145,10 @@ class StepLog:
                 live.append(e.kv_live_tokens)
                 waiting.append(e.num_waiting)
         f, i = np.float64, np.int64
-        return dict(start=np.array(start, f), duration=np.array(dur, f), num_seqs=np.array(seqs, i),
+        start_a, dur_a = np.array(start, f), np.array(dur, f)
+        in_run = np.isnan(dur_a)
+        dur_a[in_run] = np.array(end, f)[in_run] - start_a[in_run]  # as DecodeRun.record computes it
+        return dict(start=start_a, duration=dur_a, num_seqs=np.array(seqs, i),
                     num_new_tokens=np.array(new, i), num_cached_tokens=np.array(cached, i),
                     kv_reserved_slots=np.array(reserved, i), kv_live_tokens=np.array(live, i),
                     num_waiting=np.array(waiting, i))

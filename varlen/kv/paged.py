@@ -127,7 +127,10 @@ class PagedAllocator(KVAllocator):
         bs, tables, plain = self.block_size, self.tables, self.free_plain
         takes = []
         for p, r in enumerate(reqs):
-            takes += [(j, p) for j in range(len(tables[r.req_id]) * bs - counts[p], num_steps, bs)]
+            j = len(tables[r.req_id]) * bs - counts[p]  # the step whose count passes the last slot
+            while j < num_steps:
+                takes.append((j, p))
+                j += bs
         takes.sort()
         ok = num_steps
         if len(takes) > len(plain):
