@@ -2,10 +2,11 @@
 
 Real runs: the engine on CPU (1 torch thread) with a small locally generated Qwen3, serving Azure
 conversation requests with their arrivals. Two slices of the trace at two rates: A (requests
-0..n at rate_a) and B (requests n..2n at rate_b), each run twice. Two predictions: the model
-fitted on A's step log simulates B, and the model fitted on B simulates A; each is compared with
-the real run, beside the noise floor (the same real run repeated: what the real engine itself
-varies by from run to run, which no cost model can beat).
+0..n at rate_a) and B (requests n..2n at rate_b), each run --repeats times, interleaved. Two
+predictions: the model fitted on A's step logs simulates B, and the model fitted on B's
+simulates A; each is compared with the median of the real repeats, beside the noise floor (how
+far one real run strays from that median: what the real engine itself varies by from run to
+run on this machine, below which no cost model can be checked).
 
 Clock (--clock): "cpu" (default) times the real engine by this process's CPU time, and jumps
 over idle waits for arrivals instead of sleeping; "wall" is the wall clock. On a shared machine
@@ -13,7 +14,7 @@ another process time-sharing the core stretches wall-clock steps at random; CPU 
 only the engine's own work. Garbage collection is off during the real runs (as in the simulator
 and in serving engines, which freeze the heap): its pauses are not a function of the batch.
 
-    taskset -c 1 python benchmarks/sim_fidelity.py [--rate-a 1.0] [--rate-b 1.5] [--n 40]
+    taskset -c 1 python benchmarks/sim_fidelity.py [--rate-a 1.0] [--rate-b 1.5] [--n 40] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -121,25 +122,33 @@ def pct(a, b):
     return (np.asarray(a, dtype=float) / np.asarray(b, dtype=float) - 1.0) * 100.0
 
 
-def predict(fit_on: RealRun, target: RealRun, repeat: RealRun, features, weighting: str) -> pd.DataFrame:
-    """Fit on one run's steps, simulate the other's requests; the table for that prediction."""
+def predict(fit_on: list[RealRun], target: list[RealRun], features, weighting: str) -> pd.DataFrame:
+    """Fit on every repeat of one slice's steps, simulate the other slice's requests; compare with
+    the median of that slice's real repeats."""
     from sim.cost_models import ProfiledCostModel, profile_rows
     from sim.validate import simulate_like
 
-    cost = ProfiledCostModel.fit(profile_rows(fit_on.steps), features=features, weighting=weighting)
-    held = cost.score(profile_rows(target.steps))
-    print(f"\nfit on {fit_on.label} ({len(fit_on.steps)} steps, {weighting}): R2 {cost.report.r2:.3f}, "
+    src, dst = fit_on[0].label, target[0].label
+    rows = [row for r in fit_on for row in profile_rows(r.steps)]
+    cost = ProfiledCostModel.fit(rows, features=features, weighting=weighting)
+    held = cost.score([row for r in target for row in profile_rows(r.steps)])
+    print(f"\nfit on {src} ({len(rows)} steps of {len(fit_on)} runs, {weighting}): R2 {cost.report.r2:.3f}, "
           f"step MAPE {cost.report.mape:.1f}%, {cost.meta['outliers_dropped']} outlier steps dropped; "
-          f"on {target.label}'s steps (held out): R2 {held.r2:.3f}, MAPE {held.mape:.1f}%\n  coefficients: "
+          f"on {dst}'s steps (held out): R2 {held.r2:.3f}, MAPE {held.mape:.1f}%\n  coefficients: "
           + ", ".join(f"{k} {v:.3g}" for k, v in cost.coefficients().items()))
-    sim = simulate_like(target.originals, target.make_policy, target.make_kv, target.max_model_len, cost)
-    pred = headline(sim.requests, sim.steps, sim.total_slots)
-    df = pd.DataFrame({"real": target.headline, "real again": repeat.headline, "sim": pred})
-    df.loc["steps"] = [len(target.steps), len(repeat.steps), sim.num_steps]
-    df["sim error %"] = pct(df["sim"], df["real"])
-    df["noise %"] = pct(df["real again"], df["real"])
-    print(f"{target.label}, real vs simulated (profiled on {fit_on.label}); noise = the real run repeated:")
-    print(df.to_string(float_format=lambda x: f"{x:.2f}"))
+    t = target[0]
+    sim = simulate_like(t.originals, t.make_policy, t.make_kv, t.max_model_len, cost)
+    real = pd.DataFrame({f"real {i + 1}": r.headline for i, r in enumerate(target)})
+    real.loc["steps"] = [len(r.steps) for r in target]
+    df = pd.DataFrame({"real median": real.median(axis=1)})
+    df["sim"] = pd.Series(headline(sim.requests, sim.steps, sim.total_slots))
+    df.loc["steps", "sim"] = sim.num_steps
+    df["sim error %"] = pct(df["sim"], df["real median"])
+    # How far a single real run strays from the median of its repeats: what one measurement of
+    # the real engine varies by, which no cost model can be checked below.
+    df["noise %"] = (real.div(df["real median"], axis=0) - 1.0).abs().max(axis=1) * 100.0
+    print(f"{dst}, real ({len(target)} runs) vs simulated (profiled on {src}):")
+    print(pd.concat([real, df], axis=1).to_string(float_format=lambda x: f"{x:.2f}"))
     return df
 
 
@@ -155,6 +164,9 @@ def main() -> None:
     p.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     p.add_argument("--weighting", choices=["relative", "absolute"], default="relative")
     p.add_argument("--backend", default=None, help="default: torch_sdpa if present, else torch_ref")
+    p.add_argument("--repeats", type=int, default=3, help="real runs of each slice, interleaved A B A B ...")
+    p.add_argument("--features", default=None,
+                   help="comma-separated profiled-model features (default: sim.cost_models.DEFAULT_FEATURES)")
     args = p.parse_args()
 
     import torch
@@ -171,7 +183,7 @@ def main() -> None:
         raise SystemExit(f"needs the Azure conversation trace in {default_traces_dir()}")
     trace = load_trace("azure_conv", limit=2 * args.n, max_model_len=args.max_len, over_length="clip")
     slices = {"A": (0, args.n, args.rate_a), "B": (args.n, 2 * args.n, args.rate_b)}
-    runs: dict[str, RealRun] = {}
+    runs: dict[str, list[RealRun]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(write_tiny_model(os.path.join(tmp, "m"), "qwen3", hidden_size=256, intermediate_size=768,
                                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
@@ -179,21 +191,23 @@ def main() -> None:
         LLM(model_dir, backend=backend).generate([[5] * 300, [7] * 20], None)  # warm the kernels up
         print(f"model: qwen3 hidden 256 x 4 layers, backend {backend}, chunked budget {args.budget}, "
               f"{args.seqs} seats, 1 torch thread, {args.clock} clock, gc off during runs")
-        # A, B, A again, B again: each run's repeat comes after the other slice's run, so the
-        # noise floor spans the same stretch of the machine's time as the prediction does.
-        for label in ("A", "B", "A again", "B again"):
-            lo, hi, rate = slices[label[0]]
-            r = real_run(label, model_dir, backend, slice_trace(trace, lo, hi, rate), args)
-            runs[label] = r
-            print(f"run {label}: requests {lo}..{hi - 1} at {rate} req/s, {len(r.steps)} steps, "
-                  f"busy {r.busy:.0%} of the time, {r.wall_s:.1f} s wall", flush=True)
-    features = DEFAULT_FEATURES
-    tables = {"A -> B": predict(runs["A"], runs["B"], runs["B again"], features, args.weighting),
-              "B -> A": predict(runs["B"], runs["A"], runs["A again"], features, args.weighting)}
+        # A, B, A, B, ...: interleaved, so the repeats of both slices span the same stretch of
+        # the machine's time (a shared VM's speed drifts by several percent over minutes).
+        for i in range(args.repeats):
+            for label in ("A", "B"):
+                lo, hi, rate = slices[label]
+                r = real_run(label, model_dir, backend, slice_trace(trace, lo, hi, rate), args)
+                runs.setdefault(label, []).append(r)
+                print(f"run {label} #{i + 1}: requests {lo}..{hi - 1} at {rate} req/s, {len(r.steps)} steps, "
+                      f"busy {r.busy:.0%} of the time, {r.wall_s:.1f} s wall", flush=True)
+    features = tuple(args.features.split(",")) if args.features else DEFAULT_FEATURES
+    tables = {"A -> B": predict(runs["A"], runs["B"], features, args.weighting),
+              "B -> A": predict(runs["B"], runs["A"], features, args.weighting)}
     summary = pd.DataFrame({name: t.loc[GOAL_METRICS, "sim error %"].abs() for name, t in tables.items()})
     noise = pd.DataFrame({name: t.loc[GOAL_METRICS, "noise %"].abs() for name, t in tables.items()})
     out = pd.concat({"|sim error| %": summary, "|noise| %": noise}, axis=1)
-    print("\nsummary (fit on one slice and rate, predict the other):")
+    print("\nsummary (fit on one slice and rate, predict the other; noise: the largest deviation of one "
+          "real run from the median of its repeats):")
     print(out.to_string(float_format=lambda x: f"{x:.1f}"))
     print(f"\nworst error over TTFT p50/p90, TPOT p50, throughput: {summary.values.max():.1f}% (goal <= 5%); "
           f"worst real-vs-real noise on the same metrics: {noise.values.max():.1f}%")

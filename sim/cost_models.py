@@ -40,6 +40,7 @@ class StepSums:
     new_cached: float  # sum n_i * c_i
     new_sq: float  # sum n_i^2
     num_logits: int
+    num_prefills: int = 0  # requests with more than one new token (a prompt or a chunk of one)
 
     @property
     def attention_pairs(self) -> float:
@@ -49,7 +50,7 @@ class StepSums:
     def of(cls, new_tokens: Any, cached_tokens: Any, num_logits: int | None = None) -> StepSums:
         n, c = _as_arrays(new_tokens, cached_tokens)
         return cls(len(n), float(n.sum()), float(c.sum()), float(np.dot(n, c)), float(np.dot(n, n)),
-                   len(n) if num_logits is None else int(num_logits))
+                   len(n) if num_logits is None else int(num_logits), int((n > 1).sum()))
 
 
 class CostModel(ABC):
@@ -402,6 +403,10 @@ def _feat_logits(n, c, rows):
     return float(rows)
 
 
+def _feat_prefills(n, c, rows):
+    return float((n > 1).sum())
+
+
 # Each feature is a quantity some part of the step scales with. "logit_rows" is left out of
 # the default because with one logit row per request it equals "num_seqs" (collinear).
 FEATURES = {
@@ -411,8 +416,12 @@ FEATURES = {
     "attn_work": _feat_attn,  # causal query-key pairs
     "cached_tokens": _feat_cached,  # KV read
     "logit_rows": _feat_logits,
+    "prefill_seqs": _feat_prefills,  # per-prompt work: attention call, mask, gathers
 }
-DEFAULT_FEATURES = ("const", "new_tokens", "num_seqs", "attn_work", "cached_tokens")
+# prefill_seqs: measured on the CPU engine, a prompt (or a chunk of one) costs ~2 ms beyond its
+# tokens (its own attention call, mask and K/V gathers per layer); without it the fit spreads
+# that cost over tokens and TTFT comes out ~10% off (benchmarks/sim_fidelity.py).
+DEFAULT_FEATURES = ("const", "new_tokens", "num_seqs", "attn_work", "cached_tokens", "prefill_seqs")
 
 # The same features from a step's sums (StepSums), for the simulator's fast path.
 FEATURES_FROM_SUMS = {
@@ -422,6 +431,7 @@ FEATURES_FROM_SUMS = {
     "attn_work": lambda s: s.attention_pairs,
     "cached_tokens": lambda s: s.cached,
     "logit_rows": lambda s: float(s.num_logits),
+    "prefill_seqs": lambda s: float(s.num_prefills),
 }
 
 

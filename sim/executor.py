@@ -30,19 +30,21 @@ class CostModelExecutor(Executor):
         out: list[int | None] = []
         sampled = 0
         if self._sums:
-            tn = tc = tnc = tnn = 0
+            tn = tc = tnc = tnn = prefills = 0
             for r, n in scheduled:
                 c = r.num_computed_tokens
                 tn += n
                 tc += c
                 tnc += n * c
                 tnn += n * n
+                if n > 1:
+                    prefills += 1
                 if c + n == len(r.prompt_token_ids) + len(r.output_token_ids):  # r.num_tokens, inlined
                     out.append(SIM_TOKEN)
                     sampled += 1
                 else:
                     out.append(None)
-            dt = self.cost.step_time_sums(StepSums(len(scheduled), tn, tc, tnc, tnn, sampled))
+            dt = self.cost.step_time_sums(StepSums(len(scheduled), tn, tc, tnc, tnn, sampled, prefills))
         else:
             new, cached = [], []
             for r, n in scheduled:

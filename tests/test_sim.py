@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -91,11 +92,13 @@ def test_replicas_behind_a_router(router):
 def test_step_sums_equal_arrays(batch, logits):
     n = [a for a, _ in batch]
     c = [b for _, b in batch]
-    s = StepSums(len(n), sum(n), sum(c), sum(a * b for a, b in batch), sum(a * a for a in n), logits)
+    s = StepSums(len(n), sum(n), sum(c), sum(a * b for a, b in batch), sum(a * a for a in n), logits,
+                 sum(a > 1 for a in n))
+    assert s == StepSums.of(n, c, logits)
     roof = RooflineCostModel("tiny", "h100_sxm")
     assert roof.step_time_sums(s) == pytest.approx(roof.step_time(n, c, logits), rel=1e-12)
     prof = ProfiledCostModel(coef={"const": 1e-3, "new_tokens": 2e-6, "num_seqs": 1e-5, "attn_work": 1e-9,
-                                   "cached_tokens": 3e-8, "logit_rows": 4e-6})
+                                   "cached_tokens": 3e-8, "logit_rows": 4e-6, "prefill_seqs": 2e-3})
     assert prof.step_time_sums(s) == pytest.approx(prof.step_time(n, c, logits), rel=1e-12)
 
 
@@ -130,20 +133,28 @@ def test_bisection_finds_the_threshold():
 
 
 def test_sweep_command_and_report(tmp_path):
-    """The sweep of the issue, small: Hydra multirun through the joblib launcher, then the report."""
+    """The sweep of the issue, small: one command, a Hydra multirun through the joblib launcher
+    that ends with the report (sim.callbacks.SweepReport); sim.report alone redraws it."""
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "sim.run", "-m", "scheduler=static,chunked", "workload.rate=2,8",
            "sim_workload=synthetic", "workload.num_requests=60", "sim_model=tiny", "hardware=cpu_2core",
            "engine.num_blocks=256", "engine.max_model_len=2048", f"hydra.sweep.dir={sweep}"]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
+    out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
     summaries = sorted(sweep.rglob("summary.json"))
     assert len(summaries) == 4
     row = json.loads(summaries[0].read_text())
     assert row["requests"] == 60 and row["scheduler"] in ("static", "chunked")
+    assert "chunked/paged" in out and "static/paged" in out, out
+    files = ("summary.csv", "latency_throughput.png", "ttft_cdf.png", "tpot_cdf.png", "kv_usage.png")
+    for f in files:
+        assert (sweep / f).stat().st_size > 0
+    assert len(pd.read_csv(sweep / "summary.csv")) == 4
+    for f in files:
+        (sweep / f).unlink()
     out = subprocess.run([sys.executable, "-m", "sim.report", str(sweep)], cwd=ROOT, check=True,
                          capture_output=True, text=True).stdout
     assert "chunked/paged" in out and "static/paged" in out
-    for f in ("summary.csv", "latency_throughput.png", "ttft_cdf.png", "tpot_cdf.png", "kv_usage.png"):
+    for f in files:
         assert (sweep / f).stat().st_size > 0
 
 

@@ -1,0 +1,22 @@
+"""Hydra callbacks of `python -m sim.run`: a sweep (-m) ends with its table and plots written,
+so one command runs the sweep and reports it. Kept apart from sim.report so that a single
+simulation never imports matplotlib."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+
+class SweepReport(Callback):
+    """After the last job of a multirun: `python -m sim.report <sweep dir>`, printed."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from sim.report import main
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if any(sweep_dir.rglob("summary.json")):  # nothing to gather if every job failed
+            main([str(sweep_dir)])
