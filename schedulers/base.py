@@ -41,8 +41,8 @@ class SchedulerPolicy(ABC):
     #: False: a prompt is computed in one step (so it must fit the token budget whole).
     chunked_prefill: bool = False
 
-    #: Opt-in promise that lets the simulator fast-forward (see next_decode_batch): with the
-    #: waiting queue empty and every running request needing exactly one token, my decision is
+    #: Opt-in promise that lets the simulator fast-forward (see next_decode_batch): with no
+    #: admission possible (`_may_admit`) and every running request needing exactly one token, my decision is
     #: every running request for one token, in `running` order, and stays so (less the requests
     #: that finish) while no request arrives and every allocation succeeds. True for the shipped
     #: policies; a policy that looks at anything else (time, step counts, randomness, state
@@ -89,13 +89,17 @@ class SchedulerPolicy(ABC):
         running request (the promise of `repeats_decode_batches`), else None. The engine then
         runs such steps without asking me each one (`Engine.step` with `until`)."""
         running = self.running
-        if (not self.repeats_decode_batches or self.waiting or not running
+        if (not self.repeats_decode_batches or self._may_admit() or not running
                 or len(running) > self.max_num_batched_tokens):
             return None
         for r in running:
             if len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens != 1:
                 return None
         return list(running)
+
+    def _may_admit(self) -> bool:
+        """Whether my next schedule may admit a waiting request (then no decode run is promised)."""
+        return bool(self.waiting)
 
     def waiting_order(self) -> list[Request]:
         """Order in which waiting requests are considered (FCFS unless overridden)."""

@@ -25,6 +25,13 @@ class StaticPolicy(SchedulerPolicy):
             self._admit_waiting(kv, out, budget, limit=sum(r.req_id in self.members for r in self.waiting))
         return out
 
+    def _may_admit(self) -> bool:
+        # Newcomers wait for the whole batch to finish; only a preempted member re-enters early.
+        # (Preempted members go back to the front of the queue, where schedule() looks for them.)
+        if not self.members:
+            return bool(self.waiting)
+        return bool(self.waiting) and self.waiting[0].req_id in self.members
+
     def waiting_order(self):
         if self.members:
             return [r for r in self.waiting if r.req_id in self.members]
