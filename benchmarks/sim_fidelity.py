@@ -14,7 +14,7 @@ another process time-sharing the core stretches wall-clock steps at random; CPU 
 only the engine's own work. Garbage collection is off during the real runs (as in the simulator
 and in serving engines, which freeze the heap): its pauses are not a function of the batch.
 
-    taskset -c 1 python benchmarks/sim_fidelity.py [--rate-a 1.0] [--rate-b 1.5] [--n 40] [--repeats 3]
+    taskset -c 1 python benchmarks/sim_fidelity.py [--rate-a 1.0] [--rate-b 1.5] [--n 100] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def predict(fit_on: list[RealRun], target: list[RealRun], features, weighting: s
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=40, help="requests per slice")
+    p.add_argument("--n", type=int, default=100, help="requests per slice")
     p.add_argument("--rate-a", type=float, default=1.0, help="req/s of slice A (requests 0..n)")
     p.add_argument("--rate-b", type=float, default=1.5, help="req/s of slice B (requests n..2n)")
     p.add_argument("--max-len", type=int, default=1024)
