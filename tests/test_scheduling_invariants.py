@@ -71,8 +71,16 @@ class SchedulingMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         before = len(self.exe.calls)
+        promised = self.policy.next_decode_batch()  # the fast-forward's promise, when it makes one
+        promised_ids = None if promised is None else [r.req_id for r in promised]
+        preemptions = self.engine.num_preemptions
         self.engine.clock.advance(0.01)
         self.engine.step()
+        # Kept while every allocation succeeds (a preemption means one failed).
+        if promised_ids is not None and self.engine.num_preemptions == preemptions:
+            assert len(self.exe.calls) > before, "a promised decode step did not run"
+            assert self.exe.calls[-1] == [(rid, c, 1) for rid, c, _ in self.exe.calls[-1]]
+            assert [c[0] for c in self.exe.calls[-1]] == promised_ids, "the step broke the decode promise"
         if len(self.exe.calls) > before:
             call, rec = self.exe.calls[-1], self.engine.steps[-1]
             assert [c[0] for c in call] == rec.req_ids and [c[2] for c in call] == rec.new_tokens
