@@ -162,7 +162,7 @@ def main() -> None:
     p.add_argument("--seqs", type=int, default=16)
     p.add_argument("--blocks", type=int, default=1024)
     p.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
-    p.add_argument("--weighting", choices=["relative", "absolute"], default="relative")
+    p.add_argument("--weighting", choices=["relative", "absolute"], default="absolute")
     p.add_argument("--backend", default=None, help="default: torch_sdpa if present, else torch_ref")
     p.add_argument("--repeats", type=int, default=3, help="real runs of each slice, interleaved A B A B ...")
     p.add_argument("--features", default=None,

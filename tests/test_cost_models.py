@@ -301,7 +301,7 @@ def test_profiled_save_load_round_trip(tmp_path: Path) -> None:
     back = ProfiledCostModel.load(path)
     assert back.features == model.features == DEFAULT_FEATURES
     np.testing.assert_array_equal(back.coef, model.coef)
-    assert back.report == model.report and back.meta == {"weighting": "relative", "outliers_dropped": 0}
+    assert back.report == model.report and back.meta == {"weighting": "absolute", "outliers_dropped": 0}
     for n, c, _ in data[:10]:
         assert back.step_time(n, c) == model.step_time(n, c)
     via_factory = make_cost_model("profiled", path=str(path))
