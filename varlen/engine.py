@@ -239,10 +239,13 @@ class Engine:
             if reason is not None:
                 self._finish(r, reason)
                 finished.append(r)
-        reserved_after = [reserved] * k
+        reserved_after: list[int] = []  # each step's value: the last change at or before it
+        done = 0
         for j in sorted(changed):
             if j < k:
-                reserved_after[j:] = [changed[j]] * (k - j)
+                reserved_after += [reserved] * (j - done)
+                reserved, done = changed[j], j
+        reserved_after += [reserved] * (k - done)
         live_last = live_before + len(batch) * k
         if not failed:
             # After the finishes freed their blocks. (A failed event leaves no finish in the run,
