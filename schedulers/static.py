@@ -21,7 +21,7 @@ class StaticPolicy(SchedulerPolicy):
             return out
         budget = self._schedule_running(kv, out, self.max_num_batched_tokens)
         # A member preempted for memory re-enters its own batch, never a newcomer.
-        if self.waiting and self.waiting[0].req_id in self.members:
+        if self._may_admit():
             self._admit_waiting(kv, out, budget, limit=sum(r.req_id in self.members for r in self.waiting))
         return out
 

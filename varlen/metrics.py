@@ -42,18 +42,20 @@ class RequestMetrics:
 def request_table(requests: Iterable[Request]):
     import pandas as pd
 
-    rows = []
-    for r in requests:
-        m = RequestMetrics.of(r)
-        rows.append(dict(
-            req_id=r.req_id, prompt_tokens=r.num_prompt_tokens, output_tokens=r.num_output_tokens,
-            finish_reason=r.finish_reason.value if r.finish_reason else None, finish_message=r.finish_message,
-            arrival=m.arrival, first_scheduled=m.first_scheduled, first_token=m.first_token, finish=m.finish,
-            ttft=m.ttft, tpot=m.tpot, e2e=m.e2e,
-            normalized_latency=m.e2e / r.num_output_tokens if m.e2e is not None and r.num_output_tokens else None,
-            num_preemptions=m.num_preemptions, prefix_hit_tokens=m.num_prefix_hit_tokens,
-            priority=r.priority))
-    return pd.DataFrame(rows)
+    requests = list(requests)
+    lat = _latencies(requests)
+    out_tokens = np.array([r.num_output_tokens for r in requests], np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        normalized = np.where(out_tokens > 0, lat["e2e"] / out_tokens, np.nan)
+    return pd.DataFrame(dict(
+        req_id=[r.req_id for r in requests], prompt_tokens=[r.num_prompt_tokens for r in requests],
+        output_tokens=[r.num_output_tokens for r in requests],
+        finish_reason=[r.finish_reason.value if r.finish_reason else None for r in requests],
+        finish_message=[r.finish_message for r in requests], arrival=lat["arrival"],
+        first_scheduled=[np.nan if r.first_scheduled is None else r.first_scheduled for r in requests],
+        first_token=lat["first_token"], finish=lat["finish"], ttft=lat["ttft"], tpot=lat["tpot"], e2e=lat["e2e"],
+        normalized_latency=normalized, num_preemptions=[r.num_preemptions for r in requests],
+        prefix_hit_tokens=[r.num_prefix_hit_tokens for r in requests], priority=[r.priority for r in requests]))
 
 
 def step_table(steps: Sequence, detail: bool = True) -> "pd.DataFrame":  # noqa: F821
@@ -107,31 +109,38 @@ def _time_weighted_kv(c: dict[str, np.ndarray], total_slots: int) -> float:
     return float(np.dot(c["kv_reserved_slots"], c["duration"])) / busy / total_slots
 
 
+def _latencies(reqs: Sequence[Request]) -> dict[str, np.ndarray]:
+    """Per request: arrival, first_token, finish, ttft, tpot, e2e (NaN where undefined), and
+    every request's inter-token gaps as one array (itl). All token times go into one array:
+    a long simulation has millions, too many to handle one by one."""
+    times = [r.token_times for r in reqs]
+    lens = np.fromiter(map(len, times), np.int64, len(times))
+    flat = np.fromiter(itertools.chain.from_iterable(times), np.float64, int(lens.sum()))
+    first = np.cumsum(lens) - lens
+    has, many = lens > 0, lens > 1
+    arrival = np.array([r.arrival for r in reqs], np.float64)
+    finish = np.array([np.nan if r.finish_time is None else r.finish_time for r in reqs], np.float64)
+    first_token = np.full(len(reqs), np.nan)
+    first_token[has] = flat[first[has]]
+    tpot = np.full(len(reqs), np.nan)
+    tpot[many] = (flat[first[many] + lens[many] - 1] - flat[first[many]]) / (lens[many] - 1)
+    gaps = np.diff(flat)
+    between = np.ones(len(gaps), bool)  # False where a gap spans two requests
+    between[first[has & (first > 0)] - 1] = False
+    return dict(arrival=arrival, first_token=first_token, finish=finish, ttft=first_token - arrival, tpot=tpot,
+                e2e=finish - arrival, itl=gaps[between])
+
+
 def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
               ttft_slo: float | None = None, tpot_slo: float | None = None) -> dict[str, float]:
     """One row of headline figures: throughput, latency percentiles, preemptions, KV usage, goodput."""
     c = step_columns(steps)
     done = [r for r in requests if r.finish_reason is not None and r.finish_reason.value in ("length", "stop")]
-    # All token times in one array: a long simulation has millions, too many to handle one by one.
-    times = [r.token_times for r in done]
-    lens = np.fromiter(map(len, times), np.int64, len(times))
-    flat = np.fromiter(itertools.chain.from_iterable(times), np.float64, int(lens.sum()))
-    first = np.cumsum(lens) - lens
-    has = lens > 0
-    arrival = np.array([r.arrival for r in done], np.float64)
-    finish = np.array([np.nan if r.finish_time is None else r.finish_time for r in done], np.float64)
-    ttft_all = np.full(len(done), np.nan)
-    ttft_all[has] = flat[first[has]] - arrival[has]
-    tpot_all = np.full(len(done), np.nan)
-    many = lens > 1
-    tpot_all[many] = (flat[first[many] + lens[many] - 1] - flat[first[many]]) / (lens[many] - 1)
-    gaps = np.diff(flat)
-    between = np.ones(len(gaps), bool)  # False where a gap spans two requests
-    starts = first[has & (first > 0)]
-    between[starts - 1] = False
-    ttft, tpot = ttft_all[has], tpot_all[many]
-    itl = gaps[between]
-    e2e = (finish - arrival)[~np.isnan(finish)]
+    lat = _latencies(done)
+    finish, ttft_all, tpot_all = lat["finish"], lat["ttft"], lat["tpot"]
+    has, many = ~np.isnan(ttft_all), ~np.isnan(tpot_all)
+    ttft, tpot, itl = ttft_all[has], tpot_all[many], lat["itl"]
+    e2e = lat["e2e"][~np.isnan(finish)]
     start = min((r.arrival for r in requests), default=0.0)
     end = float(np.nanmax(finish)) if len(done) and not np.isnan(finish).all() else start
     span = max(end - start, 1e-9)

@@ -32,6 +32,18 @@ class KVAllocator(ABC):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len or num_blocks * block_size
+        self.num_tokens: dict[str, int] = {}  # per holder, the largest count it asked slots for
+        self.live_tokens = 0  # their sum, kept as it changes: usage() runs every step
+
+    def _record_count(self, req_id: str, num_tokens: int) -> None:
+        """A holder asked for `num_tokens` slots: remember its largest count."""
+        had = self.num_tokens.get(req_id, 0)
+        if num_tokens > had:
+            self.num_tokens[req_id] = num_tokens
+            self.live_tokens += num_tokens - had
+
+    def _forget_count(self, req_id: str) -> None:
+        self.live_tokens -= self.num_tokens.pop(req_id, 0)
 
     @property
     def capacity_tokens(self) -> int:

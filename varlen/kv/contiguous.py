@@ -26,10 +26,7 @@ class ContiguousAllocator(KVAllocator):
         self.reservation = reservation
         self.extents: list[tuple[int, int]] = [(0, num_blocks)]  # free runs (start, length), sorted
         self.runs: dict[str, tuple[int, int]] = {}
-        self.num_tokens: dict[str, int] = {}
-        # Sums kept as they change, since usage() runs every step.
-        self.live_tokens = 0  # of num_tokens
-        self.free_blocks = num_blocks  # in extents
+        self.free_blocks = num_blocks  # sum of the extents' lengths, kept as it changes: usage() runs every step
 
     def reserve_tokens(self, req: Request) -> int:
         if self.reservation == "max":
@@ -58,10 +55,7 @@ class ContiguousAllocator(KVAllocator):
             # The reservation was sized to cover the request's whole life, so this is a caller bug.
             raise ValueError(f"request {req.req_id!r} needs {num_tokens} tokens but reserved "
                              f"{run[1] * self.block_size} ({self.reservation} policy)")
-        had = self.num_tokens.get(req.req_id, 0)
-        if num_tokens > had:
-            self.num_tokens[req.req_id] = num_tokens
-            self.live_tokens += num_tokens - had
+        self._record_count(req.req_id, num_tokens)
         return True
 
     def next_allocation_event(self, req: Request, num_tokens: int) -> int:
@@ -71,7 +65,7 @@ class ContiguousAllocator(KVAllocator):
 
     def free(self, req: Request) -> None:
         run = self.runs.pop(req.req_id, None)
-        self.live_tokens -= self.num_tokens.pop(req.req_id, 0)
+        self._forget_count(req.req_id)
         if run is None:
             return
         self.free_blocks += run[1]

@@ -29,8 +29,6 @@ class PagedAllocator(KVAllocator):
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id
         self.tables: dict[str, list[int]] = {}
-        self.num_tokens: dict[str, int] = {}
-        self.live_tokens = 0  # sum of num_tokens, kept as it changes: usage() runs every step
         self.registered: dict[str, int] = {}  # how many leading blocks of a request are registered
         self.prefix_hit_blocks = 0  # counters, for tests and reports
         self.prefix_query_blocks = 0
@@ -56,10 +54,7 @@ class PagedAllocator(KVAllocator):
         table = self.tables.get(req.req_id)
         if table is not None and -(-num_tokens // self.block_size) <= len(table):
             # Fast path (most calls: a decode inside its last block): no block to take.
-            had = self.num_tokens[req.req_id]
-            if num_tokens > had:
-                self.num_tokens[req.req_id] = num_tokens
-                self.live_tokens += num_tokens - had
+            self._record_count(req.req_id, num_tokens)
             if self.enable_prefix_caching:
                 self._register_full_blocks(req, num_tokens)
             return True
@@ -99,10 +94,7 @@ class PagedAllocator(KVAllocator):
                 self.block_hash[b] = self.block_tokens[b] = None
                 rc[b] = 1
                 table.append(b)
-        had = self.num_tokens.get(req.req_id, 0)
-        if num_tokens > had:
-            self.num_tokens[req.req_id] = num_tokens
-            self.live_tokens += num_tokens - had
+        self._record_count(req.req_id, num_tokens)
         self._register_full_blocks(req, num_tokens)
         return True
 
@@ -148,18 +140,11 @@ class PagedAllocator(KVAllocator):
                 rc[b] = 1
                 reserved += bs
                 changed[j] = reserved
-        num_tokens, live = self.num_tokens, 0
         for p, r in enumerate(reqs):
-            want = counts[p] + ok
-            had = num_tokens[r.req_id]
-            if want > had:
-                num_tokens[r.req_id] = want
-                live += want - had
+            self._record_count(r.req_id, counts[p] + ok)
         for j, p in takes:
             if j == ok:  # the failed step's calls before the failing one
-                num_tokens[reqs[p].req_id] += 1
-                live += 1
-        self.live_tokens += live
+                self._record_count(reqs[p].req_id, counts[p] + ok + 1)
         return ok, changed
 
     def _register_full_blocks(self, req: Request, num_tokens: int) -> None:
@@ -183,7 +168,7 @@ class PagedAllocator(KVAllocator):
 
     def free(self, req: Request) -> None:
         table = self.tables.pop(req.req_id, None)
-        self.live_tokens -= self.num_tokens.pop(req.req_id, 0)
+        self._forget_count(req.req_id)
         self.registered.pop(req.req_id, None)
         if table is None:
             return
