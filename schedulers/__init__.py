@@ -1,5 +1,9 @@
 """Scheduler policies, by name (the same names as `conf/scheduler/*.yaml`)."""
 
+from varlen.compiled import package_path
+
+__path__ = package_path(__name__, __path__)  # the compiled core's modules first, when built
+
 from schedulers.base import SchedulerOutput, SchedulerPolicy
 from schedulers.chunked import ChunkedPolicy
 from schedulers.continuous import ContinuousPolicy

@@ -15,17 +15,26 @@ from __future__ import annotations
 
 from abc import ABC
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import islice
+from typing import ClassVar
+
+from mypy_extensions import mypyc_attr
 
 from varlen.kv.base import KVAllocator
 from varlen.request import Request, Status
 
 
-@dataclass(slots=True)
+# init=False and an explicit __init__: compiled (varlen/compiled.py), a dataclass's generated
+# __init__ would still run as interpreted Python, and this is built in the hot loop.
+@dataclass(init=False, slots=True)
 class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens), batch order
-    preempted: list[Request] = field(default_factory=list)
+    scheduled: list[tuple[Request, int]]  # (request, new tokens), batch order
+    preempted: list[Request]
+
+    def __init__(self, scheduled: list[tuple[Request, int]] | None = None, preempted: list[Request] | None = None) -> None:
+        self.scheduled = [] if scheduled is None else scheduled
+        self.preempted = [] if preempted is None else preempted
 
     @property
     def num_tokens(self) -> int:
@@ -35,11 +44,12 @@ class SchedulerOutput:
         return bool(self.scheduled)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SchedulerPolicy(ABC):
     """Base with the shared mechanics; a policy decides *order* and *admission* only."""
 
     #: False: a prompt is computed in one step (so it must fit the token budget whole).
-    chunked_prefill: bool = False
+    chunked_prefill: ClassVar[bool] = False
 
     #: Opt-in promise that lets the simulator fast-forward (see next_decode_batch): with no
     #: admission possible (`_may_admit`) and every running request needing exactly one token, my decision is
@@ -47,7 +57,7 @@ class SchedulerPolicy(ABC):
     #: that finish) while no request arrives and every allocation succeeds. True for the shipped
     #: policies; a policy that looks at anything else (time, step counts, randomness, state
     #: outside the queues) must leave it False.
-    repeats_decode_batches: bool = False
+    repeats_decode_batches: ClassVar[bool] = False
 
     def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:

@@ -7,11 +7,8 @@ from varlen.kv.base import KVAllocator
 
 
 class PriorityPolicy(SchedulerPolicy):
+    chunked_prefill = True
     repeats_decode_batches = True  # the running order is a stable sort on fixed keys
-
-    def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, chunked_prefill: bool = True):
-        super().__init__(max_num_seqs, max_num_batched_tokens)
-        self.chunked_prefill = chunked_prefill
 
     def schedule(self, kv: KVAllocator) -> SchedulerOutput:
         self.running.sort(key=lambda r: (r.priority, r.arrival))

@@ -19,14 +19,23 @@ import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Callable, Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
+from mypy_extensions import mypyc_attr
+from numpy.typing import ArrayLike
 
-HARDWARE_DIR = Path(__file__).resolve().parents[1] / "conf" / "hardware"
+def hardware_dir() -> Path:
+    """conf/hardware/ of the source tree. Found from the package, not this module: compiled
+    (varlen/compiled.py), this module's file is in the build cache."""
+    import sim
+
+    return Path(sim.__file__).resolve().parents[1] / "conf" / "hardware"
 
 
-@dataclass(slots=True)
+# init=False and an explicit __init__: compiled (varlen/compiled.py), a dataclass's generated
+# __init__ would still run as interpreted Python, and this is built in the hot loop.
+@dataclass(init=False, slots=True)
 class StepSums:
     """The sums over a step's requests that the analytic and fitted models depend on.
 
@@ -42,6 +51,11 @@ class StepSums:
     num_logits: int
     num_prefills: int = 0  # requests with more than one new token (a prompt or a chunk of one)
 
+    def __init__(self, num_seqs: int, new: float, cached: float, new_cached: float, new_sq: float, num_logits: int,
+                 num_prefills: int = 0) -> None:
+        self.num_seqs, self.new, self.cached, self.new_cached = num_seqs, new, cached, new_cached
+        self.new_sq, self.num_logits, self.num_prefills = new_sq, num_logits, num_prefills
+
     @property
     def attention_pairs(self) -> float:
         return self.new_cached + (self.new_sq + self.new) / 2.0
@@ -53,9 +67,10 @@ class StepSums:
                    len(n) if num_logits is None else int(num_logits), int((n > 1).sum()))
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class CostModel(ABC):
     @abstractmethod
-    def step_time(self, new_tokens: np.ndarray, cached_tokens: np.ndarray,
+    def step_time(self, new_tokens: ArrayLike, cached_tokens: ArrayLike,
                   num_logits: int | None = None) -> float:
         """Seconds for one step; num_logits defaults to one logit row per request."""
 
@@ -138,13 +153,13 @@ class HardwareSpec:
     @classmethod
     def load(cls, name_or_path: str | os.PathLike) -> HardwareSpec:
         """From conf/hardware/<name>.yaml, or from a yaml path."""
-        import yaml  # only here: the simulator need not pay for it when given a spec
+        import yaml  # type: ignore[import-untyped]  # only here: the simulator need not pay for it when given a spec
 
         p = Path(name_or_path)
         if p.suffix not in (".yaml", ".yml"):
-            p = HARDWARE_DIR / f"{name_or_path}.yaml"
+            p = hardware_dir() / f"{name_or_path}.yaml"
         if not p.is_file():
-            known = sorted(x.stem for x in HARDWARE_DIR.glob("*.yaml"))
+            known = sorted(x.stem for x in hardware_dir().glob("*.yaml"))
             raise FileNotFoundError(f"no hardware spec {name_or_path!r} (known: {', '.join(known)})")
         return cls.from_dict(yaml.safe_load(p.read_text()))
 
@@ -335,7 +350,7 @@ class RooflineCostModel(CostModel):
         return (self.shape.layers * (mx(lin_f / F, lin_b / B) + mx(attn_f / F, attn_b / B))
                 + mx(head_f / F, head_b / B) + self.overhead_s)
 
-    def step_time(self, new_tokens: np.ndarray, cached_tokens: np.ndarray,
+    def step_time(self, new_tokens: ArrayLike, cached_tokens: ArrayLike,
                   num_logits: int | None = None) -> float:
         t, *terms = self._terms(new_tokens, cached_tokens, num_logits)
         return self._combine(*terms) if t else self.overhead_s
@@ -474,7 +489,7 @@ def _nnls_numpy(A: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np
                 break
             # Step from x towards z until the first passive coefficient reaches zero.
             neg = passive & (z <= 0)
-            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            alpha: Any = np.min(x[neg] / (x[neg] - z[neg]))
             x = x + alpha * (z - x)
             passive &= x > tol
             x[~passive] = 0.0
@@ -562,7 +577,7 @@ class ProfiledCostModel(CostModel):
             raise ValueError(f"weighting must be 'relative' or 'absolute', got {weighting!r}")
         model = cls(features=features)
         X, y = model._design(steps)
-        keep = np.ones(len(y), bool)
+        keep: Any = np.ones(len(y), bool)
         coef = np.zeros(X.shape[1])
         for it in range(max(1, iterations)):
             if it == 0 or weighting == "absolute":
@@ -610,7 +625,7 @@ class ProfiledCostModel(CostModel):
     def load(cls, path: str | os.PathLike) -> ProfiledCostModel:
         return cls(path)
 
-    def step_time(self, new_tokens: np.ndarray, cached_tokens: np.ndarray,
+    def step_time(self, new_tokens: ArrayLike, cached_tokens: ArrayLike,
                   num_logits: int | None = None) -> float:
         return float(self.feature_row(new_tokens, cached_tokens, num_logits) @ self.coef)
 
@@ -637,8 +652,10 @@ class ReplayCostModel(CostModel):
         if isinstance(durations, (str, os.PathLike)):
             # A JSON list, or one number per line.
             text = Path(durations).read_text()
-            durations = json.loads(text) if text.lstrip().startswith("[") else text.split()
-        self.durations = [float(d) for d in durations]
+            values: Sequence[Any] = json.loads(text) if text.lstrip().startswith("[") else text.split()
+        else:
+            values = durations
+        self.durations = [float(d) for d in values]
         self.starts = None if starts is None else [float(t) for t in starts]
         if self.starts is not None and len(self.starts) != len(self.durations):
             raise ValueError(f"{len(self.starts)} start times for {len(self.durations)} durations")
@@ -663,7 +680,7 @@ class ReplayCostModel(CostModel):
             return now
         return max(now, self.starts[self.position])
 
-    def step_time(self, new_tokens: np.ndarray, cached_tokens: np.ndarray,
+    def step_time(self, new_tokens: ArrayLike, cached_tokens: ArrayLike,
                   num_logits: int | None = None) -> float:
         if self.position >= len(self.durations):
             raise RuntimeError(f"replay exhausted: the simulator asked for step {self.position + 1} "

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sim.cost_models import (
-    DEFAULT_FEATURES, HARDWARE_DIR, HardwareSpec, ModelShape, ProfiledCostModel, ReplayCostModel,
+    DEFAULT_FEATURES, HardwareSpec, hardware_dir, ModelShape, ProfiledCostModel, ReplayCostModel,
     RooflineCostModel, _nnls_numpy, attention_pairs, make_cost_model,
 )
 
@@ -67,7 +67,7 @@ def test_cpu_spec_is_marked_as_estimate() -> None:
     hw = HardwareSpec.load("cpu_2core")
     assert hw.estimated and hw.dtype_bytes == 4
     assert hw.peak_tflops * 1e3 == pytest.approx(2 * 2 * 8 * 2 * 2.45)  # GFLOP/s
-    assert "estimate" in (HARDWARE_DIR / "cpu_2core.yaml").read_text().lower()
+    assert "estimate" in (hardware_dir() / "cpu_2core.yaml").read_text().lower()
 
 
 def test_hardware_lookup_errors_and_mappings() -> None:
@@ -349,7 +349,7 @@ def test_factory_and_hydra_instantiate() -> None:
     assert isinstance(m, RooflineCostModel)
     with pytest.raises(ValueError, match="unknown cost model"):
         make_cost_model("oracle")
-    hw_node = OmegaConf.load(HARDWARE_DIR / "h200_sxm.yaml")
+    hw_node = OmegaConf.load(hardware_dir() / "h200_sxm.yaml")
     cfg = OmegaConf.create({"_target_": "sim.cost_models.RooflineCostModel",
                             "model_config": LLAMA3_8B, "hardware": hw_node})
     built = instantiate(cfg)

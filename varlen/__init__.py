@@ -5,6 +5,10 @@ scheduler policies and KV allocators.
 where torch is not installed.
 """
 
+from varlen.compiled import package_path
+
+__path__ = package_path(__name__, __path__)  # the compiled core's modules first, when built
+
 from varlen.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]

@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 from collections import defaultdict, deque
 from typing import Callable, Iterable, Sequence
 
+from mypy_extensions import mypyc_attr
+
 from schedulers.base import SchedulerPolicy
 from varlen.clock import WallClock
 from varlen.kv.base import KVAllocator
@@ -19,6 +21,7 @@ from varlen.request import FinishReason, Request, Status
 from varlen.steplog import DecodeRun, StepLog, StepRecord
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Executor(ABC):
     """Runs one step's batch and returns a sampled token for each request whose step reaches the
     end of its known tokens (None for a prefill chunk that does not)."""
@@ -162,7 +165,7 @@ class Engine:
         return finished
 
     # -- decode fast-forward ---------------------------------------------------------------
-    def _decode_run(self, batch: list[Request], until: float) -> list[Request]:
+    def _decode_run(self, batch: list[Request] | None, until: float) -> list[Request]:
         """Run the pure-decode steps the policy promises (`next_decode_batch`) in one go, exactly
         as step() would one at a time, until a step would start at `until` (the next arrival)
         or an allocation fails; a request that finishes leaves and the rest go on."""

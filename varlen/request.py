@@ -71,7 +71,7 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def token_ids(self, start: int = 0, end: int | None = None) -> Sequence[int]:
+    def token_ids(self, start: int = 0, end: int | None = None) -> Sequence[int] | np.ndarray:
         """Tokens [start, end) of prompt + output (a list, or an array slice for array prompts)."""
         end = self.num_tokens if end is None else end
         p = self.num_prompt_tokens

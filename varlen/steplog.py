@@ -16,7 +16,9 @@ from typing import Iterable, Iterator
 import numpy as np
 
 
-@dataclass(slots=True)
+# init=False and an explicit __init__: compiled (varlen/compiled.py), a dataclass's generated
+# __init__ would still run as interpreted Python, and this is built in the hot loop.
+@dataclass(init=False, slots=True)
 class StepRecord:
     step: int
     start: float
@@ -31,8 +33,18 @@ class StepRecord:
     num_sampled: int = -1  # requests that sampled a token (logit rows); -1 = not recorded
     num_running: int = -1  # running requests after the step (0 = the engine went idle)
 
+    def __init__(self, step: int, start: float, duration: float, req_ids: list[str], new_tokens: list[int],
+                 cached_tokens: list[int], num_preempted: int, kv_reserved_slots: int, kv_live_tokens: int,
+                 num_waiting: int, num_sampled: int = -1, num_running: int = -1) -> None:
+        self.step, self.start, self.duration, self.req_ids = step, start, duration, req_ids
+        self.new_tokens, self.cached_tokens, self.num_preempted = new_tokens, cached_tokens, num_preempted
+        self.kv_reserved_slots, self.kv_live_tokens, self.num_waiting = kv_reserved_slots, kv_live_tokens, num_waiting
+        self.num_sampled, self.num_running = num_sampled, num_running
 
-@dataclass(slots=True)
+
+# init=False and an explicit __init__: compiled (varlen/compiled.py), a dataclass's generated
+# __init__ would still run as interpreted Python, and this is built in the hot loop.
+@dataclass(init=False, slots=True)
 class DecodeRun:
     """Steps step .. step + len(ends) - 1: each decodes every request of `req_ids` by one token
     (all sample), nothing preempted, nothing waiting; step i starts where step i - 1 ended."""
@@ -47,6 +59,13 @@ class DecodeRun:
     last_kv_live_tokens: int  # after the last step, whose finishes may have freed some
     num_waiting: int
     num_running: int  # after the last step
+
+    def __init__(self, step: int, start: float, ends: list[float], req_ids: list[str], cached_tokens: list[int],
+                 kv_reserved_slots: list[int], kv_live_before: int, last_kv_live_tokens: int, num_waiting: int,
+                 num_running: int) -> None:
+        self.step, self.start, self.ends, self.req_ids, self.cached_tokens = step, start, ends, req_ids, cached_tokens
+        self.kv_reserved_slots, self.kv_live_before, self.last_kv_live_tokens = kv_reserved_slots, kv_live_before, last_kv_live_tokens
+        self.num_waiting, self.num_running = num_waiting, num_running
 
     def __len__(self) -> int:
         return len(self.ends)
@@ -86,7 +105,7 @@ class StepLog:
 
     def __iter__(self) -> Iterator[StepRecord]:
         for e in self.entries:
-            if type(e) is DecodeRun:
+            if isinstance(e, DecodeRun):
                 for i in range(len(e)):
                     yield e.record(i)
             else:
@@ -94,64 +113,83 @@ class StepLog:
 
     def __getitem__(self, i: int | slice) -> StepRecord | list[StepRecord]:
         if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(self._len))]
+            return [self._record(j) for j in range(*i.indices(self._len))]
+        return self._record(i)
+
+    def _record(self, i: int) -> StepRecord:
         if i < 0:
             i += self._len
         if not 0 <= i < self._len:
             raise IndexError(f"step {i} out of range ({self._len} steps)")
         j = bisect.bisect_right(self._first, i) - 1
         e = self.entries[j]
-        return e.record(i - self._first[j]) if type(e) is DecodeRun else e
+        return e.record(i - self._first[j]) if isinstance(e, DecodeRun) else e
 
     def __bool__(self) -> bool:
         return self._len > 0
 
     def columns(self) -> dict[str, np.ndarray]:
         """Per-step arrays (start, duration, num_seqs, num_new_tokens, num_cached_tokens,
-        kv_reserved_slots, kv_live_tokens, num_waiting), equal to reading them off the records."""
-        start: list[float] = []
-        end: list[float] = []  # a run's step ends (NaN for a record, whose duration is kept)
-        dur: list[float] = []  # a record's duration (NaN for a run's step)
+        kv_reserved_slots, kv_live_tokens, num_waiting), equal to reading them off the records.
+
+        One pass over the entries gathers a few figures per entry (a record is a run of one
+        step); numpy spreads them over the steps: a long simulation has ~10^6 steps."""
+        # Per entry (a record is one step):
+        steps: list[int] = []
         seqs: list[int] = []
         new: list[int] = []
-        cached: list[int] = []
-        reserved: list[int] = []
-        live: list[int] = []
+        cached0: list[int] = []  # at the entry's first step; a run adds `seqs` per step
+        live0: list[int] = []  # before the first step; each step adds `seqs`...
+        live_last: list[int] = []  # ...except the last, which is recorded
         waiting: list[int] = []
+        start0: list[float] = []
+        record_dur: list[float] = []  # a record's own duration; NaN for a run
+        # Per step:
+        ends: list[float] = []  # a run's step ends, NaN for a record
+        reserved: list[int] = []
         nan = float("nan")
         for e in self.entries:
-            if type(e) is DecodeRun:
-                k, B = len(e.ends), len(e.req_ids)
-                start.append(e.start)
-                start += e.ends[:-1]
-                end += e.ends
-                dur += [nan] * k
-                seqs += [B] * k
-                new += [B] * k
-                c0 = sum(e.cached_tokens)
-                cached += range(c0, c0 + B * k, B)
+            B = len(e.req_ids)
+            seqs.append(B)
+            cached0.append(sum(e.cached_tokens))
+            waiting.append(e.num_waiting)
+            start0.append(e.start)
+            if isinstance(e, DecodeRun):
+                steps.append(len(e.ends))
+                new.append(B)
+                live0.append(e.kv_live_before)
+                live_last.append(e.last_kv_live_tokens)
+                record_dur.append(nan)
+                ends += e.ends
                 reserved += e.kv_reserved_slots
-                live += range(e.kv_live_before + B, e.kv_live_before + B * k, B)
-                live.append(e.last_kv_live_tokens)
-                waiting += [e.num_waiting] * k
             else:
-                start.append(e.start)
-                end.append(nan)
-                dur.append(e.duration)
-                seqs.append(len(e.req_ids))
+                steps.append(1)
                 new.append(sum(e.new_tokens))
-                cached.append(sum(e.cached_tokens))
+                live0.append(e.kv_live_tokens - B)
+                live_last.append(e.kv_live_tokens)
+                record_dur.append(e.duration)
+                ends.append(nan)
                 reserved.append(e.kv_reserved_slots)
-                live.append(e.kv_live_tokens)
-                waiting.append(e.num_waiting)
-        f, i = np.float64, np.int64
-        start_a, dur_a = np.array(start, f), np.array(dur, f)
-        in_run = np.isnan(dur_a)
-        dur_a[in_run] = np.array(end, f)[in_run] - start_a[in_run]  # as DecodeRun.record computes it
-        return dict(start=start_a, duration=dur_a, num_seqs=np.array(seqs, i),
-                    num_new_tokens=np.array(new, i), num_cached_tokens=np.array(cached, i),
-                    kv_reserved_slots=np.array(reserved, i), kv_live_tokens=np.array(live, i),
-                    num_waiting=np.array(waiting, i))
+        i64 = np.int64
+        n = len(steps)
+        steps_a = np.array(steps, i64)
+        first = np.cumsum(steps_a) - steps_a  # each entry's first step
+        per_step: np.ndarray = np.repeat(np.arange(n), steps_a)  # each step's entry
+        offset = np.arange(len(per_step)) - first[per_step]  # step within its entry
+        seqs_s = np.array(seqs, i64)[per_step]
+        live = np.array(live0, i64)[per_step] + seqs_s * (offset + 1)
+        live[first + steps_a - 1] = np.array(live_last, i64)
+        end = np.array(ends, np.float64)
+        start = np.empty(len(end))
+        start[1:] = end[:-1]  # a run's step starts where the one before it ended...
+        start[first] = np.array(start0, np.float64)  # ...but its first, and every record, start where recorded
+        in_run = ~np.isnan(end)
+        duration = np.array(record_dur, np.float64)[per_step]
+        duration[in_run] = end[in_run] - start[in_run]  # as DecodeRun.record computes it
+        return dict(start=start, duration=duration, num_seqs=seqs_s, num_new_tokens=np.array(new, i64)[per_step],
+                    num_cached_tokens=np.array(cached0, i64)[per_step] + seqs_s * offset,
+                    kv_reserved_slots=np.array(reserved, i64), kv_live_tokens=live,
+                    num_waiting=np.array(waiting, i64)[per_step])
 
 
 def step_columns(steps: StepLog | Iterable[StepRecord]) -> dict[str, np.ndarray]:

@@ -10,21 +10,29 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
+from mypy_extensions import mypyc_attr
+
 from varlen.request import Request
 
 
-@dataclass(frozen=True, slots=True)
+# init=False and an explicit __init__: compiled (varlen/compiled.py), a dataclass's generated
+# __init__ would still run as interpreted Python, and this is built in the hot loop.
+@dataclass(init=False, slots=True)
 class KVUsage:
     live_tokens: int  # tokens requests have asked slots for (a shared block counts once per holder)
     reserved_slots: int  # slots in blocks held by some request (internal fragmentation = reserved - live)
     free_slots: int  # slots a new allocation could take (includes evictable prefix-cache blocks)
     total_slots: int
 
+    def __init__(self, live_tokens: int, reserved_slots: int, free_slots: int, total_slots: int) -> None:
+        self.live_tokens, self.reserved_slots, self.free_slots, self.total_slots = live_tokens, reserved_slots, free_slots, total_slots
+
     @property
     def utilization(self) -> float:
         return (self.total_slots - self.free_slots) / self.total_slots if self.total_slots else 0.0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class KVAllocator(ABC):
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int | None = None):
         if num_blocks < 1 or block_size < 1:

@@ -89,7 +89,7 @@ class PagedAllocator(KVAllocator):
             for _ in range(need - n):
                 b, _ = self.free_cached.popitem(last=False)
                 h = self.block_hash[b]  # evict its cached content
-                if self.cached.get(h) == b:
+                if h is not None and self.cached.get(h) == b:
                     del self.cached[h]
                 self.block_hash[b] = self.block_tokens[b] = None
                 rc[b] = 1

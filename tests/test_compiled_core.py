@@ -1,0 +1,100 @@
+"""The mypyc-compiled scheduling core (varlen/compiled.py) decides exactly as the pure-Python one.
+
+Each simulation runs in two fresh interpreters, one with the compiled core and one with
+VARLEN_PURE=1, and every request's token times, finish and preemptions, and the summary, must
+be identical. When no build exists for these sources the comparison is skipped with the reason
+(`python -m varlen.compiled` builds one; scripts/setup.sh does, so CI runs it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import varlen.compiled as compiled
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "tests" / "data"
+
+# Prints, as JSON, the core in use and a fingerprint of one simulation per configuration.
+SCRIPT = r"""
+import json, sys
+from hydra import compose, initialize_config_dir
+import varlen.compiled, varlen.engine, schedulers.base, sim.simulator
+from sim.run import CONF, simulate_config
+
+out = {"status": varlen.compiled.status(),
+       "files": [m.__file__ for m in (varlen.engine, schedulers.base, sim.simulator)], "runs": []}
+for overrides in json.loads(sys.argv[1]):
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("sim", overrides=overrides)
+    res, row = simulate_config(cfg)
+    row = {k: v for k, v in row.items() if "wall" not in k}
+    reqs = [(r.req_id, r.token_times, r.finish_reason.value, r.finish_time, r.num_preemptions,
+             r.num_prefix_hit_tokens) for r in res.requests]
+    out["runs"].append({"row": row, "requests": reqs, "steps": len(res.steps)})
+print(json.dumps(out))
+"""
+
+SMALL = ["output.requests=false", "workload.limit=150"]
+CONFIGS = [
+    # chunked prefill, paged with prefix caching, Mooncake's shared blocks, a pool small enough to preempt
+    ["scheduler=chunked", "allocator=paged", f"sim_workload=mooncake_conv", f"workload.source={DATA / 'mooncake_conv_small.jsonl'}",
+     "engine.num_blocks=600", "workload.rate=2", *SMALL],
+    ["scheduler=continuous", "allocator=paged", "allocator.enable_prefix_caching=false", "sim_workload=azure_conv",
+     f"workload.source={DATA / 'azure_conv_small.csv'}", "engine.num_blocks=300", "workload.rate=8", *SMALL],
+    ["scheduler=static", "allocator=contiguous", "sim_workload=azure_conv",
+     f"workload.source={DATA / 'azure_conv_small.csv'}", "workload.rate=4", *SMALL],
+    ["scheduler=priority", "sim_workload=synthetic", "workload.rate=6", "cluster.replicas=2",
+     "cluster.router=least_outstanding", *SMALL],
+]
+
+
+def run_sim(pure: bool) -> dict:
+    env = {**os.environ, "VARLEN_PURE": "1" if pure else ""}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CONFIGS)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_build_key_follows_the_sources(tmp_path, monkeypatch):
+    # Any edit of a compiled module names another build, so a build never runs stale code.
+    for rel in compiled.MODULES:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes((compiled.ROOT / rel).read_bytes())
+    monkeypatch.setattr(compiled, "ROOT", tmp_path)
+    key = compiled.build_key()
+    assert key == compiled.build_key()
+    with open(tmp_path / "schedulers/chunked.py", "a") as f:
+        f.write("\n# an edit\n")
+    assert compiled.build_key() != key
+
+
+def test_pure_when_asked():
+    proc = subprocess.run([sys.executable, "-c", "import varlen.compiled as c, varlen.engine as e; print(c.status()); print(e.__file__)"],
+                          cwd=REPO, env={**os.environ, "VARLEN_PURE": "1"}, capture_output=True, text=True, check=True)
+    status, engine_file = proc.stdout.splitlines()
+    assert status == "pure Python (VARLEN_PURE is set)"
+    assert engine_file.endswith("engine.py")
+
+
+@pytest.mark.skipif(not compiled.is_compiled(), reason=f"no compiled core: {compiled.status()}")
+def test_compiled_core_decides_exactly_as_pure_python():
+    fast, pure = run_sim(pure=False), run_sim(pure=True)
+    assert fast["status"].startswith("compiled"), fast["status"]
+    assert all(f.endswith(".so") for f in fast["files"]), fast["files"]
+    assert all(f.endswith(".py") for f in pure["files"]), pure["files"]
+    for config, a, b in zip(CONFIGS, fast["runs"], pure["runs"]):
+        assert a["steps"] == b["steps"], config
+        assert a["requests"] == b["requests"], config  # token times bit for bit (JSON keeps floats exactly)
+        assert a["row"] == b["row"], config
+    # The configurations do exercise what they are meant to.
+    rows = [r["row"] for r in fast["runs"]]
+    assert rows[0]["preemptions"] > 0 and rows[1]["preemptions"] > 0, rows
+    assert any(req[5] > 0 for req in fast["runs"][0]["requests"])  # prefix cache hits

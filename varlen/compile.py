@@ -1,0 +1,74 @@
+"""Builds the mypyc-compiled scheduling core (see varlen/compiled.py for how it is used).
+
+    python -m varlen.compile [--force] [--status]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from varlen.compiled import MODULES, PACKAGES, ROOT, build_dir, status
+
+
+def build(force: bool = False) -> Path:
+    """Compile MODULES with mypyc into build_dir(); returns it. Raises with the reason on failure."""
+    target = build_dir()
+    if (target / "COMPLETE").is_file() and not force:
+        return target
+    try:
+        import mypyc  # noqa: F401
+    except ImportError:
+        raise RuntimeError('mypyc is not installed: pip install -e ".[fast]" (or pip install mypy)') from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="varlen-mypyc-") as tmp:
+        work = Path(tmp)
+        for rel in MODULES:
+            (work / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, work / rel)
+        for pkg in PACKAGES:  # empty package markers: module names come from the folders
+            (work.joinpath(*pkg.split(".")) / "__init__.py").touch()
+        # Imports from outside MODULES (numpy, the cost models, ...) are taken as untyped.
+        cmd = [sys.executable, "-m", "mypyc", "--ignore-missing-imports", "--follow-imports=skip", *MODULES]
+        run = subprocess.run(cmd, cwd=work, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise RuntimeError(f"mypyc failed ({' '.join(cmd)}):\n{run.stdout[-4000:]}{run.stderr[-4000:]}")
+        staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+        for so in work.rglob("*.so"):
+            if "build" in so.relative_to(work).parts:
+                continue  # setuptools' intermediate copies
+            rel = so.relative_to(work)
+            # The shared runtime library (top level) goes on sys.path alone: a folder there that
+            # held `varlen/` would shadow the real package, as a namespace package, for a
+            # meta-path finder (an editable install's) asked after sys.path.
+            dest = staging / ("lib" if len(rel.parts) == 1 else "pkgs") / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(so, dest)
+        (staging / "COMPLETE").write_text(" ".join(MODULES) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)  # atomic: a reader sees no build or a whole one
+    return target
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="Build (or report) the mypyc-compiled scheduling core.")
+    p.add_argument("--status", action="store_true", help="only say which core an import gets")
+    p.add_argument("--force", action="store_true", help="rebuild even if a build of these sources exists")
+    args = p.parse_args()
+    if not args.status:
+        print(f"built: {build(args.force)}")
+        print("an import gets: " + subprocess.run(
+            [sys.executable, "-c", "import varlen.compiled as c; print(c.status())"],
+            capture_output=True, text=True, check=True).stdout.strip())
+    else:
+        print(status())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The scheduling core compiled with mypyc: the very same source, run as C extension modules.
+
+The simulator spends its time in the engine loop, the policies and the allocators, which are
+plain typed Python. mypyc compiles those modules as they are (no second implementation to keep
+in step), which makes a simulation about 2x faster. The build is optional: without it,
+or when it does not match the sources, the pure-Python modules run, with the same results
+(tests/test_compiled_core.py compares the two).
+
+    python -m varlen.compile           # build (needs `pip install -e ".[fast]"` and a C compiler)
+    python -m varlen.compile --status  # which core an import gets, and why
+
+A build lives in a cache folder named by a hash of the compiled sources and the Python build, so
+editing any core module makes the build unused (never stale) until it is rebuilt.
+VARLEN_PURE=1 forces the pure-Python core; VARLEN_CACHE_DIR moves the cache (default
+$XDG_CACHE_HOME/varlen or ~/.cache/varlen).
+
+Each package of the core (varlen, varlen.kv, schedulers, sim) calls `package_path` from its
+__init__ so that its modules are looked up in the build folder first. Either every core module
+is compiled or none is: compiled modules call each other's classes natively, and would reject
+pure-Python instances of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]  # the folder holding the varlen, schedulers and sim packages
+
+#: The compiled modules: everything a simulation step runs. Classes meant to be subclassed
+#: (policies, allocators, executors) allow interpreted subclasses, so user code plugs in as before.
+MODULES = (
+    "varlen/request.py", "varlen/clock.py", "varlen/steplog.py", "varlen/engine.py",
+    "varlen/kv/base.py", "varlen/kv/paged.py", "varlen/kv/contiguous.py",
+    "schedulers/base.py", "schedulers/chunked.py", "schedulers/continuous.py", "schedulers/static.py",
+    "schedulers/priority.py",
+    "sim/executor.py", "sim/simulator.py", "sim/cost_models.py",
+)
+PACKAGES = ("varlen", "varlen.kv", "schedulers", "sim")
+
+
+def build_key() -> str:
+    """Names the build of these exact sources for this exact Python."""
+    h = hashlib.sha256(f"{sys.version}|{sys.platform}|{platform.machine()}".encode())
+    for rel in MODULES:
+        h.update(rel.encode())
+        h.update((ROOT / rel).read_bytes())
+    return h.hexdigest()[:20]
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("VARLEN_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "varlen"
+    return Path(base)
+
+
+def build_dir() -> Path:
+    return cache_dir() / f"core-{build_key()}"
+
+
+_state: tuple[Path | None, str] | None = None  # (active build folder, why), decided once per process
+
+
+def _decide() -> tuple[Path | None, str]:
+    global _state
+    if _state is None:
+        if os.environ.get("VARLEN_PURE", "") not in ("", "0"):
+            _state = (None, "pure Python (VARLEN_PURE is set)")
+        else:
+            try:
+                d = build_dir()
+            except OSError as e:  # a source not readable: an unusual install, run what is there
+                _state = (None, f"pure Python (cannot hash the core's sources: {e})")
+            else:
+                if (d / "COMPLETE").is_file():
+                    sys.path.append(str(d / "lib"))  # the modules' shared runtime library (top level)
+                    _state = (d, f"compiled ({d})")
+                else:
+                    _state = (None, "pure Python (no compiled build of these sources: "
+                                    "`python -m varlen.compile` makes one)")
+    return _state
+
+
+def package_path(package: str, path: list[str]) -> list[str]:
+    """A core package's __path__, with the build's folder for it first when the build is used."""
+    d, _ = _decide()
+    if d is None:
+        return path
+    return [str(d.joinpath("pkgs", *package.split("."))), *path]
+
+
+def status() -> str:
+    """Which core this process runs: 'compiled (folder)' or 'pure Python (why)'."""
+    return _decide()[1]
+
+
+def is_compiled() -> bool:
+    return _decide()[0] is not None
