@@ -173,6 +173,9 @@ def main(cfg: DictConfig) -> float:
     out = Path(HydraConfig.get().runtime.output_dir)
     write_outputs(res, row, out, cfg)
     print(format_row(row))
+    from varlen.compiled import status
+
+    print(f"scheduling core: {status()}")
     print(f"written to {out}")
     return float(row.get("goodput_requests_per_s", row["requests_per_s"]))
 
