@@ -103,7 +103,7 @@ class SchedulerPolicy(ABC):
                 or len(running) > self.max_num_batched_tokens):
             return None
         for r in running:
-            if len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens != 1:
+            if r.num_prompt_tokens + len(r.output_token_ids) - r.num_computed_tokens != 1:
                 return None
         return list(running)
 
@@ -122,7 +122,7 @@ class SchedulerPolicy(ABC):
     # -- shared mechanics ------------------------------------------------------------------
     def _grant(self, req: Request, budget: int) -> int:
         # req.num_pending, inlined: this runs for every request in every step.
-        pending = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens
+        pending = req.num_prompt_tokens + len(req.output_token_ids) - req.num_computed_tokens
         return min(pending, budget) if self.chunked_prefill else (pending if pending <= budget else 0)
 
     def _schedule_running(self, kv: KVAllocator, out: SchedulerOutput, budget: int) -> int:

@@ -39,7 +39,7 @@ class CostModelExecutor(Executor):
                 tnn += n * n
                 if n > 1:
                     prefills += 1
-                if c + n == len(r.prompt_token_ids) + len(r.output_token_ids):  # r.num_tokens, inlined
+                if c + n == r.num_prompt_tokens + len(r.output_token_ids):  # r.num_tokens, inlined
                     out.append(SIM_TOKEN)
                     sampled += 1
                 else:

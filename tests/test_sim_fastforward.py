@@ -69,11 +69,12 @@ def shared_prefix_requests(n: int, rate: float, seed: int, max_len: int = 600) -
     reqs = trace_requests(tr, 512, SamplingParams(ignore_eos=True), token_ids=True)
     rng = np.random.default_rng(seed)
     prefixes = [rng.integers(1, 512, 64).tolist() for _ in range(3)]
+    out = []
     for i, r in enumerate(reqs):
         p = prefixes[i % 3][: int(rng.integers(0, 65))]
-        r.prompt_token_ids = (p + list(map(int, r.prompt_token_ids)))[:max(len(r.prompt_token_ids), 1)]
-        r.priority = int(rng.integers(0, 3))
-    return reqs
+        prompt = (p + list(map(int, r.prompt_token_ids)))[:max(len(r.prompt_token_ids), 1)]
+        out.append(Request(r.req_id, prompt, r.sampling, arrival=r.arrival, priority=int(rng.integers(0, 3))))
+    return out
 
 
 def run_both(reqs, make, **kw):

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]  # the folder holding the varlen, sch
 #: The compiled modules: everything a simulation step runs. Classes meant to be subclassed
 #: (policies, allocators, executors) allow interpreted subclasses, so user code plugs in as before.
 MODULES = (
-    "varlen/request.py", "varlen/clock.py", "varlen/steplog.py", "varlen/engine.py",
+    "varlen/request.py", "varlen/sampling_params.py", "varlen/clock.py", "varlen/steplog.py", "varlen/engine.py",
     "varlen/kv/base.py", "varlen/kv/paged.py", "varlen/kv/contiguous.py",
     "schedulers/base.py", "schedulers/chunked.py", "schedulers/continuous.py", "schedulers/static.py",
     "schedulers/priority.py",

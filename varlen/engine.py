@@ -193,7 +193,7 @@ class Engine:
         base = [r.num_computed_tokens for r in batch]  # = each one's count at the allocator
         n_out = [len(r.output_token_ids) for r in batch]
         # Steps until _stop_reason ends each by length (the last included).
-        stop_at = [min(r.sampling.max_tokens - n, max_len - len(r.prompt_token_ids) - n) for r, n in zip(batch, n_out)]
+        stop_at = [min(r.sampling.max_tokens - n, max_len - r.num_prompt_tokens - n) for r, n in zip(batch, n_out)]
         run = self.executor.decode_run(batch, min(stop_at), until)
         if run is None:
             return [], False
@@ -298,7 +298,7 @@ class Engine:
         sp = r.sampling
         # r.num_output_tokens and r.num_tokens, inlined: this runs for every sampled token.
         n_out = len(r.output_token_ids)
-        if n_out >= sp.max_tokens or len(r.prompt_token_ids) + n_out >= self.max_model_len:
+        if n_out >= sp.max_tokens or r.num_prompt_tokens + n_out >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

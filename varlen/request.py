@@ -49,14 +49,16 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     _hashes: list[int] = field(default_factory=list, repr=False)
+    # len(prompt_token_ids), kept: the scheduling core reads it for every request every step,
+    # and len() of an array prompt is a slow generic call (compiled, this is a native field).
+    num_prompt_tokens: int = field(init=False, repr=False)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
