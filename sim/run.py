@@ -59,6 +59,13 @@ def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Any):
 
 def simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
     """Run the simulation `cfg` describes; return (SimResult, summary row with labels)."""
+    from sim.simulator import gc_paused
+
+    with gc_paused():  # the trace's requests, the run and its metrics are all long-lived objects
+        return _simulate_config(cfg, labels)
+
+
+def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None) -> tuple[Any, dict[str, Any]]:
     from hydra.utils import instantiate
 
     from sim.cost_models import HardwareSpec, RooflineCostModel, load_model_config

@@ -97,8 +97,9 @@ def kv_usage_table(steps: Sequence, total_slots: int, max_points: int | None = 2
     return df
 
 
-def _pct(x: Sequence[float], q: float) -> float:
-    return float(np.percentile(x, q)) if len(x) else float("nan")
+def _pcts(x: np.ndarray, qs: Sequence[float]) -> list[float]:
+    # One call for all: each np.percentile call partitions the (possibly millions of) values anew.
+    return [float(v) for v in np.percentile(x, qs)] if len(x) else [float("nan")] * len(qs)
 
 
 def _time_weighted_kv(c: dict[str, np.ndarray], total_slots: int) -> float:
@@ -154,8 +155,8 @@ def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
                mean_kv_usage=_time_weighted_kv(c, total_slots),
                mean_batch_size=float(c["num_seqs"].mean()) if len(c["num_seqs"]) else 0.0)
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
-        for q in (50, 90, 99):
-            row[f"{name}_p{q}"] = _pct(xs, q)
+        for q, v in zip((50, 90, 99), _pcts(xs, (50, 90, 99))):
+            row[f"{name}_p{q}"] = v
     if ttft_slo is not None or tpot_slo is not None:
         ok_ttft = np.ones(len(done), bool) if ttft_slo is None else has & (np.nan_to_num(ttft_all, nan=np.inf) <= ttft_slo)
         ok_tpot = np.ones(len(done), bool) if tpot_slo is None else ~many | (np.nan_to_num(tpot_all) <= tpot_slo)
