@@ -95,7 +95,7 @@ def main() -> None:
 
     if not (default_traces_dir() / "AzureLLMInferenceTrace_conv.csv").is_file():
         raise SystemExit(f"needs the Azure conversation trace in {default_traces_dir()}")
-    argv = [a for a in sys.argv[1:]]
+    argv = sys.argv[1:]
     cores, modes = args.cores.split(","), args.modes.split(",")
     print(f"{'budget':>6} {'core':>8} {'fast_fwd':>8} {'steps':>7} {'ff steps':>8} {'mean B':>6} {'loop s min':>10} "
           f"{'median':>6} {'loop req/s':>10} {'e2e s min':>9} {'e2e req/s':>9} {'vs pure/off':>11}")

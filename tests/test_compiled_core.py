@@ -76,6 +76,20 @@ def test_build_key_follows_the_sources(tmp_path, monkeypatch):
     assert compiled.build_key() != key
 
 
+def test_prune_keeps_the_newest_builds(tmp_path, monkeypatch):
+    from varlen.compile import prune
+
+    monkeypatch.setenv("VARLEN_CACHE_DIR", str(tmp_path))
+    for i in range(7):
+        done = tmp_path / f"core-{i:020d}" / "COMPLETE"
+        done.parent.mkdir()
+        done.touch()
+        os.utime(done, (1000 + i, 1000 + i))
+    (tmp_path / "unrelated").mkdir()
+    prune(keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"core-{i:020d}" for i in (4, 5, 6)] + ["unrelated"]
+
+
 def test_pure_when_asked():
     proc = subprocess.run([sys.executable, "-c", "import varlen.compiled as c, varlen.engine as e; print(c.status()); print(e.__file__)"],
                           cwd=REPO, env={**os.environ, "VARLEN_PURE": "1"}, capture_output=True, text=True, check=True)

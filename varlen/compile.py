@@ -33,8 +33,9 @@ def build(force: bool = False) -> Path:
             shutil.copy2(ROOT / rel, work / rel)
         for pkg in PACKAGES:  # empty package markers: module names come from the folders
             (work.joinpath(*pkg.split(".")) / "__init__.py").touch()
-        # Imports from outside MODULES (numpy, the cost models, ...) are taken as untyped.
+        # Imports from outside MODULES (numpy, hydra, ...) are taken as untyped.
         cmd = [sys.executable, "-m", "mypyc", "--ignore-missing-imports", "--follow-imports=skip", *MODULES]
+        print(f"compiling {len(MODULES)} modules with mypyc (about a minute) ...", file=sys.stderr, flush=True)
         run = subprocess.run(cmd, cwd=work, capture_output=True, text=True)
         if run.returncode != 0:
             raise RuntimeError(f"mypyc failed ({' '.join(cmd)}):\n{run.stdout[-4000:]}{run.stderr[-4000:]}")
@@ -53,7 +54,20 @@ def build(force: bool = False) -> Path:
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)  # atomic: a reader sees no build or a whole one
+    prune(keep=KEEP_BUILDS)
     return target
+
+
+#: Builds kept in the cache (each ~2 MB): one per recently built version of the sources, so
+#: switching between a few branches or worktrees does not rebuild each time.
+KEEP_BUILDS = 5
+
+
+def prune(keep: int) -> None:
+    """Delete all but the `keep` most recently built builds."""
+    builds = sorted(build_dir().parent.glob("core-*/COMPLETE"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for done in builds[keep:]:
+        shutil.rmtree(done.parent, ignore_errors=True)
 
 
 def main() -> None:
@@ -62,7 +76,10 @@ def main() -> None:
     p.add_argument("--force", action="store_true", help="rebuild even if a build of these sources exists")
     args = p.parse_args()
     if not args.status:
-        print(f"built: {build(args.force)}")
+        try:
+            print(f"built: {build(args.force)}")
+        except RuntimeError as err:
+            raise SystemExit(f"error: {err}") from None
         print("an import gets: " + subprocess.run(
             [sys.executable, "-c", "import varlen.compiled as c; print(c.status())"],
             capture_output=True, text=True, check=True).stdout.strip())
