@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -57,8 +58,16 @@ def plot_latency_throughput(df: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_cdfs(df: pd.DataFrame, metric: str, path: Path) -> None:
-    """One panel per offered rate, one line per policy."""
+def plot_cdfs(df: pd.DataFrame, metric: str, path: Path) -> int:
+    """One panel per offered rate, one line per policy. Returns the runs drawn: a run without its
+    per-request table (output.requests=false) has nothing to draw, and with none, no file is
+    written and a line says why."""
+    runs = [Path(d) / "requests.csv" for d in df["run_dir"]]
+    if not any(f.is_file() for f in runs):
+        print(f"{path.name} not drawn: no run wrote its per-request table (requests.csv); "
+              "run with output.requests=true", file=sys.stderr)
+        return 0
+    drawn = 0
     rates = sorted(df["rate"].unique())
     fig, axes = plt.subplots(1, len(rates), figsize=(3.6 * len(rates), 3.4), squeeze=False, sharey=True)
     for ax, rate in zip(axes[0], rates):
@@ -69,6 +78,7 @@ def plot_cdfs(df: pd.DataFrame, metric: str, path: Path) -> None:
             x = np.sort(pd.read_csv(f, usecols=[metric])[metric].dropna().to_numpy())
             if len(x):
                 ax.plot(x, np.arange(1, len(x) + 1) / len(x), label=run["policy"])
+                drawn += 1
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # minor labels overlap
         ax.set_title(f"{rate:.3g} req/s")
@@ -79,6 +89,7 @@ def plot_cdfs(df: pd.DataFrame, metric: str, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return drawn
 
 
 def plot_kv(df: pd.DataFrame, path: Path) -> None:

@@ -172,3 +172,20 @@ def test_mooncake_hash_ids_drive_prefix_caching():
     assert row["finished"] == 150
     # About 5% of these first prompt tokens repeat earlier blocks (36.6% over the whole trace).
     assert sum(r.num_prefix_hit_tokens for r in res.requests) > 0.02 * sum(r.num_prompt_tokens for r in res.requests)
+
+
+def test_cdf_plot_says_why_when_runs_kept_no_request_table(tmp_path, capsys):
+    import pandas as pd
+
+    from sim.report import plot_cdfs
+
+    with_table, without = tmp_path / "a", tmp_path / "b"
+    with_table.mkdir()
+    without.mkdir()
+    pd.DataFrame({"ttft": [0.1, 0.2, 0.3]}).to_csv(with_table / "requests.csv", index=False)
+    df = pd.DataFrame({"rate": [1.0, 1.0], "run_dir": [str(with_table), str(without)], "policy": ["x", "y"]})
+    assert plot_cdfs(df, "ttft", tmp_path / "ttft_cdf.png") == 1
+    assert (tmp_path / "ttft_cdf.png").is_file()
+    assert plot_cdfs(df.iloc[1:], "ttft", tmp_path / "none.png") == 0
+    assert not (tmp_path / "none.png").exists()
+    assert "output.requests=true" in capsys.readouterr().err
