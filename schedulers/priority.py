@@ -2,10 +2,13 @@
 arrival) and, when memory runs out, the least important running request is preempted first
 (lower `priority` value = more important; ties broken by later arrival)."""
 
+from mypy_extensions import mypyc_attr
+
 from schedulers.base import SchedulerOutput, SchedulerPolicy
 from varlen.kv.base import KVAllocator
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class PriorityPolicy(SchedulerPolicy):
     chunked_prefill = True
     repeats_decode_batches = True  # the running order is a stable sort on fixed keys

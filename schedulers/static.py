@@ -1,10 +1,13 @@
 """Request-level (static) batching: a batch is formed only when the previous one has fully
 finished; until then only its members run. The baseline continuous batching was invented to beat."""
 
+from mypy_extensions import mypyc_attr
+
 from schedulers.base import SchedulerOutput, SchedulerPolicy
 from varlen.kv.base import KVAllocator
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class StaticPolicy(SchedulerPolicy):
     chunked_prefill = False
     repeats_decode_batches = True  # with waiting empty, the batch's members are all that run

@@ -274,6 +274,7 @@ class StepEstimate:
         return "compute" if self.compute_s >= self.memory_s else "memory"
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class RooflineCostModel(CostModel):
     """FLOPs and bytes of each step from the model's shape, exact per request.
 
@@ -500,6 +501,7 @@ def _nnls_numpy(A: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np
 Step = tuple[Any, ...]
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ProfiledCostModel(CostModel):
     """A linear model of step time in a few physical features, fitted by non-negative least squares.
 
@@ -637,6 +639,7 @@ class ProfiledCostModel(CostModel):
 # Replay
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ReplayCostModel(CostModel):
     """Returns recorded step durations in order, whatever the batch.
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from mypy_extensions import mypyc_attr
+
 from sim.cost_models import CostModel, StepSums
 from varlen.clock import SimClock
 from varlen.engine import Executor
@@ -17,6 +19,7 @@ from varlen.request import Request
 SIM_TOKEN = 0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class CostModelExecutor(Executor):
     """Advances the clock by the cost model's time for the batch and samples SIM_TOKEN wherever
     the real executor would sample (a request whose step reaches the end of its known tokens)."""

@@ -63,6 +63,64 @@ def run_sim(pure: bool) -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+def test_user_classes_subclass_every_shipped_plug_in():
+    # A researcher's first move is to subclass a shipped policy, allocator or cost model; the
+    # compiled core must allow it (mypyc refuses interpreted subclasses unless told, and only
+    # says so when the subclass is instantiated). Runs under whichever core this process got:
+    # in CI, the compiled one.
+    from schedulers import POLICIES
+    from sim.cost_models import ProfiledCostModel, ReplayCostModel, RooflineCostModel
+    from sim.executor import CostModelExecutor
+    from sim.simulator import simulate
+    from varlen.clock import SimClock
+    from varlen.engine import Engine
+    from varlen.kv import ContiguousAllocator, PagedAllocator
+    from varlen.traces import load_trace
+    from varlen.workload import trace_requests
+    from varlen.sampling_params import SamplingParams
+
+    for cls in POLICIES.values():
+        type("Mine", (cls,), {})()
+    type("Mine", (PagedAllocator,), {})(16, 4)
+    type("Mine", (ContiguousAllocator,), {})(16, 4, 64)
+    type("Mine", (RooflineCostModel,), {})()
+    type("Mine", (ProfiledCostModel,), {})()
+    type("Mine", (ReplayCostModel,), {})([0.1])
+
+    seen = []
+
+    class ShortestFirst(POLICIES["chunked"]):  # a user policy: admit the shortest prompt first
+        def waiting_order(self):
+            seen.append(len(self.waiting))
+            return sorted(self.waiting, key=lambda r: (r.num_prompt_tokens, r.arrival))
+
+    class CountingPaged(PagedAllocator):
+        frees = 0
+
+        def free(self, req):
+            type(self).frees += 1
+            super().free(req)
+
+    class MyEngine(Engine):
+        pass
+
+    class MyExecutor(CostModelExecutor):
+        pass
+
+    def make_engine(clock: SimClock):
+        exe = MyExecutor(RooflineCostModel(), clock)
+        return MyEngine(ShortestFirst(max_num_seqs=4, max_num_batched_tokens=64), CountingPaged(64, 16), exe,
+                        clock, max_model_len=512), exe
+
+    tr = load_trace("synthetic", num_requests=30, rate=1e5, prompt_len="uniform:8:200", output_len="uniform:1:20",
+                    seed=3, max_model_len=512)
+    reqs = trace_requests(tr, 512, SamplingParams(ignore_eos=True), token_ids=True)
+    res = simulate(reqs, make_engine)
+    assert all(r.finish_reason is not None and r.finish_reason.value == "length" for r in res.requests)
+    assert max(seen) > 1  # the override decided among several waiting requests
+    assert CountingPaged.frees >= len(reqs)
+
+
 def test_build_key_follows_the_sources(tmp_path, monkeypatch):
     # Any edit of a compiled module names another build, so a build never runs stale code.
     for rel in compiled.MODULES:

@@ -43,6 +43,7 @@ class Executor(ABC):
         return None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Engine:
     def __init__(self, policy: SchedulerPolicy, kv: KVAllocator, executor: Executor, clock=None,
                  max_model_len: int | None = None, eos_token_id: int | None = None):

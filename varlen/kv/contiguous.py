@@ -12,12 +12,15 @@ from __future__ import annotations
 import bisect
 from typing import Sequence
 
+from mypy_extensions import mypyc_attr
+
 from varlen.kv.base import KVAllocator, KVUsage
 from varlen.request import Request
 
 POLICIES = ("max", "pow2", "oracle")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ContiguousAllocator(KVAllocator):
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, reservation: str = "max"):
         super().__init__(num_blocks, block_size, max_model_len)

@@ -13,10 +13,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
+from mypy_extensions import mypyc_attr
+
 from varlen.kv.base import KVAllocator, KVUsage
 from varlen.request import Request
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class PagedAllocator(KVAllocator):
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True):
