@@ -25,6 +25,7 @@ import numpy as np
 from mypy_extensions import mypyc_attr
 from numpy.typing import ArrayLike
 
+
 def hardware_dir() -> Path:
     """conf/hardware/ of the source tree. Found from the package, not this module: compiled
     (varlen/compiled.py), this module's file is in the build cache."""
@@ -49,7 +50,7 @@ class StepSums:
     new_cached: float  # sum n_i * c_i
     new_sq: float  # sum n_i^2
     num_logits: int
-    num_prefills: int = 0  # requests with more than one new token (a prompt or a chunk of one)
+    num_prefills: int  # requests with more than one new token (a prompt or a chunk of one)
 
     def __init__(self, num_seqs: int, new: float, cached: float, new_cached: float, new_sq: float, num_logits: int,
                  num_prefills: int = 0) -> None:
@@ -345,11 +346,10 @@ class RooflineCostModel(CostModel):
                             flops, nbytes, flops / F, nbytes / B)
 
     def _combine(self, lin_f: float, lin_b: float, attn_f: float, attn_b: float,
-                 head_f: float, head_b: float, mx: Any = max) -> float:
-        # mx: max for one step, np.maximum for a run of steps given as arrays.
+                 head_f: float, head_b: float) -> float:
         F, B = self._flops, self._bw
-        return (self.shape.layers * (mx(lin_f / F, lin_b / B) + mx(attn_f / F, attn_b / B))
-                + mx(head_f / F, head_b / B) + self.overhead_s)
+        return (self.shape.layers * (max(lin_f / F, lin_b / B) + max(attn_f / F, attn_b / B))
+                + max(head_f / F, head_b / B) + self.overhead_s)
 
     def step_time(self, new_tokens: ArrayLike, cached_tokens: ArrayLike,
                   num_logits: int | None = None) -> float:
@@ -357,10 +357,22 @@ class RooflineCostModel(CostModel):
         return self._combine(*terms) if t else self.overhead_s
 
     def step_time_sums(self, s: StepSums) -> float:
-        return self._time_from_sums(s, max)
+        # The same terms as _terms, from the sums.
+        t = s.new
+        if not t:
+            return self.overhead_s
+        m, d = self.shape, self.dtype_bytes
+        rows = s.num_logits
+        lin_f = 2.0 * self._linear_params * t
+        lin_b = self._weight_bytes_layer + self._act_bytes_token * t
+        attn_f = self._attn_flops_pair * s.attention_pairs
+        attn_b = self._kv_bytes_token_layer * (s.cached + 2.0 * t) + 2.0 * m.q_dim * d * t
+        head_f = 2.0 * rows * m.hidden * m.vocab
+        head_b = self._head_bytes + 4.0 * rows * m.vocab + t * m.hidden * d
+        return self._combine(lin_f, lin_b, attn_f, attn_b, head_f, head_b)
 
     def decode_step_time(self, num_seqs: int) -> Callable[[int], float]:
-        # _time_from_sums with the terms a decode batch fixes computed once, the rest in the
+        # step_time_sums with the terms a decode batch fixes computed once, the rest in the
         # same order of operations (the same floats).
         t = rows = num_seqs
         m, d, F, B, L = self.shape, self.dtype_bytes, self._flops, self._bw, self.shape.layers
@@ -374,21 +386,6 @@ class RooflineCostModel(CostModel):
             attn = max(pair_flops * (cached + half_pairs) / F, (kv_bytes * (cached + 2.0 * t) + q_bytes) / B)
             return L * (lin + attn) + head + overhead
         return step
-
-    def _time_from_sums(self, s: StepSums, mx: Any) -> Any:
-        # The same terms as _terms, from the sums (scalars, or arrays over a run of steps).
-        t = s.new
-        if not t:
-            return self.overhead_s
-        m, d = self.shape, self.dtype_bytes
-        rows = s.num_logits
-        lin_f = 2.0 * self._linear_params * t
-        lin_b = self._weight_bytes_layer + self._act_bytes_token * t
-        attn_f = self._attn_flops_pair * s.attention_pairs
-        attn_b = self._kv_bytes_token_layer * (s.cached + 2.0 * t) + 2.0 * m.q_dim * d * t
-        head_f = 2.0 * rows * m.hidden * m.vocab
-        head_b = self._head_bytes + 4.0 * rows * m.vocab + t * m.hidden * d
-        return self._combine(lin_f, lin_b, attn_f, attn_b, head_f, head_b, mx)
 
 
 # ---------------------------------------------------------------------------------------------

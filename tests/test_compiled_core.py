@@ -3,7 +3,7 @@
 Each simulation runs in two fresh interpreters, one with the compiled core and one with
 VARLEN_PURE=1, and every request's token times, finish and preemptions, and the summary, must
 be identical. When no build exists for these sources the comparison is skipped with the reason
-(`python -m varlen.compiled` builds one; scripts/setup.sh does, so CI runs it).
+(`python -m varlen.compile` builds one; scripts/setup.sh does, so CI runs it).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ print(json.dumps(out))
 SMALL = ["output.requests=false", "workload.limit=150"]
 CONFIGS = [
     # chunked prefill, paged with prefix caching, Mooncake's shared blocks, a pool small enough to preempt
-    ["scheduler=chunked", "allocator=paged", f"sim_workload=mooncake_conv", f"workload.source={DATA / 'mooncake_conv_small.jsonl'}",
+    ["scheduler=chunked", "allocator=paged", "sim_workload=mooncake_conv", f"workload.source={DATA / 'mooncake_conv_small.jsonl'}",
      "engine.num_blocks=600", "workload.rate=2", *SMALL],
     ["scheduler=continuous", "allocator=paged", "allocator.enable_prefix_caching=false", "sim_workload=azure_conv",
      f"workload.source={DATA / 'azure_conv_small.csv'}", "engine.num_blocks=300", "workload.rate=8", *SMALL],
@@ -75,9 +75,9 @@ def test_user_classes_subclass_every_shipped_plug_in():
     from varlen.clock import SimClock
     from varlen.engine import Engine
     from varlen.kv import ContiguousAllocator, PagedAllocator
+    from varlen.sampling_params import SamplingParams
     from varlen.traces import load_trace
     from varlen.workload import trace_requests
-    from varlen.sampling_params import SamplingParams
 
     for cls in POLICIES.values():
         type("Mine", (cls,), {})()

@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sim.cost_models import (
-    DEFAULT_FEATURES, HardwareSpec, hardware_dir, ModelShape, ProfiledCostModel, ReplayCostModel,
-    RooflineCostModel, _nnls_numpy, attention_pairs, make_cost_model,
+    DEFAULT_FEATURES, HardwareSpec, ModelShape, ProfiledCostModel, ReplayCostModel,
+    RooflineCostModel, _nnls_numpy, attention_pairs, hardware_dir, make_cost_model,
 )
 
 REPO = Path(__file__).resolve().parents[1]

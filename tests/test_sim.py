@@ -175,8 +175,6 @@ def test_mooncake_hash_ids_drive_prefix_caching():
 
 
 def test_cdf_plot_says_why_when_runs_kept_no_request_table(tmp_path, capsys):
-    import pandas as pd
-
     from sim.report import plot_cdfs
 
     with_table, without = tmp_path / "a", tmp_path / "b"

@@ -30,8 +30,8 @@ class StepRecord:
     kv_reserved_slots: int
     kv_live_tokens: int
     num_waiting: int
-    num_sampled: int = -1  # requests that sampled a token (logit rows); -1 = not recorded
-    num_running: int = -1  # running requests after the step (0 = the engine went idle)
+    num_sampled: int  # requests that sampled a token (logit rows); -1 = not recorded
+    num_running: int  # running requests after the step (0 = the engine went idle)
 
     def __init__(self, step: int, start: float, duration: float, req_ids: list[str], new_tokens: list[int],
                  cached_tokens: list[int], num_preempted: int, kv_reserved_slots: int, kv_live_tokens: int,

@@ -103,6 +103,11 @@ class KVAllocator(ABC):
     @abstractmethod
     def usage(self) -> KVUsage: ...
 
+    def _usage(self, free_blocks: int) -> KVUsage:
+        """usage() of a pool of whole blocks with `free_blocks` of them free."""
+        bs = self.block_size
+        return KVUsage(self.live_tokens, (self.num_blocks - free_blocks) * bs, free_blocks * bs, self.num_blocks * bs)
+
     def max_request_tokens(self) -> int:
         """The longest request (prompt + output) this pool can ever hold on its own."""
         return min(self.capacity_tokens, self.max_model_len)

@@ -85,7 +85,4 @@ class ContiguousAllocator(KVAllocator):
         return range(run[0], run[0] + run[1]) if run else ()
 
     def usage(self) -> KVUsage:
-        bs = self.block_size
-        free = self.free_blocks
-        return KVUsage(live_tokens=self.live_tokens, reserved_slots=(self.num_blocks - free) * bs,
-                       free_slots=free * bs, total_slots=self.num_blocks * bs)
+        return self._usage(self.free_blocks)

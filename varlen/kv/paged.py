@@ -199,7 +199,4 @@ class PagedAllocator(KVAllocator):
         return self.tables.get(req.req_id, ())
 
     def usage(self) -> KVUsage:
-        bs = self.block_size
-        free = len(self.free_plain) + len(self.free_cached)
-        return KVUsage(live_tokens=self.live_tokens, reserved_slots=(self.num_blocks - free) * bs,
-                       free_slots=free * bs, total_slots=self.num_blocks * bs)
+        return self._usage(len(self.free_plain) + len(self.free_cached))
