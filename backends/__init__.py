@@ -12,6 +12,7 @@ BACKENDS: dict[str, str] = {
     "torch_sdpa": "backends.torch_sdpa:TorchSdpaBackend",
     "flash_attn": "backends.flash_attn:FlashAttnBackend",
     "flashinfer": "backends.flashinfer:FlashInferBackend",
+    "triton": "backends.triton_paged:TritonPagedBackend",
 }
 
 

@@ -1,0 +1,251 @@
+"""Triton backend: one paged varlen attention launch per layer over the whole step.
+
+Prefills, chunks and decodes go through the same kernel (`backends/triton_paged_kernels.py`),
+which reads K/V blocks in place from the base [2, num_blocks, block_size, Hkv, D] cache (any
+block size), causal within each request's new tokens, GQA by head groups. When a step has too
+few programs to fill the GPU and long contexts (a decode step of a few requests), the keys are
+split into ranges computed in parallel and merged by log-sum-exp (flash-decoding), a second
+small launch.
+
+Where it runs. On a GPU it needs only a CUDA build of torch, which brings Triton (elsewhere
+`pip install -e ".[triton]"`). On a CPU only in Triton's interpreter, which executes the kernels
+with numpy, slowly: that is how the test suite proves the kernel on CPU. The interpreter has no
+bfloat16, so on CPU the backend takes float32 and float16.
+
+Choosing the interpreter. Triton decides "interpret or compile" once per process, when it is
+imported: every `@triton.jit` function, its own library's (`tl.zeros`, `tl.sum`, ...) included,
+is made an interpreted or a compiled function according to TRITON_INTERPRET at that moment, and
+the two kinds cannot call each other. So TRITON_INTERPRET=1 must be in the environment before
+anything imports triton: set it in the shell (`TRITON_INTERPRET=1 python -m varlen.run
+backend=triton`), or, in a test module, in `os.environ` at its top (tests/test_equivalence.py
+does so on machines without CUDA). This module never imports triton at import time; `check()`
+does, and refuses in one line a CPU run when Triton was imported without the interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from backends.base import AttentionBackend, AttentionMetadata, BackendUnavailable, write_kv
+from varlen.batch import ForwardBatch
+
+INSTALL_HINT = 'pip install -e ".[triton]"'
+LOG2_E = 1.4426950408889634
+HOW_TO_RUN = ("backend 'triton' compiles its kernels for a GPU: run it with engine.device=cuda on a GPU machine, "
+              "or on CPU in Triton's interpreter (slow; for tests) with TRITON_INTERPRET=1 set before start-up")
+
+
+def interpret_from_env() -> bool:
+    """TRITON_INTERPRET as Triton reads it (1/true/on/yes, any case)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Tile sizes and the KV split of one step for one head layout."""
+
+    block_m: int  # query rows per program: tokens x GROUP heads
+    block_n: int  # keys per inner iteration
+    num_splits: int
+    split_len: int  # keys per split (a multiple of 16)
+
+
+def plan_launch(query_lens: np.ndarray, max_seq_len: int, num_q_heads: int, num_kv_heads: int,
+                dtype: torch.dtype, num_sms: int, num_splits: int | None = None, kv_split_size: int = 256,
+                max_splits: int = 32, interpreted: bool = False) -> LaunchPlan:
+    """Choose tiles and splits (host-side, numpy only, so that it is tested on CPU).
+
+    Splits: when the programs of one pass (query tiles x KV heads) are fewer than two waves of
+    the device's `num_sms`, cut each context into up to `max_splits` ranges of at least
+    `kv_split_size` keys. `num_splits` forces a count (tests use it to reach the merge on tiny shapes).
+    """
+    group = num_q_heads // num_kv_heads
+    decode = int(query_lens.max()) == 1
+    # One token x GROUP heads for decodes; 64 rows for prefills. tl.dot needs >= 16 rows.
+    block_m = max(16, triton_next_power_of_2(group)) if decode else max(64, triton_next_power_of_2(group))
+    block_n = 32 if dtype == torch.float32 else 64  # fp32 tiles are twice the bytes
+    if interpreted:
+        block_n = 128  # the interpreter's cost is per operation, not per element: fewer, bigger tiles
+    tokens = block_m // group
+    if num_splits is None:
+        programs = int((-(-query_lens // tokens)).sum()) * num_kv_heads
+        num_splits = 1
+        if programs < 2 * num_sms and max_seq_len > kv_split_size:
+            num_splits = min(max_splits, -(-2 * num_sms // programs), -(-max_seq_len // kv_split_size))
+    num_splits = max(1, int(num_splits))
+    split_len = -(-max_seq_len // num_splits)
+    split_len = -(-split_len // 16) * 16  # aligned starts; the kernel takes any length
+    return LaunchPlan(block_m, block_n, num_splits, split_len)
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+@dataclass
+class TritonMetadata(AttentionMetadata):
+    query_start_loc: torch.Tensor  # [B+1] int32, on the device
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, W] int32
+    plans: dict[tuple[Any, ...], LaunchPlan] = field(default_factory=dict)  # per head layout, for the step
+
+
+def _first_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+@dataclass(frozen=True)
+class Kernels:
+    attention: Any  # paged_attention_kernel
+    merge: Any  # merge_splits_kernel
+    interpreted: bool  # run by Triton's interpreter (TRITON_INTERPRET=1 when triton was imported)
+
+
+def load_kernels() -> Kernels:
+    """Import Triton and the kernels, in the mode Triton was imported in (TRITON_INTERPRET then)."""
+    try:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+
+        from backends import triton_paged_kernels as kernels
+    except Exception as exc:  # noqa: BLE001 - a broken install is "unavailable" too
+        raise BackendUnavailable(f"backend 'triton' needs the triton package, which is not importable "
+                                 f"({_first_line(exc)}); install it with {INSTALL_HINT}") from None
+    # Triton's own library (tl.zeros is a @triton.jit function) took its mode when triton was
+    # imported, and our kernels can only call functions of their own kind.
+    interpreted = isinstance(tl.zeros, InterpretedFunction)
+    return Kernels(_in_mode(kernels.paged_attention_kernel, interpreted),
+                   _in_mode(kernels.merge_splits_kernel, interpreted), interpreted)
+
+
+@functools.cache
+def _in_mode(kernel: Any, interpreted: bool) -> Any:
+    """The kernel as Triton's library is, should TRITON_INTERPRET have changed between the import of
+    triton and of our kernels module. Cached: a compiled kernel keeps its compilations."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(kernel, InterpretedFunction) == interpreted:
+        return kernel
+    return (InterpretedFunction if interpreted else JITFunction)(kernel.fn)
+
+
+class TritonPagedBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None, kv_split_size: int = 256, max_splits: int = 32) -> None:
+        """`num_splits`: force the KV split count (None: split when the grid would not fill the GPU).
+        `kv_split_size`, `max_splits`: the automatic split's smallest range and largest count."""
+        self.num_splits = num_splits
+        self.kv_split_size = kv_split_size
+        self.max_splits = max_splits
+        self._kernels: Kernels | None = None
+        self._num_sms: dict[torch.device, int] = {}
+
+    def check(self, device: torch.device | str, dtype: torch.dtype, block_size: int) -> None:
+        super().check(device, dtype, block_size)
+        device = torch.device(device)
+        if device.type == "cpu" and "triton" not in sys.modules and not interpret_from_env():
+            raise BackendUnavailable(HOW_TO_RUN)  # said before importing triton, which takes a second
+        if device.type == "cuda":
+            self.require_cuda(INSTALL_HINT)
+        kernels = load_kernels()
+        if device.type == "cpu":
+            if not kernels.interpreted:
+                raise BackendUnavailable(f"{HOW_TO_RUN} (triton was imported without it)")
+            if dtype == torch.bfloat16:
+                raise ValueError("backend 'triton' in Triton's CPU interpreter supports float32 and float16, "
+                                 "not bfloat16 (the interpreter computes with numpy, which has none): choose "
+                                 "engine.dtype=float32 or float16, or run on a GPU")
+        if self._kernels is None:
+            self._kernels = kernels
+
+    @property
+    def interpreted(self) -> bool:
+        """Whether the kernels run in Triton's interpreter (benchmarks refuse to time that)."""
+        return load_kernels().interpreted
+
+    def prepare(self, batch: ForwardBatch, device: torch.device | str) -> TritonMetadata:
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device, non_blocking=True)
+
+        return TritonMetadata(
+            slot_mapping=torch.from_numpy(batch.slot_mapping).to(device, non_blocking=True), batch=batch,
+            query_start_loc=dev(batch.query_start_loc), seq_lens=dev(batch.seq_lens),
+            block_tables=dev(batch.block_tables))
+
+    def _sm_count(self, device: torch.device) -> int:
+        if device.type != "cuda":
+            return 1  # the interpreter runs programs one after another: no waves to fill
+        if device not in self._num_sms:
+            self._num_sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        return self._num_sms[device]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: TritonMetadata, scale: float) -> torch.Tensor:
+        if self._kernels is None:  # forward without check()
+            self._kernels = load_kernels()
+        attention, merge = self._kernels.attention, self._kernels.merge
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        b = meta.batch
+        n, hq, d = q.shape
+        hkv = kv_cache.shape[3]
+        if hq % hkv:
+            raise ValueError(f"backend 'triton': {hq} query heads are not a multiple of {hkv} KV heads")
+        group = hq // hkv
+        key = (hq, hkv, kv_cache.dtype)
+        if key not in meta.plans:
+            meta.plans[key] = plan_launch(b.query_lens, b.max_seq_len, hq, hkv, kv_cache.dtype,
+                                          self._sm_count(q.device), self.num_splits, self.kv_split_size,
+                                          self.max_splits, self._kernels.interpreted)
+        plan = meta.plans[key]
+        out_dtype = q.dtype
+        q = q.to(kv_cache.dtype)  # the kernel's dots take one dtype; the model's q has the cache's anyway
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        out = torch.empty(n, hq, d, dtype=kv_cache.dtype, device=q.device)
+        split = plan.num_splits > 1
+        if split:  # fp32 parts and their log-sum-exps, merged into `out` below
+            dst = torch.empty(plan.num_splits, n, hq, d, dtype=torch.float32, device=q.device)
+            lse = torch.empty(plan.num_splits, n, hq, dtype=torch.float32, device=q.device)
+        else:  # straight into `out`; the lse argument is never touched
+            dst, lse = out.unsqueeze(0), out
+        block_d = max(16, triton_next_power_of_2(d))
+        grid = (-(-b.max_query_len // (plan.block_m // group)), b.num_seqs, hkv * plan.num_splits)
+        attention[grid](
+            dst, lse, q, k_cache, v_cache,
+            meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            float(scale) * LOG2_E, b.block_size, plan.split_len,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            meta.block_tables.stride(0),
+            dst.stride(0), dst.stride(1), dst.stride(2),
+            lse.stride(0), lse.stride(1),
+            NUM_KV_HEADS=hkv, GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+            SPLIT=split, DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+            num_warps=4, num_stages=2,
+        )
+        if split:
+            block_s = triton_next_power_of_2(plan.num_splits)
+            # Heads per merge program: all of them in the interpreter (its cost is per program),
+            # else as many as keep the [splits, heads, D] fp32 tile near 8k elements (registers).
+            block_h = triton_next_power_of_2(hq) if self._kernels.interpreted else \
+                min(triton_next_power_of_2(hq), max(1, 8192 // (block_s * block_d)))
+            merge[(n, -(-hq // block_h))](
+                out, dst, lse, plan.num_splits, hq,
+                out.stride(0), out.stride(1),
+                dst.stride(0), dst.stride(1), dst.stride(2),
+                lse.stride(0), lse.stride(1),
+                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_H=block_h,
+            )
+        return out if out.dtype == out_dtype else out.to(out_dtype)

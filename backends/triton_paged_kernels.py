@@ -1,0 +1,147 @@
+"""The Triton kernels behind `backends/triton_paged.py`: paged varlen attention, and the merge of split-KV parts.
+
+This module imports Triton at the top, so only the backend imports it, lazily (`import backends`
+never does). Copy it to try an attention idea: the whole algorithm is `paged_attention_kernel`.
+
+Conventions (the project's, see backends/torch_ref.py for the same thing in plain torch):
+- q [N, Hq, D] holds the step's new tokens end to end; request b owns rows
+  `query_start_loc[b] : query_start_loc[b+1]` (its n_new tokens) and has `seq_lens[b]` tokens in
+  all (cached + new, the new K/V already written to the cache).
+- One layer's cache is [2, num_blocks, block_size, Hkv, D]; the kernel gets `cache[0]` (K) and
+  `cache[1]` (V), which share strides. Key j of request b lives in block
+  `block_tables[b, j // block_size]` at row `j % block_size`: read in place, any block size >= 1.
+- Causal, aligned bottom-right: new token i (0-based) of request b sits at position
+  `seq_len - n_new + i` and sees keys 0 .. that position.
+
+Work split: one program per (tile of a request's new tokens, request, KV head, KV split).
+GQA: the Hq // Hkv = GROUP query heads that share a KV head are computed together, as the rows
+of one [BLOCK_M, D] query tile (row r = token r // GROUP, head r % GROUP), so each K/V tile is read
+once for the whole group; a decode is one token x GROUP heads, padded to BLOCK_M >= 16 rows (the
+smallest `tl.dot`).
+
+Split-KV (flash-decoding): a decode step of few requests gives too few programs to fill a GPU.
+Then the keys are cut into NUM_SPLITS ranges of `split_len`; each program attends over its range
+only and writes a normalised partial output plus its log-sum-exp, and `merge_splits_kernel`
+combines the parts: out = sum_s exp(lse_s) * out_s / sum_s exp(lse_s).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr, lse_ptr,  # out: [N, Hq, D] (one split) or [S, N, Hq, D] fp32 parts; lse: [S, N, Hq] fp32
+    q_ptr, k_cache_ptr, v_cache_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    scale_log2,  # softmax scale * log2(e): the kernel works in base 2 (exp2 is the hardware's exp)
+    block_size, split_len,
+    stride_q_tok, stride_q_head,
+    stride_kv_block, stride_kv_row, stride_kv_head,
+    stride_table,
+    stride_o_split, stride_o_tok, stride_o_head,
+    stride_lse_split, stride_lse_tok,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    TOKENS: tl.constexpr = BLOCK_M // GROUP  # new tokens per query tile
+    tile = tl.program_id(0)
+    req = tl.program_id(1)
+    kv_head = tl.program_id(2) % NUM_KV_HEADS
+    split = tl.program_id(2) // NUM_KV_HEADS
+
+    q_start = tl.load(query_start_loc_ptr + req)
+    n_new = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if tile * TOKENS >= n_new:  # the grid is sized for the longest request; shorter ones end here
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    n_cached = seq_len - n_new
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = tile * TOKENS + rows // GROUP  # index among the request's new tokens
+    head = kv_head * GROUP + rows % GROUP  # query head
+    row_ok = (rows < TOKENS * GROUP) & (tok < n_new)
+    q_pos = n_cached + tok  # the query's position: the last key it may see
+    d = tl.arange(0, BLOCK_D)  # BLOCK_D: D rounded up to a power of two >= 16
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_q_tok + head[:, None] * stride_q_head + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # Keys this program reads: its split's share of 0 .. (the tile's last position).
+    kv_end = tl.minimum(seq_len, n_cached + (tile + 1) * TOKENS)
+    kv_lo = split * split_len
+    kv_hi = tl.minimum(kv_end, kv_lo + split_len)
+
+    # Online softmax: running row max m, running sum l, output accumulated unnormalised.
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        j_ok = j < kv_hi
+        # The paged read: each key's block from the table, its row inside the block.
+        block = tl.load(block_tables_ptr + req * stride_table + j // block_size, mask=j_ok, other=0)
+        kv_off = block.to(tl.int64) * stride_kv_block + (j % block_size) * stride_kv_row + kv_head * stride_kv_head
+        kv_mask = j_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(j_ok[None, :] & (j[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A row that has seen no visible key yet has m_new = -inf; subtracting 0 instead keeps
+        # exp2(-inf - -inf) = NaN out (its p and alpha are then exactly 0).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)  # rescales what was accumulated under the old max
+        l = l * alpha + tl.sum(p, 1)
+        # P is rounded to V's dtype for the tensor cores (fp16/bf16); fp32 stays fp32.
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    if SPLIT:
+        # A normalised part and its log-sum-exp (base 2). A row with no visible key in this split
+        # (its range starts past the row's position) gets lse = -inf: weight 0 in the merge.
+        seen = l > 0.0
+        l_safe = tl.where(seen, l, 1.0)
+        lse = tl.where(seen, m + tl.log2(l_safe), float("-inf"))
+        o = acc / l_safe[:, None]
+        o_ptrs = (out_ptr + split * stride_o_split + (q_start + tok)[:, None] * stride_o_tok
+                  + head[:, None] * stride_o_head + d[None, :])
+        tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptr + split * stride_lse_split + (q_start + tok) * stride_lse_tok + head, lse, mask=row_ok)
+    else:
+        # Every real row saw key 0 at least, so l > 0 there (padding rows are not stored).
+        o = acc / l[:, None]
+        o_ptrs = out_ptr + (q_start + tok)[:, None] * stride_o_tok + head[:, None] * stride_o_head + d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def merge_splits_kernel(
+    out_ptr, parts_ptr, lse_ptr, num_splits, num_heads,
+    stride_o_tok, stride_o_head,
+    stride_p_split, stride_p_tok, stride_p_head,
+    stride_lse_split, stride_lse_tok,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """One program per (token, BLOCK_H query heads): the log-sum-exp weighted mean of the split parts."""
+    tok = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    sh_ok = (s < num_splits)[:, None] & (h < num_heads)[None, :]  # [S, H]
+    lse = tl.load(lse_ptr + s[:, None] * stride_lse_split + tok * stride_lse_tok + h[None, :], mask=sh_ok,
+                  other=float("-inf"))
+    # Split 0 holds key 0, which every query sees: each real head's max is finite, its weights sum > 0.
+    lse_max = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max)[None, :])  # padding heads: all 0
+    w = w / tl.maximum(tl.sum(w, 0), 1e-30)[None, :]
+    parts = tl.load(parts_ptr + s[:, None, None] * stride_p_split + tok * stride_p_tok
+                    + h[None, :, None] * stride_p_head + d[None, None, :],
+                    mask=sh_ok[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)  # [S, H, D]
+    o = tl.sum(parts * w[:, :, None], 0)  # [H, D]
+    tl.store(out_ptr + tok * stride_o_tok + h[:, None] * stride_o_head + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=(h < num_heads)[:, None] & (d < HEAD_DIM)[None, :])
