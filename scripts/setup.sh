@@ -9,7 +9,8 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
-"$PY" -m pip install -q -e ".[test,fast]"
+# triton: the tests run the triton backend's kernels in Triton's CPU interpreter (Linux wheels).
+"$PY" -m pip install -q -e ".[test,fast,triton]"
 # The simulator's scheduling core compiled with mypyc (~2x faster, same decisions; see
 # varlen/compiled.py). Optional: without it the pure-Python core runs.
 if ! "$PY" -m varlen.compile; then
