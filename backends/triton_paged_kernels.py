@@ -31,7 +31,11 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Triton compiles a variant per value class of each int argument (== 1, multiple of 16, other).
+# The strides of q, K/V and out are multiples of D and worth specialising (vector loads); these
+# vary from step to step and are not, which keeps the number of compilations small.
+@triton.jit(do_not_specialize=["block_size", "split_len", "stride_table", "stride_o_split", "stride_lse_split",
+                               "stride_lse_tok"])
 def paged_attention_kernel(
     out_ptr, lse_ptr,  # out: [N, Hq, D] (one split) or [S, N, Hq, D] fp32 parts; lse: [S, N, Hq] fp32
     q_ptr, k_cache_ptr, v_cache_ptr,
@@ -119,7 +123,7 @@ def paged_attention_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_p_split", "stride_lse_split", "stride_lse_tok"])
 def merge_splits_kernel(
     out_ptr, parts_ptr, lse_ptr, num_splits, num_heads,
     stride_o_tok, stride_o_head,

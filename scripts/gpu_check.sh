@@ -1,27 +1,37 @@
 #!/usr/bin/env bash
 # Everything a session with a lent GPU runs, in one go: install the carried kernel wheels, run the
-# GPU tests, run the attention benchmark, print one summary. Logs and the benchmark's JSON go to
-# $OUT (the device tool brings that folder back), or /tmp/varlen-gpu-out elsewhere.
+# GPU tests, run `varlen.run` end to end on the triton backend, run the attention benchmark, print
+# one summary. Logs, the run's tables and the benchmark's JSON go to $OUT (the device tool brings
+# that folder back), or /tmp/varlen-gpu-out elsewhere.
 #
 #   bash scripts/gpu_check.sh stage   # only collect carried wheel parts (see fetch_gpu_wheels.sh)
-#   bash scripts/gpu_check.sh         # install, test, benchmark; designed to end within ~9 minutes
+#   bash scripts/gpu_check.sh         # install, test, run, benchmark; designed to end within 9 minutes
 #
 # Wheel parts arrive in wheels/c1, wheels/c2, ... over several calls; each call copies what it
 # finds to /tmp/varlen-wheel-parts, which outlives a call while the machine stays warm. Without
-# any parts the script still runs: the backends whose library is missing skip with their reason.
+# any parts the script still runs: the backends whose library is missing skip with their reason
+# (the triton backend needs nothing beyond the CUDA torch, which brings Triton).
 #
-# Knobs (environment): BUDGET (seconds the whole script may take, default 540: the device tool
-# stops a command at 600), GPU_DTYPES (default "bf16 fp16", in that order), BENCH_ARGS (extra
-# benchmark arguments). Each phase gets what is left of BUDGET, minus a reserve for the later
-# phases, so a slow first JIT compile cannot starve the summary.
-# JIT caches (FlashInfer's nvcc builds) live in /tmp/varlen-jit, so a rerun on the same warm
-# machine skips the compiles.
+# Time shares of BUDGET (seconds, default 530: 9 minutes less a timeout's 10 s kill grace):
+#   GPU tests  SHARE_TESTS per dtype (default 130; GPU_DTYPES, default "bf16 fp16", in that order)
+#   end to end SHARE_RUN (default 80): python -m varlen.run backend=triton engine.device=cuda
+#   benchmark  SHARE_BENCH (default 150): decode B 1/16/64/256 x context 1k/8k vs the HBM
+#              roofline, prefill throughput; BENCH_ARGS adds arguments
+# Each part gets its share, or less when an earlier part overran, so that the later parts and the
+# summary keep theirs; the benchmark also stops starting cases at its share (--budget).
+# JIT caches (FlashInfer's nvcc builds, Triton's kernels) live in /tmp/varlen-jit, so a rerun on
+# the same warm machine skips the compiles.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-deadline=$(( $(date +%s) + ${BUDGET:-540} ))
-left() {  # seconds left before the deadline, minus a reserve ($1), at least 20
-  local s=$(( deadline - $(date +%s) - $1 ))
+deadline=$(( $(date +%s) + ${BUDGET:-530} ))
+SHARE_TESTS=${SHARE_TESTS:-130}
+SHARE_RUN=${SHARE_RUN:-80}
+SHARE_BENCH=${SHARE_BENCH:-150}
+SUMMARY_RESERVE=10
+share() {  # seconds for a part: its share ($1), or what is left after the later parts' reserve ($2), at least 20
+  local s=$(( deadline - $(date +%s) - $2 - SUMMARY_RESERVE ))
+  [ $s -gt $1 ] && s=$1
   [ $s -lt 20 ] && s=20
   echo $s
 }
@@ -69,13 +79,16 @@ echo "$install_note"
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 [ -d "$SITE/nvidia_cutlass_dsl/dsl_packages" ] && export PYTHONPATH="$PYTHONPATH:$SITE/nvidia_cutlass_dsl/dsl_packages"
 export FLASHINFER_WORKSPACE_BASE=/tmp/varlen-jit
+export TRITON_CACHE_DIR=/tmp/varlen-jit/triton
+unset TRITON_INTERPRET  # compiled kernels here; the interpreter is for CPU tests
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 
 python3 - <<'EOF' 2>&1 | tee "$OUT_DIR/env.txt"
 import torch
 print(f"torch {torch.__version__}, cuda {torch.version.cuda}, device "
       f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'NONE'}")
-for name in ("flashinfer", "flash_attn", "flash_attn.cute"):
+for name in ("triton", "flashinfer", "flash_attn", "flash_attn.cute", "pytest", "hypothesis", "transformers",
+             "hydra"):
     try:
         mod = __import__(name, fromlist=["_"])
         print(f"{name}: importable, version {getattr(mod, '__version__', '?')}")
@@ -90,8 +103,7 @@ dtypes=(${GPU_DTYPES:-bf16 fp16})
 for i in "${!dtypes[@]}"; do
   dt=${dtypes[$i]}
   log="$OUT_DIR/pytest-$dt.log"
-  # Reserve ~100 s for the benchmark and ~150 s for each dtype still to come.
-  t=$(left $(( 100 + 150 * (${#dtypes[@]} - i - 1) )))
+  t=$(share "$SHARE_TESTS" $(( SHARE_RUN + SHARE_BENCH + SHARE_TESTS * (${#dtypes[@]} - i - 1) )))
   timeout -k 10 "$t" python3 -m pytest -m gpu -k "$dt" -q -rs -p no:cacheprovider \
     "${gpu_files[@]}" > "$log" 2>&1
   rc=$?
@@ -101,13 +113,26 @@ for i in "${!dtypes[@]}"; do
   echo "${results[-1]}"
 done
 
-# --- 3. benchmark
+# --- 3. end to end: the CLI on the triton backend (the tiny default model, the default fp32)
+run_log="$OUT_DIR/run-triton.log"
+t=$(share "$SHARE_RUN" "$SHARE_BENCH")
+run_start=$(date +%s)
+timeout -k 10 "$t" python3 -m varlen.run backend=triton engine.device=cuda progress=false \
+  "hydra.run.dir=$OUT_DIR/run-triton" > "$run_log" 2>&1
+run_rc=$?
+run_note="end to end (backend=triton engine.device=cuda): rc=$run_rc in $(( $(date +%s) - run_start ))s"
+[ $run_rc -eq 124 ] || [ $run_rc -eq 137 ] && run_note="$run_note, TIMED OUT after ${t}s"
+echo "$run_note"
+
+# --- 4. benchmark
 bench_log="$OUT_DIR/bench.log"
-timeout -k 10 "$(left 10)" python3 benchmarks/gpu_attention.py --json "$OUT_DIR/gpu_attention.json" \
-  ${BENCH_ARGS:-} > "$bench_log" 2>&1
+t=$(share "$SHARE_BENCH" 0)
+# --budget: no new case starts in the last 30 s of the share (one case takes seconds).
+timeout -k 10 "$t" python3 benchmarks/gpu_attention.py --budget "$(( t > 40 ? t - 30 : 10 ))" \
+  --json "$OUT_DIR/gpu_attention.json" ${BENCH_ARGS:-} > "$bench_log" 2>&1
 bench_rc=$?
 
-# --- 4. one summary
+# --- 5. one summary
 echo
 echo "================ GPU CHECK SUMMARY ================"
 cat "$OUT_DIR/env.txt"
@@ -115,6 +140,12 @@ echo "$install_note"
 printf '%s\n' "${results[@]}"
 for dt in "${dtypes[@]}"; do cat "$OUT_DIR/pytest-$dt.log"; done \
   | grep -E "^(FAILED|ERROR|SKIPPED)" | sed 's/^SKIPPED \[[0-9]*\]/SKIPPED/' | cut -c1-240 | sort | uniq -c | head -20
+echo "$run_note"
+if [ $run_rc -eq 0 ]; then
+  grep -E "backend triton|output tokens/s|TTFT|TPOT|finished" "$run_log" | head -8
+else
+  grep -vE "^\s*$" "$run_log" | tail -6
+fi
 echo "benchmark: rc=$bench_rc"
 if grep -q "^SUMMARY" "$bench_log"; then
   head -1 "$bench_log"
