@@ -44,7 +44,7 @@ HOW_TO_RUN = ("backend 'triton' compiles its kernels for a GPU: run it with engi
 
 
 def interpret_from_env() -> bool:
-    """TRITON_INTERPRET as Triton reads it (1/true/on/yes, any case)."""
+    """Whether TRITON_INTERPRET asks for the interpreter; what counts is how triton was imported (load_kernels)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
@@ -70,7 +70,7 @@ def plan_launch(query_lens: np.ndarray, max_seq_len: int, num_q_heads: int, num_
     group = num_q_heads // num_kv_heads
     decode = int(query_lens.max()) == 1
     # One token x GROUP heads for decodes; 64 rows for prefills. tl.dot needs >= 16 rows.
-    block_m = max(16, triton_next_power_of_2(group)) if decode else max(64, triton_next_power_of_2(group))
+    block_m = max(16, next_power_of_2(group)) if decode else max(64, next_power_of_2(group))
     block_n = 32 if dtype == torch.float32 else 64  # fp32 tiles are twice the bytes
     if interpreted:
         block_n = 128  # the interpreter's cost is per operation, not per element: fewer, bigger tiles
@@ -86,7 +86,7 @@ def plan_launch(query_lens: np.ndarray, max_seq_len: int, num_q_heads: int, num_
     return LaunchPlan(block_m, block_n, num_splits, split_len)
 
 
-def triton_next_power_of_2(n: int) -> int:
+def next_power_of_2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, n))))
 
 
@@ -220,7 +220,7 @@ class TritonPagedBackend(AttentionBackend):
             lse = torch.empty(plan.num_splits, n, hq, dtype=torch.float32, device=q.device)
         else:  # straight into `out`; the lse argument is never touched
             dst, lse = out.unsqueeze(0), out
-        block_d = max(16, triton_next_power_of_2(d))
+        block_d = max(16, next_power_of_2(d))
         grid = (-(-b.max_query_len // (plan.block_m // group)), b.num_seqs, hkv * plan.num_splits)
         attention[grid](
             dst, lse, q, k_cache, v_cache,
@@ -236,11 +236,11 @@ class TritonPagedBackend(AttentionBackend):
             num_warps=4, num_stages=2,
         )
         if split:
-            block_s = triton_next_power_of_2(plan.num_splits)
+            block_s = next_power_of_2(plan.num_splits)
             # Heads per merge program: all of them in the interpreter (its cost is per program),
             # else as many as keep the [splits, heads, D] fp32 tile near 8k elements (registers).
-            block_h = triton_next_power_of_2(hq) if self._kernels.interpreted else \
-                min(triton_next_power_of_2(hq), max(1, 8192 // (block_s * block_d)))
+            block_h = next_power_of_2(hq) if self._kernels.interpreted else \
+                min(next_power_of_2(hq), max(1, 8192 // (block_s * block_d)))
             merge[(n, -(-hq // block_h))](
                 out, dst, lse, plan.num_splits, hq,
                 out.stride(0), out.stride(1),
