@@ -201,6 +201,8 @@ class TritonPagedBackend(AttentionBackend):
         hkv = kv_cache.shape[3]
         if hq % hkv:
             raise ValueError(f"backend 'triton': {hq} query heads are not a multiple of {hkv} KV heads")
+        if kv_cache.stride(-1) != 1:  # the kernel reads each K/V row as D contiguous elements
+            raise ValueError("backend 'triton' needs a KV cache whose last dimension is contiguous")
         group = hq // hkv
         key = (hq, hkv, kv_cache.dtype)
         if key not in meta.plans:

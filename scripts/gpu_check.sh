@@ -13,8 +13,8 @@
 # (the triton backend needs nothing beyond the CUDA torch, which brings Triton).
 #
 # Time shares of BUDGET (seconds, default 530: 9 minutes less a timeout's 10 s kill grace):
-#   GPU tests  SHARE_TESTS per dtype (default 130; GPU_DTYPES, default "bf16 fp16", in that order)
-#   end to end SHARE_RUN (default 80): python -m varlen.run backend=triton engine.device=cuda
+#   GPU tests  SHARE_TESTS per dtype (default 120; GPU_DTYPES, default "bf16 fp16", in that order)
+#   end to end SHARE_RUN (default 100): python -m varlen.run backend=triton engine.device=cuda
 #   benchmark  SHARE_BENCH (default 150): decode B 1/16/64/256 x context 1k/8k vs the HBM
 #              roofline, prefill throughput; BENCH_ARGS adds arguments
 # Each part gets its share, or less when an earlier part overran, so that the later parts and the
@@ -25,8 +25,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 deadline=$(( $(date +%s) + ${BUDGET:-530} ))
-SHARE_TESTS=${SHARE_TESTS:-130}
-SHARE_RUN=${SHARE_RUN:-80}
+SHARE_TESTS=${SHARE_TESTS:-120}
+SHARE_RUN=${SHARE_RUN:-100}
 SHARE_BENCH=${SHARE_BENCH:-150}
 SUMMARY_RESERVE=10
 share() {  # seconds for a part: its share ($1), or what is left after the later parts' reserve ($2), at least 20
