@@ -128,21 +128,24 @@ def lossy_line(stats: Any) -> str | None:
         parts.append(f"{stats.num_zero_output} with output length 0 raised to 1")
     if not parts:
         return None
-    return f"workload: of {stats.num_read} requests read, " + ", ".join(parts)
+    return f"workload ({stats.num_returned} requests kept of {stats.num_read} read): " + ", ".join(parts)
 
 
-LOSSY_KEYS = ("num_read", "num_clipped", "num_prompt_clipped", "num_dropped", "num_reordered", "num_zero_output")
+LOSSY_KEYS = ("num_read", "num_returned", "num_clipped", "num_prompt_clipped", "num_dropped", "num_reordered", "num_zero_output")
 
 
-def simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
-    """Run the simulation `cfg` describes; return (SimResult, summary row with labels)."""
+def simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None = None,
+                    announce: bool = False) -> tuple[Any, dict[str, Any]]:
+    """Run the simulation `cfg` describes; return (SimResult, summary row with labels).
+    announce: print what the trace options changed and the run's size before it starts."""
     from sim.simulator import gc_paused
 
     with gc_paused():  # the trace's requests, the run and its metrics are all long-lived objects
-        return _simulate_config(cfg, labels)
+        return _simulate_config(cfg, labels, announce)
 
 
-def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None) -> tuple[Any, dict[str, Any]]:
+def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
+                     announce: bool) -> tuple[Any, dict[str, Any]]:
     from hydra.utils import instantiate
 
     from sim.cost_models import HardwareSpec, RooflineCostModel
@@ -168,9 +171,10 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None) -> tuple
         raise SettingError(f"no requests: the workload {c['workload'].get('source')!r} gave none "
                            f"(limit={c['workload'].get('limit')}, {trace.stats.num_read} read); nothing to simulate")
     lossy = lossy_line(trace.stats)
-    if lossy:
+    if announce and lossy:
         print(lossy, flush=True)
-    print(f"simulating {len(reqs)} requests on {c['cluster']['replicas']} replica(s) (Ctrl-C stops)", flush=True)
+    if announce:
+        print(f"simulating {len(reqs)} requests on {c['cluster']['replicas']} replica(s) (Ctrl-C stops)", flush=True)
     max_model_len = min(e["max_model_len"], num_blocks * e["block_size"])
 
     alloc_kw = {}
@@ -264,7 +268,7 @@ def main(cfg: DictConfig) -> float:
     out = Path(HydraConfig.get().runtime.output_dir)
     t0 = time.perf_counter()
     try:
-        res, row = simulate_config(cfg, hydra_labels())
+        res, row = simulate_config(cfg, hydra_labels(), announce=True)
     except errors_to_exit() as err:
         fail(str(err))  # a setting or input problem: one line, no traceback
     except KeyboardInterrupt:
