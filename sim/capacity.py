@@ -135,4 +135,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from varlen.cli import run_cli
+
+    run_cli(main)

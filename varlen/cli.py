@@ -19,7 +19,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, NoReturn
+from typing import Any, Callable, Iterable, NoReturn
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -40,8 +40,26 @@ def fail(message: str) -> NoReturn:
 
 
 def interrupted(message: str) -> NoReturn:
+    """After Ctrl-C: one line saying what was (not) written, exit 130."""
     print(f"interrupted: {message}", file=sys.stderr)
     sys.exit(EXIT_INTERRUPTED)
+
+
+def run_cli(main: Callable[[], Any]) -> None:
+    """A command's `__main__`: after Ctrl-C has been handled (results written or said not to be),
+    leave at once. The interpreter's teardown takes seconds once torch is loaded, and an
+    interrupted command must stop within a second; files are closed, streams flushed here."""
+    try:
+        main()
+    except SystemExit as e:
+        if e.code != EXIT_INTERRUPTED:
+            raise
+        import logging
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_INTERRUPTED)
 
 
 # ---------------------------------------------------------------------------------------------

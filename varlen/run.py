@@ -70,6 +70,7 @@ def serve(cfg: DictConfig) -> dict:
             f"workload {trace.stats.source} (limit={cfg.workload.get('limit')}, {trace.stats.num_read} read)"
         raise SettingError(f"no requests: {src} gave none; nothing to serve")
 
+    import pandas  # noqa: F401  (now, not when Ctrl-C asks for the tables: importing it takes ~1 s)
     import torch
     from hydra.utils import instantiate
 
@@ -143,4 +144,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from varlen.cli import run_cli
+
+    run_cli(main)
