@@ -84,6 +84,8 @@ CASES = {
     "sim-replicas-0": ("sim.run", [*SIM, "cluster.replicas=0"], "cluster.replicas"),
     "sim-unknown-router": ("sim.run", [*SIM, "cluster.router=random"], "cluster.router"),
     "sim-dir-under-a-file": ("sim.run", [*SIM, "hydra.run.dir={file}/out"], "hydra.run.dir"),
+    "sim-sweep-jobs-sharing-a-dir": ("sim.run", ["-m", *SIM, "hydra.sweep.subdir=same", "hydra.sweep.dir={dir}/sw",
+                                                 "workload.rate=1,2"], "hydra.sweep.subdir"),
     # sim.capacity: settings checked before the first simulation
     "capacity-rel-tol-0": ("sim.capacity", [*SIM, "capacity.rel_tol=0"], "capacity.rel_tol"),
     "capacity-low-above-high": ("sim.capacity", [*SIM, "capacity.low=8", "capacity.high=2"], "capacity.high"),

@@ -187,3 +187,30 @@ def test_cdf_plot_says_why_when_runs_kept_no_request_table(tmp_path, capsys):
     assert plot_cdfs(df.iloc[1:], "ttft", tmp_path / "none.png") == 0
     assert not (tmp_path / "none.png").exists()
     assert "output.requests=true" in capsys.readouterr().err
+
+
+def test_sim_run_says_what_the_trace_options_changed(tmp_path, monkeypatch, capsys):
+    """Clipped, dropped, reordered and zero-output requests were counted but never shown: all
+    of a trace could be clipped without a word. Now one line, and the counts in summary.json."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from sim.run import main
+
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     "2023-11-16 18:15:47.0,900,200\n2023-11-16 18:15:46.0,100,0\n"
+                     "2023-11-16 18:15:48.0,50,20\n2023-11-16 18:15:49.0,2000,10\n")
+    out = tmp_path / "run"
+    monkeypatch.setattr(sys, "argv", ["sim.run", "sim_model=tiny", "hardware=cpu_2core", "engine.num_blocks=256",
+                                      "engine.max_model_len=1024", f"workload.source={trace}", f"hydra.run.dir={out}"])
+    GlobalHydra.instance().clear()
+    try:
+        main()
+    finally:
+        GlobalHydra.instance().clear()
+    printed = capsys.readouterr().out
+    assert ("workload (4 requests kept of 4 read): 2 clipped to max_model_len (1 of them in the prompt), "
+            "1 out of arrival order (sorted), 1 with output length 0 raised to 1") in printed
+    row = json.loads((out / "summary.json").read_text())
+    assert (row["trace_num_clipped"], row["trace_num_prompt_clipped"], row["trace_num_reordered"],
+            row["trace_num_zero_output"], row["trace_num_dropped"]) == (2, 1, 1, 1, 0)

@@ -122,6 +122,10 @@ class ClaimRunDir(Callback):
         self._claim(config, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        subdir = OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir")
+        if not any(k in str(subdir) for k in ("hydra.job.num", "hydra.job.id")):
+            fail(f"hydra.sweep.subdir={subdir!r} could give several jobs one directory; include "
+                 "${hydra.job.num} (e.g. hydra.sweep.subdir='${hydra.job.num}_${hydra.job.override_dirname}')")
         self._claim(config, "hydra.sweep.dir")
 
 
