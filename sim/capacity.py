@@ -1,6 +1,6 @@
 """`python -m sim.capacity`: the highest arrival rate that still meets the SLOs, by bisection.
 
-Same config as sim.run (conf/sim.yaml). A rate meets the SLOs when at least
+Same config as sim.run (conf/sim/sim.yaml). A rate meets the SLOs when at least
 `capacity.attainment` of the requests have TTFT <= slo.ttft_s and TPOT <= slo.tpot_s.
 
     python -m sim.capacity scheduler=chunked workload.limit=2000 slo.ttft_s=1 slo.tpot_s=0.05

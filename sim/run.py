@@ -1,4 +1,4 @@
-"""`python -m sim.run`: one simulation from a Hydra config (conf/sim.yaml); `-m` for sweeps.
+"""`python -m sim.run`: one simulation from a Hydra config (conf/sim/sim.yaml); `-m` for sweeps.
 
     python -m sim.run scheduler=continuous allocator=contiguous workload.rate=4
     python -m sim.run -m scheduler=static,continuous,chunked workload.rate=1,2,4,8   # joblib, in parallel

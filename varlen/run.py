@@ -1,6 +1,6 @@
 """`python -m varlen.run`: serve a workload with a chosen backend, scheduler and KV allocator.
 
-Composed by Hydra (`conf/config.yaml`): `python -m varlen.run backend=torch_ref scheduler=chunked
+Composed by Hydra (`conf/run/config.yaml`): `python -m varlen.run backend=torch_ref scheduler=chunked
 allocator=paged workload=azure_conv`. `--help` lists the groups and their options. Prints a
 summary table and writes requests.csv, steps.csv, summary.json and the resolved config to the
 run's output directory.
