@@ -60,7 +60,8 @@ def interrupt_when(cmd: list[str], ready: str, env: dict[str, str], after_s: flo
 @pytest.mark.parametrize("core", CORES)
 def test_sim_run_stops_within_a_second(core, tmp_path):
     out_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "sim.run", "sim_workload=synthetic", "workload.num_requests=20000",
+    # Long enough (~10 s compiled on a quiet machine) that a loop ignoring Ctrl-C is caught.
+    cmd = [sys.executable, "-m", "sim.run", "sim_workload=synthetic", "workload.num_requests=60000",
            "workload.rate=50", "workload.output_len=uniform:400:800", "fast_forward=false", f"hydra.run.dir={out_dir}"]
     code, took, out, err = interrupt_when(cmd, "simulating", core)
     assert code == 130, err
