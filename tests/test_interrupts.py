@@ -102,3 +102,41 @@ def test_sim_capacity_stops_and_says_what_it_wrote(core, tmp_path):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("interrupted: search stopped after"), err
     assert not (out_dir / "capacity.json").exists()
+
+
+def test_a_sweep_stops_with_its_jobs(tmp_path):
+    """Ctrl-C in a terminal reaches the whole process group: the launcher (joblib) and its jobs."""
+    e = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "sim.run", "-m", "sim_workload=synthetic", "workload.num_requests=60000",
+           "workload.output_len=uniform:400:800", "fast_forward=false", "workload.rate=40,50",
+           f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=e, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         start_new_session=True)
+    started = 0
+    for line in p.stdout:
+        started += "simulating" in line
+        if started == 2:
+            break
+    time.sleep(0.3)
+    assert p.poll() is None
+    os.killpg(p.pid, signal.SIGINT)
+    t0 = time.perf_counter()
+    try:
+        _, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail("sweep still running 60 s after SIGINT")
+    took = time.perf_counter() - t0
+    assert p.returncode == 130 and took < STOP_WITHIN_S, (p.returncode, took, err[-2000:])
+    assert err.strip().splitlines()[-1].startswith("interrupted: stopped"), err[-2000:]
+    assert "Traceback" not in err
+    for _ in range(100):  # no job left running on its own
+        try:
+            os.killpg(p.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("a job of the sweep still runs 10 s after the launcher stopped")
+    print(f"group gone {time.perf_counter() - t0:.2f} s after SIGINT")
+    assert not list((tmp_path / "sweep").rglob("summary.json"))

@@ -48,18 +48,28 @@ def interrupted(message: str) -> NoReturn:
 def run_cli(main: Callable[[], Any]) -> None:
     """A command's `__main__`: after Ctrl-C has been handled (results written or said not to be),
     leave at once. The interpreter's teardown takes seconds once torch is loaded, and an
-    interrupted command must stop within a second; files are closed, streams flushed here."""
+    interrupted command must stop within a second; files are closed, streams flushed here.
+    A Ctrl-C outside a run (Hydra starting, a sweep's launcher waiting for its jobs) gets its
+    one line here."""
     try:
         main()
     except SystemExit as e:
         if e.code != EXIT_INTERRUPTED:
             raise
-        import logging
+        _leave_now()
+    except KeyboardInterrupt:
+        print("interrupted: stopped; runs that had finished kept their results, the others wrote none "
+              "(a run's summary is written last)", file=sys.stderr)
+        _leave_now()
 
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_INTERRUPTED)
+
+def _leave_now() -> NoReturn:
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED)
 
 
 # ---------------------------------------------------------------------------------------------
