@@ -11,7 +11,6 @@ request, steps.csv to its output directory. Nothing here imports torch.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any, Mapping
 

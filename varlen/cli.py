@@ -83,6 +83,8 @@ def claim_dir(path: str | os.PathLike, setting: str = "hydra.run.dir") -> Path:
         base = base.resolve()
     for k in itertools.count():
         cand = base if k == 0 else base.with_name(f"{base.name}-{k}")
+        if k and cand.exists() and not cand.is_dir():
+            continue  # a file named like the next candidate: not ours to replace
         try:
             cand.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
@@ -101,7 +103,7 @@ def claim_dir(path: str | os.PathLike, setting: str = "hydra.run.dir") -> Path:
         with os.fdopen(fd, "w") as f:
             f.write(f"pid {os.getpid()} on {socket.gethostname()} at {time.time():.6f}\n")
         if k:
-            print(f"{setting} {str(base)!r} holds another run: this one writes to {str(cand)!r}", file=sys.stderr)
+            print(f"{setting} {str(base)!r} holds another run: this one writes to {str(cand)!r}")
         return cand
     raise AssertionError("unreachable")
 
