@@ -132,6 +132,24 @@ def test_bisection_finds_the_threshold():
     assert bisect_rate(lambda r: (True, {}), 1, 2)[0] == 2
 
 
+@pytest.mark.parametrize("rel_tol", [1e-300, 1e-17])
+def test_bisection_always_ends(rel_tol):
+    """A tolerance floats cannot reach (capacity.rel_tol=0 did this) bisected forever: the
+    search ends at its probe cap or when the bounds are adjacent floats."""
+    from sim.capacity import MAX_PROBES
+
+    best, probes = bisect_rate(lambda r: (r <= 3.7, {}), 0.5, 64.0, rel_tol=rel_tol)
+    assert len(probes) <= MAX_PROBES and best == pytest.approx(3.7, rel=1e-9) and best <= 3.7
+    best, probes = bisect_rate(lambda r: (r <= 3.7, {}), 3.7, np.nextafter(3.7, 4), rel_tol=rel_tol)
+    assert best == 3.7 and len(probes) == 2  # adjacent bounds: nothing between them to probe
+
+
+@pytest.mark.parametrize("low, high, rel_tol", [(2, 1, 0.05), (0, 1, 0.05), (1, float("inf"), 0.05), (1, 2, 0)])
+def test_bisection_refuses_bad_ranges(low, high, rel_tol):
+    with pytest.raises(ValueError):
+        bisect_rate(lambda r: (True, {}), low, high, rel_tol)
+
+
 def test_sweep_command_and_report(tmp_path):
     """The sweep of the issue, small: one command, a Hydra multirun through the joblib launcher
     that ends with the report (sim.callbacks.SweepReport); sim.report alone redraws it."""
