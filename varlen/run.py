@@ -102,7 +102,10 @@ def serve(cfg: DictConfig) -> dict:
         row = write_results(cfg, llm, reqs, trace, out, partial=True)
         interrupted(f"wrote the {row['finished']} requests finished of {len(reqs)} to {out} "
                     "(partial: summary.json has \"partial\": true)")
-    row = write_results(cfg, llm, reqs, trace, out, partial=False)
+    try:
+        row = write_results(cfg, llm, reqs, trace, out, partial=False)
+    except KeyboardInterrupt:
+        interrupted(f"while writing {out}: its tables may be incomplete (summary.json is written last)")
     title = (f"summary: {llm.engine.policy.name} + {type(llm.engine.kv).__name__} + {llm.backend.name}, "
              f"{len(reqs)} requests")
     print(format_summary(row, title))
@@ -140,7 +143,8 @@ def main(cfg: DictConfig) -> None:
     except errors_to_exit((BackendUnavailable,)) as err:
         fail(str(err))  # a setting or input problem: one clear line, not a traceback
     except KeyboardInterrupt:
-        interrupted("before serving started; no results written")
+        # Before serving started, or a second Ctrl-C while the partial tables were written.
+        interrupted("no complete results written (a run's summary.json is written last)")
 
 
 if __name__ == "__main__":
