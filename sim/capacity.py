@@ -1,6 +1,6 @@
 """`python -m sim.capacity`: the highest arrival rate that still meets the SLOs, by bisection.
 
-Same config as sim.run (conf/sim.yaml). A rate meets the SLOs when at least
+Same config as sim.run (conf/sim/sim.yaml). A rate meets the SLOs when at least
 `capacity.attainment` of the requests have TTFT <= slo.ttft_s and TPOT <= slo.tpot_s.
 
     python -m sim.capacity scheduler=chunked workload.limit=2000 slo.ttft_s=1 slo.tpot_s=0.05
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,12 +22,23 @@ import hydra
 from omegaconf import DictConfig, open_dict
 
 from sim.run import CONF
+from varlen.cli import SettingError, number
+
+
+MAX_PROBES = 40  # bisection in log space: 40 halvings narrow any sane range far below a rel_tol
 
 
 def bisect_rate(meets: Callable[[float], tuple[bool, dict[str, Any]]], low: float, high: float,
-                rel_tol: float = 0.05) -> tuple[float | None, list[dict[str, Any]]]:
+                rel_tol: float = 0.05, max_probes: int = MAX_PROBES) -> tuple[float | None, list[dict[str, Any]]]:
     """(highest rate found to meet the SLOs, probes). None when even `low` fails; `high` when
-    `high` itself meets them (the search range was too narrow)."""
+    `high` itself meets them (the search range was too narrow).
+
+    Always ends: after `max_probes` probes, or when the midpoint is no longer strictly between
+    the bounds (floats run out of room before any tolerance of zero is met)."""
+    if not 0 < low < high or not math.isfinite(high):
+        raise ValueError(f"a rate search needs 0 < low < high, got low={low}, high={high}")
+    if not rel_tol > 0:
+        raise ValueError(f"rel_tol must be > 0, got {rel_tol}")
     probes = []
 
     def probe(rate: float) -> bool:
@@ -40,8 +50,10 @@ def bisect_rate(meets: Callable[[float], tuple[bool, dict[str, Any]]], low: floa
         return None, probes
     if probe(high):
         return high, probes
-    while high / low - 1 > rel_tol:
+    while high / low - 1 > rel_tol and len(probes) < max_probes:
         mid = math.sqrt(low * high)
+        if not low < mid < high:
+            break
         if probe(mid):
             low = mid
         else:
@@ -49,12 +61,26 @@ def bisect_rate(meets: Callable[[float], tuple[bool, dict[str, Any]]], low: floa
     return low, probes
 
 
-def capacity_search(cfg: DictConfig, labels: dict[str, Any] | None = None) -> tuple[float | None, list[dict]]:
+def check_capacity_settings(cfg: DictConfig) -> None:
+    """The search's settings, checked before the first simulation."""
+    from sim.run import check_settings
+
+    check_settings(cfg)
+    low = number(cfg, "capacity.low", low=0, low_open=True, hint=" (requests/s)")
+    number(cfg, "capacity.high", low=low, low_open=True, hint=" (requests/s, above capacity.low)")
+    number(cfg, "capacity.attainment", low=0, low_open=True, high=1,
+           hint=" (the fraction of requests that must meet the SLOs, e.g. 0.9)")
+    number(cfg, "capacity.rel_tol", low=0, low_open=True, hint=" (stop when high / low - 1 < rel_tol, e.g. 0.05)")
+    if cfg.slo.ttft_s is None and cfg.slo.tpot_s is None:
+        raise SettingError("a capacity search needs an SLO: set slo.ttft_s and/or slo.tpot_s (seconds)")
+
+
+def capacity_search(cfg: DictConfig, labels: dict[str, Any] | None = None,
+                    probes_out: list[dict[str, Any]] | None = None) -> tuple[float | None, list[dict]]:
     from sim.run import simulate_config
 
+    check_capacity_settings(cfg)
     c = cfg.capacity
-    if cfg.slo.ttft_s is None and cfg.slo.tpot_s is None:
-        raise ValueError("a capacity search needs an SLO: set slo.ttft_s and/or slo.tpot_s")
 
     def meets(rate: float) -> tuple[bool, dict[str, Any]]:
         with open_dict(cfg):
@@ -62,7 +88,10 @@ def capacity_search(cfg: DictConfig, labels: dict[str, Any] | None = None) -> tu
         _, row = simulate_config(cfg, labels)
         keep = ("slo_attainment", "requests_per_s", "ttft_p90", "tpot_p90", "sim_wall_s")
         print(f"  rate {rate:8.3f} req/s: SLO attainment {row['slo_attainment']:.1%}", flush=True)
-        return row["slo_attainment"] >= c.attainment, {k: row[k] for k in keep}
+        ok, kept = row["slo_attainment"] >= c.attainment, {k: row[k] for k in keep}
+        if probes_out is not None:
+            probes_out.append({"rate": rate, "meets": ok, **kept})
+        return ok, kept
 
     return bisect_rate(meets, c.low, c.high, c.rel_tol)
 
@@ -73,17 +102,24 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from sim.run import hydra_labels
+    from varlen.cli import errors_to_exit, fail, interrupted
 
     labels = hydra_labels()
-    print(f"capacity search: {labels['scheduler']}/{labels['allocator']}, SLO TTFT <= {cfg.slo.ttft_s} s, "
-          f"TPOT <= {cfg.slo.tpot_s} s for {cfg.capacity.attainment:.0%} of requests")
-    try:
-        best, probes = capacity_search(cfg, labels)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
     out = Path(HydraConfig.get().runtime.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    done: list[dict[str, Any]] = []
+    try:
+        check_capacity_settings(cfg)
+        print(f"capacity search: {labels['scheduler']}/{labels['allocator']}, SLO TTFT <= {cfg.slo.ttft_s} s, "
+              f"TPOT <= {cfg.slo.tpot_s} s for {cfg.capacity.attainment:.0%} of requests")
+        best, probes = capacity_search(cfg, labels, done)
+    except errors_to_exit() as err:
+        fail(str(err))
+    except KeyboardInterrupt:
+        if done:
+            pd.DataFrame(done).to_csv(out / "capacity_probes.csv", index=False)
+        interrupted(f"search stopped after {len(done)} probes; " +
+                    (f"those probes written to {out / 'capacity_probes.csv'}, no capacity.json" if done
+                     else f"nothing written to {out}"))
     pd.DataFrame(probes).to_csv(out / "capacity_probes.csv", index=False)
     result = {**labels, "capacity_requests_per_s": best, "slo_ttft_s": cfg.slo.ttft_s,
               "slo_tpot_s": cfg.slo.tpot_s, "attainment": cfg.capacity.attainment,
@@ -99,4 +135,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from varlen.cli import run_cli
+
+    run_cli(main)

@@ -31,12 +31,23 @@ def gather(dirs: Sequence[str | Path]) -> pd.DataFrame:
     """One row per run (a folder holding summary.json), with the run's folder."""
     rows = []
     for d in dirs:
+        if not Path(d).is_dir():
+            raise ValueError(f"{d}: no such directory; give sim.run run or sweep directories")
         for f in sorted(Path(d).rglob("summary.json")):
-            row = json.loads(f.read_text())
+            try:
+                row = json.loads(f.read_text())
+            except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+                raise ValueError(f"{f}: not a readable summary ({' '.join(str(e).split())}); "
+                                 "rerun that run or leave its directory out") from None
+            missing = [k for k in ("scheduler", "allocator", "rate", "requests_per_s") if k not in row] \
+                if isinstance(row, dict) else ["a JSON object"]
+            if missing:
+                raise ValueError(f"{f}: not a sim.run summary (no {', '.join(missing)}; a varlen.run directory?); "
+                                 "sim.report reads sim.run runs and sweeps")
             row["run_dir"] = str(f.parent)
             rows.append(row)
     if not rows:
-        raise SystemExit(f"no summary.json under {', '.join(map(str, dirs))}")
+        raise ValueError(f"no summary.json under {', '.join(map(str, dirs))}; give sim.run run or sweep directories")
     df = pd.DataFrame(rows)
     df["policy"] = df["scheduler"].astype(str) + "/" + df["allocator"].astype(str)
     return df.sort_values(["policy", "rate"]).reset_index(drop=True)
@@ -130,7 +141,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("dirs", nargs="+", help="multirun directories (or single runs)")
     p.add_argument("--out", help="where to write the table and plots (default: the first directory)")
     a = p.parse_args(argv)
-    df = report(a.dirs, a.out)
+    try:
+        df = report(a.dirs, a.out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     cols = ["policy"] + [c for c in COLUMNS if c in df.columns and c not in ("scheduler", "allocator")]
     with pd.option_context("display.width", 250, "display.max_columns", 40, "display.float_format", "{:.4g}".format):
         print(df[cols].to_string(index=False))

@@ -1,4 +1,4 @@
-"""`python -m sim.run`: one simulation from a Hydra config (conf/sim.yaml); `-m` for sweeps.
+"""`python -m sim.run`: one simulation from a Hydra config (conf/sim/sim.yaml); `-m` for sweeps.
 
     python -m sim.run scheduler=continuous allocator=contiguous workload.rate=4
     python -m sim.run -m scheduler=static,continuous,chunked workload.rate=1,2,4,8   # joblib, in parallel
@@ -11,14 +11,15 @@ request, steps.csv to its output directory. Nothing here imports torch.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any, Mapping
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-CONF = str(Path(__file__).resolve().parent.parent / "conf")
+from varlen.cli import SettingError, check_missing, check_slo, existing_file, number
+
+CONF = str(Path(__file__).resolve().parent.parent / "conf" / "sim")  # this command's config root
 
 
 def load_requests(workload: Mapping[str, Any], vocab_size: int):
@@ -48,36 +49,116 @@ def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Any):
     name = cost.get("model", "roofline")
     if name == "roofline":
         return RooflineCostModel(model_config, hardware)
-    if cost.get("path") is None:
-        raise ValueError(f"cost.model={name} needs cost.path (a fitted model JSON or a durations file)")
-    if name == "profiled":
-        return ProfiledCostModel.load(cost["path"])
-    if name == "replay":
-        return ReplayCostModel(cost["path"])
-    raise ValueError(f"unknown cost.model {name!r} (roofline, profiled, replay)")
+    if name not in ("profiled", "replay"):
+        raise SettingError(f"cost.model={name!r} is unknown; choose roofline, profiled or replay")
+    path = cost.get("path")
+    if path is None:
+        raise SettingError(f"cost.model={name} needs cost.path (a fitted model JSON or a durations file)")
+    what = "a fitted model JSON (ProfiledCostModel.save)" if name == "profiled" else \
+        "a durations file (a JSON list or one number per line)"
+    if not Path(path).is_file():
+        raise SettingError(f"cost.path={str(path)!r} is not a file; give {what}")
+    try:
+        return ProfiledCostModel.load(path) if name == "profiled" else ReplayCostModel(path)
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        reason = " ".join(str(e).split())[:160]
+        raise SettingError(f"cost.path={str(path)!r} is not {what} for cost.model={name} ({reason})") from None
 
 
-def simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
-    """Run the simulation `cfg` describes; return (SimResult, summary row with labels)."""
+def load_sim_model(spec: Any) -> dict[str, Any]:
+    """sim_model.config as an HF config dict, or a SettingError naming the file and the fix."""
+    from sim.cost_models import load_model_config
+
+    if isinstance(spec, Mapping) or str(spec) == "tiny" or str(spec).startswith("tiny-"):
+        try:
+            return load_model_config(spec)
+        except KeyError as e:
+            raise SettingError(f"sim_model.config={spec!r}: unknown tiny architecture {e}") from None
+    p = Path(str(spec))
+    f = p / "config.json" if p.is_dir() else p
+    if not f.is_file():
+        raise SettingError(f"sim_model.config={str(spec)!r}: no such file; give a Hugging Face config.json "
+                           "or the folder holding it")
+    try:
+        config = load_model_config(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SettingError(f"sim_model.config={str(spec)!r}: {f} is not a JSON config "
+                           f"({' '.join(str(e).split())[:120]}); give a Hugging Face config.json") from None
+    if not isinstance(config, dict) or "vocab_size" not in config:
+        raise SettingError(f"sim_model.config={str(spec)!r}: {f} is not a Hugging Face model config "
+                           "(no vocab_size); give a model's config.json")
+    return config
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """Every setting the simulation reads, checked before any work starts (one-line errors)."""
+    from sim.simulator import ROUTERS
+
+    check_missing(cfg)
+    number(cfg, "engine.block_size", low=1, integer=True, hint=" (tokens per KV block, e.g. 16)")
+    number(cfg, "engine.num_blocks", low=1, integer=True, optional=True)
+    number(cfg, "engine.gpu_memory_utilization", low=0, low_open=True, high=1,
+           hint=" (the fraction of device memory for weights and KV, e.g. 0.9)")
+    number(cfg, "engine.max_model_len", low=2, integer=True)
+    number(cfg, "cluster.replicas", low=1, integer=True)
+    if cfg.cluster.router not in ROUTERS:
+        raise SettingError(f"cluster.router={cfg.cluster.router!r} is unknown; choose one of {', '.join(ROUTERS)}")
+    check_slo(cfg)
+    number(cfg, "workload.rate", low=0, low_open=True, optional=True, hint=" (requests/s)")
+    number(cfg, "workload.limit", low=0, integer=True, optional=True)
+    src = OmegaConf.select(cfg, "workload.source")
+    if src is not None and str(src) != "synthetic":
+        from varlen.traces import NAMED_TRACES
+
+        if str(src) not in NAMED_TRACES:
+            existing_file(cfg, "workload.source", f"a trace file or one of {', '.join(NAMED_TRACES)}")
+
+
+def lossy_line(stats: Any) -> str | None:
+    """One line saying what the trace options changed, or None when nothing was."""
+    parts = []
+    if stats.num_clipped:
+        parts.append(f"{stats.num_clipped} clipped to max_model_len ({stats.num_prompt_clipped} of them in the prompt)")
+    if stats.num_dropped:
+        parts.append(f"{stats.num_dropped} dropped as longer than max_model_len")
+    if stats.num_reordered:
+        parts.append(f"{stats.num_reordered} out of arrival order (sorted)")
+    if stats.num_zero_output:
+        parts.append(f"{stats.num_zero_output} with output length 0 raised to 1")
+    if not parts:
+        return None
+    return f"workload ({stats.num_returned} requests kept of {stats.num_read} read): " + ", ".join(parts)
+
+
+LOSSY_KEYS = ("num_read", "num_returned", "num_clipped", "num_prompt_clipped", "num_dropped", "num_reordered", "num_zero_output")
+
+
+def simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None = None,
+                    announce: bool = False) -> tuple[Any, dict[str, Any]]:
+    """Run the simulation `cfg` describes; return (SimResult, summary row with labels).
+    announce: print what the trace options changed and the run's size before it starts."""
     from sim.simulator import gc_paused
 
     with gc_paused():  # the trace's requests, the run and its metrics are all long-lived objects
-        return _simulate_config(cfg, labels)
+        return _simulate_config(cfg, labels, announce)
 
 
-def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None) -> tuple[Any, dict[str, Any]]:
+def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
+                     announce: bool) -> tuple[Any, dict[str, Any]]:
     from hydra.utils import instantiate
 
-    from sim.cost_models import HardwareSpec, RooflineCostModel, load_model_config
+    from sim.cost_models import HardwareSpec, RooflineCostModel
     from sim.executor import CostModelExecutor
     from sim.simulator import simulate
     from varlen.engine import Engine
     from varlen.metrics import summarize
 
+    check_settings(cfg)
     c = OmegaConf.to_container(cfg, resolve=True)
     e = c["engine"]
-    model_config = load_model_config(c["sim_model"]["config"])
+    model_config = load_sim_model(c["sim_model"]["config"])
     hardware = HardwareSpec.from_dict(c["hardware"])
+    build_cost_model(c["cost"], model_config, hardware)  # a bad cost.path fails now, not per replica
     num_blocks = e.get("num_blocks")
     if num_blocks is None:
         tokens = RooflineCostModel(model_config, hardware).kv_capacity_tokens(e["gpu_memory_utilization"])
@@ -85,6 +166,14 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None) -> tuple
         if num_blocks < 1:
             raise ValueError(f"{c['sim_model']['name']} does not fit on {hardware.name}: no room for KV blocks")
     trace, reqs = load_requests(c["workload"], int(model_config["vocab_size"]))
+    if not reqs:
+        raise SettingError(f"no requests: the workload {c['workload'].get('source')!r} gave none "
+                           f"(limit={c['workload'].get('limit')}, {trace.stats.num_read} read); nothing to simulate")
+    lossy = lossy_line(trace.stats)
+    if announce and lossy:
+        print(lossy, flush=True)
+    if announce:
+        print(f"simulating {len(reqs)} requests on {c['cluster']['replicas']} replica(s) (Ctrl-C stops)", flush=True)
     max_model_len = min(e["max_model_len"], num_blocks * e["block_size"])
 
     alloc_kw = {}
@@ -108,6 +197,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None) -> tuple
                max_num_seqs=c["scheduler"].get("max_num_seqs"),
                max_num_batched_tokens=c["scheduler"].get("max_num_batched_tokens"),
                rate=trace.stats.mean_rate, trace=c["workload"].get("source"))
+    row.update({f"trace_{k}": getattr(trace.stats, k) for k in LOSSY_KEYS})
     row.update(summarize(reqs, res.steps, res.total_slots, c["slo"]["ttft_s"], c["slo"]["tpot_s"]))
     row.update(steps=res.num_steps, sim_wall_s=res.wall_s,
                sim_requests_per_wall_s=len(reqs) / max(res.wall_s, 1e-9),
@@ -149,8 +239,8 @@ def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig) 
             t.insert(0, "replica", rep.index)
             frames.append(t)
         pd.concat(frames).to_csv(out / "steps.csv", index=False)
-    (out / "summary.json").write_text(json.dumps(dict(row), indent=2, default=str))
     (out / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    (out / "summary.json").write_text(json.dumps(dict(row), indent=2, default=str))  # last: marks a complete run
 
 
 def format_row(row: Mapping[str, Any]) -> str:
@@ -168,17 +258,24 @@ def format_row(row: Mapping[str, Any]) -> str:
 
 @hydra.main(config_path=CONF, config_name="sim", version_base="1.3")
 def main(cfg: DictConfig) -> float:
+    import time
+
     from hydra.core.hydra_config import HydraConfig
 
-    from varlen.traces import TraceFormatError
+    from varlen.cli import errors_to_exit, fail, interrupted
 
-    try:
-        res, row = simulate_config(cfg, hydra_labels())
-    except (ValueError, FileNotFoundError, TraceFormatError) as err:
-        print(f"error: {err}", file=sys.stderr)  # a setting or input problem: one line, no traceback
-        sys.exit(2)
     out = Path(HydraConfig.get().runtime.output_dir)
-    write_outputs(res, row, out, cfg)
+    t0 = time.perf_counter()
+    try:
+        res, row = simulate_config(cfg, hydra_labels(), announce=True)
+    except errors_to_exit() as err:
+        fail(str(err))  # a setting or input problem: one line, no traceback
+    except KeyboardInterrupt:
+        interrupted(f"simulation stopped after {time.perf_counter() - t0:.1f} s; no results written to {out}")
+    try:
+        write_outputs(res, row, out, cfg)
+    except KeyboardInterrupt:
+        interrupted(f"while writing {out}: its tables may be incomplete (summary.json is written last)")
     print(format_row(row))
     from varlen.compiled import status
 
@@ -188,4 +285,6 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    from varlen.cli import run_cli
+
+    run_cli(main)

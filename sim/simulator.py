@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Sequence
 from sim.executor import CostModelExecutor
 from varlen.clock import SimClock
 from varlen.engine import Engine
+from varlen.interrupt import poll
 from varlen.request import Request
 from varlen.steplog import StepLog
 
@@ -148,7 +149,11 @@ def _event_loop(pending: list[Request], replicas: list[Replica], route: Router, 
     is_busy = [False] * num_replicas
     inf = float("inf")
     i, n = 0, len(pending)
+    events = 0
     while i < n or busy:
+        events += 1
+        if events & 1023 == 0:
+            poll()  # Ctrl-C: compiled, this loop would not see it otherwise (varlen/interrupt.py)
         t_step = busy[0][0] if busy else inf
         if i < n and pending[i].arrival <= t_step:
             req = pending[i]

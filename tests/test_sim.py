@@ -132,6 +132,24 @@ def test_bisection_finds_the_threshold():
     assert bisect_rate(lambda r: (True, {}), 1, 2)[0] == 2
 
 
+@pytest.mark.parametrize("rel_tol", [1e-300, 1e-17])
+def test_bisection_always_ends(rel_tol):
+    """A tolerance floats cannot reach (capacity.rel_tol=0 did this) bisected forever: the
+    search ends at its probe cap or when the bounds are adjacent floats."""
+    from sim.capacity import MAX_PROBES
+
+    best, probes = bisect_rate(lambda r: (r <= 3.7, {}), 0.5, 64.0, rel_tol=rel_tol)
+    assert len(probes) <= MAX_PROBES and best == pytest.approx(3.7, rel=1e-9) and best <= 3.7
+    best, probes = bisect_rate(lambda r: (r <= 3.7, {}), 3.7, np.nextafter(3.7, 4), rel_tol=rel_tol)
+    assert best == 3.7 and len(probes) == 2  # adjacent bounds: nothing between them to probe
+
+
+@pytest.mark.parametrize("low, high, rel_tol", [(2, 1, 0.05), (0, 1, 0.05), (1, float("inf"), 0.05), (1, 2, 0)])
+def test_bisection_refuses_bad_ranges(low, high, rel_tol):
+    with pytest.raises(ValueError):
+        bisect_rate(lambda r: (True, {}), low, high, rel_tol)
+
+
 def test_sweep_command_and_report(tmp_path):
     """The sweep of the issue, small: one command, a Hydra multirun through the joblib launcher
     that ends with the report (sim.callbacks.SweepReport); sim.report alone redraws it."""
@@ -187,3 +205,30 @@ def test_cdf_plot_says_why_when_runs_kept_no_request_table(tmp_path, capsys):
     assert plot_cdfs(df.iloc[1:], "ttft", tmp_path / "none.png") == 0
     assert not (tmp_path / "none.png").exists()
     assert "output.requests=true" in capsys.readouterr().err
+
+
+def test_sim_run_says_what_the_trace_options_changed(tmp_path, monkeypatch, capsys):
+    """Clipped, dropped, reordered and zero-output requests were counted but never shown: all
+    of a trace could be clipped without a word. Now one line, and the counts in summary.json."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from sim.run import main
+
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     "2023-11-16 18:15:47.0,900,200\n2023-11-16 18:15:46.0,100,0\n"
+                     "2023-11-16 18:15:48.0,50,20\n2023-11-16 18:15:49.0,2000,10\n")
+    out = tmp_path / "run"
+    monkeypatch.setattr(sys, "argv", ["sim.run", "sim_model=tiny", "hardware=cpu_2core", "engine.num_blocks=256",
+                                      "engine.max_model_len=1024", f"workload.source={trace}", f"hydra.run.dir={out}"])
+    GlobalHydra.instance().clear()
+    try:
+        main()
+    finally:
+        GlobalHydra.instance().clear()
+    printed = capsys.readouterr().out
+    assert ("workload (4 requests kept of 4 read): 2 clipped to max_model_len (1 of them in the prompt), "
+            "1 out of arrival order (sorted), 1 with output length 0 raised to 1") in printed
+    row = json.loads((out / "summary.json").read_text())
+    assert (row["trace_num_clipped"], row["trace_num_prompt_clipped"], row["trace_num_reordered"],
+            row["trace_num_zero_output"], row["trace_num_dropped"]) == (2, 1, 1, 1, 0)

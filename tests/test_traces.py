@@ -4,6 +4,7 @@ synthetic workloads and deterministic prompt content."""
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import time
 from datetime import datetime
@@ -11,9 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from varlen.traces import (
-    LengthDist, TraceFormatError, TraceRequest, load_trace, synth_prompt_tokens,
+    MAX_LENGTH, LengthDist, TraceFormatError, TraceRequest, load_trace, synth_prompt_tokens,
 )
 
 DATA = Path(__file__).parent / "data"
@@ -106,6 +109,12 @@ AZ_OK = "2023-11-16 18:15:46.6805900,374,44\n"
     (AZ_HEADER + AZ_OK + "yesterday,10,3\n", 3, "unparseable timestamp 'yesterday'"),
     (AZ_HEADER + AZ_OK + AZ_OK + "2023-11-16 18:15:47.0,1,2,3\n", 4, "malformed CSV row"),
     ("", 1, "empty file"),
+    # A column of booleans was typed bool by pandas and read as 1-token prompts.
+    (AZ_HEADER + "2023-11-16 18:15:47.0,true,3\n", 2, "non-numeric value 'true' in column ContextTokens"),
+    (AZ_HEADER + AZ_OK + "2023-11-16 18:15:47.0,10,false\n", 3, "non-numeric value 'false'"),
+    # 20 digits: parsed as uint64, wrapped to a "negative prompt length".
+    (AZ_HEADER + "2023-11-16 18:15:47.0,12345678901234567890,3\n", 2, "out of range"),
+    (AZ_HEADER + AZ_OK + "2023-11-16 18:15:47.0,10,1e30\n", 3, "out of range"),
 ])
 def test_azure_errors(tmp_path: Path, content: str, line: int, reason: str) -> None:
     p = tmp_path / "bad.csv"
@@ -129,6 +138,12 @@ MC_OK = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [
     (MC_OK + '{"timestamp": 1, "input_length": 6, "output_length": 5, "hash_ids": [1, "x"]}\n', 2,
      "hash_ids must be a list of integers"),
     (MC_OK + "[1, 2]\n", 2, "expected a JSON object"),
+    # These raised OverflowError (no file, no line).
+    (MC_OK + '{"timestamp": 1, "input_length": 1e30, "output_length": 5}\n', 2, "input_length 1e+30 is out of range"),
+    (MC_OK + '{"timestamp": 1, "input_length": 6, "output_length": 99999999999999999999}\n', 2, "out of range"),
+    (MC_OK + '{"timestamp": 1, "input_length": 6, "output_length": 5, "hash_ids": [%d]}\n' % 2**64, 2,
+     "hash id 18446744073709551616 is out of range"),
+    (MC_OK + '{"timestamp": %d, "input_length": 6, "output_length": 5}\n' % 10**400, 2, "out of range"),
 ])
 def test_mooncake_errors(tmp_path: Path, content: str, line: int, reason: str) -> None:
     p = tmp_path / "bad.jsonl"
@@ -136,6 +151,93 @@ def test_mooncake_errors(tmp_path: Path, content: str, line: int, reason: str) -
     with pytest.raises(TraceFormatError) as e:
         load_trace(p)
     assert str(p) in str(e.value) and f"line {line}:" in str(e.value) and reason in str(e.value)
+
+
+def test_hash_ids_of_64_bits_signed_or_unsigned_are_blocks(tmp_path: Path) -> None:
+    """Ids >= 2**63 (unsigned 64-bit hashes) raised OverflowError when prompts were synthesised;
+    an unsigned id and the signed id of the same bits are the same block."""
+    p = tmp_path / "u64.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [%d, 7]}\n'
+                 '{"timestamp": 1, "input_length": 600, "output_length": 5, "hash_ids": [-1, 7]}\n' % (2**64 - 1))
+    a, b = (synth_prompt_tokens(r, 1000) for r in load_trace(p))
+    assert len(a) == 600 and np.array_equal(a[:512], b[:512])
+
+
+def test_compressed_traces_load_by_name_and_misnamed_ones_are_said(tmp_path: Path) -> None:
+    for name, fixture in (("t.csv.gz", AZURE_CONV), ("t.jsonl.gz", MOONCAKE)):
+        p = tmp_path / name
+        p.write_bytes(gzip.compress(Path(fixture).read_bytes()))
+        got, want = load_trace(p, limit=50), load_trace(fixture, limit=50)
+        assert got.columns()["prompt_len"].tolist() == want.columns()["prompt_len"].tolist()
+        assert got.stats.kind == want.stats.kind
+    plain = tmp_path / "gz.csv"
+    plain.write_bytes(gzip.compress((AZ_HEADER + AZ_OK).encode()))
+    with pytest.raises(TraceFormatError, match=r"gz\.csv: line 1: gzip-compressed data in a file named \.csv"):
+        load_trace(plain)
+    fake = tmp_path / "fake.jsonl.gz"
+    fake.write_text(MC_OK)
+    with pytest.raises(TraceFormatError, match="not gzip-compressed"):
+        load_trace(fake)
+
+
+def test_a_utf8_bom_before_jsonl_is_not_json(tmp_path: Path) -> None:
+    """Was "unknown line: invalid JSON": the BOM broke the joined parse, and every line alone parsed."""
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + (MC_OK * 2).encode())
+    assert [r.prompt_len for r in load_trace(p)] == [600, 600]
+
+
+_FIELD_VALUES = st.one_of(
+    st.integers(min_value=-(2**70), max_value=2**70), st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(), st.none(), st.text(alphabet="0123456789eE+-.xtrufalsTRUFALS ", max_size=25))
+
+
+@given(st.sampled_from(["input_length", "output_length", "timestamp"]), _FIELD_VALUES)
+def test_any_mooncake_field_value_loads_exactly_or_names_its_line(field: str, value: object) -> None:
+    import tempfile
+
+    obj = {"timestamp": 5, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}
+    obj[field] = value
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "t.jsonl"
+        p.write_text(MC_OK + json.dumps(obj) + "\n")
+        try:
+            t = load_trace(p)
+        except TraceFormatError as e:
+            assert e.line == 2 and str(p) in str(e)
+            return
+    first, r = sorted(t.requests, key=lambda x: x.req_id)  # by line: arrivals are sorted and re-zeroed
+    if field == "timestamp":
+        assert r.arrival_s - first.arrival_s == pytest.approx(float(value) / 1000.0)
+    else:
+        assert isinstance(value, (int, float)) and not isinstance(value, bool)
+        assert int(value) == value and 0 <= value <= MAX_LENGTH
+        want = max(int(value), field == "output_length")  # an output length 0 is raised to 1
+        assert getattr(r, "prompt_len" if field == "input_length" else "output_len") == want
+        if r.prompt_len <= 10**5:
+            assert len(synth_prompt_tokens(r, 100)) == r.prompt_len
+
+
+@given(st.sampled_from(["ContextTokens", "GeneratedTokens"]),
+       st.one_of(st.integers(min_value=-(2**70), max_value=2**70).map(str), st.sampled_from(
+           ["true", "false", "True", "1e30", "1.0", "1.5", "nan", "inf", "-0", "0x10", "", "1_000"]),
+           st.text(alphabet="0123456789.eE+-", min_size=1, max_size=22)))
+def test_any_azure_length_loads_exactly_or_names_its_line(column: str, raw: str) -> None:
+    import tempfile
+
+    row = {"ContextTokens": "374", "GeneratedTokens": "44", column: raw}
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "t.csv"
+        p.write_text(AZ_HEADER + AZ_OK + f"2023-11-16 18:15:47.0,{row['ContextTokens']},{row['GeneratedTokens']}\n")
+        try:
+            t = load_trace(p)
+        except TraceFormatError as e:
+            assert e.line == 3 and str(p) in str(e)
+            return
+    v = float(raw)  # what loaded must be exactly the number written
+    r = next(x for x in t.requests if x.req_id == "1")
+    got = r.prompt_len if column == "ContextTokens" else r.output_len
+    assert v == int(v) and 0 <= v <= MAX_LENGTH and got == max(int(v), column == "GeneratedTokens")
 
 
 def test_bad_arguments() -> None:

@@ -1,6 +1,6 @@
 """`python -m varlen.run`: serve a workload with a chosen backend, scheduler and KV allocator.
 
-Composed by Hydra (`conf/config.yaml`): `python -m varlen.run backend=torch_ref scheduler=chunked
+Composed by Hydra (`conf/run/config.yaml`): `python -m varlen.run backend=torch_ref scheduler=chunked
 allocator=paged workload=azure_conv`. `--help` lists the groups and their options. Prints a
 summary table and writes requests.csv, steps.csv, summary.json and the resolved config to the
 run's output directory.
@@ -9,13 +9,16 @@ run's output directory.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
+
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-CONF = str(Path(__file__).resolve().parent.parent / "conf")
+from varlen.cli import SettingError, check_missing, check_slo, errors_to_exit, existing_file, fail, interrupted, number
+
+CONF = str(Path(__file__).resolve().parent.parent / "conf" / "run")  # this command's config root
 
 
 def format_summary(row: dict, title: str) -> str:
@@ -35,14 +38,45 @@ def format_summary(row: dict, title: str) -> str:
     return "\n".join(lines)
 
 
+def check_settings(cfg: DictConfig) -> None:
+    """The settings this command reads itself, checked before the model loads (one-line errors);
+    the engine's own settings are checked by LLM(...)."""
+    check_missing(cfg)
+    check_slo(cfg)
+    if "path" in cfg.workload:
+        existing_file(cfg, "workload.path", "a text file with one prompt per line")
+    else:
+        number(cfg, "workload.limit", low=0, integer=True, optional=True)
+
+
+def load_prompts(path: str) -> list[str]:
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError:
+        raise SettingError(f"workload.path={path!r} is not a UTF-8 text file; give one prompt per line") from None
+    return [ln for ln in text.splitlines() if ln.strip()]
+
+
 def serve(cfg: DictConfig) -> dict:
+    from varlen.workload import load_workload
+
+    check_settings(cfg)
+    # The workload before the model: an empty or malformed one fails in a second, not after loading.
+    trace, opts = load_workload(OmegaConf.to_container(cfg.workload, resolve=True))
+    prompts = load_prompts(opts["path"]) if trace is None else None
+    n = len(prompts) if trace is None else len(trace)
+    if n == 0:
+        src = f"workload.path={opts['path']!r}" if trace is None else \
+            f"workload {trace.stats.source} (limit={cfg.workload.get('limit')}, {trace.stats.num_read} read)"
+        raise SettingError(f"no requests: {src} gave none; nothing to serve")
+
+    import pandas  # noqa: F401  (now, not when Ctrl-C asks for the tables: importing it takes ~1 s)
     import torch
     from hydra.utils import instantiate
 
     from varlen.llm import LLM
-    from varlen.metrics import request_table, step_table, summarize
     from varlen.sampling_params import SamplingParams
-    from varlen.workload import load_workload, trace_requests
+    from varlen.workload import trace_requests
 
     torch.set_num_threads(cfg.engine.threads)
     e = cfg.engine
@@ -52,43 +86,68 @@ def serve(cfg: DictConfig) -> dict:
               device=e.device, seed=e.seed, batch_invariant=e.batch_invariant)
     print(f"model {llm.model_path} | backend {llm.backend.name} | scheduler {llm.engine.policy.name} | "
           f"allocator {type(llm.engine.kv).__name__}\n{llm.sizing}")
-    trace, opts = load_workload(OmegaConf.to_container(cfg.workload, resolve=True))
     s = cfg.sampling
     sampling = SamplingParams(max_tokens=opts.get("max_tokens", 16), temperature=s.temperature, top_k=s.top_k,
                               top_p=s.top_p, ignore_eos=s.ignore_eos)
     if trace is None:
-        prompts = [ln for ln in Path(opts["path"]).read_text().splitlines() if ln.strip()]
         reqs = llm.make_requests(prompts, sampling)
     else:
         print(trace.stats.summary())
         reqs = trace_requests(trace, llm.runner.config.vocab_size, sampling, offline=opts["replay"] == "offline")
-    llm.run(reqs, use_tqdm=cfg.progress)
-    eng = llm.engine
-    row = summarize(reqs, eng.steps, eng.kv.capacity_tokens, cfg.slo.ttft_s, cfg.slo.tpot_s)
     out = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
-    request_table(reqs).to_csv(out / "requests.csv", index=False)
-    step_table(eng.steps).to_csv(out / "steps.csv", index=False)
-    (out / "summary.json").write_text(json.dumps(row, indent=2))
-    (out / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    title = (f"summary: {llm.engine.policy.name} + {type(eng.kv).__name__} + {llm.backend.name}, "
+    print(f"serving {len(reqs)} requests (Ctrl-C stops and writes the finished ones)", flush=True)
+    try:
+        llm.run(reqs, use_tqdm=cfg.progress)
+    except KeyboardInterrupt:
+        row = write_results(cfg, llm, reqs, trace, out, partial=True)
+        interrupted(f"wrote the {row['finished']} requests finished of {len(reqs)} to {out} "
+                    "(partial: summary.json has \"partial\": true)")
+    try:
+        row = write_results(cfg, llm, reqs, trace, out, partial=False)
+    except KeyboardInterrupt:
+        interrupted(f"while writing {out}: its tables may be incomplete (summary.json is written last)")
+    title = (f"summary: {llm.engine.policy.name} + {type(llm.engine.kv).__name__} + {llm.backend.name}, "
              f"{len(reqs)} requests")
     print(format_summary(row, title))
     print(f"tables and config written to {out}")
     return row
 
 
+def write_results(cfg: DictConfig, llm: Any, reqs: list, trace: Any, out: Path, partial: bool) -> dict:
+    """requests.csv, steps.csv, config_resolved.yaml, then summary.json (last: a run without it
+    did not finish writing). A partial run (Ctrl-C) lists every request, unfinished ones with
+    an empty finish_reason, and its summary says "partial": true."""
+    from varlen.metrics import request_table, step_table, summarize
+
+    eng = llm.engine
+    row = summarize(reqs, eng.steps, eng.kv.capacity_tokens, cfg.slo.ttft_s, cfg.slo.tpot_s)
+    row["partial"] = partial
+    row["unfinished"] = sum(r.finish_reason is None for r in reqs)
+    if trace is not None:
+        row.update({f"trace_{k}": getattr(trace.stats, k) for k in
+                    ("num_read", "num_clipped", "num_prompt_clipped", "num_dropped", "num_reordered",
+                     "num_zero_output")})
+    request_table(reqs).to_csv(out / "requests.csv", index=False)
+    step_table(eng.steps).to_csv(out / "steps.csv", index=False)
+    (out / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    (out / "summary.json").write_text(json.dumps(row, indent=2))
+    return row
+
+
 @hydra.main(config_path=CONF, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from backends.base import BackendUnavailable
-    from varlen.traces import TraceFormatError
 
     try:
         serve(cfg)
-    except (ValueError, BackendUnavailable, FileNotFoundError, TraceFormatError) as err:
-        # A setting or input problem: one clear line, not a traceback.
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    except errors_to_exit((BackendUnavailable,)) as err:
+        fail(str(err))  # a setting or input problem: one clear line, not a traceback
+    except KeyboardInterrupt:
+        # Before serving started, or a second Ctrl-C while the partial tables were written.
+        interrupted("no complete results written (a run's summary.json is written last)")
 
 
 if __name__ == "__main__":
-    main()
+    from varlen.cli import run_cli
+
+    run_cli(main)

@@ -165,34 +165,73 @@ def _sort_by_arrival(c: _Columns) -> tuple[_Columns, int]:
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
+# Longer than any model's context, and small enough that prompt + output never overflows int64.
+MAX_LENGTH = 2**31 - 1
+
+
 def _int_column(values: Any, labels: np.ndarray, name: str, path: Path) -> np.ndarray:
     """A CSV column as int64; `labels` are the rows' 0-based data-row index (line = label + 2)."""
     import pandas as pd
 
-    if pd.api.types.is_integer_dtype(values.dtype):
-        return values.to_numpy(np.int64)
-    # Only a column with a problem (or blank lines) gets here: the C parser did not type it int.
-    nums = pd.to_numeric(values, errors="coerce").to_numpy(np.float64)
-    bad = ~np.isfinite(nums) | (nums != np.floor(nums))
+    if pd.api.types.is_bool_dtype(values.dtype):  # "true"/"false" would otherwise read as 1/0
+        _fail(path, int(labels[0]) + 2, f"non-numeric value {str(values.iloc[0]).lower()!r} in column {name}")
+    if pd.api.types.is_integer_dtype(values.dtype) and values.dtype.kind == "i":
+        ints = values.to_numpy(np.int64)
+        big = np.flatnonzero(ints > MAX_LENGTH)
+        if len(big):
+            _fail(path, int(labels[big[0]]) + 2, f"value {int(ints[big[0]])} in column {name} is out of range "
+                  f"(more than {MAX_LENGTH} tokens)")
+        return ints
+    # Only a column with a problem (or blank lines) gets here: the C parser did not type it int64.
+    raw_values = values.astype(object)
+    is_bool = np.fromiter((isinstance(v, (bool, np.bool_)) for v in raw_values), bool, len(raw_values))
+    nums = pd.to_numeric(values.where(~is_bool, None) if is_bool.any() else values, errors="coerce")
+    nums = nums.to_numpy(np.float64)
+    bad = ~np.isfinite(nums) | (nums != np.floor(nums)) | (np.abs(nums) > MAX_LENGTH)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raw = values.iloc[i]
         raw = "" if raw is None or (isinstance(raw, float) and np.isnan(raw)) else str(raw).strip()
         reason = (f"missing value in column {name}" if raw == "" else
                   f"non-numeric value {raw!r} in column {name}" if not np.isfinite(nums[i]) else
-                  f"non-integer value {raw!r} in column {name}")
+                  f"non-integer value {raw!r} in column {name}" if nums[i] != np.floor(nums[i]) else
+                  f"value {raw} in column {name} is out of range (more than {MAX_LENGTH} tokens)")
         _fail(path, int(labels[i]) + 2, reason)
     return nums.astype(np.int64)
+
+
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _is_gz(path: Path) -> bool:
+    return path.name.lower().endswith(".gz")
+
+
+def _check_compression(path: Path) -> None:
+    """gzip bytes under a plain name would be read as (undecodable) text."""
+    with open(path, "rb") as f:
+        head = f.read(2)
+    if head == _GZIP_MAGIC and not _is_gz(path):
+        _fail(path, 1, f"gzip-compressed data in a file named {path.suffix}; name it {path.name}.gz "
+              "(read as gzip) or decompress it")
+    if _is_gz(path) and head != _GZIP_MAGIC:
+        _fail(path, 1, "named .gz but not gzip-compressed; rename it without .gz")
 
 
 def _read_azure_csv(path: Path) -> _Columns:
     import pandas as pd
 
+    _check_compression(path)
     try:
         # Blank lines stay as (all-NaN) rows, so a row's label maps to its line number.
+        # .csv.gz: pandas decompresses by the name.
         df = pd.read_csv(path, skip_blank_lines=False, skipinitialspace=True)
     except pd.errors.EmptyDataError:
         _fail(path, 1, "empty file (no header)")
+    except UnicodeDecodeError as e:
+        _fail(path, None, f"not UTF-8 text ({e.reason} at byte {e.start})")
+    except (EOFError, OSError) as e:  # a truncated or corrupt .gz
+        _fail(path, None, f"cannot read the compressed file ({e})")
     except pd.errors.ParserError as e:
         m = re.search(r"line (\d+)", str(e))
         _fail(path, int(m.group(1)) if m else None, f"malformed CSV row ({str(e).strip()})")
@@ -227,7 +266,18 @@ def _read_azure_csv(path: Path) -> _Columns:
 
 
 def _read_mooncake_jsonl(path: Path) -> _Columns:
+    import codecs
+    import gzip
+
+    _check_compression(path)
     data = path.read_bytes()
+    if _is_gz(path):
+        try:
+            data = gzip.decompress(data)
+        except (EOFError, OSError) as e:
+            _fail(path, None, f"cannot read the compressed file ({e})")
+    if data.startswith(codecs.BOM_UTF8):  # written by some Windows tools; not part of the JSON
+        data = data[len(codecs.BOM_UTF8):]
     lines = data.split(b"\n")
     nonblank = [i for i, s in enumerate(lines) if s.strip()]
     try:
@@ -259,11 +309,20 @@ def _read_mooncake_jsonl(path: Path) -> _Columns:
         for name, v in (("input_length", i), ("output_length", o)):
             if v != int(v):
                 _fail(path, line, f"non-integer {name} {v!r}")
-        ts[k], prompt[k], output[k] = t, i, o
+            if abs(v) > MAX_LENGTH:
+                _fail(path, line, f"{name} {v!r} is out of range (more than {MAX_LENGTH} tokens)")
+        try:
+            ts[k] = t
+        except OverflowError:
+            _fail(path, line, f"timestamp {t!r} is out of range")
+        prompt[k], output[k] = i, o
         h = obj.get("hash_ids")
         if h is None:
             hashes.append(None)
         elif isinstance(h, list) and all(type(x) is int for x in h):
+            if not all(_HASH_MIN <= x <= _M64 for x in h):
+                x = next(x for x in h if not _HASH_MIN <= x <= _M64)
+                _fail(path, line, f"hash id {x} is out of range (64-bit ids: -2**63 to 2**64 - 1)")
             hashes.append(tuple(h))
         else:
             _fail(path, line, "hash_ids must be a list of integers")
@@ -426,13 +485,19 @@ def resolve_trace(source: str | os.PathLike, kind: str | None = None) -> tuple[s
     if s == "synthetic" or kind == "synthetic":
         return "synthetic", None
     path = default_traces_dir() / NAMED_TRACES[s] if s in NAMED_TRACES else Path(s)
+    if path.is_dir():
+        raise ValueError(f"trace {s!r} is a directory; give a trace file (.csv, .jsonl, or either with .gz)")
     if not path.is_file():
         raise FileNotFoundError(f"trace {s!r} not found at {path}")
     if kind is None:
-        suffix = path.suffix.lower()
+        suffixes = [x.lower() for x in path.suffixes]
+        if suffixes[-1:] == [".gz"]:
+            suffixes.pop()
+        suffix = suffixes[-1] if suffixes else ""
         kind = "azure" if suffix == ".csv" else "mooncake" if suffix in (".jsonl", ".json") else None
         if kind is None:
-            raise ValueError(f"{path}: cannot tell the trace kind from the suffix; pass kind=")
+            raise ValueError(f"{path}: cannot tell the trace kind from the name (.csv, .jsonl, or either "
+                             "with .gz); pass kind= (workload.kind=azure|mooncake)")
     if kind not in ("azure", "mooncake"):
         raise ValueError(f"unknown trace kind {kind!r} (azure, mooncake, synthetic)")
     return kind, path
@@ -566,6 +631,7 @@ def _to_requests(c: _Columns, kind: str) -> list[TraceRequest]:
 # Prompt content
 
 _M64 = (1 << 64) - 1
+_HASH_MIN = -(1 << 63)
 _GOLDEN = 0x9E3779B97F4A7C15
 _DOMAIN_BLOCK = 0x426C6F636B  # separates hash-id block content from per-request content
 _DOMAIN_REQUEST = 0x52657175
@@ -617,7 +683,8 @@ def synth_prompt_tokens(req: TraceRequest, vocab_size: int, block_tokens: int = 
     if req.hash_ids:
         nb = min(len(req.hash_ids), -(-n // block_tokens))
         base = np.uint64(_mix_int(seed ^ _DOMAIN_BLOCK))
-        keys = _mix(np.asarray(req.hash_ids[:nb], dtype=np.int64).astype(np.uint64) ^ base)
+        # Ids as 64-bit words: signed and unsigned ids of the same bits are the same block.
+        keys = _mix(np.asarray([h & _M64 for h in req.hash_ids[:nb]], dtype=np.uint64) ^ base)
         parts.append(_stream(keys, 0, block_tokens).ravel()[:n])
     have = sum(len(p) for p in parts)
     if have < n:

@@ -1,0 +1,203 @@
+"""What every command-line entry point shares (`varlen.run`, `sim.run`, `sim.capacity`): a run
+directory of its own, settings checked before any work starts, one-line errors (exit 2) and
+Ctrl-C that says what was written (exit 130). No torch.
+
+Run directories. Hydra names them to the second, so two runs started in the same second would
+share one. `ClaimRunDir` (a Hydra callback listed first in each config's `hydra.callbacks`)
+claims the run's (or sweep's) directory before Hydra writes anything into it: a directory is
+taken only if it is empty and this process creates its claim file exclusively (O_EXCL, atomic
+on one file system), else the next free `<dir>-1`, `<dir>-2`, ... is taken and a line says so.
+Two runs can therefore never share a directory, whoever named it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, NoReturn
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+CLAIM = ".varlen-run"  # created exclusively in a run directory by the run that owns it
+EXIT_USAGE = 2  # a setting or an input is wrong
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
+
+
+class SettingError(ValueError):
+    """A setting or input that cannot work; the message is one line naming it and the fix."""
+
+
+def fail(message: str) -> NoReturn:
+    """One line on stderr, exit 2: the CLI form of a bad setting."""
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
+def interrupted(message: str) -> NoReturn:
+    """After Ctrl-C: one line saying what was (not) written, exit 130."""
+    print(f"interrupted: {message}", file=sys.stderr)
+    sys.exit(EXIT_INTERRUPTED)
+
+
+def run_cli(main: Callable[[], Any]) -> None:
+    """A command's `__main__`: after Ctrl-C has been handled (results written or said not to be),
+    leave at once. The interpreter's teardown takes seconds once torch is loaded, and an
+    interrupted command must stop within a second; files are closed, streams flushed here.
+    A Ctrl-C outside a run (Hydra starting, a sweep's launcher waiting for its jobs) gets its
+    one line here."""
+    try:
+        main()
+    except SystemExit as e:
+        if e.code != EXIT_INTERRUPTED:
+            raise
+        _leave_now()
+    except KeyboardInterrupt:
+        print("interrupted: stopped; runs that had finished kept their results, the others wrote none "
+              "(a run's summary is written last)", file=sys.stderr)
+        _leave_now()
+
+
+def _leave_now() -> NoReturn:
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED)
+
+
+# ---------------------------------------------------------------------------------------------
+# Run directories
+
+
+def claim_dir(path: str | os.PathLike, setting: str = "hydra.run.dir") -> Path:
+    """Create and own an empty directory at `path`, or at the first free `path-1`, `path-2`, ..."""
+    base = Path(path)
+    if base.name in ("", ".", ".."):
+        base = base.resolve()
+    for k in itertools.count():
+        cand = base if k == 0 else base.with_name(f"{base.name}-{k}")
+        if k and cand.exists() and not cand.is_dir():
+            continue  # a file named like the next candidate: not ours to replace
+        try:
+            cand.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            blocker = next((p for p in [cand, *cand.parents] if p.exists() and not p.is_dir()), cand)
+            raise SettingError(f"{setting}={str(base)!r}: cannot create the run directory, {str(blocker)!r} is "
+                               f"a regular file; choose another directory") from None
+        except PermissionError as e:
+            raise SettingError(f"{setting}={str(base)!r}: cannot create the run directory ({e.strerror}); "
+                               "choose a writable directory") from None
+        if any(cand.iterdir()):
+            continue  # another run's (or someone's) files: never write next to them
+        try:
+            fd = os.open(cand / CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            continue  # another process claimed it a moment ago
+        with os.fdopen(fd, "w") as f:
+            f.write(f"pid {os.getpid()} on {socket.gethostname()} at {time.time():.6f}\n")
+        if k:
+            print(f"{setting} {str(base)!r} holds another run: this one writes to {str(cand)!r}")
+        return cand
+    raise AssertionError("unreachable")
+
+
+def _override_value(s: str) -> str:
+    """A string quoted for Hydra's override grammar."""
+    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+class ClaimRunDir(Callback):
+    """Claims `hydra.run.dir` (a run) or `hydra.sweep.dir` (a sweep; its jobs' subdirectories are
+    distinct by job number) before Hydra writes into it, and points the config at the claimed
+    directory. The claimed path also goes into the Hydra overrides, because a launcher recomposes
+    each job's config from them (joblib, submitit)."""
+
+    def _claim(self, config: DictConfig, key: str) -> None:
+        try:
+            chosen = claim_dir(OmegaConf.select(config, key), key)
+        except SettingError as e:
+            fail(str(e))
+        except Exception as e:  # an unresolvable interpolation in the directory's name, ...
+            fail(f"{key}: {e}")
+        with read_write(config.hydra), open_dict(config.hydra):
+            OmegaConf.update(config, key, str(chosen), merge=False)
+            config.hydra.overrides.hydra.append(f"{key}={_override_value(str(chosen))}")
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._claim(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        subdir = OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir")
+        if not any(k in str(subdir) for k in ("hydra.job.num", "hydra.job.id")):
+            fail(f"hydra.sweep.subdir={subdir!r} could give several jobs one directory; include "
+                 "${hydra.job.num} (e.g. hydra.sweep.subdir='${hydra.job.num}_${hydra.job.override_dirname}')")
+        self._claim(config, "hydra.sweep.dir")
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings, checked before the work starts
+
+
+def check_missing(cfg: DictConfig) -> None:
+    """Every mandatory value ('???') is set."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        hint = {"model.path": " (a local Hugging Face folder)", "sim_model.config": " (a config.json or its folder)",
+                "workload.path": " (a text file, one prompt per line)"}
+        key = missing[0]
+        more = f" (also unset: {', '.join(missing[1:])})" if len(missing) > 1 else ""
+        raise SettingError(f"{key} is required but not set (???); set it on the command line: "
+                           f"{key}=...{hint.get(key, '')}{more}")
+
+
+def number(cfg: DictConfig, key: str, *, low: float | None = None, high: float | None = None,
+           low_open: bool = False, integer: bool = False, optional: bool = False, hint: str = "") -> float | int | None:
+    """The value at `key` as a number in range, or a SettingError naming it, its value and the range."""
+    v = OmegaConf.select(cfg, key)
+    if v is None and optional:
+        return None
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if ok and integer and (isinstance(v, float) and not v.is_integer()):
+        ok = False
+    if ok:
+        if low is not None and (v < low or (low_open and v == low)):
+            ok = False
+        if high is not None and v > high:
+            ok = False
+    if ok:
+        return int(v) if integer else v
+    kind = "an integer" if integer else "a number"
+    lo = "" if low is None else f"{'>' if low_open else '>='} {low:g}"
+    hi = "" if high is None else f"<= {high:g}"
+    rng = " and ".join(x for x in (lo, hi) if x)
+    need = f"{kind}{' ' + rng if rng else ''}{' or null' if optional else ''}"
+    raise SettingError(f"{key}={v!r} is not valid: it must be {need}{hint}")
+
+
+def existing_file(cfg: DictConfig, key: str, what: str) -> Path:
+    """`key` names a readable file (not a directory)."""
+    p = Path(str(OmegaConf.select(cfg, key)))
+    if p.is_dir():
+        raise SettingError(f"{key}={str(p)!r} is a directory; give {what}")
+    if not p.is_file():
+        raise SettingError(f"{key}={str(p)!r} does not exist; give {what}")
+    return p
+
+
+def check_slo(cfg: DictConfig) -> None:
+    for key in ("slo.ttft_s", "slo.tpot_s"):
+        number(cfg, key, low=0, low_open=True, optional=True, hint=" (seconds)")
+
+
+def errors_to_exit(exc_types: Iterable[type[BaseException]] = ()) -> tuple[type[BaseException], ...]:
+    """The exceptions a CLI turns into one line and exit 2: bad settings and bad inputs."""
+    from varlen.traces import TraceFormatError
+
+    return (SettingError, ValueError, FileNotFoundError, IsADirectoryError, TraceFormatError, *exc_types)
