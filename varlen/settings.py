@@ -68,25 +68,25 @@ def _int(names: Mapping[str, str], key: str, value: Any, low: int, optional: boo
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low or \
             (high is not None and value >= high):
-        want = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high})"
-        raise setting_error(names, key, value, f"must be {want}{' or unset (None)' if optional else ''}"
+        want = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high if high < 2**32 else '2**64'})"
+        raise setting_error(names, key, value, f"must be {want}{' (or unset)' if optional else ''}"
                                                 f"{'; ' + fix if fix else ''}")
     return int(value)
 
 
-def parse_memory(value: int | str, name: str = "kv_cache_memory") -> int:
+def parse_memory(value: int | str, names: Mapping[str, str] | None = None) -> int:
     """Bytes from an int or a string such as '512MiB', '2GB', '1.5GiB' (B optional; KiB = 1024,
-    KB = 1000)."""
-    fix = "write a size such as 512MiB or 2GB"
+    KB = 1000); a ValueError naming `kv_cache_memory` (as `names` spell it) otherwise."""
+    bad = setting_error(names or {}, "kv_cache_memory", value, "is not a memory size; write e.g. 512MiB or 2GB")
     if isinstance(value, bool):
-        raise ValueError(f"{name}={value!r}: is not a memory size; {fix}")
+        raise bad
     if isinstance(value, numbers.Real):
         if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name}={value!r}: is not a memory size; {fix}")
+            raise bad
         return int(value)
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGTP]?)(i?)B?\s*", str(value), re.IGNORECASE)
     if not m or (m.group(3) and not m.group(2)):
-        raise ValueError(f"{name}={value}: is not a memory size; {fix}")
+        raise bad
     base = 1024 if m.group(3) or not m.group(2) else 1000
     return int(float(m.group(1)) * base ** " KMGTP".index(m.group(2).upper() or " "))
 
@@ -130,7 +130,7 @@ def check_engine_settings(*, names: Mapping[str, str] | None = None, block_size:
     names = dict(names or {})
     memory = None
     if kv_cache_memory is not None:
-        memory = parse_memory(kv_cache_memory, names.get("kv_cache_memory", "kv_cache_memory"))
+        memory = parse_memory(kv_cache_memory, names)
         if memory < 1:
             raise setting_error(names, "kv_cache_memory", kv_cache_memory, "holds no KV block; give a size such as 256MiB")
     if not isinstance(batch_invariant, bool):
