@@ -156,7 +156,8 @@ class Engine:
         """
         if start is None:
             start = self.clock.now()
-        self._batch = None
+        # self._batch is None on entry (the finally resets it); assigning it here would let mypy
+        # narrow it to None in `except`, and mypyc would then check it is None.
         try:
             return self._step(start, until)
         except BaseException as err:
