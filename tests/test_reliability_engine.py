@@ -421,3 +421,19 @@ def test_cli_bad_setting_exits_2_with_one_line(model_dir, tmp_path, monkeypatch,
     err = capsys.readouterr().err
     assert e.value.code == 2, err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def test_a_non_finite_arrival_is_rejected_not_hung():
+    eng = stub_engine()
+    reqs = [Request("nan", [5] * 4, SamplingParams(max_tokens=2), arrival=math.nan),
+            Request("inf", [5] * 4, SamplingParams(max_tokens=2), arrival=math.inf),
+            Request("ok", [5] * 4, SamplingParams(max_tokens=2))]
+    eng.run(reqs)
+    assert [r.finish_reason.value for r in reqs] == ["rejected", "rejected", "length"]
+    assert reqs[0].finish_message == "request 'nan': arrival=nan: must be a finite time (0 = now)"
+
+
+def test_a_tiny_temperature_decodes_greedily_instead_of_failing(llm, expected):
+    # logits / 1e-300 overflow to inf and softmax would give NaN: sampling there is argmax anyway.
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=1e-300, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected

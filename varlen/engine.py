@@ -7,6 +7,7 @@ differ, so the simulator's scheduling decisions are the engine's by construction
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from abc import ABC, abstractmethod
 from collections import defaultdict, deque
@@ -389,8 +390,12 @@ class Engine:
         the error propagates: the next run starts on an idle, consistent engine and never
         finishes an old batch first.
         """
-        reqs = sorted(requests, key=lambda r: r.arrival)
-        pending = deque(reqs)
+        reqs = list(requests)
+        for r in reqs:
+            if not math.isfinite(r.arrival):  # would never arrive, or hang the replay
+                r.finish(FinishReason.REJECTED, self.clock.now(),
+                         f"request {r.req_id!r}: arrival={r.arrival}: must be a finite time (0 = now)")
+        pending = deque(sorted((r for r in reqs if not r.is_finished), key=lambda r: r.arrival))
         self.steps = StepLog()
         try:
             while pending or self.has_unfinished():
