@@ -73,7 +73,9 @@ class Engine:
         self.num_fast_forwarded_steps = 0  # steps run by _decode_run rather than one by one
         # Wall seconds spent in each phase of step() (profiling, whatever the clock is).
         self.timings: dict[str, float] = defaultdict(float)
-        self._batch: list[Request] | None = None  # the step's requests, once decided (for _fail)
+        # The step under way, for _fail: its batch once decided, and whether it is in a decode run.
+        self._scheduled: list[tuple[Request, int]] | None = None
+        self._decoding = False
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, req: Request, now: float | None = None) -> None:
@@ -157,19 +159,23 @@ class Engine:
         """
         if start is None:
             start = self.clock.now()
-        # self._batch is None on entry (the finally resets it); assigning it here would let mypy
-        # narrow it to None in `except`, and mypyc would then check it is None.
+        # _scheduled is None on entry (the finally resets it); assigning it here would let mypy
+        # narrow it to None in `except`, and mypyc would then check that it is.
         try:
             return self._step(start, until)
         except BaseException as err:
-            batch = self._batch
-            if batch is None:
-                self._fail(list(self.requests.values()), err, f"step {len(self.steps)} failed before its batch was decided")
+            scheduled = self._scheduled
+            if self._decoding:
+                self._fail(list(self.policy.running), err, f"step {len(self.steps)} failed")
+            elif scheduled is not None:
+                self._fail([r for r, _ in scheduled], err, f"step {len(self.steps)} failed")
             else:
-                self._fail(batch, err, f"step {len(self.steps)} failed")
+                self._fail(list(self.requests.values()), err,
+                           f"step {len(self.steps)} failed before its batch was decided")
             raise
         finally:
-            self._batch = None
+            self._scheduled = None
+            self._decoding = False
 
     def _fail(self, reqs: list[Request], err: BaseException, what: str) -> None:
         """End the unfinished ones of `reqs` aborted, saying `what` happened and the error."""
@@ -186,7 +192,7 @@ class Engine:
         self.num_preemptions += len(out.preempted)
         if not out:
             return self._unstick()
-        self._batch = [r for r, _ in out.scheduled]
+        self._scheduled = out.scheduled
         cached = []
         for r, _ in out.scheduled:
             cached.append(r.num_computed_tokens)
@@ -226,7 +232,7 @@ class Engine:
             batch = self.policy.next_decode_batch()
             if batch:
                 t3 = time.perf_counter()
-                self._batch = batch  # the running requests: a failure aborts them
+                self._decoding = True  # a failure aborts every running request
                 finished += self._decode_run(batch, until)
                 timings["decode_run"] += time.perf_counter() - t3
         return finished

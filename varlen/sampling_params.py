@@ -16,6 +16,8 @@ SEED_LIMIT = 2**64  # what torch.Generator.manual_seed takes
 
 def _integer(v: object) -> int | None:
     """v as an int when it is an integer (Python or numpy, never a bool), else None."""
+    if type(v) is int:  # the common case, without the ABC check
+        return v
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
         return None
     return int(v)
@@ -23,6 +25,8 @@ def _integer(v: object) -> int | None:
 
 def _real(v: object) -> float | None:
     """v as a float when it is a finite real number (never a bool), else None."""
+    if type(v) is float:
+        return v if math.isfinite(v) else None
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
         return None
     f = float(v)
