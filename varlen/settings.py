@@ -107,7 +107,7 @@ def _device(names: Mapping[str, str], value: Any) -> torch.device:
     if dev.type == "cpu":
         return dev
     if dev.type == "cuda":
-        if torch.version.cuda is None:
+        if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:  # ROCm speaks "cuda" too
             raise setting_error(names, "device", value, f"this torch ({torch.__version__}) is a CPU-only build; "
                                                         f"use device=cpu, or install a CUDA build of torch")
         if not torch.cuda.is_available():
