@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Mapping, Sequence
@@ -85,8 +86,17 @@ class LLM:
                 if getattr(s, key) is not None:  # it would be silently ignored
                     raise s.error(key, getattr(s, key), f"the policy object given as scheduler has its own "
                                                         f"({getattr(scheduler, key)}); set it on the policy")
-        if isinstance(allocator, str) and allocator not in ALLOCATORS:
-            raise ValueError(f"unknown allocator {allocator!r}; choose one of {sorted(ALLOCATORS)}")
+        if isinstance(allocator, str):
+            if allocator not in ALLOCATORS:
+                raise ValueError(f"unknown allocator {allocator!r}; choose one of {sorted(ALLOCATORS)}")
+            known = set(inspect.signature(ALLOCATORS[allocator]).parameters) - {"num_blocks", "block_size", "max_model_len"}
+            for key in allocator_options:  # a misspelt LLM setting lands here too
+                if key not in known:
+                    raise ValueError(f"{key}={allocator_options[key]!r}: not a setting of LLM nor an option of the "
+                                     f"{allocator} allocator ({', '.join(sorted(known)) or 'none'})")
+        elif allocator_options:
+            raise ValueError(f"{', '.join(allocator_options)}: allocator options go with an allocator name; "
+                             f"the allocator given ({allocator!r}) is built as it is")
         self.backend = make_backend(backend) if isinstance(backend, str) else backend
         # Fail on an impossible setting before the model is loaded.
         self.backend.check(self.device, self.dtype, s.block_size)
