@@ -440,3 +440,40 @@ def test_a_tiny_temperature_decodes_greedily_instead_of_failing(llm, expected):
     # logits / 1e-300 overflow to inf and softmax would give NaN: sampling there is argmax anyway.
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=1e-300, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
+
+
+def test_a_failing_policy_aborts_every_unfinished_request():
+    class Flaky(ChunkedPolicy):
+        calls = 0
+
+        def schedule(self, kv):
+            type(self).calls += 1
+            if type(self).calls == 2:
+                raise RuntimeError("policy bug")
+            return super().schedule(kv)
+
+    eng = Engine(Flaky(max_num_seqs=2, max_num_batched_tokens=8), PagedAllocator(40, 4, 64), StubExecutor(),
+                 clock=SimClock(), max_model_len=64, vocab_size=VOCAB)
+    reqs = [Request(str(i), [5 + i] * 6, SamplingParams(max_tokens=3)) for i in range(4)]
+    with pytest.raises(RuntimeError, match="policy bug"):
+        eng.run(reqs)
+    assert {r.finish_message for r in reqs} == {"step 1 failed before its batch was decided: RuntimeError: policy bug"}
+    assert_idle(eng)
+    again = [Request(f"b{i}", [5 + i] * 6, SamplingParams(max_tokens=3)) for i in range(4)]
+    eng.run(again)
+    assert all(r.finish_reason.value == "length" for r in again)
+
+
+def test_a_failing_decode_run_aborts_the_running_requests():
+    class NoDecodeRun(StubExecutor):
+        def decode_run(self, batch, max_steps, until):
+            raise RuntimeError("cost model bug")
+
+    eng = stub_engine(executor=NoDecodeRun())
+    reqs = [Request(str(i), [5] * 4, SamplingParams(max_tokens=6)) for i in range(2)]
+    for r in reqs:
+        eng.add_request(r)
+    with pytest.raises(RuntimeError, match="cost model bug"):
+        eng.step(until=math.inf)  # the prefill, then the promised decode run
+    assert [r.finish_message for r in reqs] == ["step 1 failed: RuntimeError: cost model bug"] * 2  # after the prefill
+    assert_idle(eng)
