@@ -183,7 +183,8 @@ def test_any_bad_token_anywhere_rejects_only_its_request(prompt, bad, data):
     at = data.draw(st.integers(0, len(prompt)), label="at")
     bad_prompt = prompt[:at] + [bad] + prompt[at:]
     eng = stub_engine()
-    reqs = [Request("ok", prompt, SamplingParams(max_tokens=2)), Request("bad", bad_prompt, SamplingParams(max_tokens=2))]
+    reqs = [Request("ok", prompt, SamplingParams(max_tokens=2)),
+            Request("bad", bad_prompt, SamplingParams(max_tokens=2))]
     eng.run(reqs)
     assert reqs[0].finish_reason.value == "length"
     assert reqs[1].finish_reason.value == "rejected"

@@ -105,7 +105,8 @@ class Engine:
                 return problem
             for t in sp.stop_token_ids:
                 if t >= vocab:
-                    return f"sampling stop_token_ids={list(sp.stop_token_ids)}: {t} is outside the vocabulary [0, {vocab})"
+                    return (f"sampling stop_token_ids={list(sp.stop_token_ids)}: {t} is outside the vocabulary "
+                            f"[0, {vocab})")
         n = req.num_prompt_tokens
         if n == 0:
             return "empty prompt: a request needs at least one prompt token"

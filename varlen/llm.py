@@ -89,7 +89,8 @@ class LLM:
         if isinstance(allocator, str):
             if allocator not in ALLOCATORS:
                 raise ValueError(f"unknown allocator {allocator!r}; choose one of {sorted(ALLOCATORS)}")
-            known = set(inspect.signature(ALLOCATORS[allocator]).parameters) - {"num_blocks", "block_size", "max_model_len"}
+            known = set(inspect.signature(ALLOCATORS[allocator]).parameters) - {"num_blocks", "block_size",
+                                                                                "max_model_len"}
             for key in allocator_options:  # a misspelt LLM setting lands here too
                 if key not in known:
                     raise ValueError(f"{key}={allocator_options[key]!r}: not a setting of LLM nor an option of the "

@@ -132,7 +132,8 @@ def check_engine_settings(*, names: Mapping[str, str] | None = None, block_size:
     if kv_cache_memory is not None:
         memory = parse_memory(kv_cache_memory, names)
         if memory < 1:
-            raise setting_error(names, "kv_cache_memory", kv_cache_memory, "holds no KV block; give a size such as 256MiB")
+            raise setting_error(names, "kv_cache_memory", kv_cache_memory,
+                                "holds no KV block; give a size such as 256MiB")
     if not isinstance(batch_invariant, bool):
         raise setting_error(names, "batch_invariant", batch_invariant, "must be true or false")
     return EngineSettings(
