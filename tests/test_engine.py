@@ -158,5 +158,5 @@ def test_bad_settings_fail_clearly(model_dir):
         LLM(model_dir, scheduler="fifo")
     with pytest.raises(ValueError, match="max_num_batched_tokens .* must be >= max_model_len"):
         LLM(model_dir, scheduler="continuous", max_num_batched_tokens=8, max_model_len=64)
-    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+    with pytest.raises(ValueError, match="max_tokens=0: must be an integer >= 1"):
         SamplingParams(max_tokens=0)

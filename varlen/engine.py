@@ -7,6 +7,7 @@ differ, so the simulator's scheduling decisions are the engine's by construction
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from abc import ABC, abstractmethod
 from collections import defaultdict, deque
@@ -17,7 +18,7 @@ from mypy_extensions import mypyc_attr
 from schedulers.base import SchedulerPolicy
 from varlen.clock import WallClock
 from varlen.kv.base import KVAllocator
-from varlen.request import FinishReason, Request, Status
+from varlen.request import FinishReason, Request, Status, prompt_problem
 from varlen.steplog import DecodeRun, StepLog, StepRecord
 
 
@@ -46,37 +47,66 @@ class Executor(ABC):
 @mypyc_attr(allow_interpreted_subclasses=True)
 class Engine:
     def __init__(self, policy: SchedulerPolicy, kv: KVAllocator, executor: Executor, clock=None,
-                 max_model_len: int | None = None, eos_token_id: int | None = None):
+                 max_model_len: int | None = None, eos_token_id: int | None = None,
+                 vocab_size: int | None = None):
+        """`vocab_size`: the model's, to reject prompts and stop ids outside it (a real model);
+        None (the simulator) checks no token id."""
         self.policy, self.kv, self.executor = policy, kv, executor
-        self.clock = clock or WallClock()
-        self.max_model_len = min(max_model_len or kv.max_request_tokens(), kv.max_request_tokens())
+        self.clock = WallClock() if clock is None else clock
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len={max_model_len}: must be >= 1 (or None: what the KV pool holds)")
+        cap = kv.max_request_tokens()
+        self.max_model_len = cap if max_model_len is None else min(max_model_len, cap)
         self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
         if not policy.chunked_prefill and policy.max_num_batched_tokens < self.max_model_len:
             # A request preempted late must be recomputed in one step, so the budget must hold it.
             raise ValueError(
                 f"scheduler {policy.name} computes a prompt in one step, so max_num_batched_tokens "
                 f"({policy.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}); "
                 f"raise it, lower max_model_len, or use the chunked scheduler")
+        # The unfinished requests: a finished one is the caller's, so a long-lived engine holds
+        # only what it serves (and run() starts a new step log).
         self.requests: dict[str, Request] = {}
         self.steps = StepLog()  # reads as a list of StepRecords
         self.num_preemptions = 0
         self.num_fast_forwarded_steps = 0  # steps run by _decode_run rather than one by one
         # Wall seconds spent in each phase of step() (profiling, whatever the clock is).
         self.timings: dict[str, float] = defaultdict(float)
+        # The step under way, for _fail: its batch once decided, and whether it is in a decode run.
+        self._scheduled: list[tuple[Request, int]] | None = None
+        self._decoding = False
 
     # -- requests --------------------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, now: float | None = None) -> None:
+        """Queue `req`, or end it `rejected` (with the reason) if it can never run. An arrival of
+        0 means "now": `now` when given (run() passes the instant it polled arrivals, so that a
+        step started then never precedes an arrival), else the clock's."""
         if req.req_id in self.requests:
-            raise ValueError(f"duplicate request id {req.req_id!r}")
-        self.requests[req.req_id] = req
-        req.arrival = req.arrival if req.arrival else self.clock.now()
+            raise ValueError(f"duplicate request id {req.req_id!r} (an unfinished request has it)")
+        if not req.arrival:
+            req.arrival = self.clock.now() if now is None else now
         problem = self._reject_reason(req)
         if problem:
-            req.finish(FinishReason.REJECTED, self.clock.now(), problem)
+            req.finish(FinishReason.REJECTED, max(req.arrival, self.clock.now()), f"request {req.req_id!r}: {problem}")
             return
+        self.requests[req.req_id] = req
         self.policy.add(req)
 
     def _reject_reason(self, req: Request) -> str:
+        sp = req.sampling
+        problem = sp.problem()
+        if problem:
+            return f"sampling {problem}"
+        vocab = self.vocab_size
+        if vocab is not None:
+            problem = prompt_problem(req.prompt_token_ids, vocab)
+            if problem:
+                return problem
+            for t in sp.stop_token_ids:
+                if t >= vocab:
+                    return (f"sampling stop_token_ids={list(sp.stop_token_ids)}: {t} is outside the vocabulary "
+                            f"[0, {vocab})")
         n = req.num_prompt_tokens
         if n == 0:
             return "empty prompt: a request needs at least one prompt token"
@@ -92,10 +122,16 @@ class Engine:
             return
         self._finish(req, FinishReason.ABORTED, message)
 
-    def _finish(self, req: Request, reason: FinishReason, message: str = "") -> None:
+    def _finish(self, req: Request, reason: FinishReason, message: str = "", failed: bool = False) -> None:
+        """End `req`; `failed`: in a step that raised, so its newest KV may never have been written
+        (the allocator must not offer those blocks to anyone by their content)."""
         req.finish(reason, self.clock.now(), message)
+        self.requests.pop(req.req_id, None)
         self.policy.remove(req)
-        self.kv.free(req)
+        if failed:
+            self.kv.discard(req, req.num_computed_tokens)
+        else:
+            self.kv.free(req)
         self.executor.release(req)
 
     def has_unfinished(self) -> bool:
@@ -104,6 +140,12 @@ class Engine:
     # -- one step --------------------------------------------------------------------------
     def step(self, start: float | None = None, until: float | None = None) -> list[Request]:
         """Run one step; return the requests that finished in it.
+
+        If anything in it raises (the executor, the policy, an interrupt), the step's requests
+        end `aborted` with the error's message, every queue and the KV pool are left consistent,
+        and the error propagates: the engine is ready for the next step or run. A failure before
+        the batch was decided (in the policy) aborts every unfinished request, since the policy's
+        queues can no longer be trusted.
 
         `start`: the time arrivals were last polled (Engine.run passes it), so a step's recorded
         start is exactly the instant that decided which requests it could see. A simulator
@@ -118,6 +160,32 @@ class Engine:
         """
         if start is None:
             start = self.clock.now()
+        # _scheduled is None on entry (the finally resets it); assigning it here would let mypy
+        # narrow it to None in `except`, and mypyc would then check that it is.
+        try:
+            return self._step(start, until)
+        except BaseException as err:
+            scheduled = self._scheduled
+            if self._decoding:
+                self._fail(list(self.policy.running), err, f"step {len(self.steps)} failed")
+            elif scheduled is not None:
+                self._fail([r for r, _ in scheduled], err, f"step {len(self.steps)} failed")
+            else:
+                self._fail(list(self.requests.values()), err,
+                           f"step {len(self.steps)} failed before its batch was decided")
+            raise
+        finally:
+            self._scheduled = None
+            self._decoding = False
+
+    def _fail(self, reqs: list[Request], err: BaseException, what: str) -> None:
+        """End the unfinished ones of `reqs` aborted, saying `what` happened and the error."""
+        message = _error_message(what, err)
+        for r in reqs:
+            if not r.is_finished:
+                self._finish(r, FinishReason.ABORTED, message, failed=True)
+
+    def _step(self, start: float, until: float | None) -> list[Request]:
         t0 = time.perf_counter()
         out = self.policy.schedule(self.kv)
         for r in out.preempted:
@@ -125,6 +193,7 @@ class Engine:
         self.num_preemptions += len(out.preempted)
         if not out:
             return self._unstick()
+        self._scheduled = out.scheduled
         cached = []
         for r, _ in out.scheduled:
             cached.append(r.num_computed_tokens)
@@ -132,6 +201,9 @@ class Engine:
                 r.first_scheduled = start
         t1 = time.perf_counter()
         tokens = self.executor.execute(out.scheduled, self.kv)
+        if len(tokens) != len(out.scheduled):
+            raise RuntimeError(f"{type(self.executor).__name__}.execute returned {len(tokens)} tokens for a batch "
+                               f"of {len(out.scheduled)} requests (one entry each, None for a prefill chunk)")
         t2 = time.perf_counter()
         end = self.clock.now()
         finished = []
@@ -161,6 +233,7 @@ class Engine:
             batch = self.policy.next_decode_batch()
             if batch:
                 t3 = time.perf_counter()
+                self._decoding = True  # a failure aborts every running request
                 finished += self._decode_run(batch, until)
                 timings["decode_run"] += time.perf_counter() - t3
         return finished
@@ -317,18 +390,46 @@ class Engine:
 
     # -- driving ---------------------------------------------------------------------------
     def run(self, requests: Iterable[Request] = (), on_step: Callable[[list[Request]], None] | None = None) -> None:
-        """Replay `requests` by arrival time (0 = at once) and run until every request has ended."""
-        pending = deque(sorted(requests, key=lambda r: r.arrival))
-        while pending or self.has_unfinished():
+        """Replay `requests` by arrival time (0 = at once) and run until every request has ended.
+
+        `steps` then holds this run's steps only. If the run stops on an error or an interrupt,
+        every request of it (and any other unfinished one) ends `aborted` with the reason before
+        the error propagates: the next run starts on an idle, consistent engine and never
+        finishes an old batch first.
+        """
+        reqs = list(requests)
+        for r in reqs:
+            if not math.isfinite(r.arrival):  # would never arrive, or hang the replay
+                r.finish(FinishReason.REJECTED, self.clock.now(),
+                         f"request {r.req_id!r}: arrival={r.arrival}: must be a finite time (0 = now)")
+        pending = deque(sorted((r for r in reqs if not r.is_finished), key=lambda r: r.arrival))
+        self.steps = StepLog()
+        try:
+            while pending or self.has_unfinished():
+                now = self.clock.now()
+                while pending and pending[0].arrival <= now:
+                    self.add_request(pending[0], now)
+                    pending.popleft()  # after: an interrupt in between leaves it in one place at least
+                if not self.has_unfinished():
+                    if pending:
+                        self.clock.sleep_until(pending[0].arrival)
+                    continue
+                finished = self.step(now)
+                if on_step is not None:
+                    on_step(finished)
+        except BaseException as err:
+            self._fail(list(self.requests.values()), err, "the run stopped")
             now = self.clock.now()
-            while pending and pending[0].arrival <= now:
-                self.add_request(pending.popleft())
-            if not self.has_unfinished():
-                if pending:
-                    self.clock.sleep_until(pending[0].arrival)
-                continue
-            finished = self.step(now)
-            if on_step is not None:
-                on_step(finished)
-        for r in self.requests.values():
-            assert r.status is Status.FINISHED, f"request {r.req_id} left unfinished"
+            for r in pending:  # never arrived: ended at their arrival, the run being gone
+                if not r.is_finished:
+                    r.finish(FinishReason.ABORTED, max(now, r.arrival),
+                             _error_message("the run stopped before this request arrived", err))
+            raise
+        for r in reqs:
+            if r.status is not Status.FINISHED:
+                raise AssertionError(f"request {r.req_id} left unfinished")
+
+
+def _error_message(what: str, err: BaseException) -> str:
+    detail = str(err)
+    return f"{what}: {type(err).__name__}: {detail}" if detail else f"{what}: {type(err).__name__}"

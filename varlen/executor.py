@@ -22,7 +22,7 @@ class ModelExecutor(Executor):
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int, sampler: Sampler | None = None):
         self.runner = runner
-        self.sampler = sampler or Sampler()
+        self.sampler = Sampler() if sampler is None else sampler
         bs = runner.block_size
         self.buffers = BatchBuffers(max_num_seqs, max_model_len + 1, -(-(max_model_len + 1) // bs))
         self.rows: dict[str, int] = {}

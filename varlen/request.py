@@ -109,6 +109,28 @@ class Request:
         self.num_preemptions += 1
 
 
+def prompt_problem(ids: object, vocab_size: int) -> str:
+    """What is wrong with a prompt's token ids for a model of `vocab_size` tokens, in one line
+    naming the first bad token ("" if nothing): every id an integer (Python or numpy, never a
+    bool or a float, which an int() would silently truncate) in [0, vocab_size)."""
+    want = f"token ids are integers in [0, {vocab_size})"
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1:
+            return f"prompt token ids have shape {ids.shape}: give one flat sequence; {want}"
+        if ids.dtype.kind not in "iu":
+            return f"prompt token ids have dtype {ids.dtype}: {want}"
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+        return f"prompt token {int(bad[0])} is {int(ids[bad[0]])}: {want}" if bad.size else ""
+    if not isinstance(ids, (list, tuple)):
+        return f"prompt is {type(ids).__name__}, not a list of token ids"
+    for i, t in enumerate(ids):
+        if type(t) is not int and (isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))):
+            return f"prompt token {i} is {t!r} ({type(t).__name__}): {want}"
+        if not 0 <= t < vocab_size:
+            return f"prompt token {i} is {t}: {want}"
+    return ""
+
+
 def make_request(req_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None,
                  **kw) -> Request:
     return Request(req_id, list(map(int, prompt_token_ids)), sampling or SamplingParams(), **kw)

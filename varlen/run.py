@@ -58,9 +58,11 @@ def load_prompts(path: str) -> list[str]:
 
 
 def serve(cfg: DictConfig) -> dict:
+    from varlen.settings import CLI_NAMES, check_cli_settings
     from varlen.workload import load_workload
 
     check_settings(cfg)
+    settings = check_cli_settings(cfg)  # every engine setting, one clear line each, before anything is built
     # The workload before the model: an empty or malformed one fails in a second, not after loading.
     trace, opts = load_workload(OmegaConf.to_container(cfg.workload, resolve=True))
     prompts = load_prompts(opts["path"]) if trace is None else None
@@ -78,12 +80,13 @@ def serve(cfg: DictConfig) -> dict:
     from varlen.sampling_params import SamplingParams
     from varlen.workload import trace_requests
 
-    torch.set_num_threads(cfg.engine.threads)
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
     e = cfg.engine
     llm = LLM(model=cfg.model.path, backend=instantiate(cfg.backend), scheduler=instantiate(cfg.scheduler),
               allocator=instantiate(cfg.allocator), block_size=e.block_size, num_blocks=e.num_blocks,
               kv_cache_memory=e.kv_cache_memory, max_model_len=e.max_model_len, dtype=e.dtype,
-              device=e.device, seed=e.seed, batch_invariant=e.batch_invariant)
+              device=e.device, seed=e.seed, batch_invariant=e.batch_invariant, setting_names=CLI_NAMES)
     print(f"model {llm.model_path} | backend {llm.backend.name} | scheduler {llm.engine.policy.name} | "
           f"allocator {type(llm.engine.kv).__name__}\n{llm.sizing}")
     s = cfg.sampling

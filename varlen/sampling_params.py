@@ -2,7 +2,73 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
+
+import numpy as np
+
+#: Below this temperature sampling is argmax in all but name, and logits / temperature would
+#: overflow to inf (then softmax gives NaN and sampling fails): such requests decode greedily.
+GREEDY_BELOW = 1e-5
+SEED_LIMIT = 2**64  # what torch.Generator.manual_seed takes
+
+
+def _integer(v: object) -> int | None:
+    """v as an int when it is an integer (Python or numpy, never a bool), else None."""
+    if type(v) is int:  # the common case, without the ABC check
+        return v
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+        return None
+    return int(v)
+
+
+def _real(v: object) -> float | None:
+    """v as a float when it is a finite real number (never a bool), else None."""
+    if type(v) is float:
+        return v if math.isfinite(v) else None
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
+        return None
+    f = float(v)
+    return f if math.isfinite(f) else None
+
+
+Normalized = tuple[int, float, int, float, "int | None", tuple[int, ...], bool]
+
+
+def check_sampling(max_tokens: object, temperature: object, top_k: object, top_p: object, seed: object,
+                   stop_token_ids: object, ignore_eos: object) -> Normalized | str:
+    """The settings as their field types, or what is wrong with them: one line naming the field,
+    the value and the fix. Shared by the constructor (which raises) and the engine (which rejects
+    a request whose params were changed after construction)."""
+    n = _integer(max_tokens)
+    if n is None or n < 1:
+        return f"max_tokens={max_tokens!r}: must be an integer >= 1"
+    t = _real(temperature)
+    if t is None or t < 0:
+        return f"temperature={temperature!r}: must be a finite number >= 0 (0 = greedy)"
+    k = _integer(top_k)
+    if k is None or k < 0:
+        return f"top_k={top_k!r}: must be an integer >= 0 (0 = no top-k cut)"
+    p = _real(top_p)
+    if p is None or not 0 < p <= 1:
+        return f"top_p={top_p!r}: must be a number in (0, 1] (1 = no nucleus cut)"
+    s = None
+    if seed is not None:
+        s = _integer(seed)
+        if s is None or not 0 <= s < SEED_LIMIT:
+            return f"seed={seed!r}: must be None or an integer in [0, 2**64)"
+    if not isinstance(stop_token_ids, (list, tuple, np.ndarray)):
+        return f"stop_token_ids={stop_token_ids!r}: must be a list of token ids"
+    stops = []
+    for tok in stop_token_ids:
+        i = _integer(tok)
+        if i is None or i < 0:
+            return f"stop_token_ids={stop_token_ids!r}: {tok!r} is not a token id (an integer >= 0)"
+        stops.append(i)
+    if not isinstance(ignore_eos, (bool, np.bool_)):
+        return f"ignore_eos={ignore_eos!r}: must be True or False"
+    return n, t, k, p, s, tuple(stops), bool(ignore_eos)
 
 
 # init=False and an explicit __init__: compiled (varlen/compiled.py), a dataclass's generated
@@ -17,25 +83,23 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
 
-    def __init__(self, max_tokens: int = 16, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int | None = None, stop_token_ids: tuple[int, ...] | list[int] = (),
-                 ignore_eos: bool = False) -> None:
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        self.max_tokens = max_tokens
-        self.temperature = float(temperature)
-        self.top_k = int(top_k)
-        self.top_p = float(top_p)
-        self.seed = None if seed is None else int(seed)
-        self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
-        self.ignore_eos = bool(ignore_eos)
+    # The arguments are `object`: a numpy integer or a wrong type must reach the check (and its
+    # one-line message), not fail on the compiled signature's type check.
+    def __init__(self, max_tokens: object = 16, temperature: object = 1.0, top_k: object = 0, top_p: object = 1.0,
+                 seed: object = None, stop_token_ids: object = (), ignore_eos: object = False) -> None:
+        ok = check_sampling(max_tokens, temperature, top_k, top_p, seed, stop_token_ids, ignore_eos)
+        if isinstance(ok, str):
+            raise ValueError(f"SamplingParams {ok}")
+        (self.max_tokens, self.temperature, self.top_k, self.top_p, self.seed, self.stop_token_ids,
+         self.ignore_eos) = ok
+
+    def problem(self) -> str:
+        """What is wrong with these settings now ("" if nothing): they are plain fields, so a
+        caller may have set one after construction."""
+        ok = check_sampling(self.max_tokens, self.temperature, self.top_k, self.top_p, self.seed,
+                            self.stop_token_ids, self.ignore_eos)
+        return ok if isinstance(ok, str) else ""
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW

@@ -96,6 +96,12 @@ class KVAllocator(ABC):
     def free(self, req: Request) -> None:
         """Give back every block `req` holds (finished, aborted or preempted)."""
 
+    def discard(self, req: Request, num_written: int) -> None:
+        """free(), after a step that failed: `req`'s tokens from `num_written` on may never have
+        been written, so no block holding one may be offered again by its content. The default
+        suits an allocator with no content cache."""
+        self.free(req)
+
     @abstractmethod
     def block_table(self, req: Request) -> Sequence[int]:
         """The block ids holding `req`'s tokens, in order."""

@@ -195,6 +195,18 @@ class PagedAllocator(KVAllocator):
             elif c < 0:
                 raise AssertionError(f"block {b} freed more often than it was taken")
 
+    def discard(self, req: Request, num_written: int) -> None:
+        # Blocks are registered when allocated for a step, before its forward writes them.
+        table = self.tables.get(req.req_id)
+        if table is not None and self.enable_prefix_caching:
+            for b in table[num_written // self.block_size:]:
+                h = self.block_hash[b]
+                if h is not None:
+                    if self.cached.get(h) == b:
+                        del self.cached[h]
+                    self.block_hash[b] = self.block_tokens[b] = None
+        self.free(req)
+
     def block_table(self, req: Request) -> Sequence[int]:
         return self.tables.get(req.req_id, ())
 
