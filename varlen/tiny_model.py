@@ -25,6 +25,10 @@ _CORPUS = [
     "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \" @ # $ % ^ & _ ~",
 ]
 
+# Each entry: the HF `architectures`/`model_type` and what the tiny shape needs on top. Attention
+# features get small values that bite on short prompts (a window of 8 positions, a soft-cap of a
+# few units, a query scale that is not head_dim**-0.5) so that the coverage tests exercise them.
+WINDOW = 8
 ARCHITECTURES: dict[str, dict] = {
     "qwen3": dict(
         architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16,
@@ -34,6 +38,34 @@ ARCHITECTURES: dict[str, dict] = {
         architectures=["LlamaForCausalLM"], model_type="llama", head_dim=16,
         rope_theta=10_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
     ),
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", head_dim=16, sliding_window=WINDOW),
+    "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", head_dim=16,
+                    num_local_experts=4, num_experts_per_tok=2),
+    # Qwen2 with its per-layer window switch: layer 0 full attention, layer 1 windowed.
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True,
+                  sliding_window=WINDOW, max_window_layers=1),
+    "qwen2_moe": dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=16, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32),
+    "gemma": dict(architectures=["GemmaForCausalLM"], model_type="gemma", head_dim=16),
+    "gemma2": dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", head_dim=16, sliding_window=WINDOW,
+                   layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=30.0),
+    # Every layer windowed: the case where the allocator may free blocks behind the window.
+    "gemma3_text": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", head_dim=16,
+                        sliding_window=WINDOW, layer_types=["sliding_attention", "sliding_attention"],
+                        query_pre_attn_scalar=24),
+    "phi3": dict(architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=WINDOW),
+    "olmo2": dict(architectures=["Olmo2ForCausalLM"], model_type="olmo2"),
+    "granite": dict(architectures=["GraniteForCausalLM"], model_type="granite", attention_multiplier=0.2,
+                    logits_scaling=2.0, residual_multiplier=0.5, embedding_multiplier=2.0),
+    "gpt_oss": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", head_dim=16, sliding_window=WINDOW,
+                    layer_types=["sliding_attention", "full_attention"], num_local_experts=4,
+                    num_experts_per_tok=2),
+    "cohere": dict(architectures=["CohereForCausalLM"], model_type="cohere", logit_scale=0.5),
+    "cohere2": dict(architectures=["Cohere2ForCausalLM"], model_type="cohere2", sliding_window=WINDOW,
+                    layer_types=["sliding_attention", "full_attention"], logit_scale=0.5),
 }
 
 TINY_SHAPE = dict(
@@ -71,7 +103,7 @@ def write_tiny_model(
     path: str | os.PathLike, arch: str = "qwen3", seed: int = 0, vocab_size: int = 512,
     initializer_range: float = 0.1, **overrides,
 ) -> Path:
-    """Write a random-weight HF model folder for `arch` ("qwen3" or "llama") and return its path.
+    """Write a random-weight HF model folder for `arch` (a key of ARCHITECTURES) and return its path.
 
     `vocab_size` is the model's; the locally trained tokenizer has at most that many tokens.
     `overrides` replace entries of the config (e.g. hidden_size=512 for a bigger model).

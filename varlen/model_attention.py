@@ -1,0 +1,148 @@
+"""What a model's attention needs, read from the model itself: one `LayerAttention` per layer.
+
+transformers calls the registered attention function with the layer's module, q/k/v and keyword
+arguments that carry the layer's features (`sliding_window`, `softcap`, `s_aux`, `scaling`, ...).
+Rather than guess per architecture which config field turns into which argument (Gemma 3 has an
+`attn_logit_softcapping` field it never passes, gpt-oss passes its sinks as `s_aux`), a probe
+forward of two tokens records what every layer actually passes. Whatever the varlen function
+does not implement — an unknown keyword with a value, a non-default value of a known one, a
+module type that is not softmax attention — refuses the model here, at load time, in one line.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from backends.base import LayerAttention
+
+# Keywords the varlen function implements (they become the layer's LayerAttention).
+IMPLEMENTED = frozenset({"scaling", "sliding_window", "softcap", "s_aux"})
+# Keywords that must keep these values: anything else changes what attention computes.
+# (the allowed values, as the error message names them; the test)
+REQUIRED = {"dropout": ("0.0", lambda v: not v), "is_causal": ("True", lambda v: v is None or v is True),
+            "output_attentions": ("False", lambda v: not v)}
+# Arguments of the model's forward that transformers passes along; attention needs none of them.
+PASSTHROUGH = frozenset({"varlen_ctx", "position_ids", "cache_position", "use_cache", "output_router_logits",
+                         "past_key_values", "past_key_value", "logits_to_keep"})
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+# Mixers that keep a recurrent state instead of a KV cache.
+_RECURRENT = re.compile(r"Mamba|SSM|Ssm|GatedDeltaNet|LinearAttention|ShortConv|Rwkv|RWKV|Recurrent")
+
+
+class UnsupportedModel(ValueError):
+    """The model uses an attention feature (or a layer kind) that varlen does not implement."""
+
+
+def architecture(model: torch.nn.Module) -> str:
+    return type(model).__name__
+
+
+def spec_from_call(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   kwargs: dict[str, Any]) -> LayerAttention:
+    """The LayerAttention one call asks for, or UnsupportedModel with a one-line reason."""
+    if not (query.shape[-1] == key.shape[-1] == value.shape[-1]):
+        raise UnsupportedModel(
+            f"query/key head dim {query.shape[-1]}/{key.shape[-1]} differs from the value head dim "
+            f"{value.shape[-1]} (e.g. multi-head latent attention); varlen needs one head dim")
+    for name, value_ in kwargs.items():
+        if name in IMPLEMENTED or name in PASSTHROUGH:
+            continue
+        if name in REQUIRED:
+            allowed, ok = REQUIRED[name]
+            if not ok(value_):
+                raise UnsupportedModel(f"attention argument {name}={_short(value_)} is not supported "
+                                       f"(supported: {name}={allowed})")
+            continue
+        if value_ is None or value_ is False:
+            continue  # an unknown feature that is off
+        raise UnsupportedModel(f"attention argument {name!r} (= {_short(value_)}) is not implemented; "
+                               f"varlen implements {', '.join(sorted(IMPLEMENTED))}")
+    scaling = kwargs.get("scaling")
+    window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
+    return LayerAttention(scale=float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
+                          sliding_window=int(window) if window is not None else None,
+                          softcap=float(softcap) if softcap is not None else None,
+                          sinks=kwargs.get("s_aux"))
+
+
+def _short(v: Any) -> str:
+    return f"tensor of shape {tuple(v.shape)}" if torch.is_tensor(v) else repr(v)[:40]
+
+
+def check_config(model: torch.nn.Module) -> None:
+    """Refusals that can be read off the config and the module tree, before any forward."""
+    cfg, arch = model.config, architecture(model)
+    kinds = set(getattr(cfg, "layer_types", None) or ())
+    if kinds - ATTENTION_LAYER_TYPES:
+        raise UnsupportedModel(
+            f"{arch}: layer types {sorted(kinds - ATTENTION_LAYER_TYPES)} (linear attention, state-space or "
+            f"chunked layers) are not supported; varlen runs softmax attention layers: "
+            f"{', '.join(sorted(ATTENTION_LAYER_TYPES))}")
+    if getattr(cfg, "kv_lora_rank", None):
+        raise UnsupportedModel(f"{arch}: multi-head latent attention (kv_lora_rank={cfg.kv_lora_rank}) is not "
+                               f"supported; varlen caches per-head K/V of standard (GQA/MHA) attention")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise UnsupportedModel(f"{arch}: bidirectional attention (use_bidirectional_attention=True) is not "
+                               f"supported; varlen attention is causal")
+    for m in model.modules():
+        if _RECURRENT.search(type(m).__name__):
+            raise UnsupportedModel(f"{arch}: {type(m).__name__} layers (state-space / linear attention, with a "
+                                   f"recurrent state) are not supported; varlen runs softmax attention layers")
+
+
+@dataclass
+class AttentionProbe:
+    """Passed as the step context of a probe forward: the attention function records, not computes."""
+
+    specs: dict[int, LayerAttention] = field(default_factory=dict)
+    calls: dict[int, int] = field(default_factory=dict)
+
+    def record(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kwargs: dict[str, Any]) -> torch.Tensor:
+        layer = getattr(module, "layer_idx", None)
+        if layer is None:
+            raise UnsupportedModel(f"attention module {type(module).__name__} has no layer_idx, so its KV "
+                                   f"cache cannot be named")
+        self.specs[layer] = spec_from_call(module, query, key, value, kwargs)
+        self.calls[layer] = self.calls.get(layer, 0) + 1
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
+
+
+def read_layer_specs(model: torch.nn.Module, forward_kwarg: str) -> list[LayerAttention]:
+    """Every layer's LayerAttention, from a two-token probe forward; UnsupportedModel when refused.
+
+    `forward_kwarg` names the model-forward keyword that carries the attention function's context.
+    """
+    check_config(model)
+    arch, n_layers = architecture(model), model.config.num_hidden_layers
+    if model.training:
+        raise UnsupportedModel(f"{arch}: the model is in training mode (attention dropout); call model.eval()")
+    probe = AttentionProbe()
+    dev = next(model.parameters()).device
+    try:
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([[1, 2]], device=dev), position_ids=torch.tensor([[0, 1]], device=dev),
+                  logits_to_keep=1, use_cache=False, **{forward_kwarg: probe})
+    except UnsupportedModel as err:
+        raise UnsupportedModel(f"{arch}: {err}") from None
+    missing = [i for i in range(n_layers) if i not in probe.calls]
+    if missing:
+        raise UnsupportedModel(f"{arch}: layer(s) {missing} never call attention (state-space, linear or "
+                               f"other non-attention layers); varlen runs softmax attention layers only")
+    repeated = [i for i, c in probe.calls.items() if c != 1 or not 0 <= i < n_layers]
+    if repeated:
+        raise UnsupportedModel(f"{arch}: attention layer index(es) {sorted(repeated)} are called more than once "
+                               f"per forward or lie outside 0..{n_layers - 1}; varlen keeps one KV cache per layer")
+    return [probe.specs[i] for i in range(n_layers)]
+
+
+def kv_window(layers: list[LayerAttention]) -> int | None:
+    """How many trailing positions of a request every layer may still read: the largest window, or
+    None when some layer attends to the whole context (then no block can ever be freed early)."""
+    windows = [spec.sliding_window for spec in layers]
+    return None if not windows or None in windows else max(w for w in windows if w is not None)
