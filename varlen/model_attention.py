@@ -29,6 +29,9 @@ REQUIRED = {"dropout": ("0.0", lambda v: not v), "is_causal": ("True", lambda v:
 PASSTHROUGH = frozenset({"varlen_ctx", "position_ids", "cache_position", "use_cache", "output_router_logits",
                          "past_key_values", "past_key_value", "logits_to_keep"})
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+_LAYER_KINDS = {"linear_attention": "linear-attention / state-space (Mamba) layers",
+                "hybrid": "hybrid attention + state-space (Mamba) layers",
+                "chunked_attention": "chunked local attention", "conv": "convolution layers"}
 # Mixers that keep a recurrent state instead of a KV cache.
 _RECURRENT = re.compile(r"Mamba|SSM|Ssm|GatedDeltaNet|LinearAttention|ShortConv|Rwkv|RWKV|Recurrent")
 
@@ -79,10 +82,10 @@ def check_config(model: torch.nn.Module) -> None:
     cfg, arch = model.config, architecture(model)
     kinds = set(getattr(cfg, "layer_types", None) or ())
     if kinds - ATTENTION_LAYER_TYPES:
+        bad = sorted(kinds - ATTENTION_LAYER_TYPES)
         raise UnsupportedModel(
-            f"{arch}: layer types {sorted(kinds - ATTENTION_LAYER_TYPES)} (linear attention, state-space or "
-            f"chunked layers) are not supported; varlen runs softmax attention layers: "
-            f"{', '.join(sorted(ATTENTION_LAYER_TYPES))}")
+            f"{arch}: {', '.join(_LAYER_KINDS.get(k, k) for k in bad)} (layer_types {bad}) are not supported; "
+            f"varlen runs softmax attention layers ({', '.join(sorted(ATTENTION_LAYER_TYPES))})")
     if getattr(cfg, "kv_lora_rank", None):
         raise UnsupportedModel(f"{arch}: multi-head latent attention (kv_lora_rank={cfg.kv_lora_rank}) is not "
                                f"supported; varlen caches per-head K/V of standard (GQA/MHA) attention")

@@ -68,6 +68,24 @@ ARCHITECTURES: dict[str, dict] = {
                     layer_types=["sliding_attention", "full_attention"], logit_scale=0.5),
 }
 
+# Architectures varlen refuses, each with a tiny config that shows it (tests assert the refusal).
+REFUSED_ARCHITECTURES: dict[str, dict] = {
+    "deepseek_v3": dict(model_type="deepseek_v3", kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "mamba": dict(model_type="mamba", state_size=4, expand=2, conv_kernel=2),
+    "jamba": dict(model_type="jamba", attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  num_experts=2, mamba_d_state=4, mamba_dt_rank=8, use_mamba_kernels=False),
+    "falcon_h1": dict(model_type="falcon_h1", mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8,
+                      mamba_chunk_size=8),
+    "qwen3_next": dict(model_type="qwen3_next", head_dim=16, layer_types=["linear_attention", "full_attention"],
+                       linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                       linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32),
+    "llama4_text": dict(model_type="llama4_text", head_dim=16, attention_chunk_size=8, num_local_experts=2,
+                        intermediate_size_mlp=128, layer_types=["chunked_attention", "full_attention"]),
+}
+
 TINY_SHAPE = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
@@ -99,6 +117,36 @@ def _write_tokenizer(path: Path, vocab_size: int) -> int:
     return tok.get_vocab_size()
 
 
+def tiny_config(arch: str, vocab_size: int = 512, initializer_range: float = 0.1, **overrides):
+    """The transformers config of a tiny `arch` (a key of ARCHITECTURES or REFUSED_ARCHITECTURES)."""
+    from transformers import AutoConfig
+
+    known = {**ARCHITECTURES, **REFUSED_ARCHITECTURES}
+    if arch not in known:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(ARCHITECTURES)}")
+    spec = dict(known[arch])
+    model_type = spec.pop("model_type")
+    cfg = dict(TINY_SHAPE, **spec)
+    cfg.update(
+        vocab_size=vocab_size, initializer_range=initializer_range,
+        bos_token_id=0, eos_token_id=1, pad_token_id=2, dtype="float32",
+    )
+    cfg.update(overrides)
+    return AutoConfig.for_model(model_type, **cfg)
+
+
+def tiny_model(arch: str, seed: int = 0, attn_implementation: str = "eager", **overrides):
+    """A tiny random-weight `arch` model in memory (no folder, no tokenizer), in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+    return model.eval()
+
+
 def write_tiny_model(
     path: str | os.PathLike, arch: str = "qwen3", seed: int = 0, vocab_size: int = 512,
     initializer_range: float = 0.1, **overrides,
@@ -108,8 +156,6 @@ def write_tiny_model(
     `vocab_size` is the model's; the locally trained tokenizer has at most that many tokens.
     `overrides` replace entries of the config (e.g. hidden_size=512 for a bigger model).
     """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -118,20 +164,10 @@ def write_tiny_model(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     actual_vocab = _write_tokenizer(path, vocab_size)
-    spec = dict(ARCHITECTURES[arch])
-    model_type = spec.pop("model_type")
-    cfg = dict(TINY_SHAPE, **spec)
-    cfg.update(
-        # The embedding may be larger than the tokenizer's vocabulary (ids past it are simply
-        # never produced by the tokenizer), so benchmark shapes can ask for e.g. 32000.
-        vocab_size=max(vocab_size, actual_vocab), initializer_range=initializer_range,
-        bos_token_id=0, eos_token_id=1, pad_token_id=2, dtype="float32",
-    )
-    cfg.update(overrides)
-    config = AutoConfig.for_model(model_type, **cfg)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # The embedding may be larger than the tokenizer's vocabulary (ids past it are simply never
+    # produced by the tokenizer), so benchmark shapes can ask for e.g. 32000.
+    model = tiny_model(arch, seed, vocab_size=max(vocab_size, actual_vocab),
+                       initializer_range=initializer_range, **overrides)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
