@@ -72,8 +72,7 @@ class AttentionBackend(ABC):
         Raises ValueError (one line) when a layer needs a feature this backend does not implement,
         so a model is refused at start-up instead of getting silently wrong logits.
         """
-        self.check(device, dtype, block_size)
-        for feature in FEATURES:
+        for feature in FEATURES:  # first: a missing feature is missing on every machine
             if feature in self.features:
                 continue
             using = [i for i, spec in enumerate(layers) if feature in spec.features]
@@ -82,6 +81,7 @@ class AttentionBackend(ABC):
                 raise ValueError(
                     f"{model_name}: layer(s) {_ranges(using)} use {feature}, which backend {self.name!r} does "
                     f"not implement (it supports: {have}); use backend=torch_ref or a backend that declares it")
+        self.check(device, dtype, block_size)
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.dtype, self.block_size, self.device = dtype, block_size, torch.device(device)
         self.layers = tuple(layers)
