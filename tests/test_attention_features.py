@@ -197,3 +197,28 @@ def test_backends_that_do_not_declare_a_feature_refuse_models_that_use_it():
                                          ("gpt_oss", None), ("llama", None)])
 def test_kv_window_is_the_widest_window_or_none(arch, window):
     assert ModelRunner(_varlen_model(arch), TorchRefBackend(), 4, 8).kv_window == window
+
+
+# ------------------------------------------------------- on a GPU: the real kernels' features
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", __import__("test_gpu_backends").BACKENDS)
+@given(data=st.data())
+def test_gpu_kernels_windows_and_softcaps_match_torch_ref(name, data):
+    """flash-attn / FlashInfer with window_size / window_left and softcap / logits_soft_cap, on the
+    device, against torch_ref (skips with the backend's own reason where it cannot run)."""
+    from test_gpu_backends import ATOL as GPU_ATOL, BLOCK_SIZES, HKV, HQ, D, gpu_steps
+
+    dtype, dev = torch.bfloat16, torch.device("cuda")
+    batch, pool = data.draw(gpu_steps(BLOCK_SIZES[name]))
+    spec = LayerAttention(D ** -0.5, sliding_window=data.draw(st.sampled_from([1, 7, 64, 300]), label="window"),
+                          softcap=data.draw(st.sampled_from([None, 5.0, 30.0]), label="softcap"))
+    gen = torch.Generator(device=dev).manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+    cache = torch.randn(2, pool, batch.block_size, HKV, D, generator=gen, device=dev).to(dtype)
+    q, k, v = (torch.randn(batch.num_tokens, h, D, generator=gen, device=dev).to(dtype) for h in (HQ, HKV, HKV))
+    backend, ref = make_backend(name), TorchRefBackend()
+    backend.bind(HQ, HKV, D, dtype, batch.block_size, dev, [spec])
+    got = backend.forward(q, k, v, cache.clone(), backend.prepare(batch, dev), spec.scale, layer=spec)
+    want = ref.forward(q, k, v, cache.clone(), ref.prepare(batch, dev), spec.scale, layer=spec)
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= GPU_ATOL[dtype], f"{name} {spec}: max abs error {err:.3e}"

@@ -183,9 +183,9 @@ class ModelRunner:
         if need is None or freed_after < need:
             why = ("some layers attend to the whole context, so nothing may be freed early" if need is None
                    else f"its widest window is {need}")
+            fix = "use allocator=paged" if need is None else f"set allocator.sliding_window={need}"
             raise ValueError(f"allocator sliding_window={freed_after} frees K/V that "
-                             f"{type(self.model).__name__} still reads ({why}); set allocator sliding_window="
-                             f"{need if need is not None else 'null'}")
+                             f"{type(self.model).__name__} still reads ({why}); {fix}")
 
     @staticmethod
     def kv_bytes_per_block(config: Any, block_size: int, dtype: torch.dtype) -> int:
