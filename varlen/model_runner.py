@@ -69,7 +69,7 @@ def _varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 
 # Keywords a normal call carries that need no further check (dropout is checked to be 0 above).
-_QUIET = frozenset({"varlen_ctx", "position_ids", "use_cache", "output_router_logits", "dropout"})
+_QUIET = frozenset({"varlen_ctx", "position_ids", "cache_position", "use_cache", "output_router_logits", "dropout"})
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
