@@ -127,7 +127,7 @@ class AttentionBackend(ABC):
         A backend that declares features also takes `layer: LayerAttention` (keyword), which the
         model runner passes only for layers that use one; a layer's keys older than its sliding
         window may sit in blocks the allocator has handed to another request, so such a backend
-        must never let them count (read and mask, or better, not read).
+        must never read them (torch_ref and torch_sdpa gather from the window's first block).
         """
 
 

@@ -99,6 +99,17 @@ def test_torch_sdpa_windows_match_torch_ref(p, window, batch_invariant):
     full = sdpa.forward(p["q"], p["k"], p["v"], p["cache"].clone(), meta, p["scale"])
     full_ref = ref.forward(p["q"], p["k"], p["v"], p["cache"].clone(), ref.prepare(p["batch"], "cpu"), p["scale"])
     torch.testing.assert_close(full, full_ref, atol=ATOL, rtol=0)
+    # Neither reads a block wholly behind the window (the allocator may have given it away):
+    # NaN there changes nothing. (Block 0 excepted: torch_sdpa pads decode groups with it, masked.)
+    b, poisoned = p["batch"], p["cache"].clone()
+    for i, (length, n) in enumerate(zip(b.seq_lens.tolist(), b.query_lens.tolist())):
+        behind = max(0, length - n - window + 1) // b.block_size
+        for blk in b.block_tables[i, :behind].tolist():
+            if blk != 0:
+                poisoned[:, blk] = float("nan")
+    for backend, m in ((sdpa, meta), (ref, ref.prepare(b, "cpu"))):
+        again = backend.forward(p["q"], p["k"], p["v"], poisoned.clone(), m, p["scale"], layer=spec)
+        torch.testing.assert_close(again, want, atol=ATOL, rtol=0, msg=lambda e: f"{backend.name} read a freed block: {e}")
 
 
 # ------------------------------------------------------------------------------- refusals
