@@ -168,6 +168,10 @@ def test_layers_without_attention_and_recurrent_mixers_are_refused():
     model.model.layers[0].mixer = FakeMambaMixer()
     with pytest.raises(UnsupportedModel, match="FakeMambaMixer layers"):
         ModelRunner(model, make_backend("torch_ref"), 4, 8)
+    model = _varlen_model("llama")
+    model.model.layers[0].self_attn.is_causal = False
+    with pytest.raises(UnsupportedModel, match="layer 0 is not causal"):
+        ModelRunner(model, make_backend("torch_ref"), 4, 8)
     model = _varlen_model("llama").train()
     with pytest.raises(UnsupportedModel, match="training mode"):
         ModelRunner(model, make_backend("torch_ref"), 4, 8)

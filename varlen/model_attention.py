@@ -111,6 +111,9 @@ class AttentionProbe:
         if layer is None:
             raise UnsupportedModel(f"attention module {type(module).__name__} has no layer_idx, so its KV "
                                    f"cache cannot be named")
+        if getattr(module, "is_causal", True) is False:  # what SDPA-style functions read off the module
+            raise UnsupportedModel(f"attention module {type(module).__name__} of layer {layer} is not causal "
+                                   f"(is_causal=False); varlen attention is causal")
         self.specs[layer] = spec_from_call(module, query, key, value, kwargs)
         self.calls[layer] = self.calls.get(layer, 0) + 1
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])

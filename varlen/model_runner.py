@@ -171,7 +171,7 @@ class ModelRunner:
     @property
     def kv_window(self) -> int | None:
         """Trailing positions every layer may still read (None: some layer reads the whole context).
-        An allocator may free a request's blocks older than this (`PagedAllocator(sliding_window=...)`)."""
+        An allocator may free a request's blocks older than this (`allocator=paged_window`, varlen.kv.windowed)."""
         return kv_window(self.layers)
 
     def check_kv_allocator(self, kv: Any) -> None:
