@@ -158,7 +158,7 @@ def test_a_new_keyword_from_the_model_is_refused_at_load():
 def test_layers_without_attention_and_recurrent_mixers_are_refused():
     model = _varlen_model("llama")
     model.model.layers[1].self_attn.forward = lambda hidden_states, *a, **kw: (torch.zeros_like(hidden_states), None)
-    with pytest.raises(UnsupportedModel, match=r"layer\(s\) \[1\] never call attention"):
+    with pytest.raises(UnsupportedModel, match=r"layer\(s\) \[1\] never call the attention interface"):
         ModelRunner(model, make_backend("torch_ref"), 4, 8)
 
     class FakeMambaMixer(torch.nn.Module):

@@ -67,7 +67,8 @@ def test_architecture_matches_hf_per_request(arch_models, backend, data):
 
 
 REASONS = {"deepseek_v3": "multi-head latent attention", "mamba": "state-space", "jamba": "state-space",
-           "falcon_h1": "state-space", "qwen3_next": "linear-attention", "llama4_text": "chunked local attention"}
+           "falcon_h1": "state-space", "qwen3_next": "linear-attention", "llama4_text": "chunked local attention",
+           "bloom": "never call the attention interface", "mpt": "probe forward", "stablelm": "forward keywords"}
 
 
 @pytest.mark.parametrize("arch", list(REFUSED_ARCHITECTURES))

@@ -48,7 +48,7 @@ def describe_layers(layers: list, head_dim: int) -> str:
 
 def rows() -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """(supported rows, refused rows), from the tiny configs."""
-    from varlen.model_attention import UnsupportedModel, read_layer_specs
+    from varlen.model_attention import UnsupportedModel, read_model_attention
     from varlen.model_runner import ATTN_NAME, register_varlen_attention
     from varlen.tiny_model import ARCHITECTURES, REFUSED_ARCHITECTURES, tiny_model
 
@@ -57,11 +57,10 @@ def rows() -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     supported, refused = [], []
     for arch in ARCHITECTURES:
         model = tiny_model(arch, attn_implementation=ATTN_NAME)
-        layers = read_layer_specs(model, "varlen_ctx")
+        attn = read_model_attention(model, "varlen_ctx")
+        layers = attn.layers
         used = frozenset().union(*(spec.features for spec in layers))
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        row = {"architecture": arch, "class": type(model).__name__, "attention": describe_layers(layers, head_dim)}
+        row = {"architecture": arch, "class": type(model).__name__, "attention": describe_layers(layers, attn.head_dim)}
         for name, have in features.items():
             missing = sorted(used - have)
             row[name] = "yes" if not missing else "refused: " + ", ".join(missing)
@@ -69,7 +68,7 @@ def rows() -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     for arch in REFUSED_ARCHITECTURES:
         model = tiny_model(arch, attn_implementation=ATTN_NAME)
         try:
-            read_layer_specs(model, "varlen_ctx")
+            read_model_attention(model, "varlen_ctx")
             reason = "NOT REFUSED"
         except UnsupportedModel as err:
             reason = str(err).split(": ", 1)[1]

@@ -12,6 +12,7 @@ module type that is not softmax attention — refuses the model here, at load ti
 from __future__ import annotations
 
 import re
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,12 +99,24 @@ def check_config(model: torch.nn.Module) -> None:
                                    f"recurrent state) are not supported; varlen runs softmax attention layers")
 
 
+@dataclass(frozen=True)
+class ModelAttention:
+    """What the probe read: each layer's spec and the heads every layer's q and k/v arrive with
+    (from the tensors themselves: some configs' head counts are not what their modules use)."""
+
+    layers: list[LayerAttention]
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
 @dataclass
 class AttentionProbe:
     """Passed as the step context of a probe forward: the attention function records, not computes."""
 
     specs: dict[int, LayerAttention] = field(default_factory=dict)
     calls: dict[int, int] = field(default_factory=dict)
+    shapes: set[tuple[int, int, int]] = field(default_factory=set)  # (q heads, kv heads, head dim)
 
     def record(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                kwargs: dict[str, Any]) -> torch.Tensor:
@@ -116,11 +129,18 @@ class AttentionProbe:
                                    f"(is_causal=False); varlen attention is causal")
         self.specs[layer] = spec_from_call(module, query, key, value, kwargs)
         self.calls[layer] = self.calls.get(layer, 0) + 1
+        self.shapes.add((query.shape[1], key.shape[1], key.shape[-1]))
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
 
 
-def read_layer_specs(model: torch.nn.Module, forward_kwarg: str) -> list[LayerAttention]:
-    """Every layer's LayerAttention, from a two-token probe forward; UnsupportedModel when refused.
+# The probe running in this context, so that an attention call that lost the forward's keywords
+# (a model that does not pass them through) is refused rather than crashing.
+ACTIVE_PROBE: ContextVar[AttentionProbe | None] = ContextVar("varlen_active_probe", default=None)
+
+
+def read_model_attention(model: torch.nn.Module, forward_kwarg: str) -> ModelAttention:
+    """Every layer's LayerAttention and the attention shape, from a two-token probe forward;
+    UnsupportedModel (one line) when the model is refused.
 
     `forward_kwarg` names the model-forward keyword that carries the attention function's context.
     """
@@ -130,21 +150,33 @@ def read_layer_specs(model: torch.nn.Module, forward_kwarg: str) -> list[LayerAt
         raise UnsupportedModel(f"{arch}: the model is in training mode (attention dropout); call model.eval()")
     probe = AttentionProbe()
     dev = next(model.parameters()).device
+    token = ACTIVE_PROBE.set(probe)
     try:
         with torch.inference_mode():
             model(input_ids=torch.tensor([[1, 2]], device=dev), position_ids=torch.tensor([[0, 1]], device=dev),
                   logits_to_keep=1, use_cache=False, **{forward_kwarg: probe})
     except UnsupportedModel as err:
         raise UnsupportedModel(f"{arch}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - e.g. a model that needs an attention mask or bias we never build
+        first = f"{type(err).__name__}: {err}".splitlines()[0]
+        raise UnsupportedModel(f"{arch}: the probe forward through the varlen attention failed ({first}); "
+                               f"supported: attention through transformers' attention interface alone") from None
+    finally:
+        ACTIVE_PROBE.reset(token)
     missing = [i for i in range(n_layers) if i not in probe.calls]
     if missing:
-        raise UnsupportedModel(f"{arch}: layer(s) {missing} never call attention (state-space, linear or "
-                               f"other non-attention layers); varlen runs softmax attention layers only")
+        raise UnsupportedModel(f"{arch}: layer(s) {missing} never call the attention interface (attention built "
+                               f"into the model, e.g. ALiBi, or state-space/linear layers); supported: softmax "
+                               f"attention through transformers' attention interface")
     repeated = [i for i, c in probe.calls.items() if c != 1 or not 0 <= i < n_layers]
     if repeated:
         raise UnsupportedModel(f"{arch}: attention layer index(es) {sorted(repeated)} are called more than once "
                                f"per forward or lie outside 0..{n_layers - 1}; varlen keeps one KV cache per layer")
-    return [probe.specs[i] for i in range(n_layers)]
+    if len(probe.shapes) != 1:
+        raise UnsupportedModel(f"{arch}: layers differ in head counts or head dim {sorted(probe.shapes)} (q heads, "
+                               f"kv heads, head dim); varlen keeps one KV cache layout for all layers")
+    (num_q_heads, num_kv_heads, head_dim), = probe.shapes
+    return ModelAttention([probe.specs[i] for i in range(n_layers)], num_q_heads, num_kv_heads, head_dim)
 
 
 def kv_window(layers: list[LayerAttention]) -> int | None:

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from backends.base import AttentionBackend, LayerAttention
 from varlen.batch import ForwardBatch
-from varlen.model_attention import AttentionProbe, UnsupportedModel, kv_window, read_layer_specs, spec_from_call
+from varlen.model_attention import (ACTIVE_PROBE, AttentionProbe, UnsupportedModel, kv_window, read_model_attention,
+                                    spec_from_call)
 
 ATTN_NAME = "varlen"
 
@@ -48,6 +49,10 @@ def _varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         features = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux)
         return ctx.record(module, query, key, value, {**features, **kwargs}), None
     if ctx is None:
+        if ACTIVE_PROBE.get() is not None:
+            raise UnsupportedModel(f"{type(module).__name__} does not pass the model's forward keywords to its "
+                                   f"attention function, so the step's metadata cannot reach it; supported: "
+                                   f"modules that do (the transformers attention interface)")
         raise RuntimeError("the 'varlen' attention was called without a step context; "
                            "run the model through varlen.ModelRunner")
     layer = module.layer_idx
@@ -159,10 +164,11 @@ class ModelRunner:
         cfg = self.model.config
         self.config = cfg
         self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.layers = read_layer_specs(self.model, "varlen_ctx")
-        backend.bind(cfg.num_attention_heads, self.num_kv_heads, self.head_dim, dtype, block_size, self.device,
+        attn = read_model_attention(self.model, "varlen_ctx")
+        self.layers = attn.layers
+        # The shapes the modules really use (e.g. GPT-2-style configs carry no KV head count).
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        backend.bind(attn.num_q_heads, self.num_kv_heads, self.head_dim, dtype, block_size, self.device,
                      self.layers, model_name=f"{type(self.model).__name__} ({model_path})")
         self.layer_kwargs = [{"layer": spec} if spec.features else {} for spec in self.layers]
         self.kv_caches = backend.allocate_kv_cache(self.num_layers, num_blocks, block_size, self.num_kv_heads,
@@ -189,9 +195,11 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(config: Any, block_size: int, dtype: torch.dtype) -> int:
+        """From the config (before loading; a config without a KV head count is multi-head)."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         elem = torch.empty(0, dtype=dtype).element_size()
-        return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * head_dim * elem
+        return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * elem
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:

@@ -66,6 +66,27 @@ ARCHITECTURES: dict[str, dict] = {
     "cohere": dict(architectures=["CohereForCausalLM"], model_type="cohere", logit_scale=0.5),
     "cohere2": dict(architectures=["Cohere2ForCausalLM"], model_type="cohere2", sliding_window=WINDOW,
                     layer_types=["sliding_attention", "full_attention"], logit_scale=0.5),
+    # More of the installed transformers' decoder-only families (all through the same interface).
+    "starcoder2": dict(architectures=["Starcoder2ForCausalLM"], model_type="starcoder2", sliding_window=WINDOW),
+    "ministral": dict(architectures=["MinistralForCausalLM"], model_type="ministral", head_dim=16,
+                      sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "olmo3": dict(architectures=["Olmo3ForCausalLM"], model_type="olmo3", sliding_window=WINDOW,
+                  layer_types=["sliding_attention", "full_attention"]),
+    "exaone4": dict(architectures=["Exaone4ForCausalLM"], model_type="exaone4", head_dim=16, sliding_window=WINDOW,
+                    layer_types=["sliding_attention", "full_attention"]),
+    "phi": dict(architectures=["PhiForCausalLM"], model_type="phi", partial_rotary_factor=0.5),
+    "olmo": dict(architectures=["OlmoForCausalLM"], model_type="olmo"),
+    "olmoe": dict(architectures=["OlmoeForCausalLM"], model_type="olmoe", num_experts=4, num_experts_per_tok=2),
+    "granitemoe": dict(architectures=["GraniteMoeForCausalLM"], model_type="granitemoe", num_local_experts=4,
+                       num_experts_per_tok=2, attention_multiplier=0.2),
+    "glm4": dict(architectures=["Glm4ForCausalLM"], model_type="glm4", head_dim=16),
+    "smollm3": dict(architectures=["SmolLM3ForCausalLM"], model_type="smollm3", head_dim=16),
+    "seed_oss": dict(architectures=["SeedOssForCausalLM"], model_type="seed_oss", head_dim=16),
+    # Multi-head (their modules ignore a KV head count): the cache takes the probed shape.
+    "gpt2": dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", num_key_value_heads=4),
+    "gpt_neox": dict(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox", num_key_value_heads=4),
+    "opt": dict(architectures=["OPTForCausalLM"], model_type="opt", num_key_value_heads=4, ffn_dim=128,
+                word_embed_proj_dim=64),
 }
 
 # Architectures varlen refuses, each with a tiny config that shows it (tests assert the refusal).
@@ -84,6 +105,9 @@ REFUSED_ARCHITECTURES: dict[str, dict] = {
                        shared_expert_intermediate_size=32),
     "llama4_text": dict(model_type="llama4_text", head_dim=16, attention_chunk_size=8, num_local_experts=2,
                         intermediate_size_mlp=128, layer_types=["chunked_attention", "full_attention"]),
+    "bloom": dict(model_type="bloom", num_key_value_heads=4),  # ALiBi, built into its own attention
+    "mpt": dict(model_type="mpt", num_key_value_heads=4),  # ALiBi bias passed where no mask is built
+    "stablelm": dict(model_type="stablelm"),  # its attention gets no forward keywords
 }
 
 TINY_SHAPE = dict(
