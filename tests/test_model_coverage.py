@@ -27,8 +27,8 @@ from varlen.model_runner import ATTN_NAME, ModelRunner, load_model, register_var
 from varlen.tiny_model import ARCHITECTURES, REFUSED_ARCHITECTURES, WINDOW, tiny_model, write_tiny_model
 
 CPU_BACKENDS = ["torch_ref", "torch_sdpa"]
-# A few examples per architecture: the matrix is wide; the `ci` profile's 25 become 5 here.
-FEW = max(3, settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci")).max_examples // 5)
+# A few examples per architecture: the matrix is wide; the `ci` profile's 25 become 3 here.
+FEW = max(3, settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci")).max_examples // 8)
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
