@@ -22,8 +22,8 @@ from backends.base import LayerAttention
 
 # Keywords the varlen function implements (they become the layer's LayerAttention).
 IMPLEMENTED = frozenset({"scaling", "sliding_window", "softcap", "s_aux"})
-# Keywords that must keep these values: anything else changes what attention computes.
-# (the allowed values, as the error message names them; the test)
+# Keywords that must keep these values (anything else changes what attention computes):
+# name -> (the allowed value, as errors name it; the check).
 REQUIRED = {"dropout": ("0.0", lambda v: not v), "is_causal": ("True", lambda v: v is None or v is True),
             "output_attentions": ("False", lambda v: not v)}
 # Arguments of the model's forward that transformers passes along; attention needs none of them.
