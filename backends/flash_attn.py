@@ -21,6 +21,11 @@ Two kernel libraries are understood, imported lazily (never when this module is 
 
 Both are called with `causal=True`, which flash-attn aligns to the bottom-right corner: new token
 j of a request with n new and L total tokens sees keys 0..L-n+j, the project's convention.
+
+Optional features (declared in `features`, mapped by `flash_attn_feature_args`): a sliding window
+of W keys is `window_size=(W - 1, 0)` (flash-attn's left bound is inclusive: query i sees keys
+i - left .. i), logit soft-capping is `softcap`. Attention sinks are not declared (flash-attn 2
+has none; FA4's `learnable_sink` could carry them, untested here).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from backends.base import AttentionBackend, AttentionMetadata, BackendUnavailable, write_kv
+from backends.base import AttentionBackend, AttentionMetadata, BackendUnavailable, LayerAttention, write_kv
 from varlen.batch import ForwardBatch
 
 INSTALL_HINT = 'pip install -e ".[flash-attn]"'
@@ -56,6 +61,23 @@ def flash_attn_inputs(batch: ForwardBatch) -> dict[str, Any]:
         "max_seqlen_q": int(batch.max_query_len),
         "max_seqlen_k": int(batch.max_seq_len),
     }
+
+
+def flash_attn_feature_args(layer: LayerAttention | None, version: str = "2") -> dict[str, Any]:
+    """The keyword arguments that give one layer its optional features in flash-attn's calls.
+
+    Empty for a plain layer, so plain calls stay exactly as before.
+    """
+    args: dict[str, Any] = {}
+    if layer is None:
+        return args
+    if layer.sliding_window is not None:
+        args["window_size"] = (layer.sliding_window - 1, 0)
+    if layer.softcap is not None:
+        args["softcap"] = float(layer.softcap)
+    if layer.sinks is not None:
+        raise ValueError("backend 'flash_attn' does not implement attention sinks")  # refused at bind
+    return args
 
 
 @dataclass
@@ -107,6 +129,7 @@ class FlashAttnBackend(AttentionBackend):
     devices = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16)
     block_size_multiple = 256  # flash-attn 2.x paged KV refuses other page sizes
+    features = frozenset({"sliding_window", "softcap"})
 
     def __init__(self, version: str = "auto", decode_with_kvcache: bool = True) -> None:
         """`version`: "auto" (2.x if importable, else 4), "2" or "4". `decode_with_kvcache`:
@@ -148,11 +171,12 @@ class FlashAttnBackend(AttentionBackend):
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: FlashAttnMetadata, scale: float) -> torch.Tensor:
+                meta: FlashAttnMetadata, scale: float, layer: LayerAttention | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         if self._kernels is None:
             self._kernels = _load_kernels(self.version)
         fa = self._kernels
+        extra = flash_attn_feature_args(layer, fa.version)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         # HF hands q over as a transposed view; the kernels want unit-stride rows they can TMA.
         q = q.contiguous()
@@ -160,11 +184,12 @@ class FlashAttnBackend(AttentionBackend):
             if meta.batch.is_pure_decode and self.decode_with_kvcache and fa.with_kvcache is not None:
                 # K/V are already in the cache (k=v=None), so cache_seqlens are the whole lengths.
                 out = fa.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seqused_k,
-                                      block_table=meta.block_table, softmax_scale=scale, causal=True)
+                                      block_table=meta.block_table, softmax_scale=scale, causal=True, **extra)
                 return out.squeeze(1)
             return fa.varlen(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
-                             meta.max_seqlen_k, softmax_scale=scale, causal=True, block_table=meta.block_table)
+                             meta.max_seqlen_k, softmax_scale=scale, causal=True, block_table=meta.block_table,
+                             **extra)
         out = fa.varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
                         max_seqlen_k=meta.max_seqlen_k, seqused_k=meta.seqused_k, page_table=meta.block_table,
-                        softmax_scale=scale, causal=True)
+                        softmax_scale=scale, causal=True, **extra)
         return out[0] if isinstance(out, tuple) else out

@@ -17,6 +17,12 @@ reused by the others (the wrappers remember which step they were planned for). M
 `BatchPrefillWithPagedKVCacheWrapper` with `causal=True` (its default is False!), whose causal mask
 is bottom-right aligned like the project's; pure-decode steps use
 `BatchDecodeWithPagedKVCacheWrapper`. FlashInfer kernels take fp16/bf16 (fp8 KV aside), not fp32.
+
+Optional features are plan() arguments (`flashinfer_feature_args`): a sliding window of W keys is
+`window_left=W - 1` (inclusive: query i sees keys i - window_left .. i), soft-capping is
+`logits_soft_cap`. A plan fixes them, so each distinct kind of layer (e.g. windowed and full, in
+alternating models) has its own wrapper, planned once per step; they share the workspace, as
+the layers run one after another. Sinks are not declared.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from backends.base import AttentionBackend, AttentionMetadata, BackendUnavailable, write_kv
+from backends.base import AttentionBackend, AttentionMetadata, BackendUnavailable, LayerAttention, write_kv
 from varlen.batch import ForwardBatch
 
 INSTALL_HINT = 'pip install -e ".[flashinfer]"'
@@ -56,6 +62,20 @@ def flashinfer_plan_inputs(batch: ForwardBatch) -> dict[str, np.ndarray]:
         "paged_kv_indices": np.ascontiguousarray(batch.block_tables[used], dtype=np.int32),
         "paged_kv_last_page_len": (seq_lens - (num_pages - 1) * bs).astype(np.int32),
     }
+
+
+def flashinfer_feature_args(layer: LayerAttention | None) -> dict[str, Any]:
+    """plan() keyword arguments for one layer's optional features (empty for a plain layer)."""
+    args: dict[str, Any] = {}
+    if layer is None:
+        return args
+    if layer.sliding_window is not None:
+        args["window_left"] = layer.sliding_window - 1
+    if layer.softcap is not None:
+        args["logits_soft_cap"] = float(layer.softcap)
+    if layer.sinks is not None:
+        raise ValueError("backend 'flashinfer' does not implement attention sinks")  # refused at bind
+    return args
 
 
 @dataclass
@@ -87,6 +107,7 @@ class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     devices = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16)
+    features = frozenset({"sliding_window", "softcap"})
 
     def __init__(self, use_decode_wrapper: bool = True, decode_tensor_cores: bool | None = None,
                  prefill_backend: str = "auto", workspace_bytes: int = WORKSPACE_BYTES) -> None:
@@ -99,9 +120,8 @@ class FlashInferBackend(AttentionBackend):
         self.workspace_bytes = workspace_bytes
         self._fi: Any = None
         self._workspace: torch.Tensor | None = None
-        self._prefill: Any = None
-        self._decode: dict[bool, Any] = {}
-        self._planned: tuple[Any, ...] | None = None  # (step_id, wrapper kind, shapes, dtypes, scale)
+        self._wrappers: dict[tuple[Any, ...], Any] = {}  # (decode, tensor cores, features) -> wrapper
+        self._planned: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # wrapper key -> (step_id, shapes, ...)
 
     def check(self, device: torch.device | str, dtype: torch.dtype, block_size: int) -> None:
         super().check(device, dtype, block_size)
@@ -119,36 +139,35 @@ class FlashInferBackend(AttentionBackend):
             paged_kv_last_page_len=torch.from_numpy(host["paged_kv_last_page_len"]),
         )
 
-    def _wrapper(self, decode: bool, tensor_cores: bool, device: torch.device) -> Any:
+    def _wrapper(self, decode: bool, tensor_cores: bool, features: tuple[Any, ...], device: torch.device) -> Any:
         if self._fi is None:
             self._fi = _import_flashinfer()
         if self._workspace is None or self._workspace.device != device:
             # Zeroed: FlashInfer requires the float workspace to start at 0 on its first use.
             self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
-            self._prefill, self._decode = None, {}
-        if decode:
-            if tensor_cores not in self._decode:
-                self._decode[tensor_cores] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-                    self._workspace, "NHD", use_tensor_cores=tensor_cores)
-            return self._decode[tensor_cores]
-        if self._prefill is None:
-            self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(
-                self._workspace, "NHD", backend=self.prefill_backend)
-        return self._prefill
+            self._wrappers, self._planned = {}, {}
+        key = (decode, tensor_cores, features)
+        if key not in self._wrappers:
+            self._wrappers[key] = (
+                self._fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD", use_tensor_cores=tensor_cores)
+                if decode else
+                self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend=self.prefill_backend))
+        return self._wrappers[key]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: FlashInferMetadata, scale: float) -> torch.Tensor:
+                meta: FlashInferMetadata, scale: float, layer: LayerAttention | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         num_qo_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads, page_size = kv_cache.shape[3], kv_cache.shape[2]
         decode = self.use_decode_wrapper and meta.batch.is_pure_decode
         tensor_cores = (self.decode_tensor_cores if self.decode_tensor_cores is not None
                         else num_qo_heads // num_kv_heads >= 4)
-        wrapper = self._wrapper(decode, tensor_cores, q.device)
-        key = (meta.step_id, decode, tensor_cores, num_qo_heads, num_kv_heads, head_dim, page_size,
-               q.dtype, kv_cache.dtype, float(scale))
-        if self._planned != key:
-            common = dict(q_data_type=q.dtype, kv_data_type=kv_cache.dtype, sm_scale=float(scale))
+        features = flashinfer_feature_args(layer)
+        wkey = (decode, tensor_cores, tuple(sorted(features.items())))
+        wrapper = self._wrapper(decode, tensor_cores, wkey[2], q.device)
+        plan = (meta.step_id, num_qo_heads, num_kv_heads, head_dim, page_size, q.dtype, kv_cache.dtype, float(scale))
+        if self._planned.get(wkey) != plan:
+            common = dict(q_data_type=q.dtype, kv_data_type=kv_cache.dtype, sm_scale=float(scale), **features)
             if decode:
                 wrapper.plan(meta.paged_kv_indptr, meta.paged_kv_indices, meta.paged_kv_last_page_len,
                              num_qo_heads, num_kv_heads, head_dim, page_size, **common)
@@ -156,5 +175,5 @@ class FlashInferBackend(AttentionBackend):
                 wrapper.plan(meta.qo_indptr, meta.paged_kv_indptr, meta.paged_kv_indices,
                              meta.paged_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                              causal=True, **common)
-            self._planned = key
+            self._planned[wkey] = plan
         return wrapper.run(q.contiguous(), (kv_cache[0], kv_cache[1]))

@@ -1,19 +1,27 @@
-"""The readable reference backend: plain torch, one request at a time. The oracle for every other backend."""
+"""The readable reference backend: plain torch, one request at a time. The oracle for every other backend.
+
+It implements every optional feature (sliding windows, logit soft-capping, attention sinks), each
+in one or two lines of `forward`, written as transformers' eager attention defines them.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from backends.base import AttentionBackend, AttentionMetadata, write_kv
+from backends.base import FEATURES, AttentionBackend, AttentionMetadata, LayerAttention, write_kv
 
 
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
+    features = frozenset(FEATURES)
     batch_invariant = True  # one request at a time: nothing else in the batch touches its numbers
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, layer: LayerAttention | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
+        window = layer.sliding_window if layer else None
+        softcap = layer.softcap if layer else None
+        sinks = layer.sinks if layer else None
         b = meta.batch
         block_size = kv_cache.shape[2]
         group = q.shape[1] // kv_cache.shape[3]  # query heads per KV head (GQA)
@@ -22,15 +30,29 @@ class TorchRefBackend(AttentionBackend):
         for i, seq_len in enumerate(b.seq_lens.tolist()):
             start, end = qsl[i], qsl[i + 1]
             n_new = end - start
-            blocks = torch.as_tensor(b.block_tables[i, : -(-seq_len // block_size)], device=q.device,
+            # Keys before the first query's window are never read: their blocks may be gone.
+            first = 0 if window is None else max(0, seq_len - n_new - window + 1)
+            first_block = first // block_size
+            blocks = torch.as_tensor(b.block_tables[i, first_block: -(-seq_len // block_size)], device=q.device,
                                      dtype=torch.long)
             # Gather this request's context through its block table, then cut at its length.
-            keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)
-            vals = kv_cache[1, blocks].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)
+            offset = first_block * block_size
+            keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len - offset].repeat_interleave(group, dim=1)
+            vals = kv_cache[1, blocks].flatten(0, 1)[:seq_len - offset].repeat_interleave(group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys.float()) * scale
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
             # Bottom-right causal: new token j sits at position seq_len - n_new + j.
             q_pos = torch.arange(seq_len - n_new, seq_len, device=q.device)
-            visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            k_pos = torch.arange(offset, seq_len, device=q.device)
+            visible = k_pos[None, :] <= q_pos[:, None]
+            if window is not None:
+                visible &= k_pos[None, :] > q_pos[:, None] - window
             scores = scores.masked_fill(~visible, float("-inf"))
-            out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals.float()).to(q.dtype)
+            if sinks is None:
+                probs = scores.softmax(-1)
+            else:  # a sink column joins the softmax, then is dropped: it attends to nothing
+                sink = sinks.float().reshape(-1, 1, 1).expand(-1, n_new, 1)
+                probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+            out[start:end] = torch.einsum("hqk,khd->qhd", probs, vals.float()).to(q.dtype)
         return out

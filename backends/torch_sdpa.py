@@ -7,6 +7,12 @@ with nothing cached attends to its own new K/V directly, with no gather at all.
 
 With `batch_invariant=True` every request is computed on its own shapes (no padding to the
 batch's longest context), so its result does not depend on what else is in the batch.
+
+Sliding windows: `prepare` builds one gather plan (blocks and mask) per distinct window of the
+bound layers (alternating models have two: the window and full attention). A windowed layer
+gathers only the blocks its queries can see, so its cost follows the window, not the context,
+and it never reads a block the allocator freed behind the window. Soft-capping and sinks need
+the scores or the softmax's normaliser, which SDPA does not expose, so they are not declared.
 """
 
 from __future__ import annotations
@@ -17,17 +23,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from backends.base import AttentionBackend, AttentionMetadata, write_kv
+from backends.base import AttentionBackend, AttentionMetadata, LayerAttention, write_kv
 from varlen.batch import ForwardBatch
+
+
+# Per sliding window (None: full causal attention), what a layer with that window gathers:
+# (block ids [D, W] or [W] or None: the new K/V themselves, key mask or None: SDPA's is_causal)
+Plans = dict
 
 
 @dataclass
 class SdpaMetadata(AttentionMetadata):
-    # Decodes in groups of similar context length, each one padded SDPA call:
-    # (token index of each query [D], block ids [D, W], key mask [D, 1, 1, W * block_size])
-    decodes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
-    prefills: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] | None = None
-    # (start, end, context length, context block ids or None for a fresh prefill, causal mask or None)
+    # Decodes in groups of similar context length, each one padded SDPA call per layer:
+    # (token index of each query [D], {window: (block ids [D, W], key mask [D, 1, 1, W * block_size])})
+    decodes: list[tuple[torch.Tensor, Plans]] | None = None
+    # Prefills and chunks, one SDPA call each: (start, end, {window: (block ids [W] or None, mask or None)})
+    prefills: list[tuple[int, int, Plans]] | None = None
 
 
 def _length_groups(rows: np.ndarray, seq_lens: np.ndarray, max_waste: float = 1.5) -> list[np.ndarray]:
@@ -50,6 +61,7 @@ def _length_groups(rows: np.ndarray, seq_lens: np.ndarray, max_waste: float = 1.
 
 class TorchSdpaBackend(AttentionBackend):
     name = "torch_sdpa"
+    features = frozenset({"sliding_window"})
 
     def __init__(self, batch_invariant: bool = False):
         self.batch_invariant = batch_invariant
@@ -58,52 +70,84 @@ class TorchSdpaBackend(AttentionBackend):
         q_lens, seq_lens = batch.query_lens, batch.seq_lens.astype(np.int64)
         qsl = batch.query_start_loc
         is_decode = (q_lens == 1) & (not self.batch_invariant)
-        meta = SdpaMetadata(slot_mapping=torch.from_numpy(batch.slot_mapping).to(device), batch=batch, prefills=[])
-        bs = batch.block_size
-        meta.decodes = []
+        windows = {spec.sliding_window for spec in self.layers} or {None}
+        meta = SdpaMetadata(slot_mapping=torch.from_numpy(batch.slot_mapping).to(device), batch=batch,
+                            decodes=[], prefills=[])
+        bs, tables = batch.block_size, batch.block_tables
+
+        def gather(rows: np.ndarray, first_key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            """Decode rows' whole blocks (contiguous copies, far fewer than single slots) from each
+            row's block holding `first_key` to its last: (block ids, the position of each key)."""
+            first = first_key // bs
+            width = int((-(-seq_lens[rows] // bs) - first).max())
+            if first.any():
+                key_pos = (first * bs)[:, None] + np.arange(width * bs)[None, :]
+                cols = np.minimum(first[:, None] + np.arange(width)[None, :], tables.shape[1] - 1)
+                blocks = tables[rows[:, None], cols]
+            else:  # whole contexts (the common case): plain slices
+                key_pos = np.arange(width * bs)[None, :]
+                blocks = tables[rows, :width]
+            # Entries past a row's length point at block 0, masked: a table is never read past it.
+            blocks = np.where(key_pos[:, ::bs] < seq_lens[rows, None], blocks, 0)
+            return blocks.astype(np.int64), key_pos
+
         for group in _length_groups(np.flatnonzero(is_decode), seq_lens):
-            # Gather whole blocks (contiguous copies), not single slots: far fewer, larger copies.
-            W = -(-int(seq_lens[group].max()) // bs)
-            blocks = batch.block_tables[group, :W].astype(np.int64)
-            real = np.arange(W * bs)[None, :] < seq_lens[group, None]
-            blocks = np.where(real[:, ::bs], blocks, 0)  # unspecified padding entries → block 0, masked
-            meta.decodes.append((torch.from_numpy(qsl[group].astype(np.int64)).to(device),
-                                 torch.from_numpy(blocks).to(device),
-                                 torch.from_numpy(real[:, None, None, :]).to(device)))
+            L = seq_lens[group]
+            plans = {}
+            for w in windows:  # the decode at L - 1 sees keys L - w .. L - 1
+                blocks, key_pos = gather(group, np.zeros_like(L) if w is None else np.maximum(L - w, 0))
+                visible = key_pos < L[:, None]
+                if w is not None:
+                    visible &= key_pos >= L[:, None] - w
+                plans[w] = (torch.from_numpy(blocks).to(device), torch.from_numpy(visible[:, None, None, :]).to(device))
+            meta.decodes.append((torch.from_numpy(qsl[group].astype(np.int64)).to(device), plans))
         for i in np.flatnonzero(~is_decode):
             start, end, L = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
             n = end - start
-            if n == L:  # nothing cached: plain causal attention over the new tokens
-                meta.prefills.append((start, end, L, None, None))
-                continue
-            visible = np.arange(L)[None, :] <= np.arange(L - n, L)[:, None]
-            blocks = batch.block_tables[i, : -(-L // bs)].astype(np.int64)
-            meta.prefills.append((start, end, L, torch.from_numpy(blocks).to(device),
-                                  torch.from_numpy(visible).to(device)))
+            plans = {}
+            for w in windows:
+                if n == L:  # nothing cached: attend to the new K/V directly, with no gather at all
+                    cut = w is not None and w < L
+                    q_pos, k_pos = np.arange(L)[:, None], np.arange(L)[None, :]
+                    mask = torch.from_numpy((k_pos <= q_pos) & (k_pos > q_pos - w)).to(device) if cut else None
+                    plans[w] = (None, mask)  # mask None: SDPA's own is_causal
+                    continue
+                first = (0 if w is None else max(L - n - w + 1, 0)) // bs  # block of the first query's window start
+                blocks = tables[i, first: -(-L // bs)].astype(np.int64)
+                q_pos, k_pos = np.arange(L - n, L)[:, None], np.arange(first * bs, (first + len(blocks)) * bs)[None, :]
+                # Keys past the request's length (its last block's tail) are masked like the future.
+                visible = k_pos <= q_pos
+                if w is not None:
+                    visible &= k_pos > q_pos - w
+                plans[w] = (torch.from_numpy(blocks).to(device), torch.from_numpy(visible).to(device))
+            meta.prefills.append((start, end, plans))
         return meta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: SdpaMetadata, scale: float) -> torch.Tensor:
+                meta: SdpaMetadata, scale: float, layer: LayerAttention | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
+        window = layer.sliding_window if layer is not None else None
         hkv, d = kv_cache.shape[-2], kv_cache.shape[-1]
         group = q.shape[1] // hkv
         out = torch.empty_like(q)
-        for rows, blocks, mask in meta.decodes:
+        for rows, plans in meta.decodes:
+            blocks, mask = plans[window]
             D = rows.shape[0]
             qd = q[rows].view(D, hkv, group, d)  # GQA: a KV head's query heads side by side
             kd = kv_cache[0][blocks].view(D, -1, hkv, d).transpose(1, 2)  # [D, Hkv, W*bs, d]
             vd = kv_cache[1][blocks].view(D, -1, hkv, d).transpose(1, 2)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
             out[rows] = o.reshape(D, -1, d)
-        for start, end, L, blocks, mask in meta.prefills:
+        for start, end, plans in meta.prefills:
+            blocks, mask = plans[window]
             qp = q[start:end].transpose(0, 1)[None]  # [1, Hq, n, d]
             if blocks is None:
                 kp, vp = k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(qp, kp.to(q.dtype), vp.to(q.dtype), is_causal=True,
-                                                   scale=scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qp, kp.to(q.dtype), vp.to(q.dtype), attn_mask=mask,
+                                                   is_causal=mask is None, scale=scale, enable_gqa=True)
             else:
-                kp = kv_cache[0][blocks].view(-1, hkv, d)[:L].transpose(0, 1)[None]
-                vp = kv_cache[1][blocks].view(-1, hkv, d)[:L].transpose(0, 1)[None]
+                kp = kv_cache[0][blocks].view(-1, hkv, d).transpose(0, 1)[None]
+                vp = kv_cache[1][blocks].view(-1, hkv, d).transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
             out[start:end] = o[0].transpose(0, 1)
         return out

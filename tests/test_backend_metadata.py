@@ -35,9 +35,9 @@ import torch
 from hypothesis import given, strategies as st
 
 from backends import make_backend
-from backends.base import BackendUnavailable, write_kv
-from backends.flash_attn import FlashAttnBackend, flash_attn_inputs
-from backends.flashinfer import FlashInferBackend, flashinfer_plan_inputs
+from backends.base import BackendUnavailable, LayerAttention, write_kv
+from backends.flash_attn import FlashAttnBackend, flash_attn_feature_args, flash_attn_inputs
+from backends.flashinfer import FlashInferBackend, flashinfer_feature_args, flashinfer_plan_inputs
 from backends.torch_ref import TorchRefBackend
 from varlen.batch import ForwardBatch, SeqSlice, build_batch
 
@@ -107,20 +107,28 @@ def written_cache(p: dict) -> torch.Tensor:
 
 # ------------------------------------------------------- emulated kernels, from the docs
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+def _attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float, causal: bool,
+            left: int | None = None, softcap: float = 0.0) -> torch.Tensor:
     """q [n, Hq, D] against keys/vals [L, Hkv, D]; query i sits at position i + L - n (bottom-right).
 
     GQA as both libraries document it: query head h reads KV head h // (Hq // Hkv). A query that
     sees no key gets zeros (flash-attn: "If the row of the mask is all zero, the output will be zero").
+    `left`: a sliding window as both document it, query i sees keys i + L - n - left .. (inclusive);
+    `softcap` > 0: the scaled logits x become softcap * tanh(x / softcap).
     """
     n, hq, _ = q.shape
     length, hkv = keys.shape[0], keys.shape[1]
     kv_head = torch.arange(hq) // (hq // hkv)
     scores = torch.einsum("nhd,lhd->hnl", q, keys[:, kv_head]) * scale
+    if softcap and softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    q_pos = (torch.arange(n) + length - n)[:, None]
     if causal:
-        visible = torch.arange(length)[None, :] <= (torch.arange(n) + length - n)[:, None]
+        visible = torch.arange(length)[None, :] <= q_pos
     else:
         visible = torch.ones(n, length, dtype=torch.bool)
+    if left is not None and left >= 0:
+        visible &= torch.arange(length)[None, :] >= q_pos - left
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.nan_to_num(scores.softmax(-1), nan=0.0)
     return torch.einsum("hnl,lhd->nhd", probs, vals[:, kv_head])
@@ -138,20 +146,22 @@ def fi_pages(paged_kv_cache: tuple[torch.Tensor, torch.Tensor], indptr: torch.Te
     return k_pages[pages].flatten(0, 1)[:kv_len], v_pages[pages].flatten(0, 1)[:kv_len]
 
 
-def fi_prefill_emulated(q, paged_kv_cache, qo_indptr, indptr, indices, last_page_len, causal, sm_scale):
+def fi_prefill_emulated(q, paged_kv_cache, qo_indptr, indptr, indices, last_page_len, causal, sm_scale,
+                        window_left=-1, logits_soft_cap=0.0):
     out = torch.zeros_like(q)
     for b in range(len(qo_indptr) - 1):
         lo, hi = int(qo_indptr[b]), int(qo_indptr[b + 1])
         keys, vals = fi_pages(paged_kv_cache, indptr, indices, last_page_len, b)
-        out[lo:hi] = _attend(q[lo:hi], keys, vals, sm_scale, causal)
+        out[lo:hi] = _attend(q[lo:hi], keys, vals, sm_scale, causal, window_left, logits_soft_cap or 0.0)
     return out
 
 
-def fi_decode_emulated(q, paged_kv_cache, indptr, indices, last_page_len, sm_scale):
+def fi_decode_emulated(q, paged_kv_cache, indptr, indices, last_page_len, sm_scale, window_left=-1,
+                       logits_soft_cap=0.0):
     out = torch.zeros_like(q)
-    for b in range(q.shape[0]):  # one query per request, which sees the request's whole KV
+    for b in range(q.shape[0]):  # one query per request, which sees the request's whole KV (or its window)
         keys, vals = fi_pages(paged_kv_cache, indptr, indices, last_page_len, b)
-        out[b:b + 1] = _attend(q[b:b + 1], keys, vals, sm_scale, causal=False)
+        out[b:b + 1] = _attend(q[b:b + 1], keys, vals, sm_scale, False, window_left, logits_soft_cap or 0.0)
     return out
 
 
@@ -164,7 +174,7 @@ def fa_keys(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Ten
 
 
 def fa2_varlen_emulated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                        softmax_scale=None, causal=False, block_table=None):
+                        softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, block_table=None):
     assert block_table is not None, "the paged path needs a block table"
     q_lens, k_lens = torch.diff(cu_seqlens_q), torch.diff(cu_seqlens_k)
     # The kernels size their grids from these bounds; a bound below a real length drops work.
@@ -173,28 +183,30 @@ def fa2_varlen_emulated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     for b in range(len(cu_seqlens_q) - 1):
         lo, hi = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
         keys, vals = fa_keys(k, v, block_table, b, int(k_lens[b]))
-        out[lo:hi] = _attend(q[lo:hi], keys, vals, softmax_scale, causal)
+        out[lo:hi] = _attend(q[lo:hi], keys, vals, softmax_scale, causal, window_size[0], softcap)
     return out
 
 
 def fa2_kvcache_emulated(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
-                         softmax_scale=None, causal=False):
+                         softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
     assert k is None and v is None and q.dim() == 4
     out = torch.zeros_like(q)
     for b in range(q.shape[0]):
         keys, vals = fa_keys(k_cache, v_cache, block_table, b, int(cache_seqlens[b]))
-        out[b] = _attend(q[b], keys, vals, softmax_scale, causal)
+        out[b] = _attend(q[b], keys, vals, softmax_scale, causal, window_size[0], softcap)
     return out
 
 
 def fa4_varlen_emulated(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                        seqused_k=None, page_table=None, softmax_scale=None, causal=False):
+                        seqused_k=None, page_table=None, softmax_scale=None, causal=False, window_size=(None, None),
+                        softcap=0.0):
     assert qv is None and page_table is not None and cu_seqlens_k is None, "FA4: page_table with seqused_k only"
     out = torch.zeros_like(q)
     for b in range(len(cu_seqlens_q) - 1):
         lo, hi = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
         keys, vals = fa_keys(k, v, page_table, b, int(seqused_k[b]))
-        out[lo:hi] = _attend(q[lo:hi], keys, vals, softmax_scale, causal)
+        left = window_size[0] if window_size[0] is not None else -1
+        out[lo:hi] = _attend(q[lo:hi], keys, vals, softmax_scale, causal, left, softcap)
     return out, None  # FA4 returns (out, lse)
 
 
@@ -379,36 +391,40 @@ class _FakeWrapper:
 class FakePrefillWrapper(_FakeWrapper):
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
              num_kv_heads, head_dim_qk, page_size, causal=False, sm_scale=None, q_data_type="float16",
-             kv_data_type=None, **kwargs) -> None:
+             kv_data_type=None, window_left=-1, logits_soft_cap=None, **kwargs) -> None:
         self._check_csr(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
         assert qo_indptr.dtype == torch.int32 and len(qo_indptr) == len(paged_kv_indptr)
         type(self).plans += 1
         self.planned = dict(qo_indptr=qo_indptr, indptr=paged_kv_indptr, indices=paged_kv_indices,
                             last=paged_kv_last_page_len, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                             head_dim=head_dim_qk, page_size=page_size, causal=causal, sm_scale=sm_scale,
-                            q_data_type=q_data_type, kv_data_type=kv_data_type or q_data_type)
+                            q_data_type=q_data_type, kv_data_type=kv_data_type or q_data_type,
+                            window_left=window_left, logits_soft_cap=logits_soft_cap)
 
     def run(self, q, paged_kv_cache):
         self._check_run(q, paged_kv_cache)
         pl = self.planned
         return fi_prefill_emulated(q, paged_kv_cache, pl["qo_indptr"], pl["indptr"], pl["indices"], pl["last"],
-                                   pl["causal"], pl["sm_scale"])
+                                   pl["causal"], pl["sm_scale"], pl["window_left"], pl["logits_soft_cap"])
 
 
 class FakeDecodeWrapper(_FakeWrapper):
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-             sm_scale=None, q_data_type="float16", kv_data_type=None, **kwargs) -> None:
+             sm_scale=None, q_data_type="float16", kv_data_type=None, window_left=-1, logits_soft_cap=None,
+             **kwargs) -> None:
         self._check_csr(indptr, indices, last_page_len, page_size)
         type(self).plans += 1
         self.planned = dict(indptr=indptr, indices=indices, last=last_page_len, num_qo_heads=num_qo_heads,
                             num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, sm_scale=sm_scale,
-                            q_data_type=q_data_type, kv_data_type=kv_data_type or q_data_type)
+                            q_data_type=q_data_type, kv_data_type=kv_data_type or q_data_type,
+                            window_left=window_left, logits_soft_cap=logits_soft_cap)
 
     def run(self, q, paged_kv_cache):
         self._check_run(q, paged_kv_cache)
         assert q.shape[0] == len(self.planned["indptr"]) - 1, "decode run: one query per request"
         pl = self.planned
-        return fi_decode_emulated(q, paged_kv_cache, pl["indptr"], pl["indices"], pl["last"], pl["sm_scale"])
+        return fi_decode_emulated(q, paged_kv_cache, pl["indptr"], pl["indices"], pl["last"], pl["sm_scale"],
+                                  pl["window_left"], pl["logits_soft_cap"])
 
 
 def _fake_module(name: str) -> types.ModuleType:
@@ -508,6 +524,67 @@ def test_flash_attn_auto_prefers_2_then_4(monkeypatch):
     assert FlashAttnBackend().kernel_version == "2"
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))  # FA4 wheels ship no 2.x API
     assert FlashAttnBackend().kernel_version == "4"
+
+
+# ------------------------------------------- optional features: sliding window, logit soft-cap
+
+windows = st.one_of(st.none(), st.integers(1, 12))
+softcaps = st.one_of(st.none(), st.floats(0.5, 4.0))
+
+
+def test_feature_args_follow_each_librarys_convention():
+    # transformers' window W (keys p-W+1..p) is an inclusive left bound of W - 1 in both libraries.
+    spec = LayerAttention(0.5, sliding_window=8, softcap=30.0)
+    assert flash_attn_feature_args(spec) == {"window_size": (7, 0), "softcap": 30.0}
+    assert flash_attn_feature_args(spec, "4") == {"window_size": (7, 0), "softcap": 30.0}
+    assert flashinfer_feature_args(spec) == {"window_left": 7, "logits_soft_cap": 30.0}
+    plain = LayerAttention(0.5)
+    assert flash_attn_feature_args(plain) == flashinfer_feature_args(plain) == flashinfer_feature_args(None) == {}
+
+
+@given(p=problems(), window=windows, softcap=softcaps)
+def test_gpu_backends_glue_with_features(p, window, softcap):
+    """Through the fake kernels (the documented semantics), a windowed / soft-capped layer gives
+    torch_ref's result; a window one key too wide is caught."""
+    spec = LayerAttention(p["scale"], sliding_window=window, softcap=softcap)
+    ref = TorchRefBackend()
+    ref_cache = p["cache"].clone()
+    want = ref.forward(p["q"], p["k"], p["v"], ref_cache, ref.prepare(p["batch"], "cpu"), p["scale"], layer=spec)
+    with pytest.MonkeyPatch.context() as mp:
+        install_fake_flashinfer(mp)
+        install_fake_flash_attn(mp)
+        for backend in (FlashInferBackend(workspace_bytes=64), FlashAttnBackend(version="2"),
+                        FlashAttnBackend(version="4")):
+            cache = p["cache"].clone()
+            out = backend.forward(p["q"], p["k"], p["v"], cache, backend.prepare(p["batch"], "cpu"), p["scale"],
+                                  layer=spec)
+            torch.testing.assert_close(out, want, atol=ATOL, rtol=0, msg=lambda m: f"{backend.name}: {m}")
+            assert torch.equal(cache, ref_cache)
+    if window is not None and int(p["batch"].seq_lens.max()) > window:
+        fa = flash_attn_inputs(p["batch"])
+        cache = written_cache(p)
+        assert differs(lambda: fa2_varlen_emulated(
+            p["q"], cache[0], cache[1], t(fa["cu_seqlens_q"]), t(fa["cu_seqlens_k"]), fa["max_seqlen_q"],
+            fa["max_seqlen_k"], softmax_scale=p["scale"], causal=True, window_size=(window, 0),
+            softcap=softcap or 0.0, block_table=t(fa["block_table"])), want), "window_size=(W, 0) went unnoticed"
+
+
+@given(p=problems())
+def test_flashinfer_plans_once_per_kind_of_layer(p):
+    """Alternating windowed and full layers (Gemma 2/3, gpt-oss): one wrapper per kind, each
+    planned once per step, each layer's output right."""
+    kinds = [LayerAttention(p["scale"], sliding_window=3), LayerAttention(p["scale"])]
+    with pytest.MonkeyPatch.context() as mp:
+        install_fake_flashinfer(mp)
+        backend, ref = FlashInferBackend(workspace_bytes=64), TorchRefBackend()
+        meta, ref_meta = backend.prepare(p["batch"], "cpu"), ref.prepare(p["batch"], "cpu")
+        for layer in range(4):
+            spec = kinds[layer % 2]
+            args = (p["q"] * (layer + 1), p["k"], p["v"])
+            out = backend.forward(*args, p["cache"].clone(), meta, p["scale"], layer=spec)
+            want = ref.forward(*args, p["cache"].clone(), ref_meta, p["scale"], layer=spec)
+            torch.testing.assert_close(out, want, atol=ATOL, rtol=0)
+        assert FakeDecodeWrapper.plans + FakePrefillWrapper.plans == 2
 
 
 # ----------------------------------------------------------- settings and availability errors

@@ -59,13 +59,14 @@ class Req:
 
 
 @st.composite
-def workloads(draw, vocab: int = 509, max_requests: int = 8):
+def workloads(draw, vocab: int = 509, min_prompt: int = 1, max_requests: int = 8):
+    """min_prompt: e.g. longer than a sliding window, so that windows cut every request."""
     block_size = draw(st.sampled_from([1, 2, 3, 4, 5, 7, 8, 16]), label="block_size")
     n = draw(st.integers(1, max_requests), label="num_requests")
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1), label="token_seed"))
     reqs = []
     for _ in range(n):
-        prompt = draw(st.integers(1, 40))
+        prompt = draw(st.integers(min_prompt, max(40, min_prompt)))
         cuts = sorted(draw(st.sets(st.integers(1, prompt - 1), max_size=3))) if prompt > 1 else []
         chunks = np.diff([0, *cuts, prompt]).tolist()
         decodes = draw(st.integers(0, 5))

@@ -29,6 +29,7 @@ class ModelExecutor(Executor):
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.tokens_written = np.zeros(max_num_seqs, dtype=np.int64)
         self.timings: dict[str, float] = defaultdict(float)  # wall seconds per phase
+        self._checked_kv: KVAllocator | None = None
 
     def _row(self, req: Request, kv: KVAllocator) -> int:
         row = self.rows.get(req.req_id)
@@ -48,6 +49,9 @@ class ModelExecutor(Executor):
         return row
 
     def execute(self, scheduled: Sequence[tuple[Request, int]], kv: KVAllocator) -> list[int | None]:
+        if kv is not self._checked_kv:  # an allocator that frees K/V early must match the model
+            self.runner.check_kv_allocator(kv)
+            self._checked_kv = kv
         t0 = time.perf_counter()
         rows = np.fromiter((self._row(r, kv) for r, _ in scheduled), dtype=np.int64, count=len(scheduled))
         cached = np.fromiter((r.num_computed_tokens for r, _ in scheduled), dtype=np.int64, count=len(scheduled))

@@ -5,6 +5,11 @@ transformers' `AttentionInterface`; it receives q/k/v after q/k-norm and RoPE an
 the backend with this step's metadata, which travels as an extra forward() keyword. A mask
 function registered under the same name returns None, so no N×N mask is ever built. The LM head
 runs only at `logits_indices` (transformers' `logits_to_keep`).
+
+No silent features: at load, a probe forward reads what every layer's attention asks for
+(`varlen.model_attention`), refuses what varlen does not implement, and binds the backend to the
+model's shape and per-layer specs (refused there when the backend lacks a feature a layer uses).
+Every call then checks that it asks for exactly what was bound.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from backends.base import AttentionBackend
+from backends.base import AttentionBackend, LayerAttention
 from varlen.batch import ForwardBatch
+from varlen.model_attention import (ACTIVE_PROBE, AttentionProbe, UnsupportedModel, kv_window, read_model_attention,
+                                    spec_from_call)
 
 ATTN_NAME = "varlen"
 
@@ -29,20 +36,45 @@ class StepContext:
     backend: AttentionBackend
     kv_caches: list[torch.Tensor]
     meta: Any
+    layers: list[LayerAttention]  # as bound: what each layer's calls must ask for
+    layer_kwargs: list[dict[str, Any]]  # extra forward() keywords per layer: {"layer": spec} if it has features
 
 
 def _varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                      **kwargs: Any) -> tuple[torch.Tensor, None]:
-    ctx: StepContext | None = kwargs.get("varlen_ctx")
+                      attention_mask: torch.Tensor | None, scaling: float | None = None,
+                      sliding_window: int | None = None, softcap: float | None = None,
+                      s_aux: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    ctx: StepContext | AttentionProbe | None = kwargs.get("varlen_ctx")
+    if isinstance(ctx, AttentionProbe):
+        features = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux)
+        return ctx.record(module, query, key, value, {**features, **kwargs}), None
     if ctx is None:
+        if ACTIVE_PROBE.get() is not None:
+            raise UnsupportedModel(f"{type(module).__name__} does not pass the model's forward keywords to its "
+                                   f"attention function, so the step's metadata cannot reach it; supported: "
+                                   f"modules that do (the transformers attention interface)")
         raise RuntimeError("the 'varlen' attention was called without a step context; "
                            "run the model through varlen.ModelRunner")
+    layer = module.layer_idx
+    spec = ctx.layers[layer]
+    # What was bound is what runs: a call asking for anything else (a changed module, a keyword
+    # that was not there at load) is refused, never silently dropped.
+    if (sliding_window != spec.sliding_window or softcap != spec.softcap or s_aux is not spec.sinks
+            or (scaling is not None and scaling != spec.scale) or kwargs.get("dropout")
+            or kwargs.keys() - _QUIET):
+        called = spec_from_call(module, query, key, value, dict(
+            kwargs, scaling=scaling, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux))
+        if called != spec or called.sinks is not spec.sinks:
+            raise UnsupportedModel(f"layer {layer} asked for {called} but was bound to {spec} at load; "
+                                   f"reload the model through varlen.ModelRunner")
     # HF hands us [1, heads, N, D]; backends speak the flat [N, heads, D].
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = ctx.backend.forward(q, k, v, ctx.kv_caches[module.layer_idx], ctx.meta, scale)
+    out = ctx.backend.forward(q, k, v, ctx.kv_caches[layer], ctx.meta, spec.scale, **ctx.layer_kwargs[layer])
     return out.unsqueeze(0), None
+
+
+# Keywords a normal call carries that need no further check (dropout is checked to be 0 above).
+_QUIET = frozenset({"varlen_ctx", "position_ids", "cache_position", "use_cache", "output_router_logits", "dropout"})
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
@@ -132,20 +164,42 @@ class ModelRunner:
         cfg = self.model.config
         self.config = cfg
         self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) and \
-                cfg.sliding_window < getattr(cfg, "max_position_embeddings", 0):
-            raise ValueError(f"{model_path}: sliding-window attention ({cfg.sliding_window}) is not "
-                             f"supported by the varlen backends yet; use a full-attention model")
+        attn = read_model_attention(self.model, "varlen_ctx")
+        self.layers = attn.layers
+        # The shapes the modules really use (e.g. GPT-2-style configs carry no KV head count).
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        backend.bind(attn.num_q_heads, self.num_kv_heads, self.head_dim, dtype, block_size, self.device,
+                     self.layers, model_name=f"{type(self.model).__name__} ({model_path})")
+        self.layer_kwargs = [{"layer": spec} if spec.features else {} for spec in self.layers]
         self.kv_caches = backend.allocate_kv_cache(self.num_layers, num_blocks, block_size, self.num_kv_heads,
                                                    self.head_dim, dtype, self.device)
 
+    @property
+    def kv_window(self) -> int | None:
+        """Trailing positions every layer may still read (None: some layer reads the whole context).
+        An allocator may free a request's blocks older than this (`allocator=paged_window`, varlen.kv.windowed)."""
+        return kv_window(self.layers)
+
+    def check_kv_allocator(self, kv: Any) -> None:
+        """Refuse an allocator that frees K/V this model's layers still read."""
+        freed_after = getattr(kv, "sliding_window", None)
+        if freed_after is None:
+            return
+        need = self.kv_window
+        if need is None or freed_after < need:
+            why = ("some layers attend to the whole context, so nothing may be freed early" if need is None
+                   else f"its widest window is {need}")
+            fix = "use allocator=paged" if need is None else f"set allocator.sliding_window={need}"
+            raise ValueError(f"allocator sliding_window={freed_after} frees K/V that "
+                             f"{type(self.model).__name__} still reads ({why}); {fix}")
+
     @staticmethod
     def kv_bytes_per_block(config: Any, block_size: int, dtype: torch.dtype) -> int:
+        """From the config (before loading; a config without a KV head count is multi-head)."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         elem = torch.empty(0, dtype=dtype).element_size()
-        return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * head_dim * elem
+        return 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * elem
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
@@ -155,7 +209,8 @@ class ModelRunner:
             raise ValueError(f"block table refers to block {int(batch.block_tables.max())} but the "
                              f"KV pool has {self.num_blocks} blocks")
         dev = self.device
-        ctx = StepContext(self.backend, self.kv_caches, self.backend.prepare(batch, dev))
+        ctx = StepContext(self.backend, self.kv_caches, self.backend.prepare(batch, dev), self.layers,
+                          self.layer_kwargs)
         input_ids = torch.from_numpy(batch.input_ids).to(dev, non_blocking=True)[None]
         positions = torch.from_numpy(batch.positions).to(dev, non_blocking=True)[None]
         keep = torch.from_numpy(batch.logits_indices).to(dev, non_blocking=True)
