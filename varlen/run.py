@@ -119,13 +119,14 @@ def serve(cfg: DictConfig) -> dict:
 def write_results(cfg: DictConfig, llm: Any, reqs: list, trace: Any, out: Path, partial: bool) -> dict:
     """requests.csv, steps.csv, config_resolved.yaml, then summary.json (last: a run without it
     did not finish writing). A partial run (Ctrl-C) lists every request, unfinished ones with
-    an empty finish_reason, and its summary says "partial": true."""
+    finish_reason `aborted`, and its summary says "partial": true."""
     from varlen.metrics import request_table, step_table, summarize
 
     eng = llm.engine
     row = summarize(reqs, eng.steps, eng.kv.capacity_tokens, cfg.slo.ttft_s, cfg.slo.tpot_s)
     row["partial"] = partial
-    row["unfinished"] = sum(r.finish_reason is None for r in reqs)
+    # Ctrl-C ends the requests still in flight `aborted` (Engine.run), so count what did not finish.
+    row["unfinished"] = sum(r.finish_reason is None or r.finish_reason.value == "aborted" for r in reqs)
     if trace is not None:
         row.update({f"trace_{k}": getattr(trace.stats, k) for k in
                     ("num_read", "num_clipped", "num_prompt_clipped", "num_dropped", "num_reordered",
