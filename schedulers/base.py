@@ -22,7 +22,13 @@ from typing import ClassVar
 from mypy_extensions import mypyc_attr
 
 from varlen.kv.base import KVAllocator
+from varlen.promises import keeps_promise
 from varlen.request import Request, Status
+
+#: What `repeats_decode_batches` promises about: a subclass that overrides any of these below the
+#: class declaring the promise does not inherit it (varlen/promises.py) unless it declares it too.
+DECODE_PROMISE_BEHAVIOUR = ("schedule", "_schedule_running", "_admit_waiting", "_grant", "_preempt", "waiting_order",
+                            "victim_order", "_may_admit", "next_decode_batch", "add", "remove", "has_work")
 
 
 # init=False and an explicit __init__: compiled (varlen/compiled.py), a dataclass's generated
@@ -56,7 +62,8 @@ class SchedulerPolicy(ABC):
     #: every running request for one token, in `running` order, and stays so (less the requests
     #: that finish) while no request arrives and every allocation succeeds. True for the shipped
     #: policies; a policy that looks at anything else (time, step counts, randomness, state
-    #: outside the queues) must leave it False.
+    #: outside the queues) must leave it False. Held only by the class that declares it: a
+    #: subclass overriding a method of DECODE_PROMISE_BEHAVIOUR must declare it again to keep it.
     repeats_decode_batches: ClassVar[bool] = False
 
     def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
@@ -67,6 +74,7 @@ class SchedulerPolicy(ABC):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._repeats = -1  # whether repeats_decode_batches is my class's own promise (-1: not checked yet)
 
     @property
     def name(self) -> str:
@@ -99,7 +107,10 @@ class SchedulerPolicy(ABC):
         running request (the promise of `repeats_decode_batches`), else None. The engine then
         runs such steps without asking me each one (`Engine.step` with `until`)."""
         running = self.running
-        if (not self.repeats_decode_batches or self._may_admit() or not running
+        if self._repeats < 0:  # checked on first use: a real run, which never asks, says nothing
+            self._repeats = int(self.repeats_decode_batches and keeps_promise(
+                self, "repeats_decode_batches", DECODE_PROMISE_BEHAVIOUR, SchedulerPolicy))
+        if (not self._repeats or self._may_admit() or not running
                 or len(running) > self.max_num_batched_tokens):
             return None
         for r in running:
