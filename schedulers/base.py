@@ -28,7 +28,8 @@ from varlen.request import Request, Status
 #: What `repeats_decode_batches` promises about: a subclass that overrides any of these below the
 #: class declaring the promise does not inherit it (varlen/promises.py) unless it declares it too.
 DECODE_PROMISE_BEHAVIOUR = ("schedule", "_schedule_running", "_admit_waiting", "_grant", "_preempt", "waiting_order",
-                            "victim_order", "_may_admit", "next_decode_batch", "add", "remove", "has_work")
+                            "victim_order", "_may_admit", "_rest_fits", "next_decode_batch", "add", "remove",
+                            "has_work")
 
 
 # init=False and an explicit __init__: compiled (varlen/compiled.py), a dataclass's generated
@@ -163,12 +164,29 @@ class SchedulerPolicy(ABC):
         self.waiting.appendleft(victim)
         out.preempted.append(victim)
 
+    def _rest_fits(self, kv: KVAllocator, req: Request, hit: int) -> bool:
+        """Whether the free KV blocks hold all of `req`'s tokens past its `hit` cached ones.
+
+        Asked before admitting a request whose step gets only a chunk of its prompt. Admitting it
+        on the strength of its first chunk when the rest cannot fit thrashes under KV pressure:
+        its next chunk finds no room, it is the newest running request, so it preempts itself and
+        loses every chunk it computed, then comes back with a first chunk, again and again
+        (measured on the Azure conversation trace at 600 blocks: one request preempted 79 times,
+        493% of the needed tokens computed again). So a chunked admission needs room for the whole
+        rest, as a whole-prompt admission does (vLLM V0's admission rule; vLLM V1 admits by chunk
+        but keeps a self-preempted prompt's chunks in its prefix cache, which has much the same
+        effect when prefix caching is on).
+        """
+        bs = kv.block_size
+        return -(-(req.num_prompt_tokens + len(req.output_token_ids)) // bs) - hit // bs <= kv.usage().free_slots // bs
+
     def _admit_waiting(self, kv: KVAllocator, out: SchedulerOutput, budget: int,
                        limit: int | None = None) -> int:
         """Admit waiting requests in `waiting_order` while seats, budget and memory last.
 
         Stops at the first request that does not fit (no overtaking), so a long prompt is not
-        starved by a stream of short ones.
+        starved by a stream of short ones. A request given only a chunk of its prompt must have
+        room for all of it (`_rest_fits`).
         """
         seats = self.max_num_seqs - len(self.running)
         if limit is not None:
@@ -188,7 +206,8 @@ class SchedulerPolicy(ABC):
             hit = kv.match_prefix(req)
             req.num_computed_tokens = hit
             n = self._grant(req, budget)
-            if n == 0 or not kv.allocate(req, hit + n):
+            if n == 0 or (n < req.num_prompt_tokens + len(req.output_token_ids) - hit
+                          and not self._rest_fits(kv, req, hit)) or not kv.allocate(req, hit + n):
                 req.num_computed_tokens = 0
                 break
             req.num_prefix_hit_tokens = hit
