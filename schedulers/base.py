@@ -17,7 +17,7 @@ from abc import ABC
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
-from typing import ClassVar
+from typing import ClassVar, Iterator, Protocol
 
 from mypy_extensions import mypyc_attr
 
@@ -30,6 +30,25 @@ from varlen.request import Request, Status
 DECODE_PROMISE_BEHAVIOUR = ("schedule", "_schedule_running", "_admit_waiting", "_grant", "_preempt", "waiting_order",
                             "victim_order", "_may_admit", "_rest_fits", "next_decode_batch", "add", "remove",
                             "has_work")
+
+
+class WaitingQueue(Protocol):
+    """What a policy's waiting queue offers: a deque (FCFS) or one kept in another order
+    (schedulers/priority.py). Iteration order is admission order; [0] is the next to admit."""
+
+    def append(self, req: Request) -> None: ...
+
+    def appendleft(self, req: Request) -> None: ...
+
+    def remove(self, req: Request) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Request]: ...
+
+    def __getitem__(self, i: int) -> Request: ...
+
+    def __contains__(self, req: object) -> bool: ...
 
 
 # init=False and an explicit __init__: compiled (varlen/compiled.py), a dataclass's generated
@@ -73,7 +92,7 @@ class SchedulerPolicy(ABC):
                              f"{max_num_seqs} and {max_num_batched_tokens}")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        self.waiting: WaitingQueue = deque()
         self.running: list[Request] = []
         self._repeats = -1  # whether repeats_decode_batches is my class's own promise (-1: not checked yet)
 
