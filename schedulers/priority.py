@@ -59,6 +59,17 @@ class RankedQueue:
         del self._keys[i]
         del self._reqs[i]
 
+    def popleft(self) -> Request:
+        req = self._reqs.pop(0)
+        del self._keys[0]
+        del self._key_of[id(req)]
+        return req
+
+    def clear(self) -> None:
+        self._keys.clear()
+        self._reqs.clear()
+        self._key_of.clear()
+
     def __len__(self) -> int:
         return len(self._reqs)
 

@@ -280,7 +280,8 @@ def test_user_executor_runs_every_step():
                     broken="OverheadExecutor.execute")
     assert b.replicas[0].engine.num_fast_forwarded_steps == 0
     plain = cost_roofline()
-    assert_timed_by(b, lambda i, s: plain.step_time_sums(StepSums.of(s.new_tokens, s.cached_tokens, s.num_sampled)) + 5e-3)
+    assert_timed_by(b, lambda i, s: plain.step_time_sums(StepSums.of(s.new_tokens, s.cached_tokens, s.num_sampled))
+                    + 5e-3)
 
 
 def test_a_user_cost_model_that_declares_its_decode_closure_keeps_the_fast_path():

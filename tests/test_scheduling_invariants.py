@@ -220,7 +220,7 @@ def test_priority_decides_as_the_sorting_reference(w, fast_forward):
     assert_same(a, b)
 
 
-@given(st.lists(st.tuples(st.sampled_from(["append", "appendleft", "remove"]), st.integers(0, 1),
+@given(st.lists(st.tuples(st.sampled_from(["append", "appendleft", "remove", "popleft", "clear"]), st.integers(0, 1),
                           st.sampled_from([0.0, 1.0]), st.integers(0, 10**6)), max_size=60))
 def test_ranked_queue_is_a_stably_sorted_deque(ops):
     """RankedQueue (the priority policy's waiting queue) reads as a deque under the same operations,
@@ -236,7 +236,15 @@ def test_ranked_queue_is_a_stably_sorted_deque(ops):
                 r = ref[pick % len(ref)]
                 ref.remove(r)
                 ranked.remove(r)
-        else:
+        elif op == "popleft":  # the head of the ranked order, which a deque would not give
+            if ref:
+                head = sorted(ref, key=_rank)[0]
+                ref.remove(head)
+                assert ranked.popleft() is head
+        elif op == "clear" and pick % 5 == 0:
+            ref.clear()
+            ranked.clear()
+        elif op in ("append", "appendleft"):
             r = Request(f"r{i}", [1], arrival=arrival, priority=priority)
             getattr(ref, op)(r)
             getattr(ranked, op)(r)

@@ -41,7 +41,8 @@ def broken_by(cls: type, promise: str, behaviour: Iterable[str], interface: type
     for c in mro[:i]:
         for name in names:
             if name in c.__dict__:
-                return f"{c.__qualname__}.{name} overrides behaviour that {declarer.__qualname__}.{promise} promises about"
+                return (f"{c.__qualname__}.{name} overrides behaviour that {declarer.__qualname__}.{promise} "
+                        "promises about")
     return ""
 
 
