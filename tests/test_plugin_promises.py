@@ -132,7 +132,7 @@ def test_user_policy_is_asked_every_step(policy, override):
     user = override(P)
     method = next(n for n in ("schedule", "_schedule_running", "_grant", "victim_order", "waiting_order")
                   if n in user.__dict__)
-    b = run_checked(make_factory(user, paged(70)), broken=f"{user.__qualname__}.{method}")
+    b = run_checked(make_factory(user, paged(70)), broken=f"{user.__name__}.{method}")
     assert b.replicas[0].engine.num_fast_forwarded_steps == 0
     if override in CHANGES_DECODES:  # the override matters: a fast-forward that skipped it would differ
         base = simulate(fresh_copies(REQS), make_factory(P, paged(70)))
@@ -189,7 +189,7 @@ ALLOCATOR_OVERRIDES = {  # name: (user class, its arguments, the shipped class i
 def test_user_allocator_is_asked_every_call(allocator, policy):
     cls, args, shipped = ALLOCATOR_OVERRIDES[allocator]
     user = type(cls.__name__, (cls,), {})  # a class of this test's own: each is checked (and said) once
-    b = run_checked(make_factory(POLICIES[policy], lambda: user(*args)), broken=f"{cls.__qualname__}.allocate")
+    b = run_checked(make_factory(POLICIES[policy], lambda: user(*args)), broken=f"{cls.__name__}.allocate")
     assert b.replicas[0].engine.num_fast_forwarded_steps == 0
     if not allocator.endswith("max"):  # max-length reservations leave the live-token cap no say
         base = simulate(fresh_copies(REQS), make_factory(POLICIES[policy], lambda: shipped(*args)))
@@ -251,7 +251,7 @@ def test_user_cost_model_times_every_step(cost, method):
         (lambda: user(coef=cost_profiled().coefficients()))
     # Roofline's decode closure is its own promise; Profiled's is the interface's (derived from
     # step_time_sums, so it follows an override of it). step_time_sums promises to equal step_time.
-    broken = None if (cost, method) == (ProfiledCostModel, "step_time_sums") else f"{user.__qualname__}.{method}"
+    broken = None if (cost, method) == (ProfiledCostModel, "step_time_sums") else f"{user.__name__}.{method}"
     b = run_checked(make_factory(POLICIES["chunked"], paged(400), user_factory), broken=broken)
     plain = base_factory()
     assert_timed_by(b, lambda i, s: 2 * plain.step_time(s.new_tokens, s.cached_tokens, s.num_sampled))

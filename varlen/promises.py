@@ -41,8 +41,7 @@ def broken_by(cls: type, promise: str, behaviour: Iterable[str], interface: type
     for c in mro[:i]:
         for name in names:
             if name in c.__dict__:
-                return (f"{c.__qualname__}.{name} overrides behaviour that {declarer.__qualname__}.{promise} "
-                        "promises about")
+                return f"{c.__name__}.{name} overrides behaviour that {declarer.__name__}.{promise} promises about"
     return ""
 
 
@@ -61,10 +60,10 @@ def keeps_promise(obj: object, promises: str | tuple[str, ...], behaviour: Itera
         for promise in names:
             why = broken_by(cls, promise, behaviour, interface)
             if why:
-                why += (f", so it is not {cls.__qualname__}'s promise and the shortcut it allows is not taken "
-                        f"(steps run one at a time: same results, slower); if {cls.__qualname__} keeps it, "
-                        f"declare {promise} in {cls.__qualname__} itself")
-                warnings.warn(f"{cls.__qualname__}: {why}", PromiseWarning, stacklevel=3)
+                name = cls.__name__
+                why += (f"; the promise is not {name}'s, so its shortcut is not taken (steps run one at a time: "
+                        f"same results, slower). If {name} keeps it, declare {promise} in {name} itself.")
+                warnings.warn(f"{cls.__module__}.{cls.__qualname__}: {why}", PromiseWarning, stacklevel=3)
                 break
         seen[names] = why
     return not why
