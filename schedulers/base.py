@@ -17,12 +17,42 @@ from abc import ABC
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
-from typing import ClassVar
+from typing import ClassVar, Iterator, Protocol
 
 from mypy_extensions import mypyc_attr
 
 from varlen.kv.base import KVAllocator
+from varlen.promises import keeps_promise
 from varlen.request import Request, Status
+
+#: What `repeats_decode_batches` promises about: a subclass that overrides any of these below the
+#: class declaring the promise does not inherit it (varlen/promises.py) unless it declares it too.
+DECODE_PROMISE_BEHAVIOUR = ("schedule", "_schedule_running", "_admit_waiting", "_grant", "_preempt", "waiting_order",
+                            "victim_order", "_may_admit", "_rest_fits", "next_decode_batch", "add", "remove",
+                            "has_work")
+
+
+class WaitingQueue(Protocol):
+    """What a policy's waiting queue offers: a deque (FCFS) or one kept in another order
+    (schedulers/priority.py). Iteration order is admission order; [0] is the next to admit."""
+
+    def append(self, req: Request) -> None: ...
+
+    def appendleft(self, req: Request) -> None: ...
+
+    def remove(self, req: Request) -> None: ...
+
+    def popleft(self) -> Request: ...
+
+    def clear(self) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Request]: ...
+
+    def __getitem__(self, i: int) -> Request: ...
+
+    def __contains__(self, req: object) -> bool: ...
 
 
 # init=False and an explicit __init__: compiled (varlen/compiled.py), a dataclass's generated
@@ -56,7 +86,8 @@ class SchedulerPolicy(ABC):
     #: every running request for one token, in `running` order, and stays so (less the requests
     #: that finish) while no request arrives and every allocation succeeds. True for the shipped
     #: policies; a policy that looks at anything else (time, step counts, randomness, state
-    #: outside the queues) must leave it False.
+    #: outside the queues) must leave it False. Held only by the class that declares it: a
+    #: subclass overriding a method of DECODE_PROMISE_BEHAVIOUR must declare it again to keep it.
     repeats_decode_batches: ClassVar[bool] = False
 
     def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
@@ -65,8 +96,9 @@ class SchedulerPolicy(ABC):
                              f"{max_num_seqs} and {max_num_batched_tokens}")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        self.waiting: WaitingQueue = deque()
         self.running: list[Request] = []
+        self._repeats = -1  # whether repeats_decode_batches is my class's own promise (-1: not checked yet)
 
     @property
     def name(self) -> str:
@@ -99,7 +131,10 @@ class SchedulerPolicy(ABC):
         running request (the promise of `repeats_decode_batches`), else None. The engine then
         runs such steps without asking me each one (`Engine.step` with `until`)."""
         running = self.running
-        if (not self.repeats_decode_batches or self._may_admit() or not running
+        if self._repeats < 0:  # checked on first use: a real run, which never asks, says nothing
+            self._repeats = int(self.repeats_decode_batches and keeps_promise(
+                self, "repeats_decode_batches", DECODE_PROMISE_BEHAVIOUR, SchedulerPolicy))
+        if (not self._repeats or self._may_admit() or not running
                 or len(running) > self.max_num_batched_tokens):
             return None
         for r in running:
@@ -152,12 +187,29 @@ class SchedulerPolicy(ABC):
         self.waiting.appendleft(victim)
         out.preempted.append(victim)
 
+    def _rest_fits(self, kv: KVAllocator, req: Request, hit: int) -> bool:
+        """Whether the free KV blocks hold all of `req`'s tokens past its `hit` cached ones.
+
+        Asked before admitting a request whose step gets only a chunk of its prompt. Admitting it
+        on the strength of its first chunk when the rest cannot fit thrashes under KV pressure:
+        its next chunk finds no room, it is the newest running request, so it preempts itself and
+        loses every chunk it computed, then comes back with a first chunk, again and again
+        (measured on the Azure conversation trace at 600 blocks: one request preempted 79 times,
+        493% of the needed tokens computed again). So a chunked admission needs room for the whole
+        rest, as a whole-prompt admission does (vLLM V0's admission rule; vLLM V1 admits by chunk
+        but keeps a self-preempted prompt's chunks in its prefix cache, which has much the same
+        effect when prefix caching is on).
+        """
+        bs = kv.block_size
+        return -(-(req.num_prompt_tokens + len(req.output_token_ids)) // bs) - hit // bs <= kv.usage().free_slots // bs
+
     def _admit_waiting(self, kv: KVAllocator, out: SchedulerOutput, budget: int,
                        limit: int | None = None) -> int:
         """Admit waiting requests in `waiting_order` while seats, budget and memory last.
 
         Stops at the first request that does not fit (no overtaking), so a long prompt is not
-        starved by a stream of short ones.
+        starved by a stream of short ones. A request given only a chunk of its prompt must have
+        room for all of it (`_rest_fits`).
         """
         seats = self.max_num_seqs - len(self.running)
         if limit is not None:
@@ -177,7 +229,8 @@ class SchedulerPolicy(ABC):
             hit = kv.match_prefix(req)
             req.num_computed_tokens = hit
             n = self._grant(req, budget)
-            if n == 0 or not kv.allocate(req, hit + n):
+            if n == 0 or (n < req.num_prompt_tokens + len(req.output_token_ids) - hit
+                          and not self._rest_fits(kv, req, hit)) or not kv.allocate(req, hit + n):
                 req.num_computed_tokens = 0
                 break
             req.num_prefix_hit_tokens = hit

@@ -12,6 +12,7 @@ from sim.cost_models import CostModel, StepSums
 from varlen.clock import SimClock
 from varlen.engine import Executor
 from varlen.kv.base import KVAllocator
+from varlen.promises import keeps_promise
 from varlen.request import Request
 
 #: What a simulated request "samples". The simulator's engines have no EOS token and trace
@@ -26,7 +27,11 @@ class CostModelExecutor(Executor):
 
     def __init__(self, cost: CostModel, clock: SimClock):
         self.cost, self.clock = cost, clock
-        self._sums = cost.uses_sums
+        # A cost model's shortcuts hold only for the class that defines them (varlen/promises.py):
+        # step_time_sums promises to be step_time, decode_step_time to be step_time_sums. A
+        # subclass overriding the slow form alone is timed by it, not by an inherited shortcut.
+        self._sums = cost.uses_sums and keeps_promise(cost, "step_time_sums", ("step_time",), CostModel)
+        self._decode = self._sums and keeps_promise(cost, "decode_step_time", ("step_time_sums",), CostModel)
         self._decode_fns: dict[int, Callable[[int], float]] = {}  # batch size -> cost.decode_step_time
 
     def execute(self, scheduled: Sequence[tuple[Request, int]], kv: KVAllocator) -> list[int | None]:
@@ -65,7 +70,7 @@ class CostModelExecutor(Executor):
 
     def decode_run(self, batch: Sequence[Request], max_steps: int, until: float) -> tuple[int, list[float]] | None:
         # A replayed timeline has its own start times and durations in order; it goes step by step.
-        if not self._sums or getattr(self.cost, "next_start", None) is not None:
+        if not self._decode or getattr(self.cost, "next_start", None) is not None:
             return None
         num_seqs = len(batch)
         step_time = self._decode_fns.get(num_seqs)

@@ -17,7 +17,8 @@ from mypy_extensions import mypyc_attr
 
 from schedulers.base import SchedulerPolicy
 from varlen.clock import WallClock
-from varlen.kv.base import KVAllocator
+from varlen.kv.base import ALLOCATION_PROMISE_BEHAVIOUR, KVAllocator
+from varlen.promises import keeps_promise
 from varlen.request import FinishReason, Request, Status, prompt_problem
 from varlen.steplog import DecodeRun, StepLog, StepRecord
 
@@ -39,7 +40,8 @@ class Executor(ABC):
         start before `until`: (the token every request samples each step, each step's end time).
 
         The clock is not moved (the engine does, once it knows how many steps it keeps). None:
-        this executor steps one at a time (a real forward), the default.
+        this executor steps one at a time (a real forward), the default. A subclass that overrides
+        `execute` does not inherit its parent's decode_run (varlen/promises.py).
         """
         return None
 
@@ -231,7 +233,7 @@ class Engine:
         timings["update"] += time.perf_counter() - t2
         if until is not None and not out.preempted:
             batch = self.policy.next_decode_batch()
-            if batch:
+            if batch and self._promises_kept():
                 t3 = time.perf_counter()
                 self._decoding = True  # a failure aborts every running request
                 finished += self._decode_run(batch, until)
@@ -239,6 +241,19 @@ class Engine:
         return finished
 
     # -- decode fast-forward ---------------------------------------------------------------
+    _decode_promises = -1  # whether the allocator's and executor's promises are their own (-1: not checked yet)
+
+    def _promises_kept(self) -> bool:
+        """The allocator's and the executor's decode promises are made by their own classes
+        (varlen/promises.py; the policy checks its own in next_decode_batch). Checked once."""
+        if self._decode_promises < 0:
+            kv, ex = self.kv, self.executor
+            kept = [keeps_promise(kv, ("next_allocation_event", "grow_decodes"), ALLOCATION_PROMISE_BEHAVIOUR,
+                                  KVAllocator),
+                    keeps_promise(ex, "decode_run", ("execute",), Executor)]
+            self._decode_promises = int(all(kept))
+        return self._decode_promises > 0
+
     def _decode_run(self, batch: list[Request] | None, until: float) -> list[Request]:
         """Run the pure-decode steps the policy promises (`next_decode_batch`) in one go, exactly
         as step() would one at a time, until a step would start at `until` (the next arrival)
@@ -283,12 +298,13 @@ class Engine:
         changed: dict[int, int] = {}  # run step -> reserved slots after its allocations
         failed = False
         bulk = kv.grow_decodes(batch, base, k)
+        asked = base[:]  # each one's last count asked of the allocator
         if bulk is not None:
             ok, changed = bulk
             if ok < k:
                 k, failed = ok, True
         else:
-            k, failed = self._decode_allocations(batch, base, n_out, tok, k, changed)
+            k, failed = self._decode_allocations(batch, base, n_out, tok, k, changed, asked)
         if k == 0:
             return [], False
         times = ends[:k] if k < len(ends) else ends
@@ -305,7 +321,8 @@ class Engine:
                 if missing > 0:
                     r.output_token_ids.extend([tok] * missing)
                 r.token_times += times
-                if not kv.allocate(r, base[p] + k):  # records the count (or repeats an event call)
+                # Records the count, unless an event asked it (or more): a step-by-step run asks once.
+                if asked[p] < base[p] + k and not kv.allocate(r, base[p] + k):
                     raise AssertionError(f"{type(kv).__name__}.next_allocation_event missed an event for {r.req_id!r}")
         start = self.clock.now()
         self.clock.sleep_until(times[-1])
@@ -336,10 +353,11 @@ class Engine:
         return finished, bool(finished) and not failed and times[-1] < until
 
     def _decode_allocations(self, batch: list[Request], base: list[int], n_out: list[int], tok: int, k: int,
-                            changed: dict[int, int]) -> tuple[int, bool]:
+                            changed: dict[int, int], asked: list[int]) -> tuple[int, bool]:
         """The allocator calls of k decode steps that it names as events, each with the request
-        as that step finds it; fills `changed` (step -> reserved slots after its allocations).
-        Returns (steps whose calls all succeeded, whether one failed)."""
+        as that step finds it; fills `changed` (step -> reserved slots after its allocations) and
+        `asked` (each one's last count that succeeded). Returns (steps whose calls all succeeded,
+        whether one failed)."""
         kv = self.kv
         events = []  # (run step asking for the count, batch position, count)
         for p, r in enumerate(batch):
@@ -356,6 +374,7 @@ class Engine:
                 r.output_token_ids.extend([tok] * missing)
             if not kv.allocate(r, m):
                 return j, True  # step j is the policy's to decide (it preempts)
+            asked[p] = m
             m = kv.next_allocation_event(r, m)
             if m - base[p] - 1 < k:
                 heapq.heappush(events, (m - base[p] - 1, p, m))

@@ -14,6 +14,11 @@ from mypy_extensions import mypyc_attr
 
 from varlen.request import Request
 
+#: What `next_allocation_event` and `grow_decodes` promise about: a subclass that overrides any of
+#: these below the class defining the promise does not inherit it (varlen/promises.py); the
+#: interface's own defaults (every call matters, no bulk form) hold for any allocator.
+ALLOCATION_PROMISE_BEHAVIOUR = ("allocate", "free", "match_prefix", "usage")
+
 
 # init=False and an explicit __init__: compiled (varlen/compiled.py), a dataclass's generated
 # __init__ would still run as interpreted Python, and this is built in the hot loop.
@@ -76,7 +81,8 @@ class KVAllocator(ABC):
         Calls for counts in between only record the count (usage().live_tokens counts each holder's
         largest asked count), so a caller may skip them and make only the last one; the engine's
         decode fast-forward does, to step many decodes at once. The default, num_tokens + 1, says
-        every call may matter: always exact, never a saving.
+        every call may matter: always exact, never a saving. A subclass that overrides `allocate`
+        (or another of ALLOCATION_PROMISE_BEHAVIOUR) does not inherit its parent's: it defines its own.
         """
         return num_tokens + 1
 
