@@ -221,11 +221,11 @@ class Profiles:
 
     def compute(self, gpu: str) -> list[ComputeTable]:
         if gpu not in self._compute:
-            tables: list[ComputeTable] = []
-            for name, path in self._compute_paths.get(gpu, []):
-                t = read_compute_table(path, gpu, name)
-                tables = [x for x in tables if x.key != t.key] + [t]  # a later root's table wins
-            self._compute[gpu] = tables
+            # A later root's tables first: a user's table wins over a shipped one of the same shape.
+            by_root = [(i, name, path) for name, path in self._compute_paths.get(gpu, [])
+                       for i, r in enumerate(self.roots) if path.is_relative_to(r)]
+            self._compute[gpu] = [read_compute_table(path, gpu, name)
+                                  for _, name, path in sorted(by_root, key=lambda x: -x[0])]
         return self._compute[gpu]
 
     def network(self, node: str) -> dict[str, CollectiveTable]:
@@ -436,11 +436,13 @@ def _operator_model(profiles: Profiles, gpu: str, exclude: tuple[ModelKey, ...] 
 
 
 def layer_op_ms(profiles: Profiles, gpu: str, key: ModelKey, head_dim: int, tp: int, tokens: np.ndarray,
-                exclude: tuple[ModelKey, ...] = ()) -> tuple[dict[str, np.ndarray], str]:
+                exclude: tuple[ModelKey, ...] = (), vocab: int | None = None) -> tuple[dict[str, np.ndarray], str]:
     """ms per layer of each non-attention operator (and `emb`, per step) at these token counts,
-    and where they come from ("measured: <table>" or "predicted from GEMM shapes")."""
+    and where they come from ("measured: <table>" or "predicted from GEMM shapes"). A table of
+    the same shape serves (Llama-2-70B and Llama-3-70B share one); one of the same vocabulary first."""
     if key not in exclude and head_dim * key.heads == key.hidden:
-        for t in profiles.compute(gpu):
+        tables = sorted(profiles.compute(gpu), key=lambda t: t.vocab != vocab)  # stable: root order kept
+        for t in tables:
             if t.key == key and tp in t.by_tp:
                 tok, times = t.by_tp[tp]
                 out = {op: np.zeros_like(tokens) for op in (*LAYER_OPS, "emb")}
@@ -477,11 +479,15 @@ class MeasuredCostModel(CostModel):
         self.key = ModelKey.of(m, is_gated(cfg))
         tp = self.tensor
         tokens = np.arange(GRID_TOKENS + 1, dtype=np.float64)
-        ops, self.linear_source = layer_op_ms(self.profiles, self.gpu, self.key, m.head_dim, tp, tokens, exclude)
+        ops, self.linear_source = layer_op_ms(self.profiles, self.gpu, self.key, m.head_dim, tp, tokens, exclude,
+                                               m.vocab)
         layer = sum(PER_LAYER[op] * ops[op] for op in LAYER_OPS)
         layer[0] = 0.0
         emb = ops["emb"].copy()
         emb[0] = 0.0
+        if (self.tensor > 1 or self.pipeline > 1) and hw.node is None:
+            raise ProfileError(f"hardware {hw.name!r} names no node (hardware.node) to time tensor/pipeline "
+                               f"communication with; set e.g. hardware.node=h100_dgx (nodes: {', '.join(self.profiles.nodes)})")
         self.comm = Collectives(hw.node, self.profiles)
         act = tokens * m.hidden * d  # bytes of one activation all-reduced / sent
         ar = 2.0 * self.comm.all_reduce_ms(act, tp) if tp > 1 else np.zeros_like(tokens)

@@ -42,10 +42,16 @@ def load_requests(workload: Mapping[str, Any], vocab_size: int):
     return trace, reqs
 
 
-def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Any):
+def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Any,
+                     parallel: Mapping[str, Any] | None = None):
     from sim.cost_models import ProfiledCostModel, ReplayCostModel, RooflineCostModel
 
     name = cost.get("model", "roofline")
+    par = dict(parallel or {})
+    if name == "measured" or par.get("tensor", 1) != 1 or par.get("pipeline", 1) != 1:
+        from sim.parallel import build_cost_model as build_parallel  # measured, and any TP / PP
+
+        return build_parallel(cost, model_config, hardware, par)
     if name == "roofline":
         return RooflineCostModel(model_config, hardware)
     if cost.get("path") is None:
@@ -54,7 +60,7 @@ def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Any):
         return ProfiledCostModel.load(cost["path"])
     if name == "replay":
         return ReplayCostModel(cost["path"])
-    raise ValueError(f"unknown cost.model {name!r} (roofline, profiled, replay)")
+    raise ValueError(f"unknown cost.model {name!r} (roofline, measured, profiled, replay)")
 
 
 def simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
@@ -68,7 +74,7 @@ def simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None = None) ->
 def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None) -> tuple[Any, dict[str, Any]]:
     from hydra.utils import instantiate
 
-    from sim.cost_models import HardwareSpec, RooflineCostModel, load_model_config
+    from sim.cost_models import HardwareSpec, load_model_config
     from sim.executor import CostModelExecutor
     from sim.simulator import simulate
     from varlen.engine import Engine
@@ -79,9 +85,15 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None) -> tuple
     model_config = load_model_config(c["sim_model"]["config"])
     hardware = HardwareSpec.from_dict(c["hardware"])
     num_blocks = e.get("num_blocks")
+    # Pipeline parallelism: `pipeline` virtual engines per replica, each with its share of the
+    # pool (sim/parallel.py); weights and KV per GPU, so the pool grows with tensor x pipeline.
+    from sim.parallel import Parallelism, capacity
+
+    par = Parallelism.of(c.get("parallel"))
     if num_blocks is None:
-        tokens = RooflineCostModel(model_config, hardware).kv_capacity_tokens(e["gpu_memory_utilization"])
-        num_blocks = tokens // e["block_size"]
+        tokens = capacity(model_config, hardware, par, e["gpu_memory_utilization"],
+                          name=c["sim_model"]["name"]).kv_tokens
+        num_blocks = tokens // e["block_size"] // par.pipeline
         if num_blocks < 1:
             raise ValueError(f"{c['sim_model']['name']} does not fit on {hardware.name}: no room for KV blocks")
     trace, reqs = load_requests(c["workload"], int(model_config["vocab_size"]))
@@ -96,14 +108,16 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None) -> tuple
     def make_engine(clock):
         kv = instantiate(cfg.allocator, **alloc_kw)(num_blocks=num_blocks, block_size=e["block_size"],
                                                     max_model_len=max_model_len)
-        executor = CostModelExecutor(build_cost_model(c["cost"], model_config, hardware), clock)
+        executor = CostModelExecutor(build_cost_model(c["cost"], model_config, hardware, c.get("parallel")), clock)
         engine = Engine(instantiate(cfg.scheduler), kv, executor, clock=clock, max_model_len=max_model_len)
         return engine, executor
 
-    res = simulate(reqs, make_engine, c["cluster"]["replicas"], c["cluster"]["router"], c.get("fast_forward", True))
+    res = simulate(reqs, make_engine, c["cluster"]["replicas"] * par.pipeline, c["cluster"]["router"],
+                   c.get("fast_forward", True))
     row = dict(labels or {})
     row.update(model=c["sim_model"]["name"], hardware=hardware.name, cost_model=c["cost"]["model"],
                replicas=c["cluster"]["replicas"], router=c["cluster"]["router"],
+               tensor=par.tensor, pipeline=par.pipeline,
                num_blocks=num_blocks, block_size=e["block_size"], max_model_len=max_model_len,
                max_num_seqs=c["scheduler"].get("max_num_seqs"),
                max_num_batched_tokens=c["scheduler"].get("max_num_batched_tokens"),
