@@ -235,10 +235,20 @@ class Profiles:
         return self._network[node]
 
 
+def load_profiles(user: str | os.PathLike | None = None) -> Profiles:
+    """The shipped tables, plus (overriding them) those under `user` (cost.profiles). Read once
+    per process while the user's folder keeps the same files (each replica builds its model)."""
+    if user is None:
+        return _load((SHIPPED,), ())
+    root = Path(user).expanduser().resolve()
+    files = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(root.rglob("*.csv*"))) \
+        if root.is_dir() else ()
+    return _load((SHIPPED, root), files)
+
+
 @functools.lru_cache(maxsize=8)
-def load_profiles(user: str | None = None) -> Profiles:
-    """The shipped tables, plus (overriding them) those under `user` (cost.profiles)."""
-    return Profiles((SHIPPED,) if user is None else (SHIPPED, Path(user).expanduser()))
+def _load(roots: tuple[Path, ...], signature: tuple[Any, ...]) -> Profiles:
+    return Profiles(roots)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,7 +515,7 @@ class MeasuredCostModel(CostModel):
         self.tensor, self.pipeline = int(tensor), int(pipeline)
         self.dtype_bytes = d = int(dtype_bytes if dtype_bytes is not None else hw.dtype_bytes)
         self.overhead_s = float(overhead_s if overhead_s is not None else hw.step_overhead_s)
-        self.profiles = load_profiles(None if profiles is None else str(profiles))
+        self.profiles = load_profiles(profiles)
         self.gpu = resolve_gpu(hw, self.profiles)
         self.key = ModelKey.of(m, is_gated(cfg))
         tp = self.tensor

@@ -38,7 +38,8 @@ class Parallelism:
     @classmethod
     def of(cls, d: Mapping[str, Any] | None) -> Parallelism:
         d = dict(d or {})
-        p = cls(int(d.get("tensor", 1) or 1), int(d.get("pipeline", 1) or 1))
+        tp, pp = d.get("tensor"), d.get("pipeline")
+        p = cls(1 if tp is None else int(tp), 1 if pp is None else int(pp))
         if p.tensor < 1 or p.pipeline < 1:
             raise ValueError(f"parallel.tensor={p.tensor} parallel.pipeline={p.pipeline}: both must be >= 1")
         return p
@@ -131,7 +132,7 @@ class CommunicationCostModel(CostModel):
         from sim.measured import GRID_TOKENS, Collectives, load_profiles
 
         self.inner, self.shape, self.parallel = inner, shape, par
-        self.comm = Collectives(hardware.node, load_profiles(None if profiles is None else str(profiles)))
+        self.comm = Collectives(hardware.node, load_profiles(profiles))
         if hardware.node is None:
             raise ValueError(f"hardware {hardware.name!r} names no node (hardware.node) to time tensor/pipeline "
                              f"communication with; set e.g. hardware.node=h100_dgx to borrow its collective tables")

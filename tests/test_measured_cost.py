@@ -1,0 +1,181 @@
+"""The measured operator cost model: shipped tables, interpolation, prediction from GEMM shapes,
+errors for GPUs without tables, user profile folders, the simulator's fast path."""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sim.cost_models import HardwareSpec, StepSums
+from sim.measured import (
+    LAYER_OPS, PER_LAYER, SHIPPED, MeasuredCostModel, ModelKey, ProfileError, interp_size, interp_tokens,
+    layer_op_ms, load_profiles, read_compute_table,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=32, vocab_size=32000)
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256)
+
+
+def test_shipped_tables_read_and_validate() -> None:
+    prof = load_profiles()
+    assert prof.gpus == ["a100", "a40", "h100"]
+    assert prof.nodes == ["a100_dgx", "a100_pairwise_nvlink", "a40_pairwise_nvlink", "h100_dgx", "h100_pairwise_nvlink"]
+    assert (SHIPPED / "LICENSE").read_text().count("MIT License") == 1
+    names = {g: sorted(t.name for t in prof.compute(g)) for g in prof.gpus}
+    assert names["a100"] == ["meta-llama/Llama-2-70b-hf", "meta-llama/Llama-2-7b-hf", "meta-llama/Meta-Llama-3-70B",
+                             "meta-llama/Meta-Llama-3-8B", "microsoft/phi-2"]
+    assert "meta-llama/Meta-Llama-3-8B" not in names["h100"]  # the gap the model predicts across
+    for g in prof.gpus:
+        for t in prof.compute(g):
+            assert sorted(t.by_tp) == ([1] if "phi-2" in t.name else [1, 2, 4, 8])
+            for tok, times in t.by_tp.values():
+                assert tok[0] == 1 and np.all(np.diff(tok) > 0) and tok[-1] >= 4096
+                assert all(np.all(v > 0) for v in times.values())
+    assert "all_reduce" not in prof.network("a40_pairwise_nvlink")
+    ar = prof.network("h100_dgx")["all_reduce"]
+    assert sorted(ar.curves) == [(2, 2), (4, 4), (8, 8)]
+
+
+def test_bad_tables_fail_with_the_file_and_the_problem(tmp_path: Path) -> None:
+    src = SHIPPED / "compute/a100/microsoft/phi-2/mlp.csv.gz"
+    lines = gzip.decompress(src.read_bytes()).decode().splitlines()
+    header = lines[0].split(",")
+    bad = tmp_path / "missing.csv"
+    i = header.index("time_stats.mlp_up_proj.median")
+    bad.write_text("\n".join(",".join(c for j, c in enumerate(r.split(",")) if j != i) for r in lines) + "\n")
+    with pytest.raises(ProfileError, match=r"missing.csv: missing columns \['time_stats.mlp_up_proj.median'\]"):
+        read_compute_table(bad, "x", "org/m")
+    neg = tmp_path / "negative.csv"
+    row = lines[1].split(",")
+    row[i] = "-1"
+    neg.write_text("\n".join([lines[0], ",".join(row), *lines[2:]]) + "\n")
+    with pytest.raises(ProfileError, match="mlp_up_proj has non-positive"):
+        read_compute_table(neg, "x", "org/m")
+    with pytest.raises(ProfileError, match="is not a folder"):
+        MeasuredCostModel(LLAMA2_7B, "a100_80gb_sxm", profiles=tmp_path / "nowhere")
+
+
+def test_interpolation_is_exact_at_profiled_points() -> None:
+    prof = load_profiles()
+    table = next(t for t in prof.compute("a100") if t.name == "meta-llama/Llama-2-7b-hf")
+    tok, times = table.by_tp[1]
+    m = MeasuredCostModel(LLAMA2_7B, "a100_80gb_sxm")
+    assert m.linear_source == "measured: a100/meta-llama/Llama-2-7b-hf TP1"
+    layer = sum(PER_LAYER[op] * times[op] for op in LAYER_OPS)
+    for i in (0, 5, 100, len(tok) - 1):
+        t = int(tok[i])
+        assert m._layer[t] == pytest.approx(layer[i] * 1e-3, rel=1e-12)
+        assert m._emb[t] == pytest.approx(times["emb"][i] * 1e-3, rel=1e-12)
+    # Between points: linear; past the last: time per token of the last point.
+    assert interp_tokens(np.array([1.0, 3.0]), np.array([2.0, 6.0]), [2.0, 6.0]).tolist() == [4.0, 12.0]
+    size, ms = np.array([1e3, 1e5]), np.array([0.01, 0.1])
+    assert interp_size(size, ms, [1e3, 1e4, 1e5, 2e5]).tolist() == pytest.approx([0.01, 0.01 * 10 ** 0.5, 0.1, 0.2])
+
+
+def test_step_time_is_the_sum_of_its_parts_and_grows_with_the_work() -> None:
+    m = MeasuredCostModel(LLAMA3_8B, "a100_80gb_sxm")
+    s = StepSums.of([300, 1, 1], [0, 100, 4000])
+    assert sum(m.parts(s).values()) == pytest.approx(m.step_time_sums(s), rel=1e-12)
+    assert m.step_time([300, 1, 1], [0, 100, 4000]) == m.step_time_sums(s)
+    assert m.step_time([600], [0]) > m.step_time([300], [0]) > m.step_time([1], [0])
+    assert m.step_time([1] * 8, [8000] * 8) > m.step_time([1] * 8, [100] * 8)
+    # Past the per-token grid: still defined and growing.
+    assert m.step_time([40000], [0]) > 2 * m.step_time([16000], [0])
+
+
+@pytest.mark.parametrize("batch", [1, 7, 64, 300])
+def test_decode_closure_equals_step_time_sums_bit_for_bit(batch: int) -> None:
+    m = MeasuredCostModel(LLAMA3_8B, "h100_sxm", tensor=2)
+    f = m.decode_step_time(batch)
+    for cached in (batch, 1000 * batch, 7919 * batch + 3):
+        assert f(cached) == m.step_time_sums(StepSums(batch, batch, cached, cached, batch, batch))
+
+
+def test_held_out_model_is_predicted_within_bounds() -> None:
+    """Leave-one-out on one small case (benchmarks/sim_profiles.py does all): Llama-3-8B's
+    layer on an A100 at TP1, its table hidden, predicted from the other models' GEMM shapes."""
+    prof = load_profiles()
+    table = next(t for t in prof.compute("a100") if t.name == "meta-llama/Meta-Llama-3-8B")
+    tok, times = table.by_tp[1]
+    pred, source = layer_op_ms(prof, "a100", table.key, 128, 1, tok, exclude=(table.key,))
+    assert source.startswith("predicted from GEMM shapes on a100")
+    meas = sum(PER_LAYER[op] * times[op] for op in LAYER_OPS)
+    err = np.abs(sum(PER_LAYER[op] * pred[op] for op in LAYER_OPS) / meas - 1)
+    assert np.median(err) < 0.06 and err.max() < 0.2  # measured: 3.3% and 14.7%
+
+
+def test_unprofiled_shapes_and_gpus_are_predicted_and_flagged() -> None:
+    qwen3_8b = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    m = MeasuredCostModel(qwen3_8b, "h100_sxm")
+    assert m.linear_source.startswith("predicted from GEMM shapes on h100")
+    assert any(n.startswith("attention: estimated") for n in m.notes)
+    # Llama-3-8B's shape has no H100 table: predicted, between 7B's and a larger model's time.
+    l3 = MeasuredCostModel(LLAMA3_8B, "h100_sxm")
+    l2 = MeasuredCostModel(LLAMA2_7B, "h100_sxm")
+    assert l3.linear_source.startswith("predicted") and l2.linear_source.startswith("measured")
+    assert l3._layer[2048] > l2._layer[2048]  # a wider MLP (14336 vs 11008) costs more
+    # A40: no all-reduce table, so TP's all-reduce is predicted, and says so.
+    a40 = MeasuredCostModel(LLAMA2_7B, "a40", tensor=2)
+    assert any("ring over send/recv" in n for n in a40.notes)
+
+
+@pytest.mark.parametrize("hw", ["h200_sxm", "cpu_2core"])
+def test_gpu_without_tables_fails_in_one_clear_line(hw: str) -> None:
+    with pytest.raises(ProfileError) as e:
+        MeasuredCostModel(LLAMA3_8B, hw)
+    msg = str(e.value)
+    assert f"no operator tables for hardware '{hw}'" in msg and "cost.profiles" in msg and "\n" not in msg
+    assert "a100, a40, h100" in msg
+
+
+def test_user_profiles_cover_a_new_gpu_and_override_shipped_tables(tmp_path: Path) -> None:
+    src = SHIPPED / "compute/a100/meta-llama/Meta-Llama-3-8B/mlp.csv.gz"
+    dst = tmp_path / "compute/h200_sxm/meta-llama/Meta-Llama-3-8B"
+    dst.mkdir(parents=True)
+    (dst / "mlp.csv").write_bytes(gzip.decompress(src.read_bytes()))
+    m = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path)
+    assert m.gpu == "h200_sxm" and m.linear_source == "measured: h200_sxm/meta-llama/Meta-Llama-3-8B TP1"
+    # A user's a100 table of a shipped shape wins over the shipped one.
+    lines = gzip.decompress(src.read_bytes()).decode().splitlines()
+    header = lines[0].split(",")
+    cols = [i for i, h in enumerate(header) if h.startswith("time_stats.")]
+    doubled = [lines[0]] + [",".join(str(2 * float(v)) if i in cols else v for i, v in enumerate(r.split(",")))
+                            for r in lines[1:]]
+    mine = tmp_path / "compute/a100/me/llama3-8b-slow"
+    mine.mkdir(parents=True)
+    (mine / "mlp.csv").write_text("\n".join(doubled) + "\n")
+    shipped = MeasuredCostModel(LLAMA3_8B, "a100_80gb_sxm")
+    user = MeasuredCostModel(LLAMA3_8B, "a100_80gb_sxm", profiles=tmp_path)
+    assert user.linear_source == "measured: a100/me/llama3-8b-slow TP1"
+    assert user._layer[512] == pytest.approx(2 * shipped._layer[512], rel=1e-9)
+    shutil.rmtree(tmp_path / "compute")
+
+
+def test_model_key_matches_configs_by_shape() -> None:
+    prof = load_profiles()
+    keys = {t.name: t.key for t in prof.compute("a100")}
+    assert keys["meta-llama/Llama-2-70b-hf"] == keys["meta-llama/Meta-Llama-3-70B"] == ModelKey(64, 8, 8192, 28672, True)
+    assert not keys["microsoft/phi-2"].gated
+    assert HardwareSpec.load("a100_80gb_sxm").profile_gpu == "a100"
+
+
+def test_sim_run_with_the_measured_model_and_its_errors(tmp_path: Path) -> None:
+    base = [sys.executable, "-m", "sim.run", f"hydra.run.dir={tmp_path}", "workload.limit=40", "output.requests=false"]
+    ok = subprocess.run([*base, "cost.model=measured", "hardware=a100_80gb_sxm"], cwd=ROOT, capture_output=True,
+                        text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "40/40 finished" in ok.stdout
+    bad = subprocess.run([*base, "cost.model=measured", "hardware=h200_sxm"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: cost.model=measured: no operator tables for hardware 'h200_sxm'")
+    assert bad.stderr.strip().count("\n") == 0
