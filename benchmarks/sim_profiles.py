@@ -9,6 +9,7 @@ All-reduce: each node's measured all-reduce curve is predicted as a ring over th
 send/recv table (what the model does for a worker count or node without an all-reduce table).
 
     python benchmarks/sim_profiles.py            # prints the tables; --json PATH also writes them
+    python benchmarks/sim_profiles.py --parallel # TP/PP sanity table of the 70B models (simulates the trace)
 
 Goals (issue 14), held-out models, TP 1 to 8: every group but attention median <= 5% and max
 <= 15%; all-reduce median <= 10%.
@@ -124,7 +125,12 @@ def _stats(xs: list[np.ndarray]) -> tuple[int, float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="also write the tables here")
+    ap.add_argument("--parallel", action="store_true", help="the TP/PP sanity table instead")
+    ap.add_argument("--limit", type=int, default=3000, help="--parallel: requests of the Azure conversation trace")
     args = ap.parse_args()
+    if args.parallel:
+        parallel_table(args.limit)
+        return
     rows = []
     rows += operator_table()
     all_reduce(rows)
@@ -175,6 +181,42 @@ def all_reduce(rows: list[dict]) -> None:
     b = np.concatenate([d["workers"] for d in by.values()])
     print(f"{'all':<22}{'':>8}{len(a):>8}{np.median(a) * 100:>10.1f}{a.max() * 100:>8.1f}"
           f"{np.median(b) * 100:>13.1f}{b.max() * 100:>8.1f}")
+
+
+def parallel_table(limit: int) -> None:
+    """KV capacity, decode and 4k-prefill step times and the saturated throughput on the Azure
+    conversation trace (its first `limit` requests, arriving at 100/s), per 70B model, GPU,
+    parallelism and cost model."""
+    from hydra import compose, initialize_config_dir
+
+    from sim.cost_models import load_model_config
+    from sim.parallel import Parallelism, build_cost_model, capacity
+    from sim.run import CONF, simulate_config
+
+    print(f"TP/PP sanity: decode step = 64 requests at 2k context each; prefill = one 4096-token prompt; "
+          f"throughput = first {limit} requests of the Azure conversation trace at 100 req/s (saturated), chunked")
+    print(f"{'model':<11}{'hardware':<15}{'TPxPP':>6}{'KV tokens':>11}{'cost':>10}{'decode ms':>11}{'prefill ms':>12}"
+          f"{'out tok/s':>11}{'req/s':>8}{'sim s':>7}")
+    for model in ("llama2_70b", "llama3_70b"):
+        for hw in ("a100_80gb_sxm", "h100_sxm"):
+            for tp, pp in ((2, 1), (4, 1), (8, 1), (4, 2)):
+                with initialize_config_dir(CONF, version_base="1.3"):
+                    base = [f"sim_model={model}", f"hardware={hw}", f"parallel.tensor={tp}", f"parallel.pipeline={pp}",
+                            f"workload.limit={limit}", "workload.rate=100", "output.requests=false"]
+                    cfgs = {cm: compose("sim", overrides=[*base, f"cost.model={cm}"]) for cm in ("roofline", "measured")}
+                for cm, cfg in cfgs.items():
+                    c = cfg_dict = __import__("omegaconf").OmegaConf.to_container(cfg, resolve=True)
+                    mc = load_model_config(c["sim_model"]["config"])
+                    from sim.cost_models import HardwareSpec
+
+                    spec = HardwareSpec.from_dict(c["hardware"])
+                    cap = capacity(mc, spec, Parallelism(tp, pp), 0.9)
+                    m = build_cost_model(c["cost"], mc, spec, cfg_dict["parallel"])
+                    dec = m.step_time([1] * 64, [2048] * 64) * 1e3
+                    pre = m.step_time([4096], [0]) * 1e3
+                    _, row = simulate_config(cfg)
+                    print(f"{model:<11}{hw:<15}{f'{tp}x{pp}':>6}{cap.kv_tokens:>11}{cm:>10}{dec:>11.1f}{pre:>12.1f}"
+                          f"{row['output_tokens_per_s']:>11.0f}{row['requests_per_s']:>8.2f}{row['sim_wall_s']:>7.1f}")
 
 
 if __name__ == "__main__":
