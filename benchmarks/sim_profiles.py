@@ -55,7 +55,7 @@ def roofline_gemm_ms(hw: HardwareSpec, m: np.ndarray, n: int, k: int) -> np.ndar
 
 def roofline_layer_ms(hw: HardwareSpec, key, tp: int, m: np.ndarray) -> np.ndarray:
     # The roofline's linear block (RooflineCostModel) of the TP-sharded shape.
-    hd = key.hidden // key.heads
+    hd = key.head_dim
     q, kv = key.heads // tp * hd, max(key.kv_heads // tp, 1) * hd
     inter = key.intermediate // tp
     params = key.hidden * (q + 2 * kv) + q * key.hidden + (3 if key.gated else 2) * key.hidden * inter
@@ -70,7 +70,7 @@ def operator_errors() -> dict[tuple[str, int], dict[str, list[np.ndarray]]]:
     for gpu in prof.gpus:
         hw = HardwareSpec.load(HARDWARE[gpu])
         for t in prof.compute(gpu):
-            hd = t.key.hidden // t.key.heads
+            hd = t.key.head_dim
             for tp, (tok, times) in t.by_tp.items():
                 pred, _ = layer_op_ms(prof, gpu, t.key, hd, tp, tok, exclude=(t.key,))
                 dims = gemm_dims(t.key, hd, tp)

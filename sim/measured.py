@@ -91,10 +91,11 @@ class ModelKey:
     hidden: int
     intermediate: int
     gated: bool
+    head_dim: int
 
     @classmethod
     def of(cls, shape: ModelShape, gated: bool) -> ModelKey:
-        return cls(shape.heads, shape.kv_heads, shape.hidden, shape.intermediate, gated)
+        return cls(shape.heads, shape.kv_heads, shape.hidden, shape.intermediate, gated, shape.head_dim)
 
 
 @dataclass
@@ -136,7 +137,9 @@ def read_compute_table(path: Path, gpu: str, name: str) -> ComputeTable:
             if not np.all(np.isfinite(t)) or np.any(t <= 0):
                 raise ProfileError(f"{path}: TP {tp}: {op} has non-positive or missing times")
         by_tp[tp] = (tokens, times)
-    key = ModelKey(int(h), int(kv), int(e), int(x), bool(gated))
+    # Vidur's tables have no head_dim column: theirs is n_embd / n_head. sim.profile writes one.
+    hd = _columns(path, header, rows, ["head_dim"])["head_dim"][0] if "head_dim" in header else e // h
+    key = ModelKey(int(h), int(kv), int(e), int(x), bool(gated), int(hd))
     return ComputeTable(gpu, name, path, key, int(vocab), by_tp)
 
 
@@ -321,7 +324,7 @@ class GpuOperatorModel:
         g_nk, g_curves = [], []
         e_curves: dict[str, list[tuple[float, np.ndarray, np.ndarray]]] = {op: [] for op in ELEMENTWISE}
         for t in tables:
-            hd = t.key.hidden // t.key.heads
+            hd = t.key.head_dim
             for tp, (tokens, times) in t.by_tp.items():
                 for op, (n, k) in gemm_dims(t.key, hd, tp).items():
                     g_nk.append((math.log2(n), math.log2(k)))
@@ -486,8 +489,7 @@ def layer_op_ms(profiles: Profiles, gpu: str, key: ModelKey, head_dim: int, tp: 
     (Scaling another GPU's table of the shape by the two GPUs' shape predictions was tried: worse,
     4.3% against 3.5% median in benchmarks/sim_profiles.py's leave-one-out.)
     `exclude`: shapes whose tables on this GPU are ignored (leave-one-out validation)."""
-    standard = head_dim * key.heads == key.hidden  # the tables' head_dim is n_embd / n_head
-    if key not in exclude and standard:
+    if key not in exclude:
         hit = _exact(profiles, gpu, key, tp, tokens, vocab)
         if hit is not None:
             return hit[0], f"measured: {hit[1]}"

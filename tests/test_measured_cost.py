@@ -164,7 +164,7 @@ def test_user_profiles_cover_a_new_gpu_and_override_shipped_tables(tmp_path: Pat
 def test_model_key_matches_configs_by_shape() -> None:
     prof = load_profiles()
     keys = {t.name: t.key for t in prof.compute("a100")}
-    assert keys["meta-llama/Llama-2-70b-hf"] == keys["meta-llama/Meta-Llama-3-70B"] == ModelKey(64, 8, 8192, 28672, True)
+    assert keys["meta-llama/Llama-2-70b-hf"] == keys["meta-llama/Meta-Llama-3-70B"] == ModelKey(64, 8, 8192, 28672, True, 128)
     assert not keys["microsoft/phi-2"].gated
     assert HardwareSpec.load("a100_80gb_sxm").profile_gpu == "a100"
 
@@ -179,3 +179,20 @@ def test_sim_run_with_the_measured_model_and_its_errors(tmp_path: Path) -> None:
                          text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: cost.model=measured: no operator tables for hardware 'h200_sxm'")
     assert bad.stderr.strip().count("\n") == 0
+
+
+def test_profiler_writes_tables_the_measured_model_reads(tmp_path: Path) -> None:
+    """python -m sim.profile on the tiny model: the table it writes is valid, has the shape of
+    the model, and the measured model built on it reads its times back exactly."""
+    from sim.profile import main
+
+    assert main(["--model", "tiny", "--out", str(tmp_path), "--tokens", "1,8,64", "--repeats", "1"]) == 0
+    path = tmp_path / "compute/cpu_2core/local/tiny/mlp.csv"
+    table = read_compute_table(path, "cpu_2core", "local/tiny")
+    assert table.key == ModelKey(4, 2, 64, 128, True, 16) and sorted(table.by_tp) == [1]
+    tok, times = table.by_tp[1]
+    assert tok.tolist() == [1.0, 8.0, 64.0] and set(times) == {*LAYER_OPS, "emb"}
+    m = MeasuredCostModel("tiny", "cpu_2core", profiles=tmp_path)
+    assert m.linear_source == "measured: cpu_2core/local/tiny TP1"
+    assert m._layer[8] == pytest.approx(sum(PER_LAYER[op] * times[op][1] for op in LAYER_OPS) * 1e-3, rel=1e-12)
+    assert main(["--model", str(tmp_path), "--out", str(tmp_path)]) == 2  # not a model folder

@@ -1,0 +1,174 @@
+"""`python -m sim.profile`: time the real layers of a stock HF model on this machine and write
+operator tables in the layout `cost.model=measured` reads (sim/profiles/README.md):
+DIR/compute/<gpu>/local/<model>/mlp.csv, milliseconds per layer per operator against tokens.
+
+    python -m sim.profile --model tiny --out profiles/            # the embedded tiny Qwen3, on CPU
+    python -m sim.profile --model big --out profiles/             # the 50M shape of benchmarks/throughput.py
+    python -m sim.profile --model /path/to/hf-folder --device cuda --dtype bfloat16 --gpu h200_sxm --out profiles/
+    python -m sim.run cost.model=measured cost.profiles=profiles/ sim_model=tiny hardware=cpu_2core
+
+Each operator of the first decoder layer is timed on its own, as the model runs it: embedding
+lookup, input norm, the Q/K/V projections together (one table entry, as a fused QKV GEMM is
+timed elsewhere), rotary (with Qwen3's per-head q/k norms), output projection, post-attention
+norm, gate and up projections together, activation x up, down projection, residual add. Median
+of `--repeats` timings after a warm-up; the columns are those of the shipped tables plus
+`head_dim`. Attention and collectives are not profiled yet (the measured model keeps the
+roofline for attention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+DEFAULT_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+OPS = ("emb", "input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
+       "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
+STATS = ("min", "max", "mean", "median", "std")
+
+
+def model_folder(name: str) -> Path:
+    """tiny (the embedded default), big (benchmarks/throughput.py's 50M shape) or an HF folder."""
+    from varlen.tiny_model import ensure_tiny_model, write_tiny_model
+
+    if name == "tiny":
+        return ensure_tiny_model("qwen3")
+    if name == "big":
+        big = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                   intermediate_size=1536, vocab_size=32000, initializer_range=0.02)  # = benchmarks/throughput.py BIG
+        path = Path(os.environ.get("VARLEN_HOME", Path.home() / ".cache" / "varlen")) / "bench-qwen3-50m"
+        if not (path / "model.safetensors").exists():
+            write_tiny_model(path, "qwen3", **big)
+        return path
+    p = Path(name).expanduser()
+    if not (p / "config.json").is_file():
+        raise ValueError(f"--model {name!r}: not tiny, big or a folder with a config.json")
+    return p
+
+
+def _timer(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> list[float]:
+    for _ in range(2):
+        fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: str = "cpu",
+                  dtype: str = "float32") -> list[dict[str, Any]]:
+    """One row per token count: the operators' time statistics (ms) and the shape columns."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
+    cfg = model.config
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    rows = []
+    with torch.inference_mode():
+        for t in tokens:
+            ids = torch.randint(0, cfg.vocab_size, (1, t), device=device)
+            x = model.model.embed_tokens(ids)
+            pos = torch.arange(t, device=device)[None]
+            cos, sin = model.model.rotary_emb(x, pos)
+            q = attn.q_proj(x).view(1, t, heads, head_dim)
+            k = attn.k_proj(x).view(1, t, kv_heads, head_dim)
+            qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+
+            def rope() -> Any:
+                qq, kk = (qn(q) if qn else q).transpose(1, 2), (kn(k) if kn else k).transpose(1, 2)
+                return rotary(qq, kk, cos, sin)
+
+            attn_out = torch.randn(1, t, heads * head_dim, device=device, dtype=x.dtype)
+            gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+            inner = mlp.act_fn(gate) * up
+            resid = x.clone()
+            ops: dict[str, Callable[[], Any]] = {
+                "emb": lambda: model.model.embed_tokens(ids),
+                "input_layernorm": lambda: layer.input_layernorm(x),
+                "attn_pre_proj": lambda: (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)),
+                "attn_rope": rope,
+                "attn_post_proj": lambda: attn.o_proj(attn_out),
+                "post_attention_layernorm": lambda: layer.post_attention_layernorm(x),
+                "mlp_up_proj": lambda: (mlp.gate_proj(x), mlp.up_proj(x)),
+                "mlp_act": lambda: mlp.act_fn(gate) * up,
+                "mlp_down_proj": lambda: mlp.down_proj(inner),
+                "add": lambda: x + resid,
+            }
+            row: dict[str, Any] = {}
+            for op in OPS:
+                ms = _timer(ops[op], repeats, sync)
+                row.update({f"time_stats.{op}.min": min(ms), f"time_stats.{op}.max": max(ms),
+                            f"time_stats.{op}.mean": statistics.fmean(ms),
+                            f"time_stats.{op}.median": statistics.median(ms),
+                            f"time_stats.{op}.std": statistics.pstdev(ms)})
+            row.update(n_head=heads, n_kv_head=kv_heads, n_embd=cfg.hidden_size,
+                       n_expanded_embd=cfg.intermediate_size, vocab_size=cfg.vocab_size, use_gated_mlp=True,
+                       num_tokens=t, num_tensor_parallel_workers=1, head_dim=head_dim)
+            rows.append(row)
+    return rows
+
+
+def write_table(rows: list[dict[str, Any]], out: Path, gpu: str, name: str) -> Path:
+    import csv
+
+    path = out / "compute" / gpu / "local" / name / "mlp.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny", help="tiny, big, or an HF model folder")
+    ap.add_argument("--out", default="profiles", help="profile folder (cost.profiles=)")
+    ap.add_argument("--gpu", default=None, help="the device's name in the tables (a hardware name, e.g. cpu_2core)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated token counts")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
+    a = ap.parse_args(argv)
+    try:
+        tokens = tuple(sorted({int(x) for x in a.tokens.split(",")}))
+        if not tokens or tokens[0] < 1 or a.repeats < 1:
+            raise ValueError(f"--tokens {a.tokens!r} --repeats {a.repeats}: token counts and repeats must be >= 1")
+        gpu = a.gpu or ("cpu_2core" if a.device == "cpu" else None)
+        if gpu is None:
+            raise ValueError("--gpu: name the device as the tables should (e.g. h200_sxm, the hardware config's name)")
+        folder = model_folder(a.model)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    import torch
+
+    if a.device == "cpu":
+        torch.set_num_threads(a.threads)
+    rows = profile_model(folder, tokens, a.repeats, a.device, a.dtype)
+    name = {"tiny": "tiny", "big": "bench-qwen3-50m"}.get(a.model, folder.name)
+    path = write_table(rows, Path(a.out), gpu, name)
+    print(f"{len(rows)} token counts x {len(OPS)} operators -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
