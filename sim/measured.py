@@ -167,10 +167,9 @@ def read_collective_table(path: Path, node: str, kind: str) -> CollectiveTable:
         size, ms = size[order], ms[order]
         if np.any(ms <= 0) or np.any(size <= 0):
             raise ProfileError(f"{path}: {w} workers: non-positive sizes or times")
-        # Repeated sizes (re-runs): keep their median.
+        # A size profiled more than once (re-runs): the mean, as for compute tables.
         u, inv = np.unique(size, return_inverse=True)
-        med = np.array([np.median(ms[inv == i]) for i in range(len(u))]) if len(u) < len(size) else ms
-        curves[(w, d)] = (u, med)
+        curves[(w, d)] = (u, np.bincount(inv, ms) / np.bincount(inv))
     return CollectiveTable(node, kind, path, curves, int(cols["max_devices_per_node"].max()))
 
 
@@ -374,8 +373,20 @@ class Collectives:
 
     def __init__(self, node: str | None, profiles: Profiles):
         self.node = node
-        self.tables = profiles.network(node) if node else {}
+        self._profiles = profiles
+        self._tables: dict[str, CollectiveTable] | None = None
         self.notes: list[str] = []
+
+    @property
+    def tables(self) -> dict[str, CollectiveTable]:
+        # Read when first timed: a single-GPU model never pays for the node's tables.
+        if self._tables is None:
+            self._tables = self._profiles.network(self.node) if self.node else {}
+        return self._tables
+
+    @tables.setter
+    def tables(self, value: dict[str, CollectiveTable]) -> None:
+        self._tables = value
 
     def _ring_params(self) -> tuple[float, float]:
         """(latency ms, ms per byte) of one point-to-point hop, fitted to send/recv on one node."""
