@@ -553,6 +553,10 @@ class MeasuredCostModel(CostModel):
         self._emb = (emb * 1e-3).tolist()
         self._ar = (ar * 1e-3).tolist()
         self._pp = (pp * 1e-3).tolist()
+        # What a step's token count fixes, summed once: the per-step path is then three lookups
+        # and the attention's roofline.
+        L = m.layers
+        self._fixed = [e + L * (ly + a) + p for e, ly, a, p in zip(self._emb, self._layer, self._ar, self._pp)]
         om = _operator_model(self.profiles, self.gpu, frozenset(exclude))
         rows = np.arange(HEAD_ROWS + 1, dtype=np.float64)
         head = om.gemm_ms(rows, max(m.vocab // tp, 1), m.hidden) * 1e-3
@@ -593,11 +597,12 @@ class MeasuredCostModel(CostModel):
         t = int(s.new)
         if not t:
             return self.overhead_s
-        at, L = self._at, self.shape.layers
+        fixed, head = self._fixed, self._head
+        base = ((fixed[t] if t < len(fixed) else self._at(fixed, t))
+                + (head[s.num_logits] if s.num_logits < len(head) else self._at(head, s.num_logits)) + self.overhead_s)
         attn = max(self._pair_flops * s.attention_pairs / self._F,
                    (self._kv_token * (s.cached + 2.0 * t) + self._q_token * t) / self._B)
-        return (at(self._emb, t) + L * (at(self._layer, t) + attn + at(self._ar, t)) + at(self._head, s.num_logits)
-                + at(self._pp, t) + self.overhead_s)
+        return base + self.shape.layers * attn
 
     def step_time(self, new_tokens: ArrayLike, cached_tokens: ArrayLike, num_logits: int | None = None) -> float:
         n, c = _as_arrays(new_tokens, cached_tokens)
@@ -612,13 +617,10 @@ class MeasuredCostModel(CostModel):
         # Everything but the attention's KV read is fixed by the batch size: computed once, the
         # rest in step_time_sums's order of operations (the same floats).
         t = num_seqs
-        at, L = self._at, self.shape.layers
-        emb, lin, ar = at(self._emb, t), at(self._layer, t), at(self._ar, t)
-        head, pp, overhead = at(self._head, t), at(self._pp, t), self.overhead_s
-        pair_flops, kv_token, q_bytes, F, B = self._pair_flops, self._kv_token, self._q_token * t, self._F, self._B
-        half_pairs = (t + t) / 2.0
+        base = self._at(self._fixed, t) + self._at(self._head, t) + self.overhead_s
+        L, pair_flops, kv_token, q_bytes = self.shape.layers, self._pair_flops, self._kv_token, self._q_token * t
+        F, B, half_pairs = self._F, self._B, (t + t) / 2.0
 
         def step(cached: int) -> float:
-            attn = max(pair_flops * (cached + half_pairs) / F, (kv_token * (cached + 2.0 * t) + q_bytes) / B)
-            return emb + L * (lin + attn + ar) + head + pp + overhead
+            return base + L * max(pair_flops * (cached + half_pairs) / F, (kv_token * (cached + 2.0 * t) + q_bytes) / B)
         return step
