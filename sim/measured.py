@@ -10,7 +10,9 @@ What is measured and what is predicted, per GPU:
   at the same number of elements, over the row width). Flagged `predicted`.
 - the LM head: always a GEMM predicted from its shape (the tables do not time it).
 - attention: the roofline (FLOPs and KV bytes at the hardware's efficiencies) -- ESTIMATED, no
-  attention timings exist for these GPUs.
+  attention timings exist for the shipped GPUs; where sim.profile timed the project's attention
+  backend on the GPU (attention.csv), its achieved bandwidth and FLOP rate plus a per-call and
+  per-request cost, fitted to those timings (calibrated).
 - collectives: the node's all-reduce / send-recv tables interpolated in message size; a worker
   count or node without a table is predicted from its send/recv table as a ring. Flagged.
 
@@ -46,6 +48,8 @@ ELEMENTWISE = ("input_layernorm", "post_attention_layernorm", "attn_rope", "mlp_
 PER_LAYER = {op: (2 if op == "add" else 1) for op in LAYER_OPS}
 SHAPE_COLUMNS = ("n_head", "n_kv_head", "n_embd", "n_expanded_embd", "vocab_size", "use_gated_mlp")
 NON_GATED = ("phi", "gpt2", "gpt_neox", "opt", "falcon", "bloom", "gpt_bigcode")
+ATTENTION_COLUMNS = ("batch_size", "new_tokens", "cached_tokens", "n_head", "n_kv_head", "head_dim", "dtype_bytes",
+                     "time_stats.attention.median")
 # Tokens per step the precomputed per-token tables cover; beyond, time scales with the tokens.
 GRID_TOKENS = 16384
 HEAD_ROWS = 4096
@@ -189,6 +193,7 @@ class Profiles:
         self.roots = tuple(roots)
         self._compute_paths: dict[str, list[tuple[str, Path]]] = {}
         self._network_paths: dict[str, dict[str, Path]] = {}
+        self._attention_paths: dict[str, list[Path]] = {}
         self._compute: dict[str, list[ComputeTable]] = {}
         self._network: dict[str, dict[str, CollectiveTable]] = {}
         for r in self.roots:
@@ -205,6 +210,9 @@ class Profiles:
                     if f.name in ("mlp.csv", "mlp.csv.gz"):
                         self._compute_paths.setdefault(gpu_dir.name, []).append(
                             (f"{f.parent.parent.name}/{f.parent.name}", f))
+                for f in sorted(gpu_dir.glob("*/*/attention.csv*")):
+                    if f.name in ("attention.csv", "attention.csv.gz"):
+                        self._attention_paths.setdefault(gpu_dir.name, []).append(f)
         net = root / "network"
         if net.is_dir():
             for node_dir in sorted(p for p in net.iterdir() if p.is_dir()):
@@ -229,6 +237,14 @@ class Profiles:
             self._compute[gpu] = [read_compute_table(path, gpu, name)
                                   for _, name, path in sorted(by_root, key=lambda x: -x[0])]
         return self._compute[gpu]
+
+    def attention(self, gpu: str) -> list[tuple[Path, dict[str, np.ndarray]]]:
+        """sim.profile's attention tables on this GPU: (path, columns)."""
+        out = []
+        for path in self._attention_paths.get(gpu, []):
+            header, rows = _read_csv(path)
+            out.append((path, _columns(path, header, rows, ATTENTION_COLUMNS)))
+        return out
 
     def network(self, node: str) -> dict[str, CollectiveTable]:
         if node not in self._network:
@@ -509,6 +525,44 @@ def layer_op_ms(profiles: Profiles, gpu: str, key: ModelKey, head_dim: int, tp: 
     return here, f"predicted from GEMM shapes on {gpu} (no table for this shape at TP{tp})"
 
 
+@dataclass(frozen=True)
+class AttentionCalibration:
+    """Seconds of one layer's attention = const + per_seq x requests + per_byte x K/V/Q bytes +
+    per_flop x FLOPs: the roofline's two terms with this GPU's achieved rates (and the per-call
+    and per-request costs a roofline lacks), fitted by non-negative least squares in relative
+    error to sim.profile's attention tables."""
+
+    const: float
+    per_seq: float
+    per_byte: float
+    per_flop: float
+    cases: int
+    source: str
+
+
+def calibrate_attention(profiles: Profiles, gpu: str) -> AttentionCalibration | None:
+    from sim.cost_models import _nnls
+
+    X, y, names = [], [], []
+    for path, c in profiles.attention(gpu):
+        names.append(str(path.parent.relative_to(path.parents[2])))
+        for i in range(len(c["batch_size"])):
+            b, n, cached = c["batch_size"][i], c["new_tokens"][i], c["cached_tokens"][i]
+            q_dim, kv_dim, d = c["n_head"][i] * c["head_dim"][i], c["n_kv_head"][i] * c["head_dim"][i], c["dtype_bytes"][i]
+            pairs = b * (n * cached + n * (n + 1) / 2)
+            nbytes = 2 * kv_dim * d * b * (cached + 2 * n) + 2 * q_dim * d * b * n
+            X.append([1.0, b, nbytes, 4 * q_dim * pairs])
+            y.append(c["time_stats.attention.median"][i] * 1e-3)
+    if len(y) < 4:
+        return None
+    A, t = np.array(X), np.array(y)
+    A, t = A / t[:, None], np.ones_like(t)  # relative error: a short decode counts as much as a long prefill
+    norms = np.linalg.norm(A, axis=0)
+    norms[norms == 0] = 1.0
+    coef = _nnls(A / norms, t) / norms
+    return AttentionCalibration(*map(float, coef), cases=len(y), source=", ".join(names))
+
+
 class MeasuredCostModel(CostModel):
     """Step time from measured operator tables (see the module docstring), for one GPU of a TP
     group, one microbatch through all pipeline stages in sequence.
@@ -569,8 +623,21 @@ class MeasuredCostModel(CostModel):
         self._kv_token = 2.0 * kv_dim * d
         self._q_token = 2.0 * q_dim * d
         self._F, self._B = hw.flops, hw.bandwidth
-        self.notes = [f"linear: {self.linear_source}", "lm_head: predicted from its GEMM shape",
-                      "attention: estimated (roofline at the hardware's efficiencies; no attention tables)",
+        self.attention_calibration = cal = calibrate_attention(self.profiles, self.gpu)
+        if cal is None:
+            attention = "attention: estimated (roofline at the hardware's efficiencies; no attention tables)"
+            # One form for both: attention = const + per_seq n + max(pairs flops / F, bytes / B).
+            self._a0 = self._a1 = 0.0
+            self._calibrated = False
+        else:
+            attention = (f"attention: calibrated on {cal.cases} measured cases ({cal.source}): "
+                         f"{1 / max(cal.per_byte, 1e-30) / 1e9:.3g} GB/s, {1 / max(cal.per_flop, 1e-30) / 1e12:.3g} TFLOP/s, "
+                         f"{cal.const * 1e6:.3g} us + {cal.per_seq * 1e6:.3g} us per request per layer")
+            self._a0, self._a1 = cal.const, cal.per_seq
+            self._F = 1.0 / cal.per_flop if cal.per_flop > 0 else float("inf")
+            self._B = 1.0 / cal.per_byte if cal.per_byte > 0 else float("inf")
+            self._calibrated = True
+        self.notes = [f"linear: {self.linear_source}", "lm_head: predicted from its GEMM shape", attention,
                       *self.comm.notes]
 
     # Per-token tables past their end: time per token of the last entry.
@@ -586,8 +653,7 @@ class MeasuredCostModel(CostModel):
             return {"embedding_s": 0.0, "linear_s": 0.0, "attention_s": 0.0, "lm_head_s": 0.0,
                     "communication_s": 0.0, "overhead_s": self.overhead_s}
         L = self.shape.layers
-        attn = max(self._pair_flops * s.attention_pairs / self._F,
-                   (self._kv_token * (s.cached + 2.0 * t) + self._q_token * t) / self._B)
+        attn = self._attention(s.num_seqs, s.attention_pairs, s.cached, t)
         return {"embedding_s": self._at(self._emb, t), "linear_s": L * self._at(self._layer, t),
                 "attention_s": L * attn, "lm_head_s": self._at(self._head, s.num_logits),
                 "communication_s": L * self._at(self._ar, t) + self._at(self._pp, t),
@@ -600,9 +666,16 @@ class MeasuredCostModel(CostModel):
         fixed, head = self._fixed, self._head
         base = ((fixed[t] if t < len(fixed) else self._at(fixed, t))
                 + (head[s.num_logits] if s.num_logits < len(head) else self._at(head, s.num_logits)) + self.overhead_s)
-        attn = max(self._pair_flops * s.attention_pairs / self._F,
-                   (self._kv_token * (s.cached + 2.0 * t) + self._q_token * t) / self._B)
-        return base + self.shape.layers * attn
+        return base + self.shape.layers * self._attention(s.num_seqs, s.attention_pairs, s.cached, t)
+
+    def _attention(self, seqs: float, pairs: float, cached: float, t: float) -> float:
+        """One layer's attention: the roofline, or its calibrated form (sum of the terms plus a
+        per-call and a per-request cost) where this GPU has attention tables."""
+        f = self._pair_flops * pairs / self._F
+        b = (self._kv_token * (cached + 2.0 * t) + self._q_token * t) / self._B
+        if self._calibrated:
+            return self._a0 + self._a1 * seqs + f + b
+        return max(f, b)
 
     def step_time(self, new_tokens: ArrayLike, cached_tokens: ArrayLike, num_logits: int | None = None) -> float:
         n, c = _as_arrays(new_tokens, cached_tokens)
@@ -620,6 +693,14 @@ class MeasuredCostModel(CostModel):
         base = self._at(self._fixed, t) + self._at(self._head, t) + self.overhead_s
         L, pair_flops, kv_token, q_bytes = self.shape.layers, self._pair_flops, self._kv_token, self._q_token * t
         F, B, half_pairs = self._F, self._B, (t + t) / 2.0
+
+        if self._calibrated:
+            a0, a1 = self._a0, self._a1
+
+            def calibrated(cached: int) -> float:
+                return base + L * (a0 + a1 * t + pair_flops * (cached + half_pairs) / F
+                                   + (kv_token * (cached + 2.0 * t) + q_bytes) / B)
+            return calibrated
 
         def step(cached: int) -> float:
             return base + L * max(pair_flops * (cached + half_pairs) / F, (kv_token * (cached + 2.0 * t) + q_bytes) / B)

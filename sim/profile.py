@@ -12,8 +12,10 @@ lookup, input norm, the Q/K/V projections together (one table entry, as a fused 
 timed elsewhere), rotary (with Qwen3's per-head q/k norms), output projection, post-attention
 norm, gate and up projections together, activation x up, down projection, residual add. Median
 of `--repeats` timings after a warm-up; the columns are those of the shipped tables plus
-`head_dim`. Attention and collectives are not profiled yet (the measured model keeps the
-roofline for attention).
+`head_dim`. Attention: one layer of the project's backend (`--backend`, torch_sdpa by default:
+its real prepare and forward) over a grid of decode batches x contexts and prefills, written to
+attention.csv beside mlp.csv; the measured model calibrates its attention roofline on it.
+Collectives are not profiled yet.
 """
 
 from __future__ import annotations
@@ -113,11 +115,7 @@ def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: s
             }
             row: dict[str, Any] = {}
             for op in OPS:
-                ms = _timer(ops[op], repeats, sync)
-                row.update({f"time_stats.{op}.min": min(ms), f"time_stats.{op}.max": max(ms),
-                            f"time_stats.{op}.mean": statistics.fmean(ms),
-                            f"time_stats.{op}.median": statistics.median(ms),
-                            f"time_stats.{op}.std": statistics.pstdev(ms)})
+                row.update({f"time_stats.{op}.{k}": v for k, v in _stats(_timer(ops[op], repeats, sync)).items()})
             row.update(n_head=heads, n_kv_head=kv_heads, n_embd=cfg.hidden_size,
                        n_expanded_embd=cfg.intermediate_size, vocab_size=cfg.vocab_size, use_gated_mlp=True,
                        num_tokens=t, num_tensor_parallel_workers=1, head_dim=head_dim)
@@ -125,10 +123,64 @@ def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: s
     return rows
 
 
-def write_table(rows: list[dict[str, Any]], out: Path, gpu: str, name: str) -> Path:
+DECODE_GRID = ((1, 64), (1, 512), (1, 2048), (8, 64), (8, 512), (8, 2048), (32, 256), (32, 1024), (64, 512))
+PREFILL_GRID = ((1, 16, 0), (1, 64, 0), (1, 256, 0), (1, 1024, 0), (1, 256, 512), (1, 512, 1024), (4, 128, 0),
+                (4, 256, 256))
+
+
+def profile_attention(folder: Path, backend_name: str, repeats: int, device: str = "cpu", dtype: str = "float32",
+                      block_size: int = 16) -> list[dict[str, Any]]:
+    """One layer of the project's attention backend (its real prepare + forward, the K/V write
+    included) for pure decodes (batch x context) and prefills (batch x new tokens after cached
+    ones), in the model's head shape. Times in ms per layer; `prepare` is per step."""
+    import numpy as np
+    import torch
+    from transformers import AutoConfig
+
+    from backends import make_backend
+    from varlen.batch import SeqSlice, build_batch
+
+    cfg = AutoConfig.from_pretrained(folder)
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    backend = make_backend(backend_name)
+    tdtype = getattr(torch, dtype)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    cases = [("decode", b, 1, c) for b, c in DECODE_GRID] + [("prefill", b, n, c) for b, n, c in PREFILL_GRID]
+    rows = []
+    with torch.inference_mode():
+        for kind, batch_size, new, cached in cases:
+            need = -(-(cached + new) // block_size)
+            pool = need * batch_size
+            perm = np.random.default_rng(0).permutation(pool)
+            seqs = [SeqSlice(np.zeros(new, np.int64), cached, perm[i * need:(i + 1) * need], req_id=i)
+                    for i in range(batch_size)]
+            batch = build_batch(seqs, block_size, pool)
+            cache = backend.allocate_kv_cache(1, pool, block_size, hkv, d, tdtype, device)[0]
+            cache.normal_()
+            n = batch.num_tokens
+            q, k, v = (torch.randn(n, h, d, device=device, dtype=tdtype) for h in (hq, hkv, hkv))
+            meta = backend.prepare(batch, device)
+            fwd = _timer(lambda: backend.forward(q, k, v, cache, meta, d ** -0.5), repeats, sync)
+            prep = _timer(lambda: backend.prepare(batch, device), repeats, sync)
+            rows.append({"kind": kind, "batch_size": batch_size, "new_tokens": new, "cached_tokens": cached,
+                         **{f"time_stats.attention.{k}": v for k, v in _stats(fwd).items()},
+                         "time_stats.attention_prepare.median": statistics.median(prep),
+                         "n_head": hq, "n_kv_head": hkv, "head_dim": d, "block_size": block_size,
+                         "dtype_bytes": torch.empty(0, dtype=tdtype).element_size(),
+                         "backend": backend_name})
+    return rows
+
+
+def _stats(ms: list[float]) -> dict[str, float]:
+    return {"min": min(ms), "max": max(ms), "mean": statistics.fmean(ms), "median": statistics.median(ms),
+            "std": statistics.pstdev(ms)}
+
+
+def write_table(rows: list[dict[str, Any]], out: Path, gpu: str, name: str, table: str = "mlp") -> Path:
     import csv
 
-    path = out / "compute" / gpu / "local" / name / "mlp.csv"
+    path = out / "compute" / gpu / "local" / name / f"{table}.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -147,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated token counts")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
+    ap.add_argument("--backend", default="torch_sdpa", help="attention backend to profile ('' to skip attention)")
     a = ap.parse_args(argv)
     try:
         tokens = tuple(sorted({int(x) for x in a.tokens.split(",")}))
@@ -167,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     name = {"tiny": "tiny", "big": "bench-qwen3-50m"}.get(a.model, folder.name)
     path = write_table(rows, Path(a.out), gpu, name)
     print(f"{len(rows)} token counts x {len(OPS)} operators -> {path}")
+    if a.backend:
+        att = profile_attention(folder, a.backend, a.repeats, a.device, a.dtype)
+        print(f"{len(att)} attention cases ({a.backend}) -> {write_table(att, Path(a.out), gpu, name, 'attention')}")
     return 0
 
 

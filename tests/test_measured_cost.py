@@ -195,4 +195,31 @@ def test_profiler_writes_tables_the_measured_model_reads(tmp_path: Path) -> None
     m = MeasuredCostModel("tiny", "cpu_2core", profiles=tmp_path)
     assert m.linear_source == "measured: cpu_2core/local/tiny TP1"
     assert m._layer[8] == pytest.approx(sum(PER_LAYER[op] * times[op][1] for op in LAYER_OPS) * 1e-3, rel=1e-12)
+    # The backend's attention was profiled too, and calibrates the attention.
+    att = load_profiles(tmp_path).attention("cpu_2core")
+    assert len(att) == 1 and len(att[0][1]["batch_size"]) == 17
+    assert m.attention_calibration is not None and any(n.startswith("attention: calibrated on 17") for n in m.notes)
+    for b in (1, 9):
+        f = m.decode_step_time(b)
+        assert f(100 * b) == m.step_time_sums(StepSums(b, b, 100 * b, 100 * b, b, b))
     assert main(["--model", str(tmp_path), "--out", str(tmp_path)]) == 2  # not a model folder
+
+
+def test_attention_calibration_recovers_the_rates_of_a_table(tmp_path: Path) -> None:
+    from sim.measured import ATTENTION_COLUMNS, calibrate_attention
+
+    const, per_seq, per_byte, per_flop = 20e-6, 3e-6, 1 / 50e9, 1 / 2e12
+    rows = []
+    for b, n, c in [(1, 1, 64), (1, 1, 4096), (16, 1, 512), (64, 1, 2048), (1, 512, 0), (1, 2048, 0), (4, 256, 1024)]:
+        pairs = b * (n * c + n * (n + 1) / 2)
+        nbytes = 2 * 1024 * 2 * b * (c + 2 * n) + 2 * 4096 * 2 * b * n
+        ms = (const + per_seq * b + per_byte * nbytes + per_flop * 4 * 4096 * pairs) * 1e3
+        rows.append([b, n, c, 32, 8, 128, 2, ms])
+    d = tmp_path / "compute/h200_sxm/me/m"
+    d.mkdir(parents=True)
+    (d / "attention.csv").write_text("\n".join([",".join(ATTENTION_COLUMNS)] + [",".join(map(str, r)) for r in rows]) + "\n")
+    cal = calibrate_attention(load_profiles(tmp_path), "h200_sxm")
+    assert cal is not None and cal.cases == 7
+    for got, want in zip((cal.const, cal.per_seq, cal.per_byte, cal.per_flop), (const, per_seq, per_byte, per_flop)):
+        assert got == pytest.approx(want, rel=1e-6)
+    assert calibrate_attention(load_profiles(), "a100") is None  # Vidur's tables time no attention
