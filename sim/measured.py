@@ -194,6 +194,7 @@ class Profiles:
         self._compute_paths: dict[str, list[tuple[str, Path]]] = {}
         self._network_paths: dict[str, dict[str, Path]] = {}
         self._attention_paths: dict[str, list[Path]] = {}
+        self._overhead_paths: dict[str, list[Path]] = {}
         self._compute: dict[str, list[ComputeTable]] = {}
         self._network: dict[str, dict[str, CollectiveTable]] = {}
         for r in self.roots:
@@ -213,6 +214,8 @@ class Profiles:
                 for f in sorted(gpu_dir.glob("*/*/attention.csv*")):
                     if f.name in ("attention.csv", "attention.csv.gz"):
                         self._attention_paths.setdefault(gpu_dir.name, []).append(f)
+                for f in sorted(gpu_dir.glob("*/*/overhead.csv")):
+                    self._overhead_paths.setdefault(gpu_dir.name, []).append(f)
         net = root / "network"
         if net.is_dir():
             for node_dir in sorted(p for p in net.iterdir() if p.is_dir()):
@@ -245,6 +248,16 @@ class Profiles:
             header, rows = _read_csv(path)
             out.append((path, _columns(path, header, rows, ATTENTION_COLUMNS)))
         return out
+
+    def engine_overhead(self, gpu: str) -> tuple[str, dict[str, float]] | None:
+        """sim.profile's fitted per-step engine cost on this device (the last one found)."""
+        paths = self._overhead_paths.get(gpu, [])
+        if not paths:
+            return None
+        path = paths[-1]
+        header, rows = _read_csv(path)
+        cols = _columns(path, header, rows, ["const_ms", "per_seq_ms", "per_prefill_ms"])
+        return str(path.parent.relative_to(path.parents[2])), {k: float(v[0]) for k, v in cols.items()}
 
     def network(self, node: str) -> dict[str, CollectiveTable]:
         if node not in self._network:
@@ -575,7 +588,7 @@ class MeasuredCostModel(CostModel):
                  hardware: str | os.PathLike | Mapping[str, Any] | HardwareSpec = "h100_sxm",
                  profiles: str | os.PathLike | None = None, tensor: int = 1, pipeline: int = 1,
                  dtype_bytes: int | None = None, overhead_s: float | None = None,
-                 exclude: tuple[ModelKey, ...] = ()):
+                 exclude: tuple[ModelKey, ...] = (), engine_overhead: bool = True):
         cfg = load_model_config(model_config)
         self.shape = m = ModelShape.from_config(cfg)
         self.hardware = hw = HardwareSpec.coerce(hardware)
@@ -637,8 +650,20 @@ class MeasuredCostModel(CostModel):
             self._F = 1.0 / cal.per_flop if cal.per_flop > 0 else float("inf")
             self._B = 1.0 / cal.per_byte if cal.per_byte > 0 else float("inf")
             self._calibrated = True
+        # Per-step cost: sim.profile's fitted engine overhead on this device if there is one,
+        # else the hardware spec's (estimated) step_overhead_s.
+        prof_ov = self.profiles.engine_overhead(self.gpu) if engine_overhead and overhead_s is None else None
+        if prof_ov is None:
+            self._o0, self._o1, self._o2 = self.overhead_s, 0.0, 0.0
+            overhead = f"overhead: {self.overhead_s * 1e3:.3g} ms per step (hardware.step_overhead_s)"
+        else:
+            c = prof_ov[1]
+            self._o0, self._o1, self._o2 = c["const_ms"] * 1e-3, c["per_seq_ms"] * 1e-3, c["per_prefill_ms"] * 1e-3
+            self.overhead_s = self._o0
+            overhead = (f"overhead: the engine's, profiled ({prof_ov[0]}): {c['const_ms']:.3g} ms per step + "
+                        f"{c['per_seq_ms']:.3g} ms per request + {c['per_prefill_ms']:.3g} ms per prefill")
         self.notes = [f"linear: {self.linear_source}", "lm_head: predicted from its GEMM shape", attention,
-                      *self.comm.notes]
+                      overhead, *self.comm.notes]
 
     # Per-token tables past their end: time per token of the last entry.
     @staticmethod
@@ -657,7 +682,7 @@ class MeasuredCostModel(CostModel):
         return {"embedding_s": self._at(self._emb, t), "linear_s": L * self._at(self._layer, t),
                 "attention_s": L * attn, "lm_head_s": self._at(self._head, s.num_logits),
                 "communication_s": L * self._at(self._ar, t) + self._at(self._pp, t),
-                "overhead_s": self.overhead_s}
+                "overhead_s": self._o0 + self._o1 * s.num_seqs + self._o2 * s.num_prefills}
 
     def step_time_sums(self, s: StepSums) -> float:
         t = int(s.new)
@@ -665,7 +690,8 @@ class MeasuredCostModel(CostModel):
             return self.overhead_s
         fixed, head = self._fixed, self._head
         base = ((fixed[t] if t < len(fixed) else self._at(fixed, t))
-                + (head[s.num_logits] if s.num_logits < len(head) else self._at(head, s.num_logits)) + self.overhead_s)
+                + (head[s.num_logits] if s.num_logits < len(head) else self._at(head, s.num_logits))
+                + (self._o0 + self._o1 * s.num_seqs + self._o2 * s.num_prefills))
         return base + self.shape.layers * self._attention(s.num_seqs, s.attention_pairs, s.cached, t)
 
     def _attention(self, seqs: float, pairs: float, cached: float, t: float) -> float:
@@ -690,7 +716,7 @@ class MeasuredCostModel(CostModel):
         # Everything but the attention's KV read is fixed by the batch size: computed once, the
         # rest in step_time_sums's order of operations (the same floats).
         t = num_seqs
-        base = self._at(self._fixed, t) + self._at(self._head, t) + self.overhead_s
+        base = self._at(self._fixed, t) + self._at(self._head, t) + (self._o0 + self._o1 * t + self._o2 * 0)
         L, pair_flops, kv_token, q_bytes = self.shape.layers, self._pair_flops, self._kv_token, self._q_token * t
         F, B, half_pairs = self._F, self._B, (t + t) / 2.0
 

@@ -186,7 +186,7 @@ def test_profiler_writes_tables_the_measured_model_reads(tmp_path: Path) -> None
     the model, and the measured model built on it reads its times back exactly."""
     from sim.profile import main
 
-    assert main(["--model", "tiny", "--out", str(tmp_path), "--tokens", "1,8,64", "--repeats", "1"]) == 0
+    assert main(["--model", "tiny", "--out", str(tmp_path), "--tokens", "1,8,64", "--repeats", "1", "--no-engine"]) == 0
     path = tmp_path / "compute/cpu_2core/local/tiny/mlp.csv"
     table = read_compute_table(path, "cpu_2core", "local/tiny")
     assert table.key == ModelKey(4, 2, 64, 128, True, 16) and sorted(table.by_tp) == [1]
@@ -223,3 +223,35 @@ def test_attention_calibration_recovers_the_rates_of_a_table(tmp_path: Path) -> 
     for got, want in zip((cal.const, cal.per_seq, cal.per_byte, cal.per_flop), (const, per_seq, per_byte, per_flop)):
         assert got == pytest.approx(want, rel=1e-6)
     assert calibrate_attention(load_profiles(), "a100") is None  # Vidur's tables time no attention
+
+
+def test_profiled_engine_overhead_replaces_the_estimate(tmp_path: Path) -> None:
+    src = SHIPPED / "compute/a100/meta-llama/Meta-Llama-3-8B/mlp.csv.gz"
+    d = tmp_path / "compute/h200_sxm/meta-llama/Meta-Llama-3-8B"
+    d.mkdir(parents=True)
+    (d / "mlp.csv").write_bytes(gzip.decompress(src.read_bytes()))
+    plain = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path)
+    (d / "overhead.csv").write_text("const_ms,per_seq_ms,per_prefill_ms,steps,step_mape_pct\n2.5,0.01,0.3,100,5\n")
+    eng = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path)
+    assert any(n.startswith("overhead: the engine's, profiled (meta-llama/Meta-Llama-3-8B): 2.5 ms") for n in eng.notes)
+    new, cached = [300, 1, 1, 1], [0, 10, 20, 30]
+    want = 2.5e-3 + 4 * 0.01e-3 + 1 * 0.3e-3 - plain.overhead_s
+    assert eng.step_time(new, cached) - plain.step_time(new, cached) == pytest.approx(want, rel=1e-9)
+    f = eng.decode_step_time(16)
+    assert f(3200) == eng.step_time_sums(StepSums(16, 16, 3200, 3200, 16, 16))
+    assert MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path, overhead_s=0.001).overhead_s == 0.001
+
+
+def test_engine_overhead_fit_recovers_a_known_cost(tmp_path: Path) -> None:
+    from sim.profile import fit_engine_overhead
+
+    src = SHIPPED / "compute/a100/meta-llama/Meta-Llama-3-8B/mlp.csv.gz"
+    d = tmp_path / "compute/h200_sxm/meta-llama/Meta-Llama-3-8B"
+    d.mkdir(parents=True)
+    (d / "mlp.csv").write_bytes(gzip.decompress(src.read_bytes()))
+    ops = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path, overhead_s=0.0)
+    steps = [([64], [0]), ([1] * 8, [100] * 8), ([200, 1, 1], [0, 50, 60]), ([1] * 32, [900] * 32), ([128, 128], [0, 64])]
+    rows = [(n, c, ops.step_time(n, c) + 2e-3 + 0.1e-3 * len(n) + 0.5e-3 * sum(x > 1 for x in n), None) for n, c in steps]
+    fit = fit_engine_overhead(rows, LLAMA3_8B, "h200_sxm", tmp_path)
+    assert (fit["const_ms"], fit["per_seq_ms"], fit["per_prefill_ms"]) == pytest.approx((2.0, 0.1, 0.5), rel=1e-6)
+    assert fit["step_mape_pct"] < 1e-6
