@@ -96,6 +96,11 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None) -> tuple
         num_blocks = tokens // e["block_size"] // par.pipeline
         if num_blocks < 1:
             raise ValueError(f"{c['sim_model']['name']} does not fit on {hardware.name}: no room for KV blocks")
+    elif par.pipeline > 1:  # engine.num_blocks is the replica's pool, shared by its in-flight batches
+        num_blocks //= par.pipeline
+        if num_blocks < 1:
+            raise ValueError(f"engine.num_blocks={e['num_blocks']} is less than one block for each of the "
+                             f"parallel.pipeline={par.pipeline} in-flight batches")
     trace, reqs = load_requests(c["workload"], int(model_config["vocab_size"]))
     max_model_len = min(e["max_model_len"], num_blocks * e["block_size"])
 
