@@ -111,7 +111,9 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     try:
-        d = explain_config(OmegaConf.to_container(cfg, resolve=True))
+        c = OmegaConf.to_container(cfg, resolve=True)
+        assert isinstance(c, dict)
+        d = explain_config(c)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

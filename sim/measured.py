@@ -220,9 +220,9 @@ class Profiles:
         if net.is_dir():
             for node_dir in sorted(p for p in net.iterdir() if p.is_dir()):
                 for kind in ("all_reduce", "send_recv"):
-                    f = _table_file(node_dir, kind)
-                    if f is not None:
-                        self._network_paths.setdefault(node_dir.name, {})[kind] = f
+                    table = _table_file(node_dir, kind)
+                    if table is not None:
+                        self._network_paths.setdefault(node_dir.name, {})[kind] = table
 
     @property
     def gpus(self) -> list[str]:
@@ -573,7 +573,8 @@ def calibrate_attention(profiles: Profiles, gpu: str) -> AttentionCalibration | 
     norms = np.linalg.norm(A, axis=0)
     norms[norms == 0] = 1.0
     coef = _nnls(A / norms, t) / norms
-    return AttentionCalibration(*map(float, coef), cases=len(y), source=", ".join(names))
+    return AttentionCalibration(float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3]), cases=len(y),
+                                source=", ".join(names))
 
 
 class MeasuredCostModel(CostModel):
@@ -602,7 +603,7 @@ class MeasuredCostModel(CostModel):
         tokens = np.arange(GRID_TOKENS + 1, dtype=np.float64)
         ops, self.linear_source = layer_op_ms(self.profiles, self.gpu, self.key, m.head_dim, tp, tokens, exclude,
                                                m.vocab)
-        layer = sum(PER_LAYER[op] * ops[op] for op in LAYER_OPS)
+        layer = np.sum([PER_LAYER[op] * ops[op] for op in LAYER_OPS], axis=0)
         layer[0] = 0.0
         emb = ops["emb"].copy()
         emb[0] = 0.0

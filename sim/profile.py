@@ -44,11 +44,12 @@ def model_folder(name: str) -> Path:
     if name == "tiny":
         return ensure_tiny_model("qwen3")
     if name == "big":
-        big = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                   intermediate_size=1536, vocab_size=32000, initializer_range=0.02)  # = benchmarks/throughput.py BIG
+        # = benchmarks/throughput.py's BIG, in the folder it writes it to
+        big: dict[str, Any] = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                                   head_dim=64, intermediate_size=1536)
         path = Path(os.environ.get("VARLEN_HOME", Path.home() / ".cache" / "varlen")) / "bench-qwen3-50m"
         if not (path / "model.safetensors").exists():
-            write_tiny_model(path, "qwen3", **big)
+            write_tiny_model(path, "qwen3", vocab_size=32000, initializer_range=0.02, **big)
         return path
     p = Path(name).expanduser()
     if not (p / "config.json").is_file():
