@@ -15,6 +15,10 @@ only the engine's own work. Garbage collection is off during the real runs (as i
 and in serving engines, which freeze the heap): its pauses are not a function of the batch.
 
     taskset -c 1 python benchmarks/sim_fidelity.py [--rate-a 1.0] [--rate-b 1.5] [--n 100] [--repeats 3]
+
+--measured also predicts both slices with cost.model=measured built by `python -m sim.profile`'s
+functions on the same model and machine (operators, attention backend, engine overhead): a model
+that never saw a trace run, next to the profiled model fitted on the other slice.
 """
 
 from __future__ import annotations
@@ -126,7 +130,6 @@ def predict(fit_on: list[RealRun], target: list[RealRun], features, weighting: s
     """Fit on every repeat of one slice's steps, simulate the other slice's requests; compare with
     the median of that slice's real repeats."""
     from sim.cost_models import ProfiledCostModel, profile_rows
-    from sim.validate import simulate_like
 
     src, dst = fit_on[0].label, target[0].label
     rows = [row for r in fit_on for row in profile_rows(r.steps)]
@@ -136,8 +139,16 @@ def predict(fit_on: list[RealRun], target: list[RealRun], features, weighting: s
           f"step MAPE {cost.report.mape:.1f}%, {cost.meta['outliers_dropped']} outlier steps dropped; "
           f"on {dst}'s steps (held out): R2 {held.r2:.3f}, MAPE {held.mape:.1f}%\n  coefficients: "
           + ", ".join(f"{k} {v:.3g}" for k, v in cost.coefficients().items()))
+    return compare(cost, f"profiled on {src}", target)
+
+
+def compare(cost, desc: str, target: list[RealRun]) -> pd.DataFrame:
+    """Simulate the target slice's requests under `cost`; compare with the median of its real repeats."""
+    from sim.validate import fresh_copies, simulate_like
+
+    dst = target[0].label
     t = target[0]
-    sim = simulate_like(t.originals, t.make_policy, t.make_kv, t.max_model_len, cost)
+    sim = simulate_like(fresh_copies(t.originals), t.make_policy, t.make_kv, t.max_model_len, cost)
     real = pd.DataFrame({f"real {i + 1}": r.headline for i, r in enumerate(target)})
     real.loc["steps"] = [len(r.steps) for r in target]
     df = pd.DataFrame({"real median": real.median(axis=1)})
@@ -147,9 +158,31 @@ def predict(fit_on: list[RealRun], target: list[RealRun], features, weighting: s
     # How far a single real run strays from the median of its repeats: what one measurement of
     # the real engine varies by, which no cost model can be checked below.
     df["noise %"] = (real.div(df["real median"], axis=0) - 1.0).abs().max(axis=1) * 100.0
-    print(f"{dst}, real ({len(target)} runs) vs simulated (profiled on {src}):")
+    print(f"{dst}, real ({len(target)} runs) vs simulated ({desc}):")
     print(pd.concat([real, df], axis=1).to_string(float_format=lambda x: f"{x:.2f}"))
     return df
+
+
+def profile_measured(model_dir: str, backend: str, out: str):
+    """cost.model=measured for this model on this machine, from sim.profile's tables alone."""
+    import json
+    from pathlib import Path
+
+    from sim.measured import MeasuredCostModel
+    from sim.profile import (
+        fit_engine_overhead, profile_attention, profile_engine, profile_model, write_table,
+    )
+
+    folder, root = Path(model_dir), Path(out)
+    tokens = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+    write_table(profile_model(folder, tokens, 7), root, "cpu_2core", "m")
+    write_table(profile_attention(folder, backend, 7), root, "cpu_2core", "m", "attention")
+    cfg = json.loads((folder / "config.json").read_text())
+    fit = fit_engine_overhead(profile_engine(folder, backend, 7), cfg, "cpu_2core", root)
+    write_table([fit], root, "cpu_2core", "m", "overhead")
+    cost = MeasuredCostModel(cfg, "cpu_2core", profiles=root)
+    print("\nmeasured model from sim.profile:\n  " + "\n  ".join(cost.notes))
+    return cost
 
 
 def main() -> None:
@@ -165,6 +198,9 @@ def main() -> None:
     p.add_argument("--weighting", choices=["relative", "absolute"], default="absolute")
     p.add_argument("--backend", default=None, help="default: torch_sdpa if present, else torch_ref")
     p.add_argument("--repeats", type=int, default=3, help="real runs of each slice, interleaved A B A B ...")
+    p.add_argument("--measured", action="store_true",
+                   help="also predict both slices with cost.model=measured built by sim.profile on this machine "
+                        "(operators, attention backend, engine overhead; no trace run)")
     p.add_argument("--features", default=None,
                    help="comma-separated profiled-model features (default: sim.cost_models.DEFAULT_FEATURES)")
     args = p.parse_args()
@@ -200,9 +236,13 @@ def main() -> None:
                 runs.setdefault(label, []).append(r)
                 print(f"run {label} #{i + 1}: requests {lo}..{hi - 1} at {rate} req/s, {len(r.steps)} steps, "
                       f"busy {r.busy:.0%} of the time, {r.wall_s:.1f} s wall", flush=True)
+        measured = profile_measured(model_dir, backend, os.path.join(tmp, "profiles")) if args.measured else None
     features = tuple(args.features.split(",")) if args.features else DEFAULT_FEATURES
     tables = {"A -> B": predict(runs["A"], runs["B"], features, args.weighting),
               "B -> A": predict(runs["B"], runs["A"], features, args.weighting)}
+    if measured is not None:
+        tables.update({"measured -> A": compare(measured, "measured, from sim.profile", runs["A"]),
+                       "measured -> B": compare(measured, "measured, from sim.profile", runs["B"])})
     summary = pd.DataFrame({name: t.loc[GOAL_METRICS, "sim error %"].abs() for name, t in tables.items()})
     noise = pd.DataFrame({name: t.loc[GOAL_METRICS, "noise %"].abs() for name, t in tables.items()})
     out = pd.concat({"|sim error| %": summary, "|noise| %": noise}, axis=1)

@@ -127,6 +127,8 @@ class HardwareSpec:
     step_overhead_s: float = 0.0  # fixed per-step cost: scheduling, launches, sampling
     dtype_bytes: int = 2  # the dtype peak_tflops refers to
     estimated: bool = False  # True when the figures are estimates rather than datasheet values
+    profile_gpu: str | None = None  # its name in measured operator tables (cost.model=measured)
+    node: str | None = None  # the node it sits in, for collective tables (tensor/pipeline parallelism)
 
     @property
     def flops(self) -> float:

@@ -43,14 +43,20 @@ def load_requests(workload: Mapping[str, Any], vocab_size: int):
     return trace, reqs
 
 
-def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Any):
+def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Any,
+                     parallel: Mapping[str, Any] | None = None):
     from sim.cost_models import ProfiledCostModel, ReplayCostModel, RooflineCostModel
 
     name = cost.get("model", "roofline")
+    par = dict(parallel or {})
+    if name == "measured" or par.get("tensor", 1) != 1 or par.get("pipeline", 1) != 1:
+        from sim.parallel import build_cost_model as build_parallel  # measured, and any TP / PP
+
+        return build_parallel(cost, model_config, hardware, par)
     if name == "roofline":
         return RooflineCostModel(model_config, hardware)
     if name not in ("profiled", "replay"):
-        raise SettingError(f"cost.model={name!r} is unknown; choose roofline, profiled or replay")
+        raise SettingError(f"cost.model={name!r} is unknown; choose roofline, measured, profiled or replay")
     path = cost.get("path")
     if path is None:
         raise SettingError(f"cost.model={name} needs cost.path (a fitted model JSON or a durations file)")
@@ -147,7 +153,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
                      announce: bool) -> tuple[Any, dict[str, Any]]:
     from hydra.utils import instantiate
 
-    from sim.cost_models import HardwareSpec, RooflineCostModel
+    from sim.cost_models import HardwareSpec
     from sim.executor import CostModelExecutor
     from sim.simulator import simulate
     from varlen.engine import Engine
@@ -160,11 +166,22 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     hardware = HardwareSpec.from_dict(c["hardware"])
     build_cost_model(c["cost"], model_config, hardware)  # a bad cost.path fails now, not per replica
     num_blocks = e.get("num_blocks")
+    # Pipeline parallelism: `pipeline` virtual engines per replica, each with its share of the
+    # pool (sim/parallel.py); weights and KV per GPU, so the pool grows with tensor x pipeline.
+    from sim.parallel import Parallelism, capacity
+
+    par = Parallelism.of(c.get("parallel"))
     if num_blocks is None:
-        tokens = RooflineCostModel(model_config, hardware).kv_capacity_tokens(e["gpu_memory_utilization"])
-        num_blocks = tokens // e["block_size"]
+        tokens = capacity(model_config, hardware, par, e["gpu_memory_utilization"],
+                          name=c["sim_model"]["name"]).kv_tokens
+        num_blocks = tokens // e["block_size"] // par.pipeline
         if num_blocks < 1:
             raise ValueError(f"{c['sim_model']['name']} does not fit on {hardware.name}: no room for KV blocks")
+    elif par.pipeline > 1:  # engine.num_blocks is the replica's pool, shared by its in-flight batches
+        num_blocks //= par.pipeline
+        if num_blocks < 1:
+            raise ValueError(f"engine.num_blocks={e['num_blocks']} is less than one block for each of the "
+                             f"parallel.pipeline={par.pipeline} in-flight batches")
     trace, reqs = load_requests(c["workload"], int(model_config["vocab_size"]))
     if not reqs:
         raise SettingError(f"no requests: the workload {c['workload'].get('source')!r} gave none "
@@ -185,14 +202,16 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     def make_engine(clock):
         kv = instantiate(cfg.allocator, **alloc_kw)(num_blocks=num_blocks, block_size=e["block_size"],
                                                     max_model_len=max_model_len)
-        executor = CostModelExecutor(build_cost_model(c["cost"], model_config, hardware), clock)
+        executor = CostModelExecutor(build_cost_model(c["cost"], model_config, hardware, c.get("parallel")), clock)
         engine = Engine(instantiate(cfg.scheduler), kv, executor, clock=clock, max_model_len=max_model_len)
         return engine, executor
 
-    res = simulate(reqs, make_engine, c["cluster"]["replicas"], c["cluster"]["router"], c.get("fast_forward", True))
+    res = simulate(reqs, make_engine, c["cluster"]["replicas"] * par.pipeline, c["cluster"]["router"],
+                   c.get("fast_forward", True))
     row = dict(labels or {})
     row.update(model=c["sim_model"]["name"], hardware=hardware.name, cost_model=c["cost"]["model"],
                replicas=c["cluster"]["replicas"], router=c["cluster"]["router"],
+               tensor=par.tensor, pipeline=par.pipeline,
                num_blocks=num_blocks, block_size=e["block_size"], max_model_len=max_model_len,
                max_num_seqs=c["scheduler"].get("max_num_seqs"),
                max_num_batched_tokens=c["scheduler"].get("max_num_batched_tokens"),

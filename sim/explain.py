@@ -1,0 +1,132 @@
+"""`python -m sim.explain`: one step's predicted time, part by part.
+
+    python -m sim.explain sim_model=llama2_70b hardware=a100_80gb_sxm parallel.tensor=4 \
+        cost.model=measured step.new=[512,1,1] step.cached=[0,100,2000]
+
+Prints a table and writes explain.json to the run directory: `embedding_s`, `linear_s`
+(everything in the layers but attention: GEMMs, norms, activation, residual adds, rotary),
+`attention_s`, `lm_head_s`, `communication_s`, `overhead_s` and `total_s`, in seconds for the
+whole step (all layers) as one GPU of the TP group sees it; with pipeline parallelism, one
+microbatch through all stages in sequence. `total_s` is the sum of the parts; a part the cost
+model cannot tell apart from another is null (and counted in the one it sits in), e.g. the
+roofline's embedding gather sits in its LM head term; replay splits nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from sim.run import CONF
+
+PARTS = ("embedding_s", "linear_s", "attention_s", "lm_head_s", "communication_s", "overhead_s")
+
+
+def breakdown(model: Any, new: Sequence[int], cached: Sequence[int], num_logits: int | None = None) -> dict[str, Any]:
+    """The parts of one step's time under `model` (see the module docstring) and total_s."""
+    from sim.cost_models import ProfiledCostModel, ReplayCostModel, RooflineCostModel, StepSums
+    from sim.measured import MeasuredCostModel
+    from sim.parallel import CommunicationCostModel
+
+    if len(new) != len(cached):
+        raise ValueError(f"step.new has {len(new)} requests but step.cached has {len(cached)}; give one of each per request")
+    if not new or any(n < 1 for n in new) or any(c < 0 for c in cached):
+        raise ValueError(f"step.new={list(new)} step.cached={list(cached)}: each request needs >= 1 new and >= 0 cached tokens")
+    s = StepSums.of(new, cached, num_logits)
+    parts: dict[str, Any] = dict.fromkeys(PARTS)
+    comm = 0.0
+    if isinstance(model, CommunicationCostModel):
+        comm = model.communication_s(s.new)
+        model = model.inner
+    if isinstance(model, MeasuredCostModel):
+        parts.update(model.parts(s))
+    elif isinstance(model, RooflineCostModel):
+        _, lin_f, lin_b, attn_f, attn_b, head_f, head_b = model._terms(new, cached, num_logits)
+        F, B, L = model._flops, model._bw, model.shape.layers
+        parts.update(linear_s=L * max(lin_f / F, lin_b / B), attention_s=L * max(attn_f / F, attn_b / B),
+                     lm_head_s=max(head_f / F, head_b / B), communication_s=comm, overhead_s=model.overhead_s)
+    elif isinstance(model, ProfiledCostModel):
+        coef = model.coefficients()
+        from sim.cost_models import FEATURES_FROM_SUMS
+
+        term = {f: c * FEATURES_FROM_SUMS[f](s) for f, c in coef.items()}
+        parts.update(linear_s=term.get("new_tokens", 0.0),
+                     attention_s=term.get("attn_work", 0.0) + term.get("cached_tokens", 0.0),
+                     overhead_s=term.get("const", 0.0) + term.get("num_seqs", 0.0) + term.get("prefill_seqs", 0.0),
+                     lm_head_s=term["logit_rows"] if "logit_rows" in term else None, communication_s=0.0)
+    elif isinstance(model, ReplayCostModel):
+        pass  # recorded durations: nothing to split
+    total = model.step_time(new, cached, num_logits) + comm
+    split = [v for v in parts.values() if v is not None]
+    if split:
+        # Parts are computed apart from step_time; they must add up (float rounding aside).
+        assert abs(sum(split) - total) <= 1e-9 * max(total, 1e-12), (parts, total)
+    parts["total_s"] = total
+    return parts
+
+
+def explain_config(c: Mapping[str, Any]) -> dict[str, Any]:
+    """explain.json's content for a resolved config (conf/sim/explain.yaml)."""
+    from sim.cost_models import HardwareSpec, load_model_config
+    from sim.parallel import Parallelism, capacity
+    from sim.run import build_cost_model
+
+    model_config = load_model_config(c["sim_model"]["config"])
+    hardware = HardwareSpec.from_dict(c["hardware"])
+    par = Parallelism.of(c.get("parallel"))
+    cap = capacity(model_config, hardware, par, c["engine"]["gpu_memory_utilization"], name=c["sim_model"]["name"])
+    model = build_cost_model(c["cost"], model_config, hardware, c.get("parallel"))
+    step = c["step"]
+    parts = breakdown(model, list(step["new"]), list(step["cached"]), step.get("num_logits"))
+    notes = list(getattr(model, "notes", []))
+    return {**parts, "model": c["sim_model"]["name"], "hardware": hardware.name, "cost_model": c["cost"]["model"],
+            "tensor": par.tensor, "pipeline": par.pipeline, "step_new": list(step["new"]),
+            "step_cached": list(step["cached"]), "num_logits": step.get("num_logits"),
+            "kv_tokens_per_replica": cap.kv_tokens, "weight_gb_per_gpu": cap.weight_bytes_per_gpu / 1e9,
+            "notes": notes}
+
+
+def format_table(d: Mapping[str, Any]) -> str:
+    total = d["total_s"]
+    lines = [f"{d['model']} on {d['hardware']} (tensor={d['tensor']}, pipeline={d['pipeline']}), cost.model="
+             f"{d['cost_model']}: step of {len(d['step_new'])} requests, {sum(d['step_new'])} new tokens",
+             f"{'part':<16}{'ms':>10}{'share':>8}"]
+    for k in (*PARTS, "total_s"):
+        v = d[k]
+        ms = "null" if v is None else f"{v * 1e3:.4f}"
+        share = "" if v is None or not total else f"{v / total:.1%}"
+        lines.append(f"{k:<16}{ms:>10}{share:>8}")
+    lines += [f"  {n}" for n in d["notes"]]
+    lines.append(f"KV pool per replica: {d['kv_tokens_per_replica']} tokens; weights per GPU {d['weight_gb_per_gpu']:.1f} GB")
+    return "\n".join(lines)
+
+
+@hydra.main(config_path=CONF, config_name="explain", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from varlen.cli import check_missing, errors_to_exit, fail
+
+    try:
+        check_missing(cfg)
+        c = OmegaConf.to_container(cfg, resolve=True)
+        assert isinstance(c, dict)
+        d = explain_config(c)
+    except errors_to_exit() as err:
+        fail(str(err))  # a setting or input problem: one line, no traceback
+    out = Path(HydraConfig.get().runtime.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "explain.json").write_text(json.dumps(d, indent=2) + "\n")
+    print(format_table(d))
+    print(f"written to {out / 'explain.json'}")
+
+
+if __name__ == "__main__":
+    from varlen.cli import run_cli
+
+    run_cli(main)

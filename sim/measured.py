@@ -1,0 +1,734 @@
+"""The measured operator cost model (`cost.model=measured`): step times from per-operator timings
+taken on real GPUs (the tables in sim/profiles/, or a user's folder of the same layout).
+
+What is measured and what is predicted, per GPU:
+- the layer's non-attention operators (QKV / output / MLP GEMMs, norms, rotary, activation,
+  residual adds, embedding): read from the table of a profiled model with the same shape at that
+  TP degree, interpolated in tokens; for a shape or TP degree not profiled on that GPU, predicted
+  from the profiled operators of other models on the same GPU (GEMMs by their achieved FLOP/s
+  at the same number of rows, interpolated over the weight shape N x K; element-wise operators
+  at the same number of elements, over the row width). Flagged `predicted`.
+- the LM head: always a GEMM predicted from its shape (the tables do not time it).
+- attention: the roofline (FLOPs and KV bytes at the hardware's efficiencies) -- ESTIMATED, no
+  attention timings exist for the shipped GPUs; where sim.profile timed the project's attention
+  backend on the GPU (attention.csv), its achieved bandwidth and FLOP rate plus a per-call and
+  per-request cost, fitted to those timings (calibrated).
+- collectives: the node's all-reduce / send-recv tables interpolated in message size; a worker
+  count or node without a table is predicted from its send/recv table as a ring. Flagged.
+
+All torch-free and pandas-free (the simulator starts fast); the tables are read once per process.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import gzip
+import io
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from sim.cost_models import (
+    CostModel, HardwareSpec, ModelShape, StepSums, _as_arrays, attention_pairs, load_model_config,
+)
+
+SHIPPED = Path(__file__).resolve().parent / "profiles" / "vidur"
+
+# The per-layer operators of a table, and how many times a layer runs each (two residual adds).
+LAYER_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
+             "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
+GEMMS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
+ELEMENTWISE = ("input_layernorm", "post_attention_layernorm", "attn_rope", "mlp_act", "add", "emb")
+PER_LAYER = {op: (2 if op == "add" else 1) for op in LAYER_OPS}
+SHAPE_COLUMNS = ("n_head", "n_kv_head", "n_embd", "n_expanded_embd", "vocab_size", "use_gated_mlp")
+NON_GATED = ("phi", "gpt2", "gpt_neox", "opt", "falcon", "bloom", "gpt_bigcode")
+ATTENTION_COLUMNS = ("batch_size", "new_tokens", "cached_tokens", "n_head", "n_kv_head", "head_dim", "dtype_bytes",
+                     "time_stats.attention.median")
+# Tokens per step the precomputed per-token tables cover; beyond, time scales with the tokens.
+GRID_TOKENS = 16384
+HEAD_ROWS = 4096
+
+
+class ProfileError(ValueError):
+    """A profile folder or table that cannot serve a request (missing GPU, bad table)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the tables
+
+
+def _read_csv(path: Path) -> tuple[list[str], list[list[str]]]:
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    rows = list(csv.reader(io.StringIO(raw.decode())))
+    if not rows:
+        raise ProfileError(f"{path}: empty table")
+    return rows[0], rows[1:]
+
+
+def _columns(path: Path, header: list[str], rows: list[list[str]], names: Iterable[str]) -> dict[str, np.ndarray]:
+    idx = {h: i for i, h in enumerate(header)}
+    missing = [n for n in names if n not in idx]
+    if missing:
+        raise ProfileError(f"{path}: missing columns {missing}")
+    out = {}
+    for n in names:
+        col = [r[idx[n]] for r in rows]
+        if n == "use_gated_mlp":
+            out[n] = np.array([v.strip().lower() == "true" for v in col])
+        else:
+            out[n] = np.array(col, dtype=np.float64)
+    return out
+
+
+@dataclass(frozen=True)
+class ModelKey:
+    """The shape a compute table was profiled for (what a model config is matched on)."""
+
+    heads: int
+    kv_heads: int
+    hidden: int
+    intermediate: int
+    gated: bool
+    head_dim: int
+
+    @classmethod
+    def of(cls, shape: ModelShape, gated: bool) -> ModelKey:
+        return cls(shape.heads, shape.kv_heads, shape.hidden, shape.intermediate, gated, shape.head_dim)
+
+
+@dataclass
+class ComputeTable:
+    """One model's operator timings on one GPU: per TP degree, tokens -> ms per layer per op."""
+
+    gpu: str
+    name: str  # <org>/<model>
+    path: Path
+    key: ModelKey
+    vocab: int
+    by_tp: dict[int, tuple[np.ndarray, dict[str, np.ndarray]]]  # tp -> (tokens, {op: ms})
+
+    def ops(self, tp: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        return self.by_tp[tp]
+
+
+def read_compute_table(path: Path, gpu: str, name: str) -> ComputeTable:
+    header, rows = _read_csv(path)
+    # The GEMMs are required; a model without some other operator (phi-2 has one layernorm per
+    # layer) lacks its column, and its layers do not pay for it.
+    ops = tuple(op for op in (*LAYER_OPS, "emb") if op in GEMMS or f"time_stats.{op}.median" in header)
+    cols = _columns(path, header, rows, [*SHAPE_COLUMNS, "num_tokens", "num_tensor_parallel_workers",
+                                         *(f"time_stats.{op}.median" for op in ops)])
+    shapes = {tuple(cols[c][i] for c in SHAPE_COLUMNS) for i in range(len(rows))}
+    if len(shapes) != 1:
+        raise ProfileError(f"{path}: {len(shapes)} model shapes in one table")
+    h, kv, e, x, vocab, gated = next(iter(shapes))
+    by_tp: dict[int, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
+    for tp in sorted({int(v) for v in cols["num_tensor_parallel_workers"]}):
+        sel = cols["num_tensor_parallel_workers"] == tp
+        # A token count profiled twice (the shipped tables repeat 2048 and 4096): the mean.
+        tokens, inv = np.unique(cols["num_tokens"][sel], return_inverse=True)
+        if tokens[0] < 1:
+            raise ProfileError(f"{path}: TP {tp}: num_tokens must be >= 1")
+        counts = np.bincount(inv)
+        times = {op: np.bincount(inv, cols[f"time_stats.{op}.median"][sel]) / counts for op in ops}
+        for op, t in times.items():
+            if not np.all(np.isfinite(t)) or np.any(t <= 0):
+                raise ProfileError(f"{path}: TP {tp}: {op} has non-positive or missing times")
+        by_tp[tp] = (tokens, times)
+    # Vidur's tables have no head_dim column: theirs is n_embd / n_head. sim.profile writes one.
+    hd = _columns(path, header, rows, ["head_dim"])["head_dim"][0] if "head_dim" in header else e // h
+    key = ModelKey(int(h), int(kv), int(e), int(x), bool(gated), int(hd))
+    return ComputeTable(gpu, name, path, key, int(vocab), by_tp)
+
+
+@dataclass
+class CollectiveTable:
+    """One collective on one node: (num_workers, devices_per_node) -> (bytes, ms), sorted."""
+
+    node: str
+    kind: str  # all_reduce | send_recv
+    path: Path
+    curves: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]
+    max_devices_per_node: int
+
+
+def read_collective_table(path: Path, node: str, kind: str) -> CollectiveTable:
+    header, rows = _read_csv(path)
+    cols = _columns(path, header, rows, ["num_workers", "devices_per_node", "size", "max_devices_per_node",
+                                         f"time_stats.{kind}.median"])
+    curves = {}
+    pairs = {(int(w), int(d)) for w, d in zip(cols["num_workers"], cols["devices_per_node"])}
+    for w, d in sorted(pairs):
+        sel = (cols["num_workers"] == w) & (cols["devices_per_node"] == d)
+        size, ms = cols["size"][sel], cols[f"time_stats.{kind}.median"][sel]
+        order = np.argsort(size, kind="stable")
+        size, ms = size[order], ms[order]
+        if np.any(ms <= 0) or np.any(size <= 0):
+            raise ProfileError(f"{path}: {w} workers: non-positive sizes or times")
+        # A size profiled more than once (re-runs): the mean, as for compute tables.
+        u, inv = np.unique(size, return_inverse=True)
+        curves[(w, d)] = (u, np.bincount(inv, ms) / np.bincount(inv))
+    return CollectiveTable(node, kind, path, curves, int(cols["max_devices_per_node"].max()))
+
+
+def _table_file(folder: Path, stem: str) -> Path | None:
+    for suffix in (".csv", ".csv.gz"):
+        p = folder / f"{stem}{suffix}"
+        if p.is_file():
+            return p
+    return None
+
+
+class Profiles:
+    """Every table under one or more profile folders (later folders override earlier ones for the
+    same GPU and model shape, or node and collective); a table is read when first needed."""
+
+    def __init__(self, roots: Iterable[Path]):
+        self.roots = tuple(roots)
+        self._compute_paths: dict[str, list[tuple[str, Path]]] = {}
+        self._network_paths: dict[str, dict[str, Path]] = {}
+        self._attention_paths: dict[str, list[Path]] = {}
+        self._overhead_paths: dict[str, list[Path]] = {}
+        self._compute: dict[str, list[ComputeTable]] = {}
+        self._network: dict[str, dict[str, CollectiveTable]] = {}
+        for r in self.roots:
+            self._scan(r)
+
+    def _scan(self, root: Path) -> None:
+        if not root.is_dir():
+            raise ProfileError(f"cost.profiles: {str(root)!r} is not a folder (expected "
+                               f"compute/<gpu>/<org>/<model>/mlp.csv and/or network/<node>/all_reduce.csv)")
+        comp = root / "compute"
+        if comp.is_dir():
+            for gpu_dir in sorted(p for p in comp.iterdir() if p.is_dir()):
+                for f in sorted(gpu_dir.glob("*/*/mlp.csv*")):
+                    if f.name in ("mlp.csv", "mlp.csv.gz"):
+                        self._compute_paths.setdefault(gpu_dir.name, []).append(
+                            (f"{f.parent.parent.name}/{f.parent.name}", f))
+                for f in sorted(gpu_dir.glob("*/*/attention.csv*")):
+                    if f.name in ("attention.csv", "attention.csv.gz"):
+                        self._attention_paths.setdefault(gpu_dir.name, []).append(f)
+                for f in sorted(gpu_dir.glob("*/*/overhead.csv")):
+                    self._overhead_paths.setdefault(gpu_dir.name, []).append(f)
+        net = root / "network"
+        if net.is_dir():
+            for node_dir in sorted(p for p in net.iterdir() if p.is_dir()):
+                for kind in ("all_reduce", "send_recv"):
+                    table = _table_file(node_dir, kind)
+                    if table is not None:
+                        self._network_paths.setdefault(node_dir.name, {})[kind] = table
+
+    @property
+    def gpus(self) -> list[str]:
+        return sorted(self._compute_paths)
+
+    @property
+    def nodes(self) -> list[str]:
+        return sorted(self._network_paths)
+
+    def compute(self, gpu: str) -> list[ComputeTable]:
+        if gpu not in self._compute:
+            # A later root's tables first: a user's table wins over a shipped one of the same shape.
+            by_root = [(i, name, path) for name, path in self._compute_paths.get(gpu, [])
+                       for i, r in enumerate(self.roots) if path.is_relative_to(r)]
+            self._compute[gpu] = [read_compute_table(path, gpu, name)
+                                  for _, name, path in sorted(by_root, key=lambda x: -x[0])]
+        return self._compute[gpu]
+
+    def attention(self, gpu: str) -> list[tuple[Path, dict[str, np.ndarray]]]:
+        """sim.profile's attention tables on this GPU: (path, columns)."""
+        out = []
+        for path in self._attention_paths.get(gpu, []):
+            header, rows = _read_csv(path)
+            out.append((path, _columns(path, header, rows, ATTENTION_COLUMNS)))
+        return out
+
+    def engine_overhead(self, gpu: str) -> tuple[str, dict[str, float]] | None:
+        """sim.profile's fitted per-step engine cost on this device (the last one found)."""
+        paths = self._overhead_paths.get(gpu, [])
+        if not paths:
+            return None
+        path = paths[-1]
+        header, rows = _read_csv(path)
+        cols = _columns(path, header, rows, ["const_ms", "per_seq_ms", "per_prefill_ms"])
+        return str(path.parent.relative_to(path.parents[2])), {k: float(v[0]) for k, v in cols.items()}
+
+    def network(self, node: str) -> dict[str, CollectiveTable]:
+        if node not in self._network:
+            self._network[node] = {k: read_collective_table(p, node, k)
+                                   for k, p in self._network_paths.get(node, {}).items()}
+        return self._network[node]
+
+
+def load_profiles(user: str | os.PathLike | None = None) -> Profiles:
+    """The shipped tables, plus (overriding them) those under `user` (cost.profiles). Read once
+    per process while the user's folder keeps the same files (each replica builds its model)."""
+    if user is None:
+        return _load((SHIPPED,), ())
+    root = Path(user).expanduser().resolve()
+    files = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(root.rglob("*.csv*"))) \
+        if root.is_dir() else ()
+    return _load((SHIPPED, root), files)
+
+
+@functools.lru_cache(maxsize=8)
+def _load(roots: tuple[Path, ...], signature: tuple[Any, ...]) -> Profiles:
+    return Profiles(roots)
+
+
+# ---------------------------------------------------------------------------------------------
+# Interpolation
+
+
+def interp_tokens(tokens: np.ndarray, ms: np.ndarray, x: ArrayLike) -> np.ndarray:
+    """Piecewise-linear in tokens (exact at profiled points); below the first point the first
+    time (a kernel's floor), beyond the last the time per token of the last point."""
+    x = np.asarray(x, dtype=np.float64)
+    y = np.interp(x, tokens, ms)
+    hi = x > tokens[-1]
+    if np.any(hi):
+        y = np.where(hi, ms[-1] * x / tokens[-1], y)
+    return y
+
+
+def interp_size(size: np.ndarray, ms: np.ndarray, x: ArrayLike) -> np.ndarray:
+    """Collective time vs bytes: linear in log-log between profiled sizes (exact at them), the
+    smallest size's time below, bandwidth-bound (linear in bytes) above the largest."""
+    x = np.maximum(np.asarray(x, dtype=np.float64), 1.0)
+    y = np.exp(np.interp(np.log(x), np.log(size), np.log(ms)))
+    return np.where(x > size[-1], ms[-1] * x / size[-1], y)
+
+
+# ---------------------------------------------------------------------------------------------
+# Predicting operators of shapes not profiled on a GPU
+
+#: Width (in log2 units of N and K, or of the row width) of the kernel that weighs profiled
+#: shapes by their distance to the one predicted; chosen by benchmarks/sim_profiles.py.
+GEMM_BANDWIDTH = 2.5
+GEMM_RIDGE = 1.0
+ELEMENTWISE_BANDWIDTH = 0.6
+
+
+def gemm_dims(key: ModelKey, head_dim: int, tp: int) -> dict[str, tuple[int, int]]:
+    """(N, K) of each layer GEMM on one GPU of a TP group (rows M = tokens)."""
+    kv = max(key.kv_heads // tp, 1)  # fewer KV heads than GPUs: each GPU keeps a replica
+    q = key.heads // tp
+    up = (2 if key.gated else 1) * key.intermediate // tp
+    return {"attn_pre_proj": ((q + 2 * kv) * head_dim, key.hidden),
+            "attn_post_proj": (key.hidden, q * head_dim),
+            "mlp_up_proj": (up, key.hidden),
+            "mlp_down_proj": (key.hidden, key.intermediate // tp)}
+
+
+def elementwise_widths(key: ModelKey, head_dim: int, tp: int) -> dict[str, int]:
+    """Elements per token of each element-wise operator on one GPU."""
+    kv = max(key.kv_heads // tp, 1)
+    return {"input_layernorm": key.hidden, "post_attention_layernorm": key.hidden, "add": key.hidden,
+            "emb": key.hidden, "attn_rope": (key.heads // tp + kv) * head_dim, "mlp_act": key.intermediate // tp}
+
+
+class GpuOperatorModel:
+    """Operator times on one GPU for any shape, learnt from the tables profiled on it.
+
+    GEMMs: at each number of rows M, the achieved FLOP/s of every profiled GEMM (each model's
+    four layer GEMMs at each TP degree: N x K from ~1k x 1k to ~57k x 8k); a new (N, K) gets the
+    kernel-weighted mean of their log FLOP/s, weighted by distance in (log2 N, log2 K). Small M is
+    weight-read bound, large M compute bound; the curve carries both, per GPU.
+    Element-wise operators: the profiled times at the same number of elements (M x width),
+    weighted by distance in log2 width.
+    """
+
+    def __init__(self, gpu: str, tables: list[ComputeTable]):
+        if not tables:
+            raise ProfileError(f"no compute tables for GPU {gpu!r}")
+        self.gpu = gpu
+        self.tables = tables
+        g_nk, g_curves = [], []
+        e_curves: dict[str, list[tuple[float, np.ndarray, np.ndarray]]] = {op: [] for op in ELEMENTWISE}
+        for t in tables:
+            hd = t.key.head_dim
+            for tp, (tokens, times) in t.by_tp.items():
+                for op, (n, k) in gemm_dims(t.key, hd, tp).items():
+                    g_nk.append((math.log2(n), math.log2(k)))
+                    g_curves.append((tokens, np.log(2.0 * tokens * n * k / (times[op] * 1e-3))))
+                for op, w in elementwise_widths(t.key, hd, tp).items():
+                    if op in times:
+                        e_curves[op].append((float(w), tokens, times[op]))
+        self._g_nk = np.array(g_nk)
+        # Common grid of rows for the GEMM efficiencies: every profiled M up to the largest that
+        # all tables reach; past it, efficiency stays at its last value (time linear in M).
+        top = min(float(c[0][-1]) for c in g_curves)
+        grid = np.unique(np.concatenate([c[0] for c in g_curves]))
+        self._g_grid = grid[grid <= top]
+        self._g_logeff = np.array([np.interp(np.log(self._g_grid), np.log(tok), le) for tok, le in g_curves])
+        self._e_curves = e_curves
+
+    def gemm_ms(self, m: ArrayLike, n: int, k: int) -> np.ndarray:
+        m = np.maximum(np.asarray(m, dtype=np.float64), 1.0)
+        # Kernel-weighted local linear fit of log FLOP/s in (log2 N, log2 K) at every M of the grid
+        # (a ridge keeps the slopes sane where few shapes are near): unlike a weighted mean it
+        # follows the trend when asked for a larger GEMM than any profiled (70B on a GPU where
+        # only 7B was timed).
+        x = self._g_nk - np.array([math.log2(n), math.log2(k)])
+        w = np.exp(-(x ** 2).sum(axis=1) / (2 * GEMM_BANDWIDTH ** 2)) + 1e-300
+        X = np.c_[np.ones(len(x)), x]
+        A = X.T @ (w[:, None] * X) + GEMM_RIDGE * w.sum() * np.diag([0.0, 1.0, 1.0])
+        logeff = np.linalg.solve(A, X.T @ (w[:, None] * self._g_logeff))[0]
+        eff = np.exp(np.interp(np.log(m), np.log(self._g_grid), logeff))
+        return 2.0 * m * n * k / eff * 1e3
+
+    def elementwise_ms(self, op: str, m: ArrayLike, width: int) -> np.ndarray:
+        m = np.maximum(np.asarray(m, dtype=np.float64), 1.0)
+        curves = self._e_curves[op]
+        logw = np.array([math.log2(c[0]) for c in curves])
+        w = np.exp(-(logw - math.log2(width)) ** 2 / (2 * ELEMENTWISE_BANDWIDTH ** 2)) + 1e-300
+        logs = np.array([np.log(interp_tokens(tok, ms, m * width / cw)) for cw, tok, ms in curves])
+        return np.exp((w @ logs) / w.sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives
+
+
+class Collectives:
+    """All-reduce and send/recv times on one node, from its tables; a worker count without an
+    all-reduce table is predicted as a ring over the node's send/recv (flagged)."""
+
+    def __init__(self, node: str | None, profiles: Profiles):
+        self.node = node
+        self._profiles = profiles
+        self._tables: dict[str, CollectiveTable] | None = None
+        self.notes: list[str] = []
+
+    @property
+    def tables(self) -> dict[str, CollectiveTable]:
+        # Read when first timed: a single-GPU model never pays for the node's tables.
+        if self._tables is None:
+            self._tables = self._profiles.network(self.node) if self.node else {}
+        return self._tables
+
+    @tables.setter
+    def tables(self, value: dict[str, CollectiveTable]) -> None:
+        self._tables = value
+
+    def _ring_params(self) -> tuple[float, float]:
+        """(latency ms, ms per byte) of one point-to-point hop, fitted to send/recv on one node."""
+        sr = self.tables.get("send_recv")
+        if sr is None:
+            raise ProfileError(f"node {self.node!r} has no send_recv table to predict collectives from "
+                               f"(nodes with tables: see sim/profiles/README.md); set hardware.node")
+        key = max(sr.curves, key=lambda k: (k[1], -k[0]))
+        size, ms = sr.curves[key]
+        slope, lat = np.polyfit(size, ms, 1)
+        return max(float(lat), float(ms[0])), max(float(slope), 1e-15)
+
+    def all_reduce_ms(self, nbytes: ArrayLike, workers: int) -> np.ndarray:
+        nbytes = np.asarray(nbytes, dtype=np.float64)
+        if workers <= 1:
+            return np.zeros_like(nbytes)
+        ar = self.tables.get("all_reduce")
+        if ar is not None:
+            # One TP group on one node: devices_per_node == workers when profiled, else the most.
+            cands = [k for k in ar.curves if k[0] == workers]
+            if cands:
+                key = max(cands, key=lambda k: (k[1] == workers, k[1]))
+                return interp_size(*ar.curves[key], nbytes)
+            # Another worker count on this node: its curve scaled by the ring's bytes per GPU,
+            # 2 (n - 1) / n (median 5-19% off on the DGX nodes when a count is held out; the
+            # pairwise nodes' slow links between pairs make 2 -> 4 unpredictable).
+            inside = [k for k in ar.curves if k[0] == k[1]]
+            if inside:
+                near = min(inside, key=lambda k: (abs(math.log(k[0] / workers)), -k[0]))
+                self._note(f"all-reduce over {workers} GPUs on {self.node}: predicted from its {near[0]}-GPU table")
+                scale = (workers - 1) / workers * near[0] / (near[0] - 1)
+                return interp_size(*ar.curves[near], nbytes) * scale
+        lat, per_byte = self._ring_params()
+        self._note(f"all-reduce over {workers} GPUs on {self.node}: predicted (ring over send/recv; no all-reduce table)")
+        steps = 2 * (workers - 1)
+        return steps * (lat + per_byte * nbytes / workers)
+
+    def _note(self, note: str) -> None:
+        if note not in self.notes:
+            self.notes.append(note)
+
+    def send_recv_ms(self, nbytes: ArrayLike, same_node: bool = True) -> np.ndarray:
+        nbytes = np.asarray(nbytes, dtype=np.float64)
+        sr = self.tables.get("send_recv")
+        if sr is None:
+            raise ProfileError(f"node {self.node!r} has no send_recv table (pipeline parallelism times "
+                               f"stage-to-stage transfers from it); set hardware.node")
+        want = 2 if same_node else 1
+        key = min(sr.curves, key=lambda k: (abs(k[1] - want), k[0]))
+        return interp_size(*sr.curves[key], nbytes)
+
+    def has_measured_all_reduce(self, workers: int) -> bool:
+        ar = self.tables.get("all_reduce")
+        return workers <= 1 or (ar is not None and any(k[0] == workers for k in ar.curves))
+
+
+# ---------------------------------------------------------------------------------------------
+# The cost model
+
+
+def is_gated(cfg: Mapping[str, Any]) -> bool:
+    c = dict(cfg.get("text_config", cfg))
+    return str(c.get("model_type", "llama")) not in NON_GATED
+
+
+def resolve_gpu(hardware: HardwareSpec, profiles: Profiles) -> str:
+    """The compute-table GPU for a hardware spec, or a one-line error naming the fix."""
+    for name in (hardware.profile_gpu, hardware.name):
+        if name and name in profiles.gpus:
+            return name
+    have = ", ".join(profiles.gpus) or "none"
+    raise ProfileError(
+        f"cost.model=measured: no operator tables for hardware {hardware.name!r}"
+        f"{f' (profile_gpu {hardware.profile_gpu!r})' if hardware.profile_gpu else ''}; tables exist for: {have}. "
+        f"Point cost.profiles at a folder with compute/{hardware.profile_gpu or hardware.name}/<org>/<model>/mlp.csv "
+        f"(python -m sim.profile writes one), or use cost.model=roofline")
+
+
+@functools.lru_cache(maxsize=16)
+def _operator_model(profiles: Profiles, gpu: str, exclude: frozenset[ModelKey] = frozenset()) -> GpuOperatorModel:
+    return GpuOperatorModel(gpu, [t for t in profiles.compute(gpu) if t.key not in exclude])
+
+
+def _exact(profiles: Profiles, gpu: str, key: ModelKey, tp: int, tokens: np.ndarray,
+           vocab: int | None) -> tuple[dict[str, np.ndarray], str] | None:
+    """The operators from a table of this shape and TP degree on this GPU, if there is one. A
+    table of the same shape serves (Llama-2-70B and Llama-3-70B share one); the same vocabulary first."""
+    for t in sorted(profiles.compute(gpu), key=lambda t: t.vocab != vocab):  # stable: root order kept
+        if t.key == key and tp in t.by_tp:
+            tok, times = t.by_tp[tp]
+            out = {op: np.zeros_like(tokens) for op in (*LAYER_OPS, "emb")}
+            out.update({op: interp_tokens(tok, ms, tokens) for op, ms in times.items()})
+            return out, f"{gpu}/{t.name} TP{tp}"
+    return None
+
+
+def _from_shapes(profiles: Profiles, gpu: str, key: ModelKey, head_dim: int, tp: int, tokens: np.ndarray,
+                 exclude: frozenset[ModelKey]) -> dict[str, np.ndarray]:
+    om = _operator_model(profiles, gpu, exclude)
+    out = {op: om.gemm_ms(tokens, n, k) for op, (n, k) in gemm_dims(key, head_dim, tp).items()}
+    for op, w in elementwise_widths(key, head_dim, tp).items():
+        out[op] = om.elementwise_ms(op, tokens, w)
+    return out
+
+
+def layer_op_ms(profiles: Profiles, gpu: str, key: ModelKey, head_dim: int, tp: int, tokens: np.ndarray,
+                exclude: tuple[ModelKey, ...] = (), vocab: int | None = None) -> tuple[dict[str, np.ndarray], str]:
+    """ms per layer of each non-attention operator (and `emb`, per step) at these token counts,
+    and where they come from: a table of this shape at this TP degree on this GPU, interpolated
+    in tokens; else predicted from the GEMM shapes by the other models profiled on this GPU.
+    (Scaling another GPU's table of the shape by the two GPUs' shape predictions was tried: worse,
+    4.3% against 3.5% median in benchmarks/sim_profiles.py's leave-one-out.)
+    `exclude`: shapes whose tables on this GPU are ignored (leave-one-out validation)."""
+    if key not in exclude:
+        hit = _exact(profiles, gpu, key, tp, tokens, vocab)
+        if hit is not None:
+            return hit[0], f"measured: {hit[1]}"
+    without = frozenset((*exclude, key))
+    here = _from_shapes(profiles, gpu, key, head_dim, tp, tokens, without)
+    return here, f"predicted from GEMM shapes on {gpu} (no table for this shape at TP{tp})"
+
+
+@dataclass(frozen=True)
+class AttentionCalibration:
+    """Seconds of one layer's attention = const + per_seq x requests + per_byte x K/V/Q bytes +
+    per_flop x FLOPs: the roofline's two terms with this GPU's achieved rates (and the per-call
+    and per-request costs a roofline lacks), fitted by non-negative least squares in relative
+    error to sim.profile's attention tables."""
+
+    const: float
+    per_seq: float
+    per_byte: float
+    per_flop: float
+    cases: int
+    source: str
+
+
+def calibrate_attention(profiles: Profiles, gpu: str) -> AttentionCalibration | None:
+    from sim.cost_models import _nnls
+
+    X, y, names = [], [], []
+    for path, c in profiles.attention(gpu):
+        names.append(str(path.parent.relative_to(path.parents[2])))
+        for i in range(len(c["batch_size"])):
+            b, n, cached = c["batch_size"][i], c["new_tokens"][i], c["cached_tokens"][i]
+            q_dim, kv_dim, d = c["n_head"][i] * c["head_dim"][i], c["n_kv_head"][i] * c["head_dim"][i], c["dtype_bytes"][i]
+            pairs = b * (n * cached + n * (n + 1) / 2)
+            nbytes = 2 * kv_dim * d * b * (cached + 2 * n) + 2 * q_dim * d * b * n
+            X.append([1.0, b, nbytes, 4 * q_dim * pairs])
+            y.append(c["time_stats.attention.median"][i] * 1e-3)
+    if len(y) < 4:
+        return None
+    A, t = np.array(X), np.array(y)
+    A, t = A / t[:, None], np.ones_like(t)  # relative error: a short decode counts as much as a long prefill
+    norms = np.linalg.norm(A, axis=0)
+    norms[norms == 0] = 1.0
+    coef = _nnls(A / norms, t) / norms
+    return AttentionCalibration(float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3]), cases=len(y),
+                                source=", ".join(names))
+
+
+class MeasuredCostModel(CostModel):
+    """Step time from measured operator tables (see the module docstring), for one GPU of a TP
+    group, one microbatch through all pipeline stages in sequence.
+
+    step = embedding + layers x (linear + attention + 2 all-reduces) + LM head
+           + (pipeline - 1) send/recv + the hardware's fixed overhead.
+    """
+
+    def __init__(self, model_config: str | os.PathLike | Mapping[str, Any] = "tiny",
+                 hardware: str | os.PathLike | Mapping[str, Any] | HardwareSpec = "h100_sxm",
+                 profiles: str | os.PathLike | None = None, tensor: int = 1, pipeline: int = 1,
+                 dtype_bytes: int | None = None, overhead_s: float | None = None,
+                 exclude: tuple[ModelKey, ...] = (), engine_overhead: bool = True):
+        cfg = load_model_config(model_config)
+        self.shape = m = ModelShape.from_config(cfg)
+        self.hardware = hw = HardwareSpec.coerce(hardware)
+        self.tensor, self.pipeline = int(tensor), int(pipeline)
+        self.dtype_bytes = d = int(dtype_bytes if dtype_bytes is not None else hw.dtype_bytes)
+        self.overhead_s = float(overhead_s if overhead_s is not None else hw.step_overhead_s)
+        self.profiles = load_profiles(profiles)
+        self.gpu = resolve_gpu(hw, self.profiles)
+        self.key = ModelKey.of(m, is_gated(cfg))
+        tp = self.tensor
+        tokens = np.arange(GRID_TOKENS + 1, dtype=np.float64)
+        ops, self.linear_source = layer_op_ms(self.profiles, self.gpu, self.key, m.head_dim, tp, tokens, exclude,
+                                               m.vocab)
+        layer = np.sum([PER_LAYER[op] * ops[op] for op in LAYER_OPS], axis=0)
+        layer[0] = 0.0
+        emb = ops["emb"].copy()
+        emb[0] = 0.0
+        if (self.tensor > 1 or self.pipeline > 1) and hw.node is None:
+            raise ProfileError(f"hardware {hw.name!r} names no node (hardware.node) to time tensor/pipeline "
+                               f"communication with; set e.g. hardware.node=h100_dgx (nodes: {', '.join(self.profiles.nodes)})")
+        self.comm = Collectives(hw.node, self.profiles)
+        act = tokens * m.hidden * d  # bytes of one activation all-reduced / sent
+        ar = 2.0 * self.comm.all_reduce_ms(act, tp) if tp > 1 else np.zeros_like(tokens)
+        pp = (self.pipeline - 1) * self.comm.send_recv_ms(act) if self.pipeline > 1 else np.zeros_like(tokens)
+        ar[0] = 0.0
+        pp[0] = 0.0
+        # Seconds, as Python lists: an index is far cheaper than a numpy call per step.
+        self._layer = (layer * 1e-3).tolist()
+        self._emb = (emb * 1e-3).tolist()
+        self._ar = (ar * 1e-3).tolist()
+        self._pp = (pp * 1e-3).tolist()
+        # What a step's token count fixes, summed once: the per-step path is then three lookups
+        # and the attention's roofline.
+        L = m.layers
+        self._fixed = [e + L * (ly + a) + p for e, ly, a, p in zip(self._emb, self._layer, self._ar, self._pp)]
+        om = _operator_model(self.profiles, self.gpu, frozenset(exclude))
+        rows = np.arange(HEAD_ROWS + 1, dtype=np.float64)
+        head = om.gemm_ms(rows, max(m.vocab // tp, 1), m.hidden) * 1e-3
+        head[0] = 0.0
+        self._head = head.tolist()
+        # Attention: the roofline per layer, heads sharded over TP.
+        q_dim = (m.heads // tp) * m.head_dim
+        kv_dim = max(m.kv_heads // tp, 1) * m.head_dim
+        self._pair_flops = 4.0 * q_dim
+        self._kv_token = 2.0 * kv_dim * d
+        self._q_token = 2.0 * q_dim * d
+        self._F, self._B = hw.flops, hw.bandwidth
+        self.attention_calibration = cal = calibrate_attention(self.profiles, self.gpu)
+        if cal is None:
+            attention = "attention: estimated (roofline at the hardware's efficiencies; no attention tables)"
+            # One form for both: attention = const + per_seq n + max(pairs flops / F, bytes / B).
+            self._a0 = self._a1 = 0.0
+            self._calibrated = False
+        else:
+            attention = (f"attention: calibrated on {cal.cases} measured cases ({cal.source}): "
+                         f"{1 / max(cal.per_byte, 1e-30) / 1e9:.3g} GB/s, {1 / max(cal.per_flop, 1e-30) / 1e12:.3g} TFLOP/s, "
+                         f"{cal.const * 1e6:.3g} us + {cal.per_seq * 1e6:.3g} us per request per layer")
+            self._a0, self._a1 = cal.const, cal.per_seq
+            self._F = 1.0 / cal.per_flop if cal.per_flop > 0 else float("inf")
+            self._B = 1.0 / cal.per_byte if cal.per_byte > 0 else float("inf")
+            self._calibrated = True
+        # Per-step cost: sim.profile's fitted engine overhead on this device if there is one,
+        # else the hardware spec's (estimated) step_overhead_s.
+        prof_ov = self.profiles.engine_overhead(self.gpu) if engine_overhead and overhead_s is None else None
+        if prof_ov is None:
+            self._o0, self._o1, self._o2 = self.overhead_s, 0.0, 0.0
+            overhead = f"overhead: {self.overhead_s * 1e3:.3g} ms per step (hardware.step_overhead_s)"
+        else:
+            c = prof_ov[1]
+            self._o0, self._o1, self._o2 = c["const_ms"] * 1e-3, c["per_seq_ms"] * 1e-3, c["per_prefill_ms"] * 1e-3
+            self.overhead_s = self._o0
+            overhead = (f"overhead: the engine's, profiled ({prof_ov[0]}): {c['const_ms']:.3g} ms per step + "
+                        f"{c['per_seq_ms']:.3g} ms per request + {c['per_prefill_ms']:.3g} ms per prefill")
+        self.notes = [f"linear: {self.linear_source}", "lm_head: predicted from its GEMM shape", attention,
+                      overhead, *self.comm.notes]
+
+    # Per-token tables past their end: time per token of the last entry.
+    @staticmethod
+    def _at(table: list[float], i: int) -> float:
+        n = len(table) - 1
+        return table[i] if i <= n else table[n] * i / n
+
+    def parts(self, s: StepSums) -> dict[str, float]:
+        """Seconds of each part of the step (sim.explain's breakdown); they sum to step_time_sums."""
+        t = int(s.new)
+        if not t:
+            return {"embedding_s": 0.0, "linear_s": 0.0, "attention_s": 0.0, "lm_head_s": 0.0,
+                    "communication_s": 0.0, "overhead_s": self.overhead_s}
+        L = self.shape.layers
+        attn = self._attention(s.num_seqs, s.attention_pairs, s.cached, t)
+        return {"embedding_s": self._at(self._emb, t), "linear_s": L * self._at(self._layer, t),
+                "attention_s": L * attn, "lm_head_s": self._at(self._head, s.num_logits),
+                "communication_s": L * self._at(self._ar, t) + self._at(self._pp, t),
+                "overhead_s": self._o0 + self._o1 * s.num_seqs + self._o2 * s.num_prefills}
+
+    def step_time_sums(self, s: StepSums) -> float:
+        t = int(s.new)
+        if not t:
+            return self.overhead_s
+        fixed, head = self._fixed, self._head
+        base = ((fixed[t] if t < len(fixed) else self._at(fixed, t))
+                + (head[s.num_logits] if s.num_logits < len(head) else self._at(head, s.num_logits))
+                + (self._o0 + self._o1 * s.num_seqs + self._o2 * s.num_prefills))
+        return base + self.shape.layers * self._attention(s.num_seqs, s.attention_pairs, s.cached, t)
+
+    def _attention(self, seqs: float, pairs: float, cached: float, t: float) -> float:
+        """One layer's attention: the roofline, or its calibrated form (sum of the terms plus a
+        per-call and a per-request cost) where this GPU has attention tables."""
+        f = self._pair_flops * pairs / self._F
+        b = (self._kv_token * (cached + 2.0 * t) + self._q_token * t) / self._B
+        if self._calibrated:
+            return self._a0 + self._a1 * seqs + f + b
+        return max(f, b)
+
+    def step_time(self, new_tokens: ArrayLike, cached_tokens: ArrayLike, num_logits: int | None = None) -> float:
+        n, c = _as_arrays(new_tokens, cached_tokens)
+        rows = len(n) if num_logits is None else int(num_logits)
+        pairs = attention_pairs(n, c)
+        s = StepSums(len(n), float(n.sum()), float(c.sum()), float(np.dot(n, c)), float(np.dot(n, n)), rows,
+                     int((n > 1).sum()))
+        assert abs(s.attention_pairs - pairs) <= 1e-9 * max(pairs, 1.0)
+        return self.step_time_sums(s)
+
+    def decode_step_time(self, num_seqs: int) -> Callable[[int], float]:
+        # Everything but the attention's KV read is fixed by the batch size: computed once, the
+        # rest in step_time_sums's order of operations (the same floats).
+        t = num_seqs
+        base = self._at(self._fixed, t) + self._at(self._head, t) + (self._o0 + self._o1 * t + self._o2 * 0)
+        L, pair_flops, kv_token, q_bytes = self.shape.layers, self._pair_flops, self._kv_token, self._q_token * t
+        F, B, half_pairs = self._F, self._B, (t + t) / 2.0
+
+        if self._calibrated:
+            a0, a1 = self._a0, self._a1
+
+            def calibrated(cached: int) -> float:
+                return base + L * (a0 + a1 * t + pair_flops * (cached + half_pairs) / F
+                                   + (kv_token * (cached + 2.0 * t) + q_bytes) / B)
+            return calibrated
+
+        def step(cached: int) -> float:
+            return base + L * max(pair_flops * (cached + half_pairs) / F, (kv_token * (cached + 2.0 * t) + q_bytes) / B)
+        return step

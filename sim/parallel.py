@@ -1,0 +1,188 @@
+"""Tensor and pipeline parallelism in the simulator (`parallel.tensor=N`, `parallel.pipeline=M`).
+
+Tensor parallelism (TP) shards every GEMM and the attention heads over N GPUs (a GPU keeps a
+replica of a KV head when there are fewer KV heads than GPUs) and pays two all-reduces of the
+step's activations per layer (after the attention output and the MLP down projections), timed
+from the node's collective table (`hardware.node`). Pipeline parallelism (PP) splits the layers
+into M stages that pass activations on by send/recv.
+
+In-flight microbatches: a pipeline of M stages keeps M batches in flight, each one stage apart.
+The simulator models this as vLLM's pipeline-parallel engine does: M virtual engines per replica,
+each with its own scheduler and 1/M of the KV pool, each batch taking the whole pipeline's
+latency (all layers + M - 1 transfers). While the M batches are alike, every stage is busy all
+the time, as in the real pipeline; bubbles from unequal batches are not modelled.
+
+Weights and KV live per GPU: a replica's KV pool is what fits on the fullest GPU next to its
+share of the weights, so it grows with TP x PP. A configuration whose weights do not fit is
+rejected with the numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from sim.cost_models import CostModel, HardwareSpec, ModelShape, RooflineCostModel, StepSums, load_model_config
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    tensor: int = 1
+    pipeline: int = 1
+
+    @classmethod
+    def of(cls, d: Mapping[str, Any] | None) -> Parallelism:
+        d = dict(d or {})
+        tp, pp = d.get("tensor"), d.get("pipeline")
+        p = cls(1 if tp is None else int(tp), 1 if pp is None else int(pp))
+        if p.tensor < 1 or p.pipeline < 1:
+            raise ValueError(f"parallel.tensor={p.tensor} parallel.pipeline={p.pipeline}: both must be >= 1")
+        return p
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor * self.pipeline
+
+    def check(self, shape: ModelShape) -> None:
+        """Reject a split the model's shape does not allow (one line, the fix in it)."""
+        tp, pp = self.tensor, self.pipeline
+        if shape.heads % tp:
+            raise ValueError(f"parallel.tensor={tp} does not divide the model's {shape.heads} attention heads; "
+                             f"use a divisor of {shape.heads}")
+        if shape.kv_heads % tp and tp % shape.kv_heads:
+            raise ValueError(f"parallel.tensor={tp} and the model's {shape.kv_heads} KV heads: one must divide the "
+                             f"other (each GPU holds whole KV heads, or a replica of one)")
+        if pp > shape.layers:
+            raise ValueError(f"parallel.pipeline={pp} exceeds the model's {shape.layers} layers")
+
+
+def shard_config(cfg: Mapping[str, Any], tp: int) -> dict[str, Any]:
+    """The HF config of what one GPU of a TP group computes: heads, KV heads, MLP width and
+    vocabulary divided by TP (a KV head replicated when there are fewer than GPUs)."""
+    c = dict(cfg.get("text_config", cfg))
+    if tp == 1:
+        return dict(cfg)
+    shape = ModelShape.from_config(c)
+    c.update(num_attention_heads=shape.heads // tp, num_key_value_heads=max(shape.kv_heads // tp, 1),
+             head_dim=shape.head_dim, intermediate_size=shape.intermediate // tp,
+             vocab_size=math.ceil(shape.vocab / tp))
+    return c
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Per-GPU memory of one replica (the fullest GPU: the stage with the most layers and the
+    embedding or LM head) and the KV tokens it leaves room for."""
+
+    weight_bytes_per_gpu: float
+    kv_bytes_per_token_per_gpu: float
+    usable_bytes_per_gpu: float
+    kv_tokens: int  # per replica: tokens whose KV fits on every GPU of it
+
+
+def capacity(model_config: Mapping[str, Any], hardware: HardwareSpec, par: Parallelism,
+             memory_fraction: float, dtype_bytes: int | None = None, name: str | None = None) -> Capacity:
+    """KV tokens per replica; ValueError with the numbers when the weights do not fit."""
+    shape = ModelShape.from_config(load_model_config(model_config))
+    par.check(shape)
+    d = int(dtype_bytes or hardware.dtype_bytes)
+    usable = hardware.memory_bytes * memory_fraction
+    if par.gpus == 1:
+        # The roofline's own arithmetic, so single-GPU runs keep their KV pool exactly.
+        weights = float(shape.num_params * d)
+        per_token = float(shape.kv_bytes_per_token(d))
+        tokens = max(0, int((usable - weights) // per_token))
+    else:
+        s = ModelShape.from_config(shard_config(dict(load_model_config(model_config)), par.tensor))
+        pp = par.pipeline
+        counts = [shape.layers // pp + (1 if i < shape.layers % pp else 0) for i in range(pp)]
+        emb = s.vocab * s.hidden
+        head = 0 if (shape.tied_embeddings and pp == 1) else emb
+        stages = []
+        for i, n in enumerate(counts):
+            w = n * s.layer_params + (emb if i == 0 else 0) + ((head + s.hidden) if i == pp - 1 else 0)
+            stages.append((w * d, n * 2 * s.kv_dim * d))
+        tokens = min(max(0, int((usable - w) // kv)) for w, kv in stages)
+        weights, per_token = max(w for w, _ in stages), max(kv for _, kv in stages)
+    label = name or "the model"
+    where = (f"{hardware.name} with parallel.tensor={par.tensor} parallel.pipeline={par.pipeline}")
+    if weights >= usable:
+        need = math.ceil(weights * par.gpus / usable)
+        raise ValueError(f"{label} does not fit on {where}: {weights / 1e9:.1f} GB of weights per GPU vs "
+                         f"{usable / 1e9:.1f} GB usable ({memory_fraction:g} x {hardware.memory_gb:g} GB); "
+                         f"use at least {need} GPUs (parallel.tensor x parallel.pipeline)")
+    return Capacity(weights, per_token, usable, tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# Communication on top of a single-GPU cost model
+
+
+class CommunicationCostModel(CostModel):
+    """A per-GPU cost model (the roofline of the sharded shape) plus the step's communication:
+    2 all-reduces per layer and pipeline - 1 send/recvs of the step's activations."""
+
+    def __init__(self, inner: CostModel, shape: ModelShape, hardware: HardwareSpec, par: Parallelism,
+                 profiles: str | os.PathLike | None = None, dtype_bytes: int | None = None):
+        from sim.measured import GRID_TOKENS, Collectives, load_profiles
+
+        self.inner, self.shape, self.parallel = inner, shape, par
+        self.comm = Collectives(hardware.node, load_profiles(profiles))
+        if hardware.node is None:
+            raise ValueError(f"hardware {hardware.name!r} names no node (hardware.node) to time tensor/pipeline "
+                             f"communication with; set e.g. hardware.node=h100_dgx to borrow its collective tables")
+        d = int(dtype_bytes or hardware.dtype_bytes)
+        tokens = np.arange(GRID_TOKENS + 1, dtype=np.float64)
+        act = tokens * shape.hidden * d
+        ms = shape.layers * 2.0 * self.comm.all_reduce_ms(act, par.tensor)
+        if par.pipeline > 1:
+            ms = ms + (par.pipeline - 1) * self.comm.send_recv_ms(act)
+        ms[0] = 0.0
+        self._comm = (ms * 1e-3).tolist()
+        self.notes = list(self.comm.notes)
+
+    def communication_s(self, tokens: float) -> float:
+        t, n = int(tokens), len(self._comm) - 1
+        return self._comm[t] if t <= n else self._comm[n] * t / n
+
+    def step_time(self, new_tokens: ArrayLike, cached_tokens: ArrayLike, num_logits: int | None = None) -> float:
+        return self.inner.step_time(new_tokens, cached_tokens, num_logits) + self.communication_s(
+            float(np.asarray(new_tokens, dtype=np.float64).sum()))
+
+    def step_time_sums(self, s: StepSums) -> float:
+        return self.inner.step_time_sums(s) + self.communication_s(s.new)
+
+    def decode_step_time(self, num_seqs: int) -> Callable[[int], float]:
+        inner, comm = self.inner.decode_step_time(num_seqs), self.communication_s(num_seqs)
+
+        def step(cached: int) -> float:
+            return inner(cached) + comm
+        return step
+
+
+def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: HardwareSpec,
+                     parallel: Mapping[str, Any] | Parallelism | None) -> CostModel:
+    """roofline (sharded + communication) or measured, for any parallelism; profiled and replay
+    time one measured engine as it ran, so they refuse a parallel configuration."""
+    par = parallel if isinstance(parallel, Parallelism) else Parallelism.of(parallel)
+    cfg = load_model_config(model_config)
+    shape = ModelShape.from_config(cfg)
+    par.check(shape)
+    name = cost.get("model", "roofline")
+    if name == "measured":
+        from sim.measured import MeasuredCostModel
+
+        return MeasuredCostModel(cfg, hardware, profiles=cost.get("profiles"), tensor=par.tensor,
+                                 pipeline=par.pipeline)
+    if name == "roofline":
+        inner = RooflineCostModel(shard_config(cfg, par.tensor), hardware)
+        if par.gpus == 1:
+            return inner
+        return CommunicationCostModel(inner, shape, hardware, par, cost.get("profiles"))
+    raise ValueError(f"cost.model={name} replays or fits one measured engine as it ran; parallel.tensor="
+                     f"{par.tensor} parallel.pipeline={par.pipeline} needs cost.model=roofline or measured")

@@ -1,0 +1,300 @@
+"""`python -m sim.profile`: time the real layers of a stock HF model on this machine and write
+operator tables in the layout `cost.model=measured` reads (sim/profiles/README.md):
+DIR/compute/<gpu>/local/<model>/mlp.csv, milliseconds per layer per operator against tokens.
+
+    python -m sim.profile --model tiny --out profiles/            # the embedded tiny Qwen3, on CPU
+    python -m sim.profile --model big --out profiles/             # the 50M shape of benchmarks/throughput.py
+    python -m sim.profile --model /path/to/hf-folder --device cuda --dtype bfloat16 --gpu h200_sxm --out profiles/
+    python -m sim.run cost.model=measured cost.profiles=profiles/ sim_model=tiny hardware=cpu_2core
+
+Each operator of the first decoder layer is timed on its own, as the model runs it: embedding
+lookup, input norm, the Q/K/V projections together (one table entry, as a fused QKV GEMM is
+timed elsewhere), rotary (with Qwen3's per-head q/k norms), output projection, post-attention
+norm, gate and up projections together, activation x up, down projection, residual add. Median
+of `--repeats` timings after a warm-up; the columns are those of the shipped tables plus
+`head_dim`. Attention: one layer of the project's backend (`--backend`, torch_sdpa by default:
+its real prepare and forward) over a grid of decode batches x contexts and prefills, written to
+attention.csv beside mlp.csv; the measured model calibrates its attention roofline on it.
+Engine: the real engine serves a few synthetic batches; what the operators leave unexplained of
+its steps (scheduling, metadata, sampling, Python between the modules) is fitted as a per-step,
+per-request and per-prefill cost (overhead.csv), which the measured model uses on this device in
+place of the hardware spec's estimated step_overhead_s. Collectives are not profiled yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+DEFAULT_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+OPS = ("emb", "input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
+       "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
+STATS = ("min", "max", "mean", "median", "std")
+
+
+def model_folder(name: str) -> Path:
+    """tiny (the embedded default), big (benchmarks/throughput.py's 50M shape) or an HF folder."""
+    from varlen.tiny_model import ensure_tiny_model, write_tiny_model
+
+    if name == "tiny":
+        return ensure_tiny_model("qwen3")
+    if name == "big":
+        # = benchmarks/throughput.py's BIG, in the folder it writes it to
+        big: dict[str, Any] = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                                   head_dim=64, intermediate_size=1536)
+        path = Path(os.environ.get("VARLEN_HOME", Path.home() / ".cache" / "varlen")) / "bench-qwen3-50m"
+        if not (path / "model.safetensors").exists():
+            write_tiny_model(path, "qwen3", vocab_size=32000, initializer_range=0.02, **big)
+        return path
+    p = Path(name).expanduser()
+    if not (p / "config.json").is_file():
+        raise ValueError(f"--model {name!r}: not tiny, big or a folder with a config.json")
+    return p
+
+
+def _timer(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> list[float]:
+    for _ in range(2):
+        fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: str = "cpu",
+                  dtype: str = "float32") -> list[dict[str, Any]]:
+    """One row per token count: the operators' time statistics (ms) and the shape columns."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
+    cfg = model.config
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    rows = []
+    with torch.inference_mode():
+        for t in tokens:
+            ids = torch.randint(0, cfg.vocab_size, (1, t), device=device)
+            x = model.model.embed_tokens(ids)
+            pos = torch.arange(t, device=device)[None]
+            cos, sin = model.model.rotary_emb(x, pos)
+            q = attn.q_proj(x).view(1, t, heads, head_dim)
+            k = attn.k_proj(x).view(1, t, kv_heads, head_dim)
+            qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+
+            def rope() -> Any:
+                qq, kk = (qn(q) if qn else q).transpose(1, 2), (kn(k) if kn else k).transpose(1, 2)
+                return rotary(qq, kk, cos, sin)
+
+            attn_out = torch.randn(1, t, heads * head_dim, device=device, dtype=x.dtype)
+            gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+            inner = mlp.act_fn(gate) * up
+            resid = x.clone()
+            ops: dict[str, Callable[[], Any]] = {
+                "emb": lambda: model.model.embed_tokens(ids),
+                "input_layernorm": lambda: layer.input_layernorm(x),
+                "attn_pre_proj": lambda: (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)),
+                "attn_rope": rope,
+                "attn_post_proj": lambda: attn.o_proj(attn_out),
+                "post_attention_layernorm": lambda: layer.post_attention_layernorm(x),
+                "mlp_up_proj": lambda: (mlp.gate_proj(x), mlp.up_proj(x)),
+                "mlp_act": lambda: mlp.act_fn(gate) * up,
+                "mlp_down_proj": lambda: mlp.down_proj(inner),
+                "add": lambda: x + resid,
+            }
+            row: dict[str, Any] = {}
+            for op in OPS:
+                row.update({f"time_stats.{op}.{k}": v for k, v in _stats(_timer(ops[op], repeats, sync)).items()})
+            row.update(n_head=heads, n_kv_head=kv_heads, n_embd=cfg.hidden_size,
+                       n_expanded_embd=cfg.intermediate_size, vocab_size=cfg.vocab_size, use_gated_mlp=True,
+                       num_tokens=t, num_tensor_parallel_workers=1, head_dim=head_dim)
+            rows.append(row)
+    return rows
+
+
+DECODE_GRID = ((1, 64), (1, 512), (1, 2048), (8, 64), (8, 512), (8, 2048), (32, 256), (32, 1024), (64, 512))
+PREFILL_GRID = ((1, 16, 0), (1, 64, 0), (1, 256, 0), (1, 1024, 0), (1, 256, 512), (1, 512, 1024), (4, 128, 0),
+                (4, 256, 256))
+
+
+def profile_attention(folder: Path, backend_name: str, repeats: int, device: str = "cpu", dtype: str = "float32",
+                      block_size: int = 16) -> list[dict[str, Any]]:
+    """One layer of the project's attention backend (its real prepare + forward, the K/V write
+    included) for pure decodes (batch x context) and prefills (batch x new tokens after cached
+    ones), in the model's head shape. Times in ms per layer; `prepare` is per step."""
+    import numpy as np
+    import torch
+    from transformers import AutoConfig
+
+    from backends import make_backend
+    from varlen.batch import SeqSlice, build_batch
+
+    cfg = AutoConfig.from_pretrained(folder)
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    backend = make_backend(backend_name)
+    tdtype = getattr(torch, dtype)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    cases = [("decode", b, 1, c) for b, c in DECODE_GRID] + [("prefill", b, n, c) for b, n, c in PREFILL_GRID]
+    rows = []
+    with torch.inference_mode():
+        for kind, batch_size, new, cached in cases:
+            need = -(-(cached + new) // block_size)
+            pool = need * batch_size
+            perm = np.random.default_rng(0).permutation(pool)
+            seqs = [SeqSlice(np.zeros(new, np.int64), cached, perm[i * need:(i + 1) * need], req_id=i)
+                    for i in range(batch_size)]
+            batch = build_batch(seqs, block_size, pool)
+            cache = backend.allocate_kv_cache(1, pool, block_size, hkv, d, tdtype, device)[0]
+            cache.normal_()
+            n = batch.num_tokens
+            q, k, v = (torch.randn(n, h, d, device=device, dtype=tdtype) for h in (hq, hkv, hkv))
+            meta = backend.prepare(batch, device)
+            fwd = _timer(lambda: backend.forward(q, k, v, cache, meta, d ** -0.5), repeats, sync)
+            prep = _timer(lambda: backend.prepare(batch, device), repeats, sync)
+            rows.append({"kind": kind, "batch_size": batch_size, "new_tokens": new, "cached_tokens": cached,
+                         **{f"time_stats.attention.{k}": v for k, v in _stats(fwd).items()},
+                         "time_stats.attention_prepare.median": statistics.median(prep),
+                         "n_head": hq, "n_kv_head": hkv, "head_dim": d, "block_size": block_size,
+                         "dtype_bytes": torch.empty(0, dtype=tdtype).element_size(),
+                         "backend": backend_name})
+    return rows
+
+
+ENGINE_BATCHES = ((1, 32, 24), (4, 64, 24), (16, 128, 16), (32, 200, 8), (8, 400, 4))  # requests, prompt, output
+
+
+def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu", dtype: str = "float32") -> list[Any]:
+    """The real engine (chunked scheduler, paged KV) serving a few synthetic batches: its step
+    log, each step's time counted to the next step's start (the bookkeeping between steps is
+    per-step time too; sim.cost_models.profile_rows). What the operators do not explain of it
+    is the engine's own per-step cost."""
+    from sim.cost_models import profile_rows
+    from varlen import LLM, SamplingParams
+
+    llm = LLM(str(folder), backend=backend, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=2048,
+              device=device, dtype=dtype)
+    if device == "cpu":
+        # This process's CPU time, as benchmarks/sim_fidelity.py times the real engine: on a shared
+        # machine another process time-sharing the core stretches wall-clock steps at random.
+        llm.engine.clock = _CpuClock()
+    llm.generate([[5] * 40] * 2, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    rows: list[Any] = []
+    for _ in range(max(1, repeats // 3)):
+        for b, prompt, out in ENGINE_BATCHES:
+            first = len(list(llm.engine.steps))
+            llm.generate([[7 + i] * prompt for i in range(b)], SamplingParams(max_tokens=out, ignore_eos=True))
+            rows += profile_rows(list(llm.engine.steps)[first:])
+    return rows
+
+
+class _CpuClock:
+    def __init__(self) -> None:
+        self._t0, self._idle = time.process_time(), 0.0
+
+    def now(self) -> float:
+        return time.process_time() - self._t0 + self._idle
+
+    def sleep_until(self, t: float) -> None:
+        self._idle += max(0.0, t - self.now())
+
+
+def fit_engine_overhead(rows: list[Any], config: dict[str, Any], gpu: str, out: Path) -> dict[str, float]:
+    """Per-step engine cost = const + per request + per prefill, fitted (non-negative least squares)
+    to what the measured operators leave unexplained of each profiled step."""
+    import numpy as np
+
+    from sim.cost_models import _nnls
+    from sim.measured import MeasuredCostModel
+
+    ops = MeasuredCostModel(config, gpu, profiles=out, overhead_s=0.0, engine_overhead=False)
+    X = np.array([[1.0, len(r[0]), sum(1 for n in r[0] if n > 1)] for r in rows])
+    resid = np.array([r[2] - ops.step_time(r[0], r[1], r[3]) for r in rows])
+    coef = _nnls(X, np.maximum(resid, 0.0))
+    pred = np.array([ops.step_time(r[0], r[1], r[3]) for r in rows]) + X @ coef
+    real = np.array([r[2] for r in rows])
+    return {"const_ms": coef[0] * 1e3, "per_seq_ms": coef[1] * 1e3, "per_prefill_ms": coef[2] * 1e3,
+            "steps": len(rows), "step_mape_pct": float(np.mean(np.abs(pred / real - 1)) * 100)}
+
+
+def _stats(ms: list[float]) -> dict[str, float]:
+    return {"min": min(ms), "max": max(ms), "mean": statistics.fmean(ms), "median": statistics.median(ms),
+            "std": statistics.pstdev(ms)}
+
+
+def write_table(rows: list[dict[str, Any]], out: Path, gpu: str, name: str, table: str = "mlp") -> Path:
+    import csv
+
+    path = out / "compute" / gpu / "local" / name / f"{table}.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny", help="tiny, big, or an HF model folder")
+    ap.add_argument("--out", default="profiles", help="profile folder (cost.profiles=)")
+    ap.add_argument("--gpu", default=None, help="the device's name in the tables (a hardware name, e.g. cpu_2core)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated token counts")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
+    ap.add_argument("--backend", default="torch_sdpa", help="attention backend to profile ('' to skip attention)")
+    ap.add_argument("--no-engine", dest="engine", action="store_false",
+                    help="skip the engine's per-step overhead (a few real engine runs)")
+    a = ap.parse_args(argv)
+    try:
+        tokens = tuple(sorted({int(x) for x in a.tokens.split(",")}))
+        if not tokens or tokens[0] < 1 or a.repeats < 1:
+            raise ValueError(f"--tokens {a.tokens!r} --repeats {a.repeats}: token counts and repeats must be >= 1")
+        gpu = a.gpu or ("cpu_2core" if a.device == "cpu" else None)
+        if gpu is None:
+            raise ValueError("--gpu: name the device as the tables should (e.g. h200_sxm, the hardware config's name)")
+        folder = model_folder(a.model)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    import torch
+
+    if a.device == "cpu":
+        torch.set_num_threads(a.threads)
+    rows = profile_model(folder, tokens, a.repeats, a.device, a.dtype)
+    name = {"tiny": "tiny", "big": "bench-qwen3-50m"}.get(a.model, folder.name)
+    path = write_table(rows, Path(a.out), gpu, name)
+    print(f"{len(rows)} token counts x {len(OPS)} operators -> {path}")
+    if a.backend:
+        att = profile_attention(folder, a.backend, a.repeats, a.device, a.dtype)
+        print(f"{len(att)} attention cases ({a.backend}) -> {write_table(att, Path(a.out), gpu, name, 'attention')}")
+        if a.engine:
+            import json
+
+            steps = profile_engine(folder, a.backend, a.repeats, a.device, a.dtype)
+            fit = fit_engine_overhead(steps, json.loads((folder / "config.json").read_text()), gpu, Path(a.out))
+            path = write_table([fit], Path(a.out), gpu, name, "overhead")
+            print(f"engine overhead from {fit['steps']} real steps: {fit['const_ms']:.3g} ms + {fit['per_seq_ms']:.3g} ms "
+                  f"per request + {fit['per_prefill_ms']:.3g} ms per prefill (step MAPE {fit['step_mape_pct']:.1f}%) -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""The measured operator cost model: shipped tables, interpolation, prediction from GEMM shapes,
+errors for GPUs without tables, user profile folders, the simulator's fast path."""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sim.cost_models import HardwareSpec, StepSums
+from sim.measured import (
+    LAYER_OPS, PER_LAYER, SHIPPED, MeasuredCostModel, ModelKey, ProfileError, interp_size, interp_tokens,
+    layer_op_ms, load_profiles, read_compute_table,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=32, vocab_size=32000)
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256)
+
+
+def test_shipped_tables_read_and_validate() -> None:
+    prof = load_profiles()
+    assert prof.gpus == ["a100", "a40", "h100"]
+    assert prof.nodes == ["a100_dgx", "a100_pairwise_nvlink", "a40_pairwise_nvlink", "h100_dgx", "h100_pairwise_nvlink"]
+    assert (SHIPPED / "LICENSE").read_text().count("MIT License") == 1
+    names = {g: sorted(t.name for t in prof.compute(g)) for g in prof.gpus}
+    assert names["a100"] == ["meta-llama/Llama-2-70b-hf", "meta-llama/Llama-2-7b-hf", "meta-llama/Meta-Llama-3-70B",
+                             "meta-llama/Meta-Llama-3-8B", "microsoft/phi-2"]
+    assert "meta-llama/Meta-Llama-3-8B" not in names["h100"]  # the gap the model predicts across
+    for g in prof.gpus:
+        for t in prof.compute(g):
+            assert sorted(t.by_tp) == ([1] if "phi-2" in t.name else [1, 2, 4, 8])
+            for tok, times in t.by_tp.values():
+                assert tok[0] == 1 and np.all(np.diff(tok) > 0) and tok[-1] >= 4096
+                assert all(np.all(v > 0) for v in times.values())
+    assert "all_reduce" not in prof.network("a40_pairwise_nvlink")
+    ar = prof.network("h100_dgx")["all_reduce"]
+    assert sorted(ar.curves) == [(2, 2), (4, 4), (8, 8)]
+
+
+def test_bad_tables_fail_with_the_file_and_the_problem(tmp_path: Path) -> None:
+    src = SHIPPED / "compute/a100/microsoft/phi-2/mlp.csv.gz"
+    lines = gzip.decompress(src.read_bytes()).decode().splitlines()
+    header = lines[0].split(",")
+    bad = tmp_path / "missing.csv"
+    i = header.index("time_stats.mlp_up_proj.median")
+    bad.write_text("\n".join(",".join(c for j, c in enumerate(r.split(",")) if j != i) for r in lines) + "\n")
+    with pytest.raises(ProfileError, match=r"missing.csv: missing columns \['time_stats.mlp_up_proj.median'\]"):
+        read_compute_table(bad, "x", "org/m")
+    neg = tmp_path / "negative.csv"
+    row = lines[1].split(",")
+    row[i] = "-1"
+    neg.write_text("\n".join([lines[0], ",".join(row), *lines[2:]]) + "\n")
+    with pytest.raises(ProfileError, match="mlp_up_proj has non-positive"):
+        read_compute_table(neg, "x", "org/m")
+    with pytest.raises(ProfileError, match="is not a folder"):
+        MeasuredCostModel(LLAMA2_7B, "a100_80gb_sxm", profiles=tmp_path / "nowhere")
+
+
+def test_interpolation_is_exact_at_profiled_points() -> None:
+    prof = load_profiles()
+    table = next(t for t in prof.compute("a100") if t.name == "meta-llama/Llama-2-7b-hf")
+    tok, times = table.by_tp[1]
+    m = MeasuredCostModel(LLAMA2_7B, "a100_80gb_sxm")
+    assert m.linear_source == "measured: a100/meta-llama/Llama-2-7b-hf TP1"
+    layer = sum(PER_LAYER[op] * times[op] for op in LAYER_OPS)
+    for i in (0, 5, 100, len(tok) - 1):
+        t = int(tok[i])
+        assert m._layer[t] == pytest.approx(layer[i] * 1e-3, rel=1e-12)
+        assert m._emb[t] == pytest.approx(times["emb"][i] * 1e-3, rel=1e-12)
+    # Between points: linear; past the last: time per token of the last point.
+    assert interp_tokens(np.array([1.0, 3.0]), np.array([2.0, 6.0]), [2.0, 6.0]).tolist() == [4.0, 12.0]
+    size, ms = np.array([1e3, 1e5]), np.array([0.01, 0.1])
+    assert interp_size(size, ms, [1e3, 1e4, 1e5, 2e5]).tolist() == pytest.approx([0.01, 0.01 * 10 ** 0.5, 0.1, 0.2])
+
+
+def test_step_time_is_the_sum_of_its_parts_and_grows_with_the_work() -> None:
+    m = MeasuredCostModel(LLAMA3_8B, "a100_80gb_sxm")
+    s = StepSums.of([300, 1, 1], [0, 100, 4000])
+    assert sum(m.parts(s).values()) == pytest.approx(m.step_time_sums(s), rel=1e-12)
+    assert m.step_time([300, 1, 1], [0, 100, 4000]) == m.step_time_sums(s)
+    assert m.step_time([600], [0]) > m.step_time([300], [0]) > m.step_time([1], [0])
+    assert m.step_time([1] * 8, [8000] * 8) > m.step_time([1] * 8, [100] * 8)
+    # Past the per-token grid: still defined and growing.
+    assert m.step_time([40000], [0]) > 2 * m.step_time([16000], [0])
+
+
+@pytest.mark.parametrize("batch", [1, 7, 64, 300])
+def test_decode_closure_equals_step_time_sums_bit_for_bit(batch: int) -> None:
+    m = MeasuredCostModel(LLAMA3_8B, "h100_sxm", tensor=2)
+    f = m.decode_step_time(batch)
+    for cached in (batch, 1000 * batch, 7919 * batch + 3):
+        assert f(cached) == m.step_time_sums(StepSums(batch, batch, cached, cached, batch, batch))
+
+
+def test_held_out_model_is_predicted_within_bounds() -> None:
+    """Leave-one-out on one small case (benchmarks/sim_profiles.py does all): Llama-3-8B's
+    layer on an A100 at TP1, its table hidden, predicted from the other models' GEMM shapes."""
+    prof = load_profiles()
+    table = next(t for t in prof.compute("a100") if t.name == "meta-llama/Meta-Llama-3-8B")
+    tok, times = table.by_tp[1]
+    pred, source = layer_op_ms(prof, "a100", table.key, 128, 1, tok, exclude=(table.key,))
+    assert source.startswith("predicted from GEMM shapes on a100")
+    meas = sum(PER_LAYER[op] * times[op] for op in LAYER_OPS)
+    err = np.abs(sum(PER_LAYER[op] * pred[op] for op in LAYER_OPS) / meas - 1)
+    assert np.median(err) < 0.06 and err.max() < 0.2  # measured: 3.3% and 14.7%
+
+
+def test_unprofiled_shapes_and_gpus_are_predicted_and_flagged() -> None:
+    qwen3_8b = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    m = MeasuredCostModel(qwen3_8b, "h100_sxm")
+    assert m.linear_source.startswith("predicted from GEMM shapes on h100")
+    assert any(n.startswith("attention: estimated") for n in m.notes)
+    # Llama-3-8B's shape has no H100 table: predicted, between 7B's and a larger model's time.
+    l3 = MeasuredCostModel(LLAMA3_8B, "h100_sxm")
+    l2 = MeasuredCostModel(LLAMA2_7B, "h100_sxm")
+    assert l3.linear_source.startswith("predicted") and l2.linear_source.startswith("measured")
+    assert l3._layer[2048] > l2._layer[2048]  # a wider MLP (14336 vs 11008) costs more
+    # A40: no all-reduce table, so TP's all-reduce is predicted, and says so.
+    a40 = MeasuredCostModel(LLAMA2_7B, "a40", tensor=2)
+    assert any("ring over send/recv" in n for n in a40.notes)
+
+
+@pytest.mark.parametrize("hw", ["h200_sxm", "cpu_2core"])
+def test_gpu_without_tables_fails_in_one_clear_line(hw: str) -> None:
+    with pytest.raises(ProfileError) as e:
+        MeasuredCostModel(LLAMA3_8B, hw)
+    msg = str(e.value)
+    assert f"no operator tables for hardware '{hw}'" in msg and "cost.profiles" in msg and "\n" not in msg
+    assert "a100, a40, h100" in msg
+
+
+def test_user_profiles_cover_a_new_gpu_and_override_shipped_tables(tmp_path: Path) -> None:
+    src = SHIPPED / "compute/a100/meta-llama/Meta-Llama-3-8B/mlp.csv.gz"
+    dst = tmp_path / "compute/h200_sxm/meta-llama/Meta-Llama-3-8B"
+    dst.mkdir(parents=True)
+    (dst / "mlp.csv").write_bytes(gzip.decompress(src.read_bytes()))
+    m = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path)
+    assert m.gpu == "h200_sxm" and m.linear_source == "measured: h200_sxm/meta-llama/Meta-Llama-3-8B TP1"
+    # A user's a100 table of a shipped shape wins over the shipped one.
+    lines = gzip.decompress(src.read_bytes()).decode().splitlines()
+    header = lines[0].split(",")
+    cols = [i for i, h in enumerate(header) if h.startswith("time_stats.")]
+    doubled = [lines[0]] + [",".join(str(2 * float(v)) if i in cols else v for i, v in enumerate(r.split(",")))
+                            for r in lines[1:]]
+    mine = tmp_path / "compute/a100/me/llama3-8b-slow"
+    mine.mkdir(parents=True)
+    (mine / "mlp.csv").write_text("\n".join(doubled) + "\n")
+    shipped = MeasuredCostModel(LLAMA3_8B, "a100_80gb_sxm")
+    user = MeasuredCostModel(LLAMA3_8B, "a100_80gb_sxm", profiles=tmp_path)
+    assert user.linear_source == "measured: a100/me/llama3-8b-slow TP1"
+    assert user._layer[512] == pytest.approx(2 * shipped._layer[512], rel=1e-9)
+    shutil.rmtree(tmp_path / "compute")
+
+
+def test_model_key_matches_configs_by_shape() -> None:
+    prof = load_profiles()
+    keys = {t.name: t.key for t in prof.compute("a100")}
+    assert keys["meta-llama/Llama-2-70b-hf"] == keys["meta-llama/Meta-Llama-3-70B"] == ModelKey(64, 8, 8192, 28672, True, 128)
+    assert not keys["microsoft/phi-2"].gated
+    assert HardwareSpec.load("a100_80gb_sxm").profile_gpu == "a100"
+
+
+def test_sim_run_with_the_measured_model_and_its_errors(tmp_path: Path) -> None:
+    base = [sys.executable, "-m", "sim.run", f"hydra.run.dir={tmp_path}", "workload.limit=40", "output.requests=false"]
+    ok = subprocess.run([*base, "cost.model=measured", "hardware=a100_80gb_sxm"], cwd=ROOT, capture_output=True,
+                        text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "40/40 finished" in ok.stdout
+    bad = subprocess.run([*base, "cost.model=measured", "hardware=h200_sxm"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: cost.model=measured: no operator tables for hardware 'h200_sxm'")
+    assert bad.stderr.strip().count("\n") == 0
+
+
+def test_profiler_writes_tables_the_measured_model_reads(tmp_path: Path) -> None:
+    """python -m sim.profile on the tiny model: the table it writes is valid, has the shape of
+    the model, and the measured model built on it reads its times back exactly."""
+    from sim.profile import main
+
+    assert main(["--model", "tiny", "--out", str(tmp_path), "--tokens", "1,8,64", "--repeats", "1", "--no-engine"]) == 0
+    path = tmp_path / "compute/cpu_2core/local/tiny/mlp.csv"
+    table = read_compute_table(path, "cpu_2core", "local/tiny")
+    assert table.key == ModelKey(4, 2, 64, 128, True, 16) and sorted(table.by_tp) == [1]
+    tok, times = table.by_tp[1]
+    assert tok.tolist() == [1.0, 8.0, 64.0] and set(times) == {*LAYER_OPS, "emb"}
+    m = MeasuredCostModel("tiny", "cpu_2core", profiles=tmp_path)
+    assert m.linear_source == "measured: cpu_2core/local/tiny TP1"
+    assert m._layer[8] == pytest.approx(sum(PER_LAYER[op] * times[op][1] for op in LAYER_OPS) * 1e-3, rel=1e-12)
+    # The backend's attention was profiled too, and calibrates the attention.
+    att = load_profiles(tmp_path).attention("cpu_2core")
+    assert len(att) == 1 and len(att[0][1]["batch_size"]) == 17
+    assert m.attention_calibration is not None and any(n.startswith("attention: calibrated on 17") for n in m.notes)
+    for b in (1, 9):
+        f = m.decode_step_time(b)
+        assert f(100 * b) == m.step_time_sums(StepSums(b, b, 100 * b, 100 * b, b, b))
+    assert main(["--model", str(tmp_path), "--out", str(tmp_path)]) == 2  # not a model folder
+
+
+def test_attention_calibration_recovers_the_rates_of_a_table(tmp_path: Path) -> None:
+    from sim.measured import ATTENTION_COLUMNS, calibrate_attention
+
+    const, per_seq, per_byte, per_flop = 20e-6, 3e-6, 1 / 50e9, 1 / 2e12
+    rows = []
+    for b, n, c in [(1, 1, 64), (1, 1, 4096), (16, 1, 512), (64, 1, 2048), (1, 512, 0), (1, 2048, 0), (4, 256, 1024)]:
+        pairs = b * (n * c + n * (n + 1) / 2)
+        nbytes = 2 * 1024 * 2 * b * (c + 2 * n) + 2 * 4096 * 2 * b * n
+        ms = (const + per_seq * b + per_byte * nbytes + per_flop * 4 * 4096 * pairs) * 1e3
+        rows.append([b, n, c, 32, 8, 128, 2, ms])
+    d = tmp_path / "compute/h200_sxm/me/m"
+    d.mkdir(parents=True)
+    (d / "attention.csv").write_text("\n".join([",".join(ATTENTION_COLUMNS)] + [",".join(map(str, r)) for r in rows]) + "\n")
+    cal = calibrate_attention(load_profiles(tmp_path), "h200_sxm")
+    assert cal is not None and cal.cases == 7
+    for got, want in zip((cal.const, cal.per_seq, cal.per_byte, cal.per_flop), (const, per_seq, per_byte, per_flop)):
+        assert got == pytest.approx(want, rel=1e-6)
+    assert calibrate_attention(load_profiles(), "a100") is None  # Vidur's tables time no attention
+
+
+def test_profiled_engine_overhead_replaces_the_estimate(tmp_path: Path) -> None:
+    src = SHIPPED / "compute/a100/meta-llama/Meta-Llama-3-8B/mlp.csv.gz"
+    d = tmp_path / "compute/h200_sxm/meta-llama/Meta-Llama-3-8B"
+    d.mkdir(parents=True)
+    (d / "mlp.csv").write_bytes(gzip.decompress(src.read_bytes()))
+    plain = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path)
+    (d / "overhead.csv").write_text("const_ms,per_seq_ms,per_prefill_ms,steps,step_mape_pct\n2.5,0.01,0.3,100,5\n")
+    eng = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path)
+    assert any(n.startswith("overhead: the engine's, profiled (meta-llama/Meta-Llama-3-8B): 2.5 ms") for n in eng.notes)
+    new, cached = [300, 1, 1, 1], [0, 10, 20, 30]
+    want = 2.5e-3 + 4 * 0.01e-3 + 1 * 0.3e-3 - plain.overhead_s
+    assert eng.step_time(new, cached) - plain.step_time(new, cached) == pytest.approx(want, rel=1e-9)
+    f = eng.decode_step_time(16)
+    assert f(3200) == eng.step_time_sums(StepSums(16, 16, 3200, 3200, 16, 16))
+    assert MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path, overhead_s=0.001).overhead_s == 0.001
+
+
+def test_engine_overhead_fit_recovers_a_known_cost(tmp_path: Path) -> None:
+    from sim.profile import fit_engine_overhead
+
+    src = SHIPPED / "compute/a100/meta-llama/Meta-Llama-3-8B/mlp.csv.gz"
+    d = tmp_path / "compute/h200_sxm/meta-llama/Meta-Llama-3-8B"
+    d.mkdir(parents=True)
+    (d / "mlp.csv").write_bytes(gzip.decompress(src.read_bytes()))
+    ops = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path, overhead_s=0.0)
+    steps = [([64], [0]), ([1] * 8, [100] * 8), ([200, 1, 1], [0, 50, 60]), ([1] * 32, [900] * 32), ([128, 128], [0, 64])]
+    rows = [(n, c, ops.step_time(n, c) + 2e-3 + 0.1e-3 * len(n) + 0.5e-3 * sum(x > 1 for x in n), None) for n, c in steps]
+    fit = fit_engine_overhead(rows, LLAMA3_8B, "h200_sxm", tmp_path)
+    assert (fit["const_ms"], fit["per_seq_ms"], fit["per_prefill_ms"]) == pytest.approx((2.0, 0.1, 0.5), rel=1e-6)
+    assert fit["step_mape_pct"] < 1e-6
