@@ -15,7 +15,6 @@ roofline's embedding gather sits in its LM head term; replay splits nothing.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
