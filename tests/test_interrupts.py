@@ -115,8 +115,8 @@ def test_a_sweep_stops_with_its_jobs(tmp_path):
                          start_new_session=True)
     started = 0
     for line in p.stdout:
-        started += "simulating" in line
-        if started == 2:
+        started += line.count("simulating")  # two jobs' lines may share one write
+        if started >= 2:
             break
     time.sleep(0.3)
     assert p.poll() is None
@@ -129,7 +129,8 @@ def test_a_sweep_stops_with_its_jobs(tmp_path):
         pytest.fail("sweep still running 60 s after SIGINT")
     took = time.perf_counter() - t0
     assert p.returncode == 130 and took < STOP_WITHIN_S, (p.returncode, took, err[-2000:])
-    assert err.strip().splitlines()[-1].startswith("interrupted: stopped"), err[-2000:]
+    # the launcher's one line (joblib's worker pool may add its own warnings on the way out)
+    assert any(ln.startswith("interrupted: stopped") for ln in err.strip().splitlines()), err[-2000:]
     assert "Traceback" not in err
     for _ in range(100):  # no job left running on its own
         try:
