@@ -14,6 +14,11 @@ never used stale. `python -m backends.torch_paged` builds it ahead (scripts/setu
 Without a C compiler, or if the build fails, a warning says why and the backend runs
 `torch_sdpa`'s code instead: correct, with its copies. VARLEN_PAGED_KERNEL=0 forces that fallback.
 
+The cache layout is the backend's own: [2, num_blocks, Hkv, block_size, D], where each block's K
+tile of a head holds its data transposed ([D, block_size]: a chunk of keys' scores is then one
+vector of FMAs) and V tiles are row-major. `to_nhd` / `from_nhd` convert from/to the default
+[2, num_blocks, block_size, Hkv, D] (tests, debugging). On the fallback the default layout is used.
+
 Batch invariance: every query row is computed by one thread, in a fixed order, from its own
 request's data only, so the kernel is batch-invariant as it stands; the fallback is torch_sdpa's
 invariant mode. `batch_invariant=True` therefore costs nothing here beyond the model's tiled GEMMs.
@@ -37,11 +42,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from backends.base import AttentionBackend, AttentionMetadata, write_kv
+from backends.base import AttentionBackend, AttentionMetadata
 from varlen.batch import ForwardBatch
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=c11")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=gnu11")
 _ELEM = {torch.float32: 4, torch.bfloat16: 2}
 
 
@@ -132,6 +137,30 @@ def work_units(batch: ForwardBatch, tile: int) -> np.ndarray:
     return np.ascontiguousarray(units[np.argsort(-(end - first) * keys, kind="stable")])
 
 
+def to_nhd(cache: torch.Tensor) -> torch.Tensor:
+    """This backend's cache as the default [2, num_blocks, block_size, Hkv, D] layout (a copy)."""
+    _, nb, hkv, bs, d = cache.shape
+    k = cache[0].reshape(nb, hkv, d, bs).permute(0, 3, 1, 2)
+    v = cache[1].permute(0, 2, 1, 3)
+    return torch.stack([k, v])
+
+
+def from_nhd(nhd: torch.Tensor) -> torch.Tensor:
+    """A default-layout cache in this backend's layout (a copy)."""
+    _, nb, bs, hkv, d = nhd.shape
+    k = nhd[0].permute(0, 2, 3, 1).reshape(nb, hkv, bs, d)  # [nb, hkv, d, bs] seen as [nb, hkv, bs, d]
+    v = nhd[1].permute(0, 2, 1, 3)
+    return torch.stack([k, v]).contiguous()
+
+
+def write_paged(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
+                offsets: torch.Tensor) -> None:
+    """Store new K/V [N, Hkv, D] at (block, offset) in this backend's layout."""
+    _, nb, hkv, bs, d = cache.shape
+    cache[0].view(nb, hkv, d, bs)[blocks, :, :, offsets] = k.to(cache.dtype)
+    cache[1][blocks, :, offsets, :] = v.to(cache.dtype)
+
+
 @dataclass
 class PagedMetadata(AttentionMetadata):
     arrays: tuple[np.ndarray, ...] = ()  # kept alive: the kernel reads them through raw pointers
@@ -139,6 +168,8 @@ class PagedMetadata(AttentionMetadata):
     bt_stride: int = 0
     num_units: int = 0
     fallback: Any = None  # torch_sdpa's metadata when the kernel is not used
+    blocks: torch.Tensor | None = None  # [N] block of each new token's slot
+    offsets: torch.Tensor | None = None  # [N] its offset in that block
 
 
 class TorchPagedBackend(AttentionBackend):
@@ -157,6 +188,18 @@ class TorchPagedBackend(AttentionBackend):
         self._sdpa.batch_invariant = self.batch_invariant
         return self._sdpa
 
+    def _kernel_for(self, dtype: torch.dtype) -> Any:
+        return load_kernel() if dtype in _ELEM else None
+
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                          head_dim: int, dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+        # The first use: the kernel is built (or found) here, and decides the layout (the kernel's
+        # own, or the default one for the fallback; forward makes the same choice, by dtype).
+        if self._kernel_for(dtype) is None:
+            return super().allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        shape = (2, num_blocks, num_kv_heads, block_size, head_dim)
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
     @property
     def uses_kernel(self) -> bool:
         """Builds (or finds) the kernel; False when the backend runs on the fallback."""
@@ -174,28 +217,29 @@ class TorchPagedBackend(AttentionBackend):
         arrays = (qsl, lens, tables, units)
         return PagedMetadata(slot_mapping=slots, batch=batch, arrays=arrays,
                              pointers=tuple(a.ctypes.data for a in arrays), bt_stride=tables.shape[1],
-                             num_units=units.shape[0])
+                             num_units=units.shape[0], blocks=slots // batch.block_size,
+                             offsets=slots % batch.block_size)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: PagedMetadata, scale: float) -> torch.Tensor:
         elem = _ELEM.get(kv_cache.dtype)
-        if meta.fallback is not None or elem is None or q.dtype != kv_cache.dtype:
+        if meta.fallback is not None or elem is None:
             if meta.fallback is None:
                 meta.fallback = self._fallback().prepare(meta.batch, q.device)
             return self._fallback().forward(q, k, v, kv_cache, meta.fallback, scale)
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        write_paged(kv_cache, k, v, meta.blocks, meta.offsets)
         if not kv_cache.is_contiguous():
             raise ValueError("torch_paged needs a contiguous KV cache (allocate it with allocate_kv_cache)")
-        if q.stride(-1) != 1:
-            q = q.contiguous()
+        if q.dtype != kv_cache.dtype or q.stride(-1) != 1:
+            q = q.to(kv_cache.dtype).contiguous()
         n, hq, d = q.shape
-        hkv = kv_cache.shape[-2]
+        hkv = kv_cache.shape[2]
         out = torch.empty((n, hq, d), dtype=q.dtype)
         qsl, lens, tables, units = meta.pointers
         rc = load_kernel().varlen_paged_attention(
             q.data_ptr(), q.stride(0), q.stride(1), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(),
             elem, qsl, lens, meta.batch.num_seqs, tables, meta.bt_stride, units, meta.num_units, hq, hkv, d,
-            kv_cache.shape[2], scale, torch.get_num_threads())
+            kv_cache.shape[3], scale, torch.get_num_threads())
         if rc != 0:
             raise MemoryError("torch_paged: the attention kernel could not allocate its scratch memory")
         return out

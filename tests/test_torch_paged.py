@@ -26,12 +26,23 @@ ATOL = 1e-5
 
 
 def run_paged(p: dict, q: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
+    """Forward through torch_paged on p's cache (converted to the backend's layout and back)."""
     backend = make_backend("torch_paged")
-    cache = p["cache"].to(dtype).clone()
+    kernel_layout = backend.uses_kernel and dtype != torch.float16
+    cache = tp.from_nhd(p["cache"].to(dtype)) if kernel_layout else p["cache"].to(dtype).clone()
     q = p["q"] if q is None else q
     out = backend.forward(q.to(dtype), p["k"].to(dtype), p["v"].to(dtype), cache,
                           backend.prepare(p["batch"], "cpu"), p["scale"])
-    return out, cache
+    return out, tp.to_nhd(cache) if kernel_layout else cache
+
+
+def test_layout_round_trip():
+    nhd = torch.randn(2, 5, 3, 2, 4)
+    paged = tp.from_nhd(nhd)
+    assert paged.shape == (2, 5, 2, 3, 4) and paged.is_contiguous()
+    assert torch.equal(tp.to_nhd(paged), nhd)
+    # K tiles are transposed: block 1, head 0 holds [D, block_size].
+    assert torch.equal(paged[0, 1, 0].reshape(4, 3), nhd[0, 1, :, 0].T)
 
 
 def test_the_kernel_builds_here():
@@ -175,7 +186,8 @@ def test_same_rows_bitwise_whatever_else_is_in_the_batch():
         q, k, v = torch.randn(n, hkv * group, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d)
         lo = int(batch.query_start_loc[where])
         q[lo:lo + 20], k[lo:lo + 20], v[lo:lo + 20] = q_t, kv_t[0], kv_t[1]
-        return backend.forward(q, k, v, cache.clone(), backend.prepare(batch, "cpu"), d ** -0.5)[lo:lo + 20]
+        paged = tp.from_nhd(cache)
+        return backend.forward(q, k, v, paged, backend.prepare(batch, "cpu"), d ** -0.5)[lo:lo + 20]
 
     alone = rows([target], 0)
     assert torch.equal(rows([others[0], target, others[1]], 1), alone)
