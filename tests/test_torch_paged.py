@@ -59,6 +59,17 @@ def test_kernel_matches_torch_ref(p):
 
 
 @given(problems())
+def test_sdpa_path_for_long_requests_matches_torch_ref(p):
+    """With the threshold lowered, most requests of these small batches take the SDPA path."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tp, "LONG_SDPA_MIN", 3)
+        want, want_cache = reference(p)
+        got, cache = run_paged(p)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    assert torch.equal(cache, want_cache)
+
+
+@given(problems())
 def test_kernel_reads_strided_queries(p):
     """The model hands q as a transposed view of [1, H, N, D]; no copy is made for it."""
     n, h, d = p["q"].shape
@@ -72,7 +83,8 @@ def test_kernel_reads_strided_queries(p):
 def test_model_sized_heads_and_long_contexts(head_dim, group, block_size):
     """Real head sizes, contexts of hundreds of keys, chunks spanning several query tiles."""
     rng = np.random.default_rng(head_dim + group)
-    shapes = [(0, 70), (300, 1), (513, 1), (200, 37), (0, 1), (40, 17)]  # (cached, new)
+    # (cached, new): long ones go to SDPA (fresh, and a chunk gathering its context), the rest to the kernel
+    shapes = [(0, 70), (300, 1), (513, 1), (200, 37), (0, 1), (40, 17), (150, 90)]
     seqs, at = [], 0
     for i, (cached, new) in enumerate(shapes):
         nblk = -(-(cached + new) // block_size)

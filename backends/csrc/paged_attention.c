@@ -157,22 +157,39 @@ static inline __attribute__((always_inline)) void unit_d(
                  * for the same key and row, always. */
                 for (int c = 0; c < lim; c += CHUNK) {
                     const int n = lim - c < CHUNK ? lim - c : CHUNK;
-                    vf sv = {0};
+                    /* Four partial sums over x (x % 4), then (s0 + s1) + (s2 + s3): four
+                     * independent FMA chains instead of one latency-bound chain. */
+                    vf sv;
                     if (n == CHUNK) {
-                        for (int x = 0; x < D; x++) {
-                            vf kr;
-                            memcpy(&kr, Kt + (int64_t)x * bs + c, sizeof kr);
-                            sv += qm[x] * kr;
+                        vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, k0, k1, k2, k3;
+                        int x = 0;
+                        for (; x + 3 < D; x += 4) {
+                            const float *kr = Kt + (int64_t)x * bs + c;
+                            memcpy(&k0, kr, sizeof k0);
+                            memcpy(&k1, kr + bs, sizeof k1);
+                            memcpy(&k2, kr + 2 * bs, sizeof k2);
+                            memcpy(&k3, kr + 3 * bs, sizeof k3);
+                            s0 += qm[x] * k0;
+                            s1 += qm[x + 1] * k1;
+                            s2 += qm[x + 2] * k2;
+                            s3 += qm[x + 3] * k3;
                         }
+                        for (; x < D; x++) {
+                            memcpy(&k0, Kt + (int64_t)x * bs + c, sizeof k0);
+                            s0 += qm[x] * k0;
+                        }
+                        sv = (s0 + s1) + (s2 + s3);
                     } else {  /* the same sums, key by key */
-                        float part[CHUNK] = {0};
+                        float part[4][CHUNK] = {{0}}, sc[CHUNK];
                         for (int x = 0; x < D; x++) {
                             const float qx = qm[x];
                             const float *restrict kr = Kt + (int64_t)x * bs + c;
-                            for (int j = 0; j < n; j++) part[j] += qx * kr[j];
+                            float *restrict pp = part[x < (D & ~3) ? x % 4 : 0];  /* as the vector path */
+                            for (int j = 0; j < n; j++) pp[j] += qx * kr[j];
                         }
-                        for (int j = 0; j < CHUNK; j++) part[j] = j < n ? part[j] : -3.0e38f;
-                        memcpy(&sv, part, sizeof sv);
+                        for (int j = 0; j < CHUNK; j++)
+                            sc[j] = j < n ? (part[0][j] + part[1][j]) + (part[2][j] + part[3][j]) : -3.0e38f;
+                        memcpy(&sv, sc, sizeof sv);
                     }
                     float sc[CHUNK], cmax = -3.0e38f;
                     memcpy(sc, &sv, sizeof sc);
