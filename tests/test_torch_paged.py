@@ -209,3 +209,16 @@ def test_same_rows_bitwise_whatever_else_is_in_the_batch():
     c = cache.clone()
     torch.testing.assert_close(alone, ref.forward(q_t, kv_t[0], kv_t[1], c, ref.prepare(b, "cpu"), d ** -0.5),
                                atol=ATOL, rtol=0)
+
+
+@given(problems())
+def test_threads_change_nothing(p):
+    """OpenMP splits the units over threads; each row is still one thread's fixed-order work."""
+    one, _ = run_paged(p)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)  # more threads than units, sometimes: idle threads must not matter
+    try:
+        three, _ = run_paged(p)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, three)
