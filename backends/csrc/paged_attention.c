@@ -206,11 +206,25 @@ static inline __attribute__((always_inline)) void unit_d(
                     float csum = 0.0f;
                     for (int j = 0; j < n; j++) csum += sc[j];  /* in key order: the same sum always */
                     sum[m] += csum;
-                    for (int j = 0; j < n; j++) {
-                        const float *restrict vj = V + (int64_t)(c + j) * D;
-                        const float p = sc[j];
+                    /* out += p_j * v_j, keys in order for every element; a CHUNK-wide slice of
+                     * the output stays in a register over all the keys of the chunk. */
+                    if (D % CHUNK == 0) {
+                        for (int x0 = 0; x0 < D; x0 += CHUNK) {
+                            vf a, vv;
+                            memcpy(&a, am + x0, sizeof a);
+                            for (int j = 0; j < n; j++) {
+                                memcpy(&vv, V + (int64_t)(c + j) * D + x0, sizeof vv);
+                                a += sc[j] * vv;
+                            }
+                            memcpy(am + x0, &a, sizeof a);
+                        }
+                    } else {
+                        for (int j = 0; j < n; j++) {
+                            const float *restrict vj = V + (int64_t)(c + j) * D;
+                            const float p = sc[j];
 #pragma omp simd
-                        for (int x = 0; x < D; x++) am[x] += p * vj[x];
+                            for (int x = 0; x < D; x++) am[x] += p * vj[x];
+                        }
                     }
                 }
             }
