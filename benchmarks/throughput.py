@@ -152,7 +152,7 @@ from vllm import LLM, SamplingParams
 
 def main():
     a = json.load(open(sys.argv[1]))
-    llm = LLM(model=a["path"], dtype="float32", enforce_eager=True, max_model_len=2048, seed=0)
+    llm = LLM(model=a["path"], dtype="float32", enforce_eager=a["eager"], max_model_len=2048, seed=0)
     sps = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in a["outputs"]]
     prompts = [{"prompt_token_ids": p} for p in a["prompts"]]
     for _ in range(a["repeats"]):
@@ -164,19 +164,22 @@ if __name__ == "__main__":  # vLLM starts its workers with spawn
 """
 
 
-def run_vllm(path, prompts, outputs, repeats):
+def run_vllm(path, prompts, outputs, repeats, eager=True, both_cores=False):
     import json
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
         spec = Path(d) / "spec.json"
-        spec.write_text(json.dumps(dict(path=str(path), prompts=prompts, outputs=outputs, repeats=repeats)))
+        spec.write_text(json.dumps(dict(path=str(path), prompts=prompts, outputs=outputs, repeats=repeats,
+                                        eager=eager)))
         script = Path(d) / "run.py"
         script.write_text(VLLM_SCRIPT)
-        # Offline, caches kept out of $HOME; vLLM's default core binding (one core for the
-        # engine, one reserved) is kept: giving it both was slower on 2 cores.
+        # Offline, caches kept out of $HOME. Its default core binding reserves one core of two;
+        # VLLM_CPU_NUM_OF_RESERVED_CPU=0 gives it both (which wins varies: both are run).
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                    VLLM_CACHE_ROOT=str(Path(d) / "vllm"), TORCHINDUCTOR_CACHE_DIR=str(Path(d) / "inductor"))
+        if both_cores:
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         res = subprocess.run([str(VLLM_PY), str(script), str(spec)], capture_output=True, text=True, env=env)
     lines = [ln.split() for ln in res.stdout.splitlines() if ln.startswith("RESULT")]
     if not lines:
@@ -197,6 +200,10 @@ def main() -> None:
     ap.add_argument("--hf-batch-sizes", default="16,64")
     ap.add_argument("--backends", default="torch_paged,torch_sdpa", help="varlen attention backends to run")
     ap.add_argument("--schedulers", default="chunked,continuous,static", help="varlen schedulers to run")
+    ap.add_argument("--vllm-modes", default="eager,compiled",
+                    help="vLLM variants: eager (enforce_eager=True), compiled (its default, torch.compile)")
+    ap.add_argument("--vllm-bindings", default="default,both",
+                    help="vLLM core bindings: default (one core reserved), both (VLLM_CPU_NUM_OF_RESERVED_CPU=0)")
     ap.add_argument("--online-rate", type=float, default=None,
                     help="also replay the requests as Poisson arrivals at this rate (req/s) through each "
                          "varlen scheduler and report TTFT/TPOT")
@@ -251,13 +258,18 @@ def main() -> None:
                 errors[cname] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
                 print(f"  {cname}: failed: {errors[cname]}", flush=True)
     if "vllm" not in skip:
-        if VLLM_PY.exists():
-            try:
-                results["vLLM CPU"] = [tps for tps, _ in run_vllm(path, prompts, outputs, a.repeats)]
-            except Exception as err:
-                errors["vLLM CPU"] = str(err)[:160]
-        else:
-            errors["vLLM CPU"] = f"skipped: no venv at {VLLM_PY} (run ../shared/peers/setup_vllm_cpu.sh)"
+        for mode in a.vllm_modes.split(","):
+            for binding in a.vllm_bindings.split(","):
+                vname = f"vLLM CPU, {mode}, {'both cores' if binding == 'both' else 'default binding'}"
+                if not VLLM_PY.exists():
+                    errors[vname] = f"skipped: no venv at {VLLM_PY} (run ../shared/peers/setup_vllm_cpu.sh)"
+                    continue
+                try:
+                    results[vname] = [tps for tps, _ in run_vllm(path, prompts, outputs, a.repeats,
+                                                                  eager=mode == "eager", both_cores=binding == "both")]
+                    print(f"  {vname}: {results[vname]}", flush=True)
+                except Exception as err:
+                    errors[vname] = str(err)[:160]
 
     med = {k: statistics.median(v) for k, v in results.items() if v}
     best_name = max((k for k in med if k.startswith("varlen")), key=med.get)
