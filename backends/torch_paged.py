@@ -1,9 +1,13 @@
-"""A CPU backend that attends over the paged KV cache in place: no per-step copy of any context.
+"""A CPU backend that attends over the paged KV cache in place: decodes and short chunks read
+their K/V blocks where they lie, with no per-step copy of their contexts.
 
-One call per layer covers the whole varlen batch (prefills, chunks, decodes; causal,
-bottom-right aligned; GQA) but long prefills and chunks (see LONG_SDPA_MIN): a small C kernel (backends/csrc/paged_attention.c, OpenMP over
-(request, KV head, query tile) units, online softmax block by block) reads each request's K/V
-blocks where they lie, through its block table. It runs fp32 and bf16; fp16 goes to the fallback.
+One kernel call per layer covers the varlen batch (prefills, chunks, decodes; causal, bottom-right
+aligned; GQA): a small C kernel (backends/csrc/paged_attention.c: OpenMP over (request, query
+tile) units, online softmax chunk by chunk of keys) reads each request's blocks through its block
+table. Requests with >= LONG_SDPA_MIN new tokens go to torch's SDPA flash kernel instead, which is
+faster on long blocks of queries: a fresh prefill on its own new K/V, a chunk on its context
+gathered once per layer (a copy amortised over its many queries). fp32 and bf16 run the kernel;
+fp16 runs the fallback.
 
 The kernel is plain C loaded with ctypes, not a torch extension: it builds in about a second with
 the system C compiler (a torch extension needs ~30 s of C++ against torch's headers, plus ninja).
@@ -20,8 +24,9 @@ vector of FMAs) and V tiles are row-major. `to_nhd` / `from_nhd` convert from/to
 [2, num_blocks, block_size, Hkv, D] (tests, debugging). On the fallback the default layout is used.
 
 Batch invariance: every query row is computed by one thread, in a fixed order, from its own
-request's data only, so the kernel is batch-invariant as it stands; the fallback is torch_sdpa's
-invariant mode. `batch_invariant=True` therefore costs nothing here beyond the model's tiled GEMMs.
+request's data only, and the SDPA path runs one request per call, so the backend is
+batch-invariant as it stands; the fallback is torch_sdpa's invariant mode. `batch_invariant=True`
+therefore costs nothing here beyond the model's tiled GEMMs.
 """
 
 from __future__ import annotations
