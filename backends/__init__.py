@@ -10,6 +10,7 @@ from backends.base import AttentionBackend, BackendUnavailable
 BACKENDS: dict[str, str] = {
     "torch_ref": "backends.torch_ref:TorchRefBackend",
     "torch_sdpa": "backends.torch_sdpa:TorchSdpaBackend",
+    "torch_paged": "backends.torch_paged:TorchPagedBackend",
     "flash_attn": "backends.flash_attn:FlashAttnBackend",
     "flashinfer": "backends.flashinfer:FlashInferBackend",
     "triton": "backends.triton_paged:TritonPagedBackend",

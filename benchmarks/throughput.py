@@ -5,12 +5,17 @@ manager) and vLLM's CPU build when its venv exists, same model files, prompts an
     python benchmarks/throughput.py --model tiny --repeats 1
     python benchmarks/throughput.py --requests 16 --max-prompt 256 --max-output 64   # quicker
     python benchmarks/throughput.py --online-rate 1.0 --skip hf_static,hf_cb,vllm    # online variant only
+    python benchmarks/throughput.py --lengths lognormal --requests 32                 # another mixed workload
 
-Prompt lengths are drawn (fixed seed) from the Azure conversation trace's prompt-length
-distribution, scaled into [16, max-prompt]; output lengths from its output distribution scaled
-into [16, max-output]; greedy, EOS ignored. Contenders run alternately, `--repeats` times; the
-table shows median output tokens/s, the spread (min–max) and the ratio varlen/contender. A second
-table breaks a varlen step down into its phases.
+`--lengths azure` (default): prompt lengths drawn (fixed seed) from the Azure conversation trace's
+prompt-length distribution, scaled into [16, max-prompt]; output lengths from its output
+distribution scaled into [16, max-output]. `--lengths lognormal`: both lognormal (median a quarter
+of the maximum, sigma 1), clipped into the same ranges. Greedy, EOS ignored. Contenders run
+alternately, `--repeats` times; the table shows median output tokens/s, the spread (min–max), the
+ratio of varlen's best to each contender and of each torch_paged row to the same run with
+torch_sdpa (all measured in the same run). Then: the host's roofline (measured GEMM FLOP/s and read
+bandwidth, the minimum time of each varlen run's own schedule, varlen's fraction of it), the
+decode-attention micro-benchmark (benchmarks/roofline.py) and a varlen step broken into phases.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from roofline import Shape, host_peaks, minimum_time, print_decode_table  # noqa: E402
 from varlen import LLM, SamplingParams  # noqa: E402
 from varlen.model_runner import load_model  # noqa: E402
 from varlen.tiny_model import ensure_tiny_model, write_tiny_model  # noqa: E402
@@ -48,10 +55,15 @@ def model_dir(name: str) -> Path:
     return path
 
 
-def workload(n: int, max_prompt: int, max_output: int, vocab: int, seed: int = 0):
+def workload(n: int, max_prompt: int, max_output: int, vocab: int, seed: int = 0, lengths: str = "azure"):
     from varlen.traces import default_traces_dir, load_trace
 
     rng = np.random.default_rng(seed)
+    if lengths == "lognormal":
+        prompts_len = np.clip(rng.lognormal(np.log(max_prompt / 4), 1.0, n), 16, max_prompt).astype(int)
+        outputs = np.clip(rng.lognormal(np.log(max_output / 4), 1.0, n), 16, max_output).astype(int)
+        prompts = [rng.integers(3, vocab, k).tolist() for k in prompts_len]
+        return prompts, outputs.tolist(), "lognormal lengths (median max/4, sigma 1)"
     trace_file = default_traces_dir() / "AzureLLMInferenceTrace_conv.csv"
     if trace_file.exists():
         cols = load_trace("azure_conv").columns()
@@ -83,7 +95,7 @@ def run_varlen(path, prompts, outputs, scheduler, backend, block_size=16, max_ba
     dt = time.perf_counter() - t
     assert [len(o.token_ids) for o in outs] == outputs
     timings = {**llm.engine.timings, **llm.executor.timings}
-    return sum(outputs) / dt, dt, timings, len(llm.engine.steps), [o.token_ids for o in outs]
+    return sum(outputs) / dt, dt, timings, list(llm.engine.steps), [o.token_ids for o in outs]
 
 
 def run_varlen_online(path, prompts, outputs, scheduler, rate, seed=0):
@@ -140,7 +152,7 @@ from vllm import LLM, SamplingParams
 
 def main():
     a = json.load(open(sys.argv[1]))
-    llm = LLM(model=a["path"], dtype="float32", enforce_eager=True, max_model_len=2048, seed=0)
+    llm = LLM(model=a["path"], dtype="float32", enforce_eager=a["eager"], max_model_len=2048, seed=0)
     sps = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in a["outputs"]]
     prompts = [{"prompt_token_ids": p} for p in a["prompts"]]
     for _ in range(a["repeats"]):
@@ -152,19 +164,22 @@ if __name__ == "__main__":  # vLLM starts its workers with spawn
 """
 
 
-def run_vllm(path, prompts, outputs, repeats):
+def run_vllm(path, prompts, outputs, repeats, eager=True, both_cores=False):
     import json
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
         spec = Path(d) / "spec.json"
-        spec.write_text(json.dumps(dict(path=str(path), prompts=prompts, outputs=outputs, repeats=repeats)))
+        spec.write_text(json.dumps(dict(path=str(path), prompts=prompts, outputs=outputs, repeats=repeats,
+                                        eager=eager)))
         script = Path(d) / "run.py"
         script.write_text(VLLM_SCRIPT)
-        # Offline, caches kept out of $HOME; vLLM's default core binding (one core for the
-        # engine, one reserved) is kept: giving it both was slower on 2 cores.
+        # Offline, caches kept out of $HOME. Its default core binding reserves one core of two;
+        # VLLM_CPU_NUM_OF_RESERVED_CPU=0 gives it both (which wins varies: both are run).
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                    VLLM_CACHE_ROOT=str(Path(d) / "vllm"), TORCHINDUCTOR_CACHE_DIR=str(Path(d) / "inductor"))
+        if both_cores:
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         res = subprocess.run([str(VLLM_PY), str(script), str(spec)], capture_output=True, text=True, env=env)
     lines = [ln.split() for ln in res.stdout.splitlines() if ln.startswith("RESULT")]
     if not lines:
@@ -178,28 +193,49 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-prompt", type=int, default=1024)
     ap.add_argument("--max-output", type=int, default=256)
+    ap.add_argument("--lengths", choices=["azure", "lognormal"], default="azure",
+                    help="prompt/output length distribution (see above)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hf-batch-sizes", default="16,64")
+    ap.add_argument("--backends", default="torch_paged,torch_sdpa", help="varlen attention backends to run")
+    ap.add_argument("--schedulers", default="chunked,continuous,static", help="varlen schedulers to run")
+    ap.add_argument("--vllm-modes", default="eager,compiled",
+                    help="vLLM variants: eager (enforce_eager=True), compiled (its default, torch.compile)")
+    ap.add_argument("--vllm-bindings", default="default,both",
+                    help="vLLM core bindings: default (one core reserved), both (VLLM_CPU_NUM_OF_RESERVED_CPU=0)")
     ap.add_argument("--online-rate", type=float, default=None,
                     help="also replay the requests as Poisson arrivals at this rate (req/s) through each "
                          "varlen scheduler and report TTFT/TPOT")
-    ap.add_argument("--skip", default="", help="comma list of contenders to skip: hf_static,hf_cb,vllm,invariant")
+    ap.add_argument("--skip", default="",
+                    help="comma list of parts to skip: hf_static,hf_cb,vllm,invariant,roofline,micro,breakdown")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     skip = set(filter(None, a.skip.split(",")))
+    backends = a.backends.split(",")
     path = model_dir(a.model)
     hf = load_model(path, torch.float32, "cpu", attn_implementation="sdpa")
-    prompts, outputs, source = workload(a.requests, a.max_prompt, a.max_output, hf.config.vocab_size)
+    prompts, outputs, source = workload(a.requests, a.max_prompt, a.max_output, hf.config.vocab_size,
+                                        lengths=a.lengths)
     print(f"model {path.name}: {sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M params, fp32, "
-          f"{a.threads} threads | {a.requests} requests from the {source}: prompt tokens {sum(map(len, prompts))} "
+          f"{a.threads} threads | {a.requests} requests, {source}: prompt tokens {sum(map(len, prompts))} "
           f"(mean {np.mean([len(p) for p in prompts]):.0f}), output tokens {sum(outputs)} (mean {np.mean(outputs):.0f})")
+    steps_of: dict[str, list] = {}
 
-    contenders = {f"varlen {s} + torch_sdpa": (lambda s=s: run_varlen(path, prompts, outputs, s, "torch_sdpa")[:2])
-                  for s in ("chunked", "continuous", "static")}
+    def name(s: str, b: str, invariant: bool = False) -> str:
+        return f"varlen {s} + {b}" + (", batch-inv." if invariant else "")
+
+    def varlen(s: str, b: str, invariant: bool = False):
+        def run():
+            tps, dt, _, steps, _ = run_varlen(path, prompts, outputs, s, b, batch_invariant=invariant)
+            steps_of[name(s, b, invariant)] = steps
+            return tps, dt
+        return run
+
+    contenders = {name(s, b): varlen(s, b) for b in backends for s in a.schedulers.split(",")}
     if "invariant" not in skip:
-        contenders["varlen chunked, batch-invariant"] = \
-            lambda: run_varlen(path, prompts, outputs, "chunked", "torch_sdpa", batch_invariant=True)[:2]
+        for b in backends:
+            contenders[name("chunked", b, True)] = varlen("chunked", b, True)
     if "hf_static" not in skip:
         for bs in map(int, a.hf_batch_sizes.split(",")):
             contenders[f"HF generate, static batch {bs}"] = lambda bs=bs: run_hf_static(hf, prompts, outputs, bs)
@@ -207,35 +243,47 @@ def main() -> None:
         cb_model = load_model(path, torch.float32, "cpu", attn_implementation="sdpa")
         contenders["HF continuous batching"] = lambda: run_hf_continuous(cb_model, prompts, outputs)
     results: dict[str, list[float]] = {k: [] for k in contenders}
+    walls: dict[str, list[float]] = {k: [] for k in contenders}
     errors: dict[str, str] = {}
     for rep in range(a.repeats):  # alternate contenders so drift hits them all alike
-        for name, fn in contenders.items():
-            if name in errors:
+        for cname, fn in contenders.items():
+            if cname in errors:
                 continue
             try:
                 tps, dt = fn()
-                results[name].append(tps)
-                print(f"  [{rep + 1}/{a.repeats}] {name}: {tps:.1f} tok/s ({dt:.1f} s)", flush=True)
+                results[cname].append(tps)
+                walls[cname].append(dt)
+                print(f"  [{rep + 1}/{a.repeats}] {cname}: {tps:.1f} tok/s ({dt:.1f} s)", flush=True)
             except Exception as err:  # a contender that cannot run here is reported, not fatal
-                errors[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
-                print(f"  {name}: failed: {errors[name]}", flush=True)
+                errors[cname] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+                print(f"  {cname}: failed: {errors[cname]}", flush=True)
     if "vllm" not in skip:
-        if VLLM_PY.exists():
-            try:
-                results["vLLM CPU"] = [tps for tps, _ in run_vllm(path, prompts, outputs, a.repeats)]
-            except Exception as err:
-                errors["vLLM CPU"] = str(err)[:160]
-        else:
-            errors["vLLM CPU"] = f"skipped: no venv at {VLLM_PY} (run ../shared/peers/setup_vllm_cpu.sh)"
+        for mode in a.vllm_modes.split(","):
+            for binding in a.vllm_bindings.split(","):
+                vname = f"vLLM CPU, {mode}, {'both cores' if binding == 'both' else 'default binding'}"
+                if not VLLM_PY.exists():
+                    errors[vname] = f"skipped: no venv at {VLLM_PY} (run ../shared/peers/setup_vllm_cpu.sh)"
+                    continue
+                try:
+                    results[vname] = [tps for tps, _ in run_vllm(path, prompts, outputs, a.repeats,
+                                                                  eager=mode == "eager", both_cores=binding == "both")]
+                    print(f"  {vname}: {results[vname]}", flush=True)
+                except Exception as err:
+                    errors[vname] = str(err)[:160]
 
-    best_varlen = max(statistics.median(v) for k, v in results.items() if k.startswith("varlen") and v)
-    print(f"\n{'contender':<34} {'median tok/s':>13} {'min–max':>17} {'varlen best / this':>19}")
-    for name, v in results.items():
-        if v:
-            med = statistics.median(v)
-            print(f"{name:<34} {med:>13.1f} {f'{min(v):.1f}–{max(v):.1f}':>17} {best_varlen / med:>18.2f}x")
-    for name, why in errors.items():
-        print(f"{name:<34} {why}")
+    med = {k: statistics.median(v) for k, v in results.items() if v}
+    best_name = max((k for k in med if k.startswith("varlen")), key=med.get)
+    print(f"\n{'contender':<40} {'median tok/s':>13} {'min–max':>17} {'varlen best / this':>19} {'vs torch_sdpa':>14}")
+    for cname, v in results.items():
+        if not v:
+            continue
+        sdpa = cname.replace(" + torch_paged", " + torch_sdpa")
+        vs = f"{med[cname] / med[sdpa]:.2f}x" if sdpa != cname and sdpa in med else ""
+        print(f"{cname:<40} {med[cname]:>13.1f} {f'{min(v):.1f}–{max(v):.1f}':>17} "
+              f"{med[best_name] / med[cname]:>18.2f}x {vs:>14}")
+    for cname, why in errors.items():
+        print(f"{cname:<40} {why}")
+    print(f"(varlen best: {best_name})")
 
     if a.online_rate:
         print(f"\nonline: the same {a.requests} requests as Poisson arrivals at {a.online_rate} req/s")
@@ -246,13 +294,32 @@ def main() -> None:
             print(f"{sched:<12} {row['output_tokens_per_s']:>10.1f} {row['ttft_p50']:>9.3f} {row['ttft_p90']:>9.3f} "
                   f"{row['tpot_p50']:>9.3f} {row['tpot_p90']:>9.3f} {row['e2e_p50']:>8.2f}")
 
-    _, dt, timings, steps, _ = run_varlen(path, prompts, outputs, "chunked", "torch_sdpa")
-    total = sum(timings[k] for k in ("schedule", "execute", "update"))
-    print(f"\nvarlen chunked step breakdown ({steps} steps, {dt:.2f} s wall):")
-    for k in ("schedule", "batch_build", "forward", "sample", "update"):
-        print(f"  {k:<12} {timings[k] * 1e3:>9.1f} ms {100 * timings[k] / total:>6.1f}%")
-    outside = total - timings["forward"]
-    print(f"  outside the forward: {100 * outside / total:.1f}% of step time")
+    if "roofline" not in skip:
+        peaks = host_peaks()
+        shape = Shape.of(hf)
+        print(f"\nroofline: host ({a.threads} threads) fp32 GEMM {peaks['flops'] / 1e9:.1f} GFLOP/s, read bandwidth "
+              f"{peaks['read_bw'] / 1e9:.1f} GB/s, measured now. A step takes at least max(FLOPs / GEMM rate, "
+              f"bytes / bandwidth): linear layers at every new token, attention over the visible keys, LM head at "
+              f"sampled rows; weights once per step, each request's K/V once per layer. Summed over the run's own steps:")
+        print(f"{'run':<40} {'steps':>6} {'min s':>7} {'compute s':>10} {'memory s':>9} {'wall s':>7} {'fraction':>9}")
+        for cname, steps in steps_of.items():
+            m = minimum_time(shape, steps, peaks)
+            wall = min(walls[cname])
+            print(f"{cname:<40} {m['steps']:>6} {m['min_s']:>7.3f} {m['compute_s']:>10.3f} {m['memory_s']:>9.3f} "
+                  f"{wall:>7.2f} {m['min_s'] / wall:>9.0%}")
+        print("(steps: the last repeat's schedule; wall s: the best repeat; compute s and memory s: the two sums alone)")
+        if "micro" not in skip:
+            print_decode_table(sorted({"torch_paged", "torch_sdpa"} & set(backends)) or backends, 64, 1024, 5, peaks)
+
+    if "breakdown" not in skip:
+        b = backends[0]
+        _, dt, timings, steps, _ = run_varlen(path, prompts, outputs, "chunked", b)
+        total = sum(timings[k] for k in ("schedule", "execute", "update"))
+        print(f"\nvarlen chunked + {b} step breakdown ({len(steps)} steps, {dt:.2f} s wall):")
+        for k in ("schedule", "batch_build", "forward", "sample", "update"):
+            print(f"  {k:<12} {timings[k] * 1e3:>9.1f} ms {100 * timings[k] / total:>6.1f}%")
+        outside = total - timings["forward"]
+        print(f"  outside the forward: {100 * outside / total:.1f}% of step time")
 
 
 if __name__ == "__main__":

@@ -16,3 +16,7 @@ fi
 if ! "$PY" -m varlen.compile; then
   echo "WARNING: the compiled core did not build; the pure-Python core will run (slower, same results)" >&2
 fi
+# torch_paged's attention kernel (plain C + OpenMP, ~2 s); otherwise it is built at first use.
+if ! "$PY" -m backends.torch_paged; then
+  echo "WARNING: torch_paged's kernel did not build; that backend will run torch_sdpa's code (slower, same results)" >&2
+fi

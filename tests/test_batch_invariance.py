@@ -26,7 +26,7 @@ def run(runner, target, others, cached_steps):
     return runner.execute(build_batch([seqs[i] for i in order], 4))[target]
 
 
-@pytest.mark.parametrize("backend", ["torch_ref", "torch_sdpa"])
+@pytest.mark.parametrize("backend", ["torch_ref", "torch_sdpa", "torch_paged"])
 @given(data=st.data())
 def test_logits_do_not_depend_on_the_rest_of_the_batch(model, backend, data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))

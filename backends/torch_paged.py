@@ -1,0 +1,294 @@
+"""A CPU backend that attends over the paged KV cache in place: decodes and short chunks read
+their K/V blocks where they lie, with no per-step copy of their contexts.
+
+One kernel call per layer covers the varlen batch (prefills, chunks, decodes; causal, bottom-right
+aligned; GQA): a small C kernel (backends/csrc/paged_attention.c: OpenMP over (request, query
+tile) units, online softmax chunk by chunk of keys) reads each request's blocks through its block
+table. Requests with >= LONG_SDPA_MIN new tokens go to torch's SDPA flash kernel instead, which is
+faster on long blocks of queries: a fresh prefill on its own new K/V, a chunk on its context
+gathered once per layer (a copy amortised over its many queries). fp32 and bf16 run the kernel;
+fp16 runs the fallback.
+
+The kernel is plain C loaded with ctypes, not a torch extension: it builds in about a second with
+the system C compiler (a torch extension needs ~30 s of C++ against torch's headers, plus ninja).
+It is built at first use, not at import, into the varlen cache (VARLEN_CACHE_DIR or
+~/.cache/varlen, `paged-attn-<hash>`), the hash covering its source, the compiler and its flags,
+the CPU's instruction sets (it is built for this CPU) and the torch/Python build, so a build is
+never used stale. `python -m backends.torch_paged` builds it ahead (scripts/setup.sh does).
+Without a C compiler, or if the build fails, a warning says why and the backend runs
+`torch_sdpa`'s code instead: correct, with its copies. VARLEN_PAGED_KERNEL=0 forces that fallback.
+
+The cache layout is the backend's own: [2, num_blocks, Hkv, block_size, D], where each block's K
+tile of a head holds its data transposed ([D, block_size]: a chunk of keys' scores is then one
+vector of FMAs) and V tiles are row-major. `to_nhd` / `from_nhd` convert from/to the default
+[2, num_blocks, block_size, Hkv, D] (tests, debugging). On the fallback the default layout is used.
+
+Batch invariance: every query row is computed by one thread, in a fixed order, from its own
+request's data only, and the SDPA path runs one request per call, so the backend is
+batch-invariant as it stands; the fallback is torch_sdpa's invariant mode. `batch_invariant=True`
+therefore costs nothing here beyond the model's tiled GEMMs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from backends.base import AttentionBackend, AttentionMetadata
+from varlen.batch import ForwardBatch
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=gnu11")
+_ELEM = {torch.float32: 4, torch.bfloat16: 2}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
+
+
+def build_key(compiler_version: str) -> str:
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for part in (compiler_version, " ".join(CFLAGS), _cpu_flags(), torch.__version__, sys.version, platform.machine()):
+        h.update(part.encode())
+    return h.hexdigest()[:20]
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernel into the cache (once per key); returns the shared library. Raises on failure."""
+    from varlen.compiled import cache_dir
+
+    cc = _compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as err:
+        raise RuntimeError(f"no working C compiler ({cc}: {err}); install gcc or set CC") from None
+    target = cache_dir() / f"paged-attn-{build_key(version)}" / "paged_attention.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [cc, *CFLAGS, str(SOURCE), "-o", tmp]
+    if verbose:
+        print(" ".join(cmd), file=sys.stderr)
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"{' '.join(cmd)} failed: {(run.stderr or run.stdout).strip()[-600:]}")
+    os.replace(tmp, target)  # atomic: a concurrent reader sees no library or a whole one
+    return target
+
+
+_kernel: Any = None  # the loaded library, False once it failed (warned once per process)
+
+
+def load_kernel() -> Any:
+    """The ctypes library, building it if needed; None (after one warning) if it cannot be had."""
+    global _kernel
+    if _kernel is None:
+        if os.environ.get("VARLEN_PAGED_KERNEL", "1") == "0":
+            _kernel = False
+        else:
+            try:
+                lib = ctypes.CDLL(str(build()))
+                fn = lib.varlen_paged_attention
+                fn.restype = ctypes.c_int
+                i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+                fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i32, ptr, ptr, i32, ptr, i64, ptr, i32,
+                               i32, i32, i32, i32, ctypes.c_float, i32]
+                lib.varlen_paged_attention_tile.restype = ctypes.c_int
+                _kernel = lib
+            except (RuntimeError, OSError) as err:
+                warnings.warn(f"torch_paged: the C kernel is unavailable ({str(err).splitlines()[0][:300]}); "
+                              f"running torch_sdpa's gather-then-SDPA code instead (correct, slower)",
+                              RuntimeWarning, stacklevel=3)
+                _kernel = False
+    return _kernel or None
+
+
+#: Requests with at least this many new tokens (long prefills and chunks) attend through torch's
+#: SDPA flash kernel instead: it beats this kernel's per-row loops 1.4-2x on long causal blocks of
+#: queries. A fresh prefill uses its own new K/V (already contiguous: no cache read at all); a
+#: chunk after cached tokens gathers its context once per layer, a copy amortised over its >= 64
+#: queries (decodes, the per-step bulk, never copy).
+LONG_SDPA_MIN = 64
+
+
+def work_units(batch: ForwardBatch, tile: int, skip: np.ndarray | None = None) -> np.ndarray:
+    """[U, 3] int32 (request, first query row, end query row): every request's new tokens (but
+    those of requests flagged in `skip`) in tiles of `tile` rows, heaviest first (rows x keys), so
+    dynamic scheduling ends with the small ones."""
+    q_lens = batch.query_lens.astype(np.int64)
+    if skip is not None:
+        q_lens = np.where(skip, 0, q_lens)
+    tiles = -(-q_lens // tile)
+    seq = np.repeat(np.arange(batch.num_seqs), tiles)
+    first = (np.arange(int(tiles.sum())) - np.repeat(np.cumsum(tiles) - tiles, tiles)) * tile
+    end = np.minimum(first + tile, q_lens[seq])
+    keys = batch.seq_lens[seq].astype(np.int64) - q_lens[seq] + end  # keys seen by the tile's last row
+    units = np.stack([seq, first, end], axis=1).astype(np.int32)
+    return np.ascontiguousarray(units[np.argsort(-(end - first) * keys, kind="stable")])
+
+
+def to_nhd(cache: torch.Tensor) -> torch.Tensor:
+    """This backend's cache as the default [2, num_blocks, block_size, Hkv, D] layout (a copy)."""
+    _, nb, hkv, bs, d = cache.shape
+    k = cache[0].reshape(nb, hkv, d, bs).permute(0, 3, 1, 2)
+    v = cache[1].permute(0, 2, 1, 3)
+    return torch.stack([k, v])
+
+
+def from_nhd(nhd: torch.Tensor) -> torch.Tensor:
+    """A default-layout cache in this backend's layout (a copy)."""
+    _, nb, bs, hkv, d = nhd.shape
+    k = nhd[0].permute(0, 2, 3, 1).reshape(nb, hkv, bs, d)  # [nb, hkv, d, bs] seen as [nb, hkv, bs, d]
+    v = nhd[1].permute(0, 2, 1, 3)
+    return torch.stack([k, v]).contiguous()
+
+
+def write_paged(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
+                offsets: torch.Tensor) -> None:
+    """Store new K/V [N, Hkv, D] at (block, offset) in this backend's layout."""
+    _, nb, hkv, bs, d = cache.shape
+    cache[0].view(nb, hkv, d, bs)[blocks, :, :, offsets] = k.to(cache.dtype)
+    cache[1][blocks, :, offsets, :] = v.to(cache.dtype)
+
+
+@dataclass
+class PagedMetadata(AttentionMetadata):
+    arrays: tuple[np.ndarray, ...] = ()  # kept alive: the kernel reads them through raw pointers
+    pointers: tuple[int, ...] = ()  # query_start_loc, seq_lens, block_tables, units
+    bt_stride: int = 0
+    num_units: int = 0
+    fallback: Any = None  # torch_sdpa's metadata when the kernel is not used
+    # SDPA requests: (start, end, context length, context blocks or None when fresh, causal mask or None)
+    long: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
+    blocks: torch.Tensor | None = None  # [N] block of each new token's slot
+    offsets: torch.Tensor | None = None  # [N] its offset in that block
+
+
+class TorchPagedBackend(AttentionBackend):
+    name = "torch_paged"
+    devices = ("cpu",)
+
+    def __init__(self, batch_invariant: bool = False):
+        self.batch_invariant = batch_invariant
+        self._sdpa: Any = None
+
+    def _fallback(self) -> Any:
+        from backends.torch_sdpa import TorchSdpaBackend
+
+        if self._sdpa is None:
+            self._sdpa = TorchSdpaBackend()
+        self._sdpa.batch_invariant = self.batch_invariant
+        return self._sdpa
+
+    def _kernel_for(self, dtype: torch.dtype) -> Any:
+        return load_kernel() if dtype in _ELEM else None
+
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                          head_dim: int, dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+        # The first use: the kernel is built (or found) here, and decides the layout (the kernel's
+        # own, or the default one for the fallback; forward makes the same choice, by dtype).
+        if self._kernel_for(dtype) is None:
+            return super().allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        shape = (2, num_blocks, num_kv_heads, block_size, head_dim)
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def uses_kernel(self) -> bool:
+        """Builds (or finds) the kernel; False when the backend runs on the fallback."""
+        return load_kernel() is not None
+
+    def prepare(self, batch: ForwardBatch, device: torch.device | str) -> PagedMetadata:
+        slots = torch.from_numpy(batch.slot_mapping).to(device)
+        lib = load_kernel()
+        if lib is None:
+            return PagedMetadata(slot_mapping=slots, batch=batch, fallback=self._fallback().prepare(batch, device))
+        qsl = np.ascontiguousarray(batch.query_start_loc, dtype=np.int32)
+        lens = np.ascontiguousarray(batch.seq_lens, dtype=np.int32)
+        tables = np.ascontiguousarray(batch.block_tables, dtype=np.int32)
+        q_lens = np.diff(qsl)
+        is_long = q_lens >= LONG_SDPA_MIN
+        units = work_units(batch, lib.varlen_paged_attention_tile(), skip=is_long)
+        arrays = (qsl, lens, tables, units)
+        long = []
+        for i in np.flatnonzero(is_long):
+            start, end, L = int(qsl[i]), int(qsl[i + 1]), int(lens[i])
+            if end - start == L:
+                long.append((start, end, L, None, None))
+            else:
+                visible = np.arange(L)[None, :] <= np.arange(L - (end - start), L)[:, None]
+                blocks = torch.from_numpy(tables[i, : -(-L // batch.block_size)].astype(np.int64))
+                long.append((start, end, L, blocks.to(device), torch.from_numpy(visible).to(device)))
+        return PagedMetadata(slot_mapping=slots, batch=batch, arrays=arrays, long=long,
+                             pointers=tuple(a.ctypes.data for a in arrays), bt_stride=tables.shape[1],
+                             num_units=units.shape[0], blocks=slots // batch.block_size,
+                             offsets=slots % batch.block_size)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: PagedMetadata, scale: float) -> torch.Tensor:
+        elem = _ELEM.get(kv_cache.dtype)
+        if meta.fallback is not None or elem is None:
+            if meta.fallback is None:
+                meta.fallback = self._fallback().prepare(meta.batch, q.device)
+            return self._fallback().forward(q, k, v, kv_cache, meta.fallback, scale)
+        write_paged(kv_cache, k, v, meta.blocks, meta.offsets)
+        if not kv_cache.is_contiguous():
+            raise ValueError("torch_paged needs a contiguous KV cache (allocate it with allocate_kv_cache)")
+        if q.dtype != kv_cache.dtype or q.stride(-1) != 1:
+            q = q.to(kv_cache.dtype).contiguous()
+        n, hq, d = q.shape
+        hkv = kv_cache.shape[2]
+        out = torch.empty((n, hq, d), dtype=q.dtype)
+        qsl, lens, tables, units = meta.pointers
+        rc = load_kernel().varlen_paged_attention(
+            q.data_ptr(), q.stride(0), q.stride(1), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(),
+            elem, qsl, lens, meta.batch.num_seqs, tables, meta.bt_stride, units, meta.num_units, hq, hkv, d,
+            kv_cache.shape[3], scale, torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("torch_paged: the attention kernel could not allocate its scratch memory")
+        _, nb, _, bs, _ = kv_cache.shape
+        for start, end, L, blocks, mask in meta.long:
+            qp = q[start:end].transpose(0, 1)[None]
+            if blocks is None:
+                kp, vp = (t[start:end].to(q.dtype).transpose(0, 1)[None] for t in (k, v))
+                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+            else:  # [W, Hkv, D, bs] K tiles and [W, Hkv, bs, D] V tiles → [1, Hkv, L, D]
+                kp = kv_cache[0].view(nb, hkv, d, bs)[blocks].permute(1, 0, 3, 2).reshape(hkv, -1, d)[None, :, :L]
+                vp = kv_cache[1][blocks].transpose(0, 1).reshape(hkv, -1, d)[None, :, :L]
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[start:end] = o[0].transpose(0, 1)
+        return out
+
+
+if __name__ == "__main__":  # build ahead of first use (scripts/setup.sh)
+    try:
+        print(f"built: {build(verbose=True)}")
+    except RuntimeError as err:
+        print(f"WARNING: {err}", file=sys.stderr)
+        sys.exit(1)
