@@ -478,3 +478,10 @@ def test_a_failing_decode_run_aborts_the_running_requests():
         eng.step(until=math.inf)  # the prefill, then the promised decode run
     assert [r.finish_message for r in reqs] == ["step 1 failed: RuntimeError: cost model bug"] * 2  # after the prefill
     assert_idle(eng)
+
+
+def test_llm_stops_on_every_eos_id_of_the_model(llm):
+    from varlen.llm import eos_token_ids
+
+    ids = eos_token_ids(llm.runner.model)
+    assert ids and llm.engine.eos_token_ids == tuple(ids)

@@ -49,9 +49,10 @@ class Executor(ABC):
 @mypyc_attr(allow_interpreted_subclasses=True)
 class Engine:
     def __init__(self, policy: SchedulerPolicy, kv: KVAllocator, executor: Executor, clock=None,
-                 max_model_len: int | None = None, eos_token_id: int | None = None,
+                 max_model_len: int | None = None, eos_token_id: int | Sequence[int] | None = None,
                  vocab_size: int | None = None):
-        """`vocab_size`: the model's, to reject prompts and stop ids outside it (a real model);
+        """`eos_token_id`: one id or several (Llama 3 and many chat models end on any of a few);
+        `vocab_size`: the model's, to reject prompts and stop ids outside it (a real model);
         None (the simulator) checks no token id."""
         self.policy, self.kv, self.executor = policy, kv, executor
         self.clock = WallClock() if clock is None else clock
@@ -59,7 +60,8 @@ class Engine:
             raise ValueError(f"max_model_len={max_model_len}: must be >= 1 (or None: what the KV pool holds)")
         cap = kv.max_request_tokens()
         self.max_model_len = cap if max_model_len is None else min(max_model_len, cap)
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids: tuple[int, ...] = () if eos_token_id is None else \
+            (int(eos_token_id),) if isinstance(eos_token_id, int) else tuple(int(t) for t in eos_token_id)
         self.vocab_size = vocab_size
         if not policy.chunked_prefill and policy.max_num_batched_tokens < self.max_model_len:
             # A request preempted late must be recomputed in one step, so the budget must hold it.
@@ -383,7 +385,7 @@ class Engine:
         return k, False
 
     def _is_stop_token(self, r: Request, tok: int) -> bool:
-        return tok in r.sampling.stop_token_ids or (not r.sampling.ignore_eos and tok == self.eos_token_id)
+        return tok in r.sampling.stop_token_ids or (not r.sampling.ignore_eos and tok in self.eos_token_ids)
 
     def _stop_reason(self, r: Request, tok: int) -> FinishReason | None:
         if self._is_stop_token(r, tok):

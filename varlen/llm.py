@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -43,6 +43,19 @@ def resolve_model(model: str) -> str:
 
         return str(ensure_tiny_model("llama" if model == "tiny-llama" else "qwen3"))
     return model
+
+
+def eos_token_ids(hf: Any) -> list[int]:
+    """Every id that ends a generation: the model config's and its generation config's, each one
+    id or a list (Llama 3 ends on <|end_of_text|> and <|eot_id|>; stopping on the first alone
+    would let a request run past its end)."""
+    ids: list[int] = []
+    for cfg in (hf.config, getattr(hf, "generation_config", None)):
+        eos = getattr(cfg, "eos_token_id", None)
+        for t in (eos if isinstance(eos, (list, tuple)) else [eos]):
+            if t is not None and int(t) not in ids:
+                ids.append(int(t))
+    return ids
 
 
 class LLM:
@@ -127,9 +140,8 @@ class LLM:
         self.runner = ModelRunner(hf, self.backend, block_size, num_blocks, self.dtype, self.device,
                                   batch_invariant=s.batch_invariant)
         self.executor = ModelExecutor(self.runner, scheduler.max_num_seqs, max_model_len, Sampler(s.seed))
-        eos = getattr(cfg, "eos_token_id", None)
         self.engine = Engine(scheduler, kv, self.executor, max_model_len=max_model_len,
-                             eos_token_id=eos[0] if isinstance(eos, list) else eos,
+                             eos_token_id=eos_token_ids(hf),
                              vocab_size=hf.get_input_embeddings().num_embeddings)
         self.model_path = path
         self._tokenizer = None
