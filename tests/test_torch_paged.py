@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from test_backend_metadata import mixed_batches, problems, reference
 
 import backends.torch_paged as tp
@@ -139,8 +139,10 @@ def no_kernel(monkeypatch):
     monkeypatch.setattr(tp, "_kernel", None)
 
 
-def test_build_failure_warns_once_and_falls_back_correctly(no_kernel):
-    p = problems().example()
+# One example: the warning is said once per process, and the fixture resets it per test, not per example.
+@settings(max_examples=1, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(p=problems())
+def test_build_failure_warns_once_and_falls_back_correctly(no_kernel, p):
     with pytest.warns(RuntimeWarning, match="C kernel is unavailable.*torch_sdpa"):
         got, cache = run_paged(p)
     want, want_cache = reference(p)
