@@ -87,6 +87,13 @@ class StepLog:
         self.entries: list[StepRecord | DecodeRun] = []
         self._first: list[int] = []  # index of each entry's first step
         self._len = 0
+        # columns() is asked for by each metric at a run's end (seconds on a long run): kept
+        # while the log has as many entries as when they were computed (entries are only ever
+        # appended). A concatenation remembers its parts and their lengths: the parts' columns,
+        # computed for per-replica tables anyway, are its own end to end.
+        self._columns: dict[str, np.ndarray] | None = None
+        self._columns_at = -1  # len(entries) when _columns was computed
+        self._parts: list[tuple[StepLog, int]] = []
         for e in entries:
             self.append(e)
 
@@ -98,7 +105,10 @@ class StepLog:
     @classmethod
     def concat(cls, logs: Iterable[StepLog]) -> StepLog:
         """Several engines' logs as one (step numbers stay each engine's own)."""
-        return cls(e for log in logs for e in log.entries)
+        logs = list(logs)
+        out = cls(e for log in logs for e in log.entries)
+        out._parts = [(log, len(log.entries)) for log in logs]
+        return out
 
     def __len__(self) -> int:
         return self._len
@@ -131,6 +141,24 @@ class StepLog:
     def columns(self) -> dict[str, np.ndarray]:
         """Per-step arrays (start, duration, num_seqs, num_new_tokens, num_cached_tokens,
         kv_reserved_slots, kv_live_tokens, num_waiting), equal to reading them off the records.
+        Read-only: they are computed once and shared by every caller until the next append."""
+        n_entries = len(self.entries)
+        if self._columns is None or self._columns_at != n_entries:
+            parts = self._parts
+            if (parts and sum(n for _, n in parts) == n_entries
+                    and all(len(log.entries) == n for log, n in parts)):
+                # A part's first step starts where recorded, so the parts' columns join end to end.
+                cols = [log.columns() for log, _ in parts]
+                self._columns = {k: np.concatenate([c[k] for c in cols]) for k in cols[0]}
+            else:
+                self._columns = self._compute_columns()
+            for a in self._columns.values():
+                a.flags.writeable = False
+            self._columns_at = n_entries
+        return dict(self._columns)
+
+    def _compute_columns(self) -> dict[str, np.ndarray]:
+        """columns(), computed.
 
         One pass over the entries gathers a few figures per entry (a record is a run of one
         step); numpy spreads them over the steps: a long simulation has ~10^6 steps."""
