@@ -310,8 +310,11 @@ def _skip_mode_probe(argv: list[str]) -> None:
     None (run, or sweep with -m), which is what this answers without composing: 0.1-0.8 s of a run."""
     from hydra._internal.hydra import Hydra
 
-    if any("hydra.mode" in a or a.startswith(("--config", "-c")) for a in argv[1:]):
-        return
+    for a in argv[1:]:
+        key = a.split("=", 1)[0].lstrip("+~")
+        if (a.startswith(("--config", "-c")) or "hydra.mode" in a or key.startswith("hydra")
+                and not key.startswith(("hydra.run.", "hydra.sweep.", "hydra.job.", "hydra.launcher."))):
+            return  # other configs, or Hydra's own settings, might set hydra.mode: let Hydra look
     if callable(getattr(Hydra, "get_mode", None)):
         Hydra.get_mode = lambda self, config_name, overrides: None  # type: ignore[method-assign]
 
