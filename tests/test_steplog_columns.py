@@ -56,3 +56,18 @@ def test_concat_columns_join_the_parts(warm):
     again = both.columns()
     for k, v in _by_records(both).items():
         np.testing.assert_array_equal(again[k], v)
+
+
+def test_columns_without_token_sums():
+    log = _log(0.0)
+    lean = log.columns(tokens=False)
+    assert set(lean) == set(_by_records(log)) - {"num_new_tokens", "num_cached_tokens"}
+    full = log.columns()  # asks for more than was computed: computed again, in full
+    assert set(full) == set(_by_records(log))
+    for k, v in _by_records(log).items():
+        np.testing.assert_array_equal(full[k], v)
+        if k in lean:
+            np.testing.assert_array_equal(lean[k], v)
+    assert set(log.columns(tokens=False)) == set(lean)
+    both = StepLog.concat([StepLog([*log.entries]), _log(50.0)])
+    assert set(both.columns(tokens=False)) == set(lean)

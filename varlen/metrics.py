@@ -83,7 +83,7 @@ def kv_usage_table(steps: Sequence, total_slots: int, max_points: int | None = 2
     by keeping every k-th step plus the peak, enough for a plot and small as a CSV."""
     import pandas as pd
 
-    c = step_columns(steps)
+    c = step_columns(steps, tokens=False)
     df = pd.DataFrame({
         "time": c["start"] + c["duration"],
         "kv_usage": c["kv_reserved_slots"] / total_slots,
@@ -147,7 +147,7 @@ def _latencies(reqs: Sequence[Request], itl: bool = True) -> dict[str, np.ndarra
 def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
               ttft_slo: float | None = None, tpot_slo: float | None = None) -> dict[str, float]:
     """One row of headline figures: throughput, latency percentiles, preemptions, KV usage, goodput."""
-    c = step_columns(steps)
+    c = step_columns(steps, tokens=False)
     done = [r for r in requests if r.finish_reason is not None and r.finish_reason.value in ("length", "stop")]
     lat = _latencies(done)
     finish, ttft_all, tpot_all = lat["finish"], lat["ttft"], lat["tpot"]
