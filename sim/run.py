@@ -234,6 +234,31 @@ def hydra_labels() -> dict[str, Any]:
             "overrides": ",".join(hc.overrides.task)}
 
 
+def write_csv(df: Any, path: Path) -> None:
+    """df.to_csv(path, index=False), byte for byte, in ~2/3 of the time for a table of numbers
+    and strings (a whole trace's requests.csv): pandas formats each float through numpy, the
+    csv module (which pandas writes with too) through Python's repr, the same shortest
+    round-trip text. Other column types are left to pandas."""
+    import csv
+    import os
+
+    cols = []
+    for name in df.columns:
+        col = df[name]
+        if col.dtype.kind not in "fiuOT" and str(col.dtype) not in ("str", "string"):
+            df.to_csv(path, index=False)
+            return
+        values = col.to_numpy().tolist() if col.dtype.kind in "fiu" else col.astype(object).tolist()
+        if col.dtype.kind not in "iu":
+            for i in col.isna().to_numpy().nonzero()[0].tolist():
+                values[i] = None  # missing: an empty field, as pandas writes it
+        cols.append(values)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f, lineterminator=os.linesep)
+        w.writerow([str(c) for c in df.columns])
+        w.writerows(zip(*cols))
+
+
 def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig) -> None:
     from varlen.metrics import kv_usage_table, request_table, step_table
 
@@ -242,7 +267,7 @@ def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig) 
     if o.requests:
         df = request_table(res.requests)
         df["replica"] = df["req_id"].map(res.routed)
-        df.to_csv(out / "requests.csv", index=False)
+        write_csv(df, out / "requests.csv")
     kv = []
     for rep in res.replicas:
         t = kv_usage_table(rep.engine.steps, rep.engine.kv.capacity_tokens, o.kv_points)
