@@ -96,6 +96,10 @@ def main() -> None:
             line += f" {n / wall[0]:>12,.0f} {loop:>10.2f} {n / loop:>10,.0f}"
         print(line)
     if args.compare:
+        cores = {rows[f"{k}: python -m sim.run"]["core"] for k in ("compare", "this")}
+        if len(cores) > 1:
+            print(f"the two checkouts ran different cores ({', '.join(sorted(cores))}): build both with "
+                  "`python -m varlen.compile` in each for a fair ratio")
         a, b = (min(rows[f"{k}: python -m sim.run"]["wall"]) for k in ("compare", "this"))
         ca, cb = (min(rows[f"{k}: python -m sim.run"]["cpu"]) for k in ("compare", "this"))
         print(f"this checkout vs {args.compare}: {a / b:.2f}x faster end to end (best wall), {ca / cb:.2f}x (best CPU)")
