@@ -43,7 +43,7 @@ def request_table(requests: Iterable[Request]):
     import pandas as pd
 
     requests = list(requests)
-    lat = _latencies(requests)
+    lat = _latencies(requests, itl=False)
     out_tokens = np.array([r.num_output_tokens for r in requests], np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         normalized = np.where(out_tokens > 0, lat["e2e"] / out_tokens, np.nan)
@@ -83,7 +83,7 @@ def kv_usage_table(steps: Sequence, total_slots: int, max_points: int | None = 2
     by keeping every k-th step plus the peak, enough for a plot and small as a CSV."""
     import pandas as pd
 
-    c = step_columns(steps)
+    c = step_columns(steps, tokens=False)
     df = pd.DataFrame({
         "time": c["start"] + c["duration"],
         "kv_usage": c["kv_reserved_slots"] / total_slots,
@@ -110,32 +110,44 @@ def _time_weighted_kv(c: dict[str, np.ndarray], total_slots: int) -> float:
     return float(np.dot(c["kv_reserved_slots"], c["duration"])) / busy / total_slots
 
 
-def _latencies(reqs: Sequence[Request]) -> dict[str, np.ndarray]:
+def _latencies(reqs: Sequence[Request], itl: bool = True) -> dict[str, np.ndarray]:
     """Per request: arrival, first_token, finish, ttft, tpot, e2e (NaN where undefined), and
-    every request's inter-token gaps as one array (itl). All token times go into one array:
-    a long simulation has millions, too many to handle one by one."""
+    with itl=True every request's inter-token gaps as one array (itl). For the gaps all token
+    times go into one array: a long simulation has millions, too many to handle one by one.
+    Without them, each request's first and last token time is all it takes."""
     times = [r.token_times for r in reqs]
     lens = np.fromiter(map(len, times), np.int64, len(times))
-    flat = np.fromiter(itertools.chain.from_iterable(times), np.float64, int(lens.sum()))
-    first = np.cumsum(lens) - lens
     has, many = lens > 0, lens > 1
     arrival = np.array([r.arrival for r in reqs], np.float64)
     finish = np.array([np.nan if r.finish_time is None else r.finish_time for r in reqs], np.float64)
     first_token = np.full(len(reqs), np.nan)
-    first_token[has] = flat[first[has]]
+    last_token = np.full(len(reqs), np.nan)
+    gaps = None
+    if itl:
+        flat = np.fromiter(itertools.chain.from_iterable(times), np.float64, int(lens.sum()))
+        first = np.cumsum(lens) - lens
+        first_token[has] = flat[first[has]]
+        last_token[has] = flat[first[has] + lens[has] - 1]
+        gaps = np.diff(flat)
+        between = np.ones(len(gaps), bool)  # False where a gap spans two requests
+        between[first[has & (first > 0)] - 1] = False
+        gaps = gaps[between]
+    else:
+        first_token[has] = [t[0] for t in times if t]
+        last_token[has] = [t[-1] for t in times if t]
     tpot = np.full(len(reqs), np.nan)
-    tpot[many] = (flat[first[many] + lens[many] - 1] - flat[first[many]]) / (lens[many] - 1)
-    gaps = np.diff(flat)
-    between = np.ones(len(gaps), bool)  # False where a gap spans two requests
-    between[first[has & (first > 0)] - 1] = False
-    return dict(arrival=arrival, first_token=first_token, finish=finish, ttft=first_token - arrival, tpot=tpot,
-                e2e=finish - arrival, itl=gaps[between])
+    tpot[many] = (last_token[many] - first_token[many]) / (lens[many] - 1)
+    out = dict(arrival=arrival, first_token=first_token, finish=finish, ttft=first_token - arrival, tpot=tpot,
+               e2e=finish - arrival)
+    if gaps is not None:
+        out["itl"] = gaps
+    return out
 
 
 def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
               ttft_slo: float | None = None, tpot_slo: float | None = None) -> dict[str, float]:
     """One row of headline figures: throughput, latency percentiles, preemptions, KV usage, goodput."""
-    c = step_columns(steps)
+    c = step_columns(steps, tokens=False)
     done = [r for r in requests if r.finish_reason is not None and r.finish_reason.value in ("length", "stop")]
     lat = _latencies(done)
     finish, ttft_all, tpot_all = lat["finish"], lat["ttft"], lat["tpot"]

@@ -87,6 +87,14 @@ class StepLog:
         self.entries: list[StepRecord | DecodeRun] = []
         self._first: list[int] = []  # index of each entry's first step
         self._len = 0
+        # columns() is asked for by each metric at a run's end (seconds on a long run): kept
+        # while the log has as many entries as when they were computed (entries are only ever
+        # appended). A concatenation remembers its parts and their lengths: the parts' columns,
+        # computed for per-replica tables anyway, are its own end to end.
+        self._columns: dict[str, np.ndarray] | None = None
+        self._columns_at = -1  # len(entries) when _columns was computed
+        self._columns_tokens = False  # whether _columns holds the token sums
+        self._parts: list[tuple[StepLog, int]] = []
         for e in entries:
             self.append(e)
 
@@ -98,7 +106,10 @@ class StepLog:
     @classmethod
     def concat(cls, logs: Iterable[StepLog]) -> StepLog:
         """Several engines' logs as one (step numbers stay each engine's own)."""
-        return cls(e for log in logs for e in log.entries)
+        logs = list(logs)
+        out = cls(e for log in logs for e in log.entries)
+        out._parts = [(log, len(log.entries)) for log in logs]
+        return out
 
     def __len__(self) -> int:
         return self._len
@@ -128,9 +139,32 @@ class StepLog:
     def __bool__(self) -> bool:
         return self._len > 0
 
-    def columns(self) -> dict[str, np.ndarray]:
+    def columns(self, tokens: bool = True) -> dict[str, np.ndarray]:
         """Per-step arrays (start, duration, num_seqs, num_new_tokens, num_cached_tokens,
         kv_reserved_slots, kv_live_tokens, num_waiting), equal to reading them off the records.
+        Read-only: they are computed once and shared by every caller until the next append.
+        tokens=False leaves out num_new_tokens and num_cached_tokens, the two that add up every
+        request's tokens of every step (a third of the time; no headline metric needs them)."""
+        n_entries = len(self.entries)
+        if self._columns is None or self._columns_at != n_entries or (tokens and not self._columns_tokens):
+            parts = self._parts
+            if (parts and sum(n for _, n in parts) == n_entries
+                    and all(len(log.entries) == n for log, n in parts)):
+                # A part's first step starts where recorded, so the parts' columns join end to end.
+                cols = [log.columns(tokens) for log, _ in parts]
+                self._columns = {k: np.concatenate([c[k] for c in cols]) for k in cols[0]}
+            else:
+                self._columns = self._compute_columns(tokens)
+            for a in self._columns.values():
+                a.flags.writeable = False
+            self._columns_at = n_entries
+            self._columns_tokens = tokens
+        if tokens:
+            return dict(self._columns)
+        return {k: v for k, v in self._columns.items() if k not in ("num_new_tokens", "num_cached_tokens")}
+
+    def _compute_columns(self, tokens: bool = True) -> dict[str, np.ndarray]:
+        """columns(), computed.
 
         One pass over the entries gathers a few figures per entry (a record is a run of one
         step); numpy spreads them over the steps: a long simulation has ~10^6 steps."""
@@ -151,12 +185,14 @@ class StepLog:
         for e in self.entries:
             B = len(e.req_ids)
             seqs.append(B)
-            cached0.append(sum(e.cached_tokens))
+            if tokens:
+                cached0.append(sum(e.cached_tokens))
             waiting.append(e.num_waiting)
             start0.append(e.start)
             if isinstance(e, DecodeRun):
                 steps.append(len(e.ends))
-                new.append(B)
+                if tokens:
+                    new.append(B)
                 live0.append(e.kv_live_before)
                 live_last.append(e.last_kv_live_tokens)
                 record_dur.append(nan)
@@ -164,7 +200,8 @@ class StepLog:
                 reserved += e.kv_reserved_slots
             else:
                 steps.append(1)
-                new.append(sum(e.new_tokens))
+                if tokens:
+                    new.append(sum(e.new_tokens))
                 live0.append(e.kv_live_tokens - B)
                 live_last.append(e.kv_live_tokens)
                 record_dur.append(e.duration)
@@ -186,12 +223,15 @@ class StepLog:
         in_run = ~np.isnan(end)
         duration = np.array(record_dur, np.float64)[per_step]
         duration[in_run] = end[in_run] - start[in_run]  # as DecodeRun.record computes it
-        return dict(start=start, duration=duration, num_seqs=seqs_s, num_new_tokens=np.array(new, i64)[per_step],
-                    num_cached_tokens=np.array(cached0, i64)[per_step] + seqs_s * offset,
-                    kv_reserved_slots=np.array(reserved, i64), kv_live_tokens=live,
+        cols = dict(start=start, duration=duration, num_seqs=seqs_s)
+        if tokens:
+            cols.update(num_new_tokens=np.array(new, i64)[per_step],
+                        num_cached_tokens=np.array(cached0, i64)[per_step] + seqs_s * offset)
+        cols.update(kv_reserved_slots=np.array(reserved, i64), kv_live_tokens=live,
                     num_waiting=np.array(waiting, i64)[per_step])
+        return cols
 
 
-def step_columns(steps: StepLog | Iterable[StepRecord]) -> dict[str, np.ndarray]:
-    """StepLog.columns() of a log, or of a plain sequence of StepRecords."""
-    return (steps if isinstance(steps, StepLog) else StepLog(steps)).columns()
+def step_columns(steps: StepLog | Iterable[StepRecord], tokens: bool = True) -> dict[str, np.ndarray]:
+    """StepLog.columns(tokens) of a log, or of a plain sequence of StepRecords."""
+    return (steps if isinstance(steps, StepLog) else StepLog(steps)).columns(tokens)

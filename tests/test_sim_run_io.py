@@ -1,0 +1,61 @@
+"""sim.run's shortcuts for a fast whole-trace run. Hydra's composition only to read hydra.mode
+is skipped when nothing on the command line can set hydra.mode, and kept otherwise (what Hydra
+would have found there is None for this command's config, so skipping it changes nothing).
+write_csv writes what DataFrame.to_csv(index=False) writes, byte for byte."""
+
+import math
+
+import pandas as pd
+import pytest
+from hydra import initialize_config_dir
+from hydra._internal.hydra import Hydra
+from hydra.core.global_hydra import GlobalHydra
+
+import sim.run as sim_run
+
+
+@pytest.fixture
+def restore_get_mode():
+    orig = Hydra.get_mode
+    yield orig
+    Hydra.get_mode = orig
+
+
+@pytest.mark.parametrize("args, skipped", [
+    ([], True),
+    (["hydra.run.dir=/tmp/x", "-m", "scheduler=static,chunked", "workload.rate=1"], True),
+    (["hydra.mode=RUN"], False),
+    (["hydra/launcher=basic"], False),
+    (["+hydra.foo=1"], False),
+    (["-cd", "/elsewhere"], False),
+    (["--config-name", "other"], False),
+])
+def test_mode_probe_skipped_only_when_nothing_can_set_it(restore_get_mode, args, skipped):
+    sim_run._skip_mode_probe(["sim.run", *args])
+    assert (Hydra.get_mode is not restore_get_mode) == skipped
+
+
+def test_the_probe_would_find_no_mode(restore_get_mode):
+    with initialize_config_dir(sim_run.CONF, version_base="1.3"):
+        h = GlobalHydra.instance().hydra
+        assert h.get_mode("sim", []) is None
+        assert h.get_mode("sim", ["scheduler=static,chunked"]) is None
+
+
+def _frames():
+    yield pd.DataFrame({
+        "f": [0.1, math.nan, -0.0, 1e16, 1e-5, math.inf, 123456789.123, 2.0, 1 / 3],
+        "i": list(range(-4, 5)),
+        "s": ["a,b", None, 'q"x', "", "line\nbreak", "x", math.nan, "z", " "],
+        "o": pd.Series(["a", None, "b", "c", "d", "e", "f", "g", 1], dtype=object),
+        "ns": pd.Series(["a", pd.NA, "b", "c", "d", "e", "f", "g", "h"], dtype="string"),
+    })
+    yield pd.DataFrame({"b": [True, False], "f": [1.5, 2.5]})  # left to pandas
+    yield pd.DataFrame({"f": pd.Series([], dtype=float), "s": pd.Series([], dtype=object)})
+
+
+@pytest.mark.parametrize("df", list(_frames()))
+def test_write_csv_is_to_csv(tmp_path, df):
+    df.to_csv(tmp_path / "pandas.csv", index=False)
+    sim_run.write_csv(df, tmp_path / "ours.csv")
+    assert (tmp_path / "ours.csv").read_bytes() == (tmp_path / "pandas.csv").read_bytes()

@@ -1,0 +1,73 @@
+"""StepLog.columns() is computed once per log and shared: read-only arrays, recomputed after an
+append, and a concatenation's columns are its parts' end to end (what the metrics read)."""
+
+import numpy as np
+import pytest
+
+from varlen.steplog import DecodeRun, StepLog, StepRecord, step_columns
+
+
+def _log(t0: float, n_runs: int = 2) -> StepLog:
+    log = StepLog()
+    log.append(StepRecord(0, t0, 0.5, ["a", "b"], [7, 3], [0, 0], 0, 32, 10, 1, 2, 2))
+    step = 1
+    for k in range(n_runs):
+        start = t0 + 1.0 + 2 * k
+        log.append(DecodeRun(step, start, [start + 0.1, start + 0.25, start + 0.3], ["a", "b"], [7 + k, 3 + k],
+                             [32, 32, 48], 10 + k, 15 + k, 0, 2))
+        step += 3
+    return log
+
+
+def _by_records(log: StepLog) -> dict:
+    return step_columns(list(log))  # read off the expanded records, one by one
+
+
+def test_columns_cached_read_only_and_refreshed_by_append():
+    log = _log(0.0)
+    a = log.columns()
+    for k, v in _by_records(log).items():
+        np.testing.assert_array_equal(a[k], v)
+    assert log.columns()["start"] is a["start"]  # computed once
+    with pytest.raises(ValueError):
+        a["duration"][0] = 1.0  # shared by every caller: nobody may change it
+    log.append(StepRecord(7, 10.0, 0.5, ["c"], [4], [0], 0, 48, 4, 0, 1, 1))
+    b = log.columns()
+    assert len(b["start"]) == len(log) == len(a["start"]) + 1
+    for k, v in _by_records(log).items():
+        np.testing.assert_array_equal(b[k], v)
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_concat_columns_join_the_parts(warm):
+    logs = [_log(0.0), _log(100.0, 1), StepLog()]
+    if warm:
+        for log in logs:
+            log.columns()
+    both = StepLog.concat(logs)
+    c = both.columns()
+    for k, v in _by_records(both).items():
+        np.testing.assert_array_equal(c[k], v)
+    # A part that grows after the concatenation no longer speaks for it.
+    logs[0].append(StepRecord(9, 50.0, 0.5, ["c"], [4], [0], 0, 48, 4, 0, 1, 1))
+    fresh = StepLog.concat(logs[1:])
+    for k, v in _by_records(fresh).items():
+        np.testing.assert_array_equal(fresh.columns()[k], v)
+    again = both.columns()
+    for k, v in _by_records(both).items():
+        np.testing.assert_array_equal(again[k], v)
+
+
+def test_columns_without_token_sums():
+    log = _log(0.0)
+    lean = log.columns(tokens=False)
+    assert set(lean) == set(_by_records(log)) - {"num_new_tokens", "num_cached_tokens"}
+    full = log.columns()  # asks for more than was computed: computed again, in full
+    assert set(full) == set(_by_records(log))
+    for k, v in _by_records(log).items():
+        np.testing.assert_array_equal(full[k], v)
+        if k in lean:
+            np.testing.assert_array_equal(lean[k], v)
+    assert set(log.columns(tokens=False)) == set(lean)
+    both = StepLog.concat([StepLog([*log.entries]), _log(50.0)])
+    assert set(both.columns(tokens=False)) == set(lean)
