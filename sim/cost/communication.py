@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 from mypy_extensions import mypyc_attr
@@ -28,7 +29,7 @@ class CommunicationCostModel(CostModel):
                              f"communication with; set e.g. hardware.node=h100_dgx to borrow its collective tables")
         d = int(dtype_bytes or hardware.dtype_bytes)
         tokens = np.arange(GRID_TOKENS + 1, dtype=np.float64)
-        act = tokens * shape.hidden * d
+        act: Any = tokens * shape.hidden * d
         ms = shape.layers * 2.0 * self.comm.all_reduce_ms(act, tensor)
         if pipeline > 1:
             ms = ms + (pipeline - 1) * self.comm.send_recv_ms(act)

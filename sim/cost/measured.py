@@ -71,7 +71,7 @@ class MeasuredCostModel(CostModel):
             raise ProfileError(f"hardware {hw.name!r} names no node (hardware.node) to time tensor/pipeline "
                                f"communication with; set e.g. hardware.node=h100_dgx (nodes: {', '.join(self.profiles.nodes)})")
         self.comm = Collectives(hw.node, self.profiles)
-        act = tokens * m.hidden * d  # bytes of one activation all-reduced / sent
+        act: Any = tokens * m.hidden * d  # bytes of one activation all-reduced / sent
         ar = 2.0 * self.comm.all_reduce_ms(act, tp) if tp > 1 else np.zeros_like(tokens)
         pp = (self.pipeline - 1) * self.comm.send_recv_ms(act) if self.pipeline > 1 else np.zeros_like(tokens)
         ar[0] = 0.0
