@@ -210,8 +210,6 @@ def parallel_table(limit: int) -> None:
                 for cm, cfg in cfgs.items():
                     c = cfg_dict = __import__("omegaconf").OmegaConf.to_container(cfg, resolve=True)
                     mc = load_model_config(c["sim_model"]["config"])
-                    from sim.cost.hardware import HardwareSpec
-
                     spec = HardwareSpec.from_dict(c["hardware"])
                     cap = capacity(mc, spec, Parallelism(tp, pp), 0.9)
                     m = build_cost_model(c["cost"], mc, spec, cfg_dict["parallel"])

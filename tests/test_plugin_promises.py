@@ -261,6 +261,24 @@ def test_user_cost_model_times_every_step(cost, method):
     assert (ff > 0) if broken is None else (ff == 0)
 
 
+@pytest.mark.parametrize("cost", [RooflineCostModel, ProfiledCostModel], ids=lambda c: c.__name__)
+def test_user_formula_term_times_every_step_and_keeps_the_fast_path(cost):
+    """Overriding one term of a shipped model's formula (its attention) is the formula: the sums,
+    the decode closure and step_time all follow it, so the fast-forward stays on."""
+    user = doubled(cost, "layer_attention")
+    base_factory = cost_roofline if cost is RooflineCostModel else cost_profiled
+    user_factory = (lambda: user("tiny", "cpu_2core")) if cost is RooflineCostModel else \
+        (lambda: user(coef=cost_profiled().coefficients()))
+    b = run_checked(make_factory(POLICIES["chunked"], paged(400), user_factory))
+    plain = base_factory()
+
+    def expected(i, s):
+        sums = StepSums.of(s.new_tokens, s.cached_tokens, s.num_sampled)
+        return plain.step_time_sums(sums) + plain.parts(sums)["attention_s"]  # attention counted twice
+    assert_timed_by(b, expected)
+    assert b.replicas[0].engine.num_fast_forwarded_steps > 0.1 * b.num_steps
+
+
 def test_user_replay_cost_model():
     durations = [1e-3 * (1 + i % 7) for i in range(5000)]
     user = doubled(ReplayCostModel, "step_time")
