@@ -24,6 +24,10 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+# This checkout's packages, not an installed one's: run from a worktree, time that worktree's code.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TIMING_KEYS = ("sim_wall_s", "sim_requests_per_wall_s", "e2e_wall_s")
 

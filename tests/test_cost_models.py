@@ -445,3 +445,18 @@ def test_a_new_formula_is_timed_the_same_by_every_derived_path() -> None:
     parts = breakdown(m, new, cached)
     assert parts["attention_s"] == pytest.approx(2.0 * (1e-9 * pairs + 1e-8 * 130), rel=1e-15)
     assert parts["linear_s"] == pytest.approx(7e-6) and parts["overhead_s"] == 1e-3 and parts["lm_head_s"] is None
+
+
+def test_the_cost_package_is_part_of_the_compiled_core() -> None:
+    """Every cost model's formula runs in the simulator's hot loop: compiled with the core when it is."""
+    from varlen import compiled
+
+    mods = [m for m in compiled.MODULES if m.startswith("sim/cost/")]
+    assert {"sim/cost/base.py", "sim/cost/roofline.py", "sim/cost/measured.py", "sim/cost/fitted.py",
+            "sim/cost/replay.py", "sim/cost/communication.py"} <= set(mods)
+    if not compiled.is_compiled():
+        pytest.skip(f"no compiled core: {compiled.status()}")
+    import importlib
+
+    files = [importlib.import_module(m[:-3].replace("/", ".")).__file__ for m in mods]
+    assert all(str(f).endswith(".so") for f in files), files
