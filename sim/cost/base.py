@@ -19,6 +19,7 @@ A model that cannot be written this way (replay) overrides `step_time` alone.
 
 from __future__ import annotations
 
+import math
 from abc import ABC
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -32,6 +33,10 @@ from varlen.promises import broken_by
 #: The formula's methods: a class that defines any of them promises step_time_sums (derived from
 #: them) is its step_time (varlen/promises.py; sim/executor.py checks it).
 FORMULA = ("step_fixed", "layer_attention", "step_total")
+
+#: A StepFixed part the model cannot tell apart from another (explain shows null). NaN rather
+#: than None: a float field stays unboxed in the compiled core, and StepFixed is built per step.
+NOT_SPLIT = math.nan
 
 PARTS = ("embedding_s", "linear_s", "attention_s", "lm_head_s", "communication_s", "overhead_s")
 
@@ -73,21 +78,21 @@ class StepSums:
 @dataclass(init=False, slots=True)
 class StepFixed:
     """What a step's sizes fix, before its attention: the explain parts (seconds for the whole
-    step; None where the model cannot tell a part apart from another), `layers` (how many times
+    step; NOT_SPLIT where the model cannot tell a part apart from another), `layers` (how many times
     the per-layer attention runs) and two terms `a`, `b` that only the model's formula reads."""
 
     layers: float
     a: float
     b: float
-    embedding_s: float | None
-    linear_s: float | None
-    lm_head_s: float | None
+    embedding_s: float
+    linear_s: float
+    lm_head_s: float
     communication_s: float
     overhead_s: float
     new: float
 
-    def __init__(self, layers: float, a: float, b: float, embedding_s: float | None, linear_s: float | None,
-                 lm_head_s: float | None, communication_s: float, overhead_s: float, new: float) -> None:
+    def __init__(self, layers: float, a: float, b: float, embedding_s: float, linear_s: float,
+                 lm_head_s: float, communication_s: float, overhead_s: float, new: float) -> None:
         self.layers, self.a, self.b = layers, a, b
         self.embedding_s, self.linear_s, self.lm_head_s = embedding_s, linear_s, lm_head_s
         self.communication_s, self.overhead_s, self.new = communication_s, overhead_s, new
@@ -149,8 +154,9 @@ class CostModel(ABC):
         """The step's time part by part (sim.explain): the formula's own terms."""
         f = self.step_fixed(s.num_seqs, s.new, s.num_logits, s.num_prefills)
         attention = f.layers * self.layer_attention(f, s.attention_pairs, s.cached)
-        return {"embedding_s": f.embedding_s, "linear_s": f.linear_s, "attention_s": attention,
-                "lm_head_s": f.lm_head_s, "communication_s": f.communication_s, "overhead_s": f.overhead_s}
+        parts = {"embedding_s": f.embedding_s, "linear_s": f.linear_s, "attention_s": attention,
+                 "lm_head_s": f.lm_head_s, "communication_s": f.communication_s, "overhead_s": f.overhead_s}
+        return {k: None if math.isnan(v) else v for k, v in parts.items()}
 
     def next_start(self, now: float) -> float:
         """When the next step may start: now, unless the model replays a recorded timeline."""

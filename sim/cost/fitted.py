@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 from mypy_extensions import mypyc_attr
 
-from sim.cost.base import CostModel, StepFixed, StepSums
+from sim.cost.base import NOT_SPLIT, CostModel, StepFixed, StepSums
 
 # Each feature is a quantity some part of the step scales with, from the step's sums (exact for
 # integer token counts, so fitting on a log and timing in the simulator see the same numbers).
@@ -223,7 +223,7 @@ class ProfiledCostModel(CostModel):
         linear = self._c_new * new
         head = self._c_logits * num_logits
         overhead = self._c_const + self._c_seqs * num_seqs + self._c_prefills * num_prefills
-        return StepFixed(1.0, overhead + linear + head, 0.0, None, linear, head if self._has_logits else None,
+        return StepFixed(1.0, overhead + linear + head, 0.0, NOT_SPLIT, linear, head if self._has_logits else NOT_SPLIT,
                          0.0, overhead, new)
 
     def layer_attention(self, f: StepFixed, pairs: float, cached: float) -> float:

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 from mypy_extensions import mypyc_attr
 from numpy.typing import ArrayLike
 
-from sim.cost.base import CostModel, StepFixed, StepSums
+from sim.cost.base import NOT_SPLIT, CostModel, StepFixed, StepSums
 from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
 
 
@@ -88,12 +88,12 @@ class RooflineCostModel(CostModel):
 
     def step_fixed(self, num_seqs: int, new: float, num_logits: int, num_prefills: int) -> StepFixed:
         if not new:  # nothing computed: the fixed overhead alone
-            return StepFixed(0.0, 0.0, 0.0, None, 0.0, 0.0, 0.0, self.overhead_s, 0.0)
+            return StepFixed(0.0, 0.0, 0.0, NOT_SPLIT, 0.0, 0.0, 0.0, self.overhead_s, 0.0)
         F, B, L = self._flops, self._bw, self.shape.layers
         lin_f, lin_b = self.linear_work(new)
         head_f, head_b = self.head_work(new, num_logits)
         lin, head = max(lin_f / F, lin_b / B), max(head_f / F, head_b / B)
-        return StepFixed(L, lin, head, None, L * lin, head, 0.0, self.overhead_s, new)
+        return StepFixed(L, lin, head, NOT_SPLIT, L * lin, head, 0.0, self.overhead_s, new)
 
     def layer_attention(self, f: StepFixed, pairs: float, cached: float) -> float:
         attn_f, attn_b = self.attention_work(pairs, cached, f.new)
