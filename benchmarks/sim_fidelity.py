@@ -129,7 +129,7 @@ def pct(a, b):
 def predict(fit_on: list[RealRun], target: list[RealRun], features, weighting: str) -> pd.DataFrame:
     """Fit on every repeat of one slice's steps, simulate the other slice's requests; compare with
     the median of that slice's real repeats."""
-    from sim.cost_models import ProfiledCostModel, profile_rows
+    from sim.cost.fitted import ProfiledCostModel, profile_rows
 
     src, dst = fit_on[0].label, target[0].label
     rows = [row for r in fit_on for row in profile_rows(r.steps)]
@@ -168,7 +168,7 @@ def profile_measured(model_dir: str, backend: str, out: str):
     import json
     from pathlib import Path
 
-    from sim.measured import MeasuredCostModel
+    from sim.cost.measured import MeasuredCostModel
     from sim.profile import (
         fit_engine_overhead, profile_attention, profile_engine, profile_model, write_table,
     )
@@ -202,14 +202,14 @@ def main() -> None:
                    help="also predict both slices with cost.model=measured built by sim.profile on this machine "
                         "(operators, attention backend, engine overhead; no trace run)")
     p.add_argument("--features", default=None,
-                   help="comma-separated profiled-model features (default: sim.cost_models.DEFAULT_FEATURES)")
+                   help="comma-separated profiled-model features (default: sim.cost.fitted.DEFAULT_FEATURES)")
     args = p.parse_args()
 
     import torch
 
     torch.set_num_threads(1)
     from backends import BACKENDS
-    from sim.cost_models import DEFAULT_FEATURES
+    from sim.cost.fitted import DEFAULT_FEATURES
     from varlen import LLM
     from varlen.tiny_model import write_tiny_model
     from varlen.traces import default_traces_dir, load_trace

@@ -28,8 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sim.cost_models import HardwareSpec  # noqa: E402
-from sim.measured import (  # noqa: E402
+from sim.cost.hardware import HardwareSpec  # noqa: E402
+from sim.cost.operators import (  # noqa: E402
     GEMMS, LAYER_OPS, PER_LAYER, Collectives, gemm_dims, interp_size, layer_op_ms, load_profiles,
 )
 
@@ -192,7 +192,7 @@ def parallel_table(limit: int) -> None:
     parallelism and cost model."""
     from hydra import compose, initialize_config_dir
 
-    from sim.cost_models import load_model_config
+    from sim.cost.hardware import load_model_config
     from sim.parallel import Parallelism, build_cost_model, capacity
     from sim.run import CONF, simulate_config
 
@@ -210,8 +210,6 @@ def parallel_table(limit: int) -> None:
                 for cm, cfg in cfgs.items():
                     c = cfg_dict = __import__("omegaconf").OmegaConf.to_container(cfg, resolve=True)
                     mc = load_model_config(c["sim_model"]["config"])
-                    from sim.cost_models import HardwareSpec
-
                     spec = HardwareSpec.from_dict(c["hardware"])
                     cap = capacity(mc, spec, Parallelism(tp, pp), 0.9)
                     m = build_cost_model(c["cost"], mc, spec, cfg_dict["parallel"])

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 from mypy_extensions import mypyc_attr
 
-from sim.cost_models import CostModel, StepSums
+from sim.cost.base import FORMULA, CostModel, StepSums
 from varlen.clock import SimClock
 from varlen.engine import Executor
 from varlen.kv.base import KVAllocator
@@ -28,10 +28,12 @@ class CostModelExecutor(Executor):
     def __init__(self, cost: CostModel, clock: SimClock):
         self.cost, self.clock = cost, clock
         # A cost model's shortcuts hold only for the class that defines them (varlen/promises.py):
-        # step_time_sums promises to be step_time, decode_step_time to be step_time_sums. A
-        # subclass overriding the slow form alone is timed by it, not by an inherited shortcut.
-        self._sums = cost.uses_sums and keeps_promise(cost, "step_time_sums", ("step_time",), CostModel)
-        self._decode = self._sums and keeps_promise(cost, "decode_step_time", ("step_time_sums",), CostModel)
+        # its formula (and a step_time_sums of its own) promise to be step_time, decode_step_time
+        # to be step_time_sums. A subclass overriding the slow form alone is timed by it, not by
+        # an inherited shortcut. A replayed timeline (its own next_start) goes step by step.
+        self._sums = cost.uses_sums and keeps_promise(cost, ("step_time_sums", *FORMULA), ("step_time",), CostModel)
+        self._decode = (self._sums and type(cost).next_start is CostModel.next_start
+                        and keeps_promise(cost, "decode_step_time", ("step_time_sums",), CostModel))
         self._decode_fns: dict[int, Callable[[int], float]] = {}  # batch size -> cost.decode_step_time
 
     def execute(self, scheduled: Sequence[tuple[Request, int]], kv: KVAllocator) -> list[int | None]:
@@ -69,8 +71,7 @@ class CostModelExecutor(Executor):
         return out
 
     def decode_run(self, batch: Sequence[Request], max_steps: int, until: float) -> tuple[int, list[float]] | None:
-        # A replayed timeline has its own start times and durations in order; it goes step by step.
-        if not self._decode or getattr(self.cost, "next_start", None) is not None:
+        if not self._decode:
             return None
         num_seqs = len(batch)
         step_time = self._decode_fns.get(num_seqs)
@@ -90,5 +91,4 @@ class CostModelExecutor(Executor):
 
     def ready_time(self, now: float) -> float:
         """When the next step may start: now, unless the cost model replays a recorded timeline."""
-        next_start = getattr(self.cost, "next_start", None)
-        return now if next_start is None else next_start(now)
+        return self.cost.next_start(now)

@@ -21,16 +21,14 @@ from typing import Any, Mapping, Sequence
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from sim.cost.base import PARTS, formula_holds
 from sim.run import CONF
-
-PARTS = ("embedding_s", "linear_s", "attention_s", "lm_head_s", "communication_s", "overhead_s")
 
 
 def breakdown(model: Any, new: Sequence[int], cached: Sequence[int], num_logits: int | None = None) -> dict[str, Any]:
-    """The parts of one step's time under `model` (see the module docstring) and total_s."""
-    from sim.cost_models import ProfiledCostModel, ReplayCostModel, RooflineCostModel, StepSums
-    from sim.measured import MeasuredCostModel
-    from sim.parallel import CommunicationCostModel
+    """The parts of one step's time under `model` (see the module docstring) and total_s: the
+    terms of the model's own formula (sim/cost/base.py), so they add up to its step time."""
+    from sim.cost.base import StepSums
 
     if len(new) != len(cached):
         raise ValueError(f"step.new has {len(new)} requests but step.cached has {len(cached)}; give one of each per request")
@@ -38,32 +36,12 @@ def breakdown(model: Any, new: Sequence[int], cached: Sequence[int], num_logits:
         raise ValueError(f"step.new={list(new)} step.cached={list(cached)}: each request needs >= 1 new and >= 0 cached tokens")
     s = StepSums.of(new, cached, num_logits)
     parts: dict[str, Any] = dict.fromkeys(PARTS)
-    comm = 0.0
-    if isinstance(model, CommunicationCostModel):
-        comm = model.communication_s(s.new)
-        model = model.inner
-    if isinstance(model, MeasuredCostModel):
+    if formula_holds(type(model)):  # a formula to split; replay's recorded durations split nothing
         parts.update(model.parts(s))
-    elif isinstance(model, RooflineCostModel):
-        _, lin_f, lin_b, attn_f, attn_b, head_f, head_b = model._terms(new, cached, num_logits)
-        F, B, L = model._flops, model._bw, model.shape.layers
-        parts.update(linear_s=L * max(lin_f / F, lin_b / B), attention_s=L * max(attn_f / F, attn_b / B),
-                     lm_head_s=max(head_f / F, head_b / B), communication_s=comm, overhead_s=model.overhead_s)
-    elif isinstance(model, ProfiledCostModel):
-        coef = model.coefficients()
-        from sim.cost_models import FEATURES_FROM_SUMS
-
-        term = {f: c * FEATURES_FROM_SUMS[f](s) for f, c in coef.items()}
-        parts.update(linear_s=term.get("new_tokens", 0.0),
-                     attention_s=term.get("attn_work", 0.0) + term.get("cached_tokens", 0.0),
-                     overhead_s=term.get("const", 0.0) + term.get("num_seqs", 0.0) + term.get("prefill_seqs", 0.0),
-                     lm_head_s=term["logit_rows"] if "logit_rows" in term else None, communication_s=0.0)
-    elif isinstance(model, ReplayCostModel):
-        pass  # recorded durations: nothing to split
-    total = model.step_time(new, cached, num_logits) + comm
+    total = model.step_time(new, cached, num_logits)
     split = [v for v in parts.values() if v is not None]
     if split:
-        # Parts are computed apart from step_time; they must add up (float rounding aside).
+        # The parts are the formula's terms summed in another order: equal up to float rounding.
         assert abs(sum(split) - total) <= 1e-9 * max(total, 1e-12), (parts, total)
     parts["total_s"] = total
     return parts
@@ -71,7 +49,7 @@ def breakdown(model: Any, new: Sequence[int], cached: Sequence[int], num_logits:
 
 def explain_config(c: Mapping[str, Any]) -> dict[str, Any]:
     """explain.json's content for a resolved config (conf/sim/explain.yaml)."""
-    from sim.cost_models import HardwareSpec, load_model_config
+    from sim.cost.hardware import HardwareSpec, load_model_config
     from sim.parallel import Parallelism, capacity
     from sim.run import build_cost_model
 

@@ -20,14 +20,15 @@ rejected with the numbers.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
-import numpy as np
-from numpy.typing import ArrayLike
+from sim.cost.base import CostModel
+from sim.cost.communication import CommunicationCostModel
+from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
+from sim.cost.roofline import RooflineCostModel
 
-from sim.cost_models import CostModel, HardwareSpec, ModelShape, RooflineCostModel, StepSums, load_model_config
+__all__ = ["Capacity", "CommunicationCostModel", "Parallelism", "build_cost_model", "capacity", "shard_config"]
 
 
 @dataclass(frozen=True)
@@ -119,52 +120,6 @@ def capacity(model_config: Mapping[str, Any], hardware: HardwareSpec, par: Paral
     return Capacity(weights, per_token, usable, tokens)
 
 
-# ---------------------------------------------------------------------------------------------
-# Communication on top of a single-GPU cost model
-
-
-class CommunicationCostModel(CostModel):
-    """A per-GPU cost model (the roofline of the sharded shape) plus the step's communication:
-    2 all-reduces per layer and pipeline - 1 send/recvs of the step's activations."""
-
-    def __init__(self, inner: CostModel, shape: ModelShape, hardware: HardwareSpec, par: Parallelism,
-                 profiles: str | os.PathLike | None = None, dtype_bytes: int | None = None):
-        from sim.measured import GRID_TOKENS, Collectives, load_profiles
-
-        self.inner, self.shape, self.parallel = inner, shape, par
-        self.comm = Collectives(hardware.node, load_profiles(profiles))
-        if hardware.node is None:
-            raise ValueError(f"hardware {hardware.name!r} names no node (hardware.node) to time tensor/pipeline "
-                             f"communication with; set e.g. hardware.node=h100_dgx to borrow its collective tables")
-        d = int(dtype_bytes or hardware.dtype_bytes)
-        tokens = np.arange(GRID_TOKENS + 1, dtype=np.float64)
-        act = tokens * shape.hidden * d
-        ms = shape.layers * 2.0 * self.comm.all_reduce_ms(act, par.tensor)
-        if par.pipeline > 1:
-            ms = ms + (par.pipeline - 1) * self.comm.send_recv_ms(act)
-        ms[0] = 0.0
-        self._comm = (ms * 1e-3).tolist()
-        self.notes = list(self.comm.notes)
-
-    def communication_s(self, tokens: float) -> float:
-        t, n = int(tokens), len(self._comm) - 1
-        return self._comm[t] if t <= n else self._comm[n] * t / n
-
-    def step_time(self, new_tokens: ArrayLike, cached_tokens: ArrayLike, num_logits: int | None = None) -> float:
-        return self.inner.step_time(new_tokens, cached_tokens, num_logits) + self.communication_s(
-            float(np.asarray(new_tokens, dtype=np.float64).sum()))
-
-    def step_time_sums(self, s: StepSums) -> float:
-        return self.inner.step_time_sums(s) + self.communication_s(s.new)
-
-    def decode_step_time(self, num_seqs: int) -> Callable[[int], float]:
-        inner, comm = self.inner.decode_step_time(num_seqs), self.communication_s(num_seqs)
-
-        def step(cached: int) -> float:
-            return inner(cached) + comm
-        return step
-
-
 def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: HardwareSpec,
                      parallel: Mapping[str, Any] | Parallelism | None) -> CostModel:
     """roofline (sharded + communication) or measured, for any parallelism; profiled and replay
@@ -175,7 +130,7 @@ def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Hardw
     par.check(shape)
     name = cost.get("model", "roofline")
     if name == "measured":
-        from sim.measured import MeasuredCostModel
+        from sim.cost.measured import MeasuredCostModel
 
         return MeasuredCostModel(cfg, hardware, profiles=cost.get("profiles"), tensor=par.tensor,
                                  pipeline=par.pipeline)
@@ -183,6 +138,6 @@ def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Hardw
         inner = RooflineCostModel(shard_config(cfg, par.tensor), hardware)
         if par.gpus == 1:
             return inner
-        return CommunicationCostModel(inner, shape, hardware, par, cost.get("profiles"))
+        return CommunicationCostModel(inner, shape, hardware, par.tensor, par.pipeline, cost.get("profiles"))
     raise ValueError(f"cost.model={name} replays or fits one measured engine as it ran; parallel.tensor="
                      f"{par.tensor} parallel.pipeline={par.pipeline} needs cost.model=roofline or measured")

@@ -182,9 +182,9 @@ ENGINE_BATCHES = ((1, 32, 24), (4, 64, 24), (16, 128, 16), (32, 200, 8), (8, 400
 def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu", dtype: str = "float32") -> list[Any]:
     """The real engine (chunked scheduler, paged KV) serving a few synthetic batches: its step
     log, each step's time counted to the next step's start (the bookkeeping between steps is
-    per-step time too; sim.cost_models.profile_rows). What the operators do not explain of it
+    per-step time too; sim.cost.fitted.profile_rows). What the operators do not explain of it
     is the engine's own per-step cost."""
-    from sim.cost_models import profile_rows
+    from sim.cost.fitted import profile_rows
     from varlen import LLM, SamplingParams
 
     llm = LLM(str(folder), backend=backend, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=2048,
@@ -219,8 +219,8 @@ def fit_engine_overhead(rows: list[Any], config: dict[str, Any], gpu: str, out: 
     to what the measured operators leave unexplained of each profiled step."""
     import numpy as np
 
-    from sim.cost_models import _nnls
-    from sim.measured import MeasuredCostModel
+    from sim.cost.fitted import _nnls
+    from sim.cost.measured import MeasuredCostModel
 
     ops = MeasuredCostModel(config, gpu, profiles=out, overhead_s=0.0, engine_overhead=False)
     X = np.array([[1.0, len(r[0]), sum(1 for n in r[0] if n > 1)] for r in rows])

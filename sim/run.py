@@ -45,7 +45,9 @@ def load_requests(workload: Mapping[str, Any], vocab_size: int):
 
 def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Any,
                      parallel: Mapping[str, Any] | None = None):
-    from sim.cost_models import ProfiledCostModel, ReplayCostModel, RooflineCostModel
+    from sim.cost.fitted import ProfiledCostModel
+    from sim.cost.replay import ReplayCostModel
+    from sim.cost.roofline import RooflineCostModel
 
     name = cost.get("model", "roofline")
     par = dict(parallel or {})
@@ -73,7 +75,7 @@ def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Any,
 
 def load_sim_model(spec: Any) -> dict[str, Any]:
     """sim_model.config as an HF config dict, or a SettingError naming the file and the fix."""
-    from sim.cost_models import load_model_config
+    from sim.cost.hardware import load_model_config
 
     if isinstance(spec, Mapping) or str(spec) == "tiny" or str(spec).startswith("tiny-"):
         try:
@@ -153,7 +155,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
                      announce: bool) -> tuple[Any, dict[str, Any]]:
     from hydra.utils import instantiate
 
-    from sim.cost_models import HardwareSpec
+    from sim.cost.hardware import HardwareSpec
     from sim.executor import CostModelExecutor
     from sim.simulator import simulate
     from varlen.engine import Engine

@@ -12,10 +12,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sim.cost_models import (
-    DEFAULT_FEATURES, HardwareSpec, ModelShape, ProfiledCostModel, ReplayCostModel,
-    RooflineCostModel, _nnls_numpy, attention_pairs, hardware_dir, make_cost_model,
-)
+from sim.cost.base import attention_pairs
+from sim.cost.fitted import DEFAULT_FEATURES, ProfiledCostModel, _nnls_numpy
+from sim.cost.hardware import HardwareSpec, ModelShape, hardware_dir
+from sim.cost.registry import make_cost_model
+from sim.cost.replay import ReplayCostModel
+from sim.cost.roofline import RooflineCostModel
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,12 +37,12 @@ QWEN3_SMALL = dict(
 def test_modules_do_not_import_torch() -> None:
     code = (
         "import sys\n"
-        "import sim.cost_models, varlen.traces\n"
+        "import sim.cost.roofline, sim.cost.measured, sim.parallel, sim.executor, varlen.traces\n"
         "assert 'torch' not in sys.modules and 'pandas' not in sys.modules, 'heavy import at load'\n"
         "from varlen.traces import load_trace, synth_prompt_tokens\n"
         "t = load_trace('tests/data/azure_conv_small.csv')\n"
         "synth_prompt_tokens(t[0], 1000)\n"
-        "m = sim.cost_models.RooflineCostModel('tiny', 'cpu_2core')\n"
+        "m = sim.cost.roofline.RooflineCostModel('tiny', 'cpu_2core')\n"
         "m.step_time([3], [0])\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
@@ -350,10 +352,111 @@ def test_factory_and_hydra_instantiate() -> None:
     with pytest.raises(ValueError, match="unknown cost model"):
         make_cost_model("oracle")
     hw_node = OmegaConf.load(hardware_dir() / "h200_sxm.yaml")
-    cfg = OmegaConf.create({"_target_": "sim.cost_models.RooflineCostModel",
+    cfg = OmegaConf.create({"_target_": "sim.cost.roofline.RooflineCostModel",
                             "model_config": LLAMA3_8B, "hardware": hw_node})
     built = instantiate(cfg)
     assert built.hardware == HardwareSpec.load("h200_sxm")
     assert built.step_time([1], [10]) == RooflineCostModel(LLAMA3_8B, "h200_sxm").step_time([1], [10])
+    # The former module's name still resolves (conf/hardware's _target_ and users' configs use it).
     by_name = instantiate({"_target_": "sim.cost_models.RooflineCostModel", "hardware": "a100_80gb_sxm"})
     assert by_name.hardware.name == "a100_80gb_sxm"
+
+
+# -- the split into sim/cost/: the same numbers, bit for bit ---------------------------------------
+
+def _reference_models() -> dict:
+    import yaml
+
+    from sim.parallel import build_cost_model
+
+    def cfg(name: str) -> dict:
+        return yaml.safe_load((REPO / "conf" / "sim_model" / f"{name}.yaml").read_text())["config"]
+
+    def par(cost: str, model: str, hw: str, tp: int = 1, pp: int = 1):
+        return build_cost_model({"model": cost}, cfg(model), HardwareSpec.load(hw), {"tensor": tp, "pipeline": pp})
+
+    return {
+        "roofline_tiny_cpu": lambda: RooflineCostModel("tiny", "cpu_2core"),
+        "roofline_llama3_8b_h100": lambda: RooflineCostModel(cfg("llama3_8b"), "h100_sxm"),
+        "roofline_llama2_70b_a100_tp4_pp2": lambda: par("roofline", "llama2_70b", "a100_80gb_sxm", 4, 2),
+        "measured_llama3_8b_h100": lambda: par("measured", "llama3_8b", "h100_sxm"),
+        "measured_llama2_70b_a100_tp4_pp2": lambda: par("measured", "llama2_70b", "a100_80gb_sxm", 4, 2),
+        "profiled": lambda: ProfiledCostModel(coef={"const": 2e-3, "new_tokens": 3e-6, "num_seqs": 1e-5,
+                                                    "attn_work": 2e-10, "cached_tokens": 1e-8, "prefill_seqs": 2e-3}),
+        "profiled_logits_first": lambda: ProfiledCostModel(coef={"logit_rows": 1.3e-5, "attn_work": 3e-10, "const": 1.7e-3,
+                                                                 "cached_tokens": 1.1e-8, "new_tokens": 2.9e-6}),
+    }
+
+
+@pytest.mark.parametrize("name", list(_reference_models()))
+def test_cost_models_keep_their_pre_split_numbers(name: str) -> None:
+    """tests/data/cost_reference.json holds step times, decode closures and explain parts that the
+    single sim/cost_models.py computed (before the split into sim/cost/, commit 9affe90) over 41
+    random mixed batches. Roofline and measured keep them bit for bit: a simulation's clock is
+    unchanged. The fitted model now adds its fixed terms before its attention terms rather than in
+    feature order: the same numbers up to float rounding."""
+    from sim.cost.base import StepSums
+    from sim.explain import breakdown
+
+    ref = json.loads((REPO / "tests" / "data" / "cost_reference.json").read_text())
+    want = ref["models"][name]
+    m = _reference_models()[name]()
+    got_sums = [m.step_time_sums(StepSums.of(n, c, r)) for n, c, r in ref["batches"]]
+    got_arrays = [m.step_time(n, c, r) for n, c, r in ref["batches"]]
+    got_decode = [m.decode_step_time(n)(c) for n, c in ref["decodes"]]
+    if name.startswith("profiled"):
+        assert got_sums == pytest.approx(want["step_time_sums"], rel=1e-14, abs=0)
+        assert got_arrays == pytest.approx(want["step_time"], rel=1e-14, abs=0)
+        assert got_decode == pytest.approx(want["decode"], rel=1e-14, abs=0)
+    else:
+        assert got_sums == want["step_time_sums"]
+        assert got_arrays == want["step_time"]
+        assert got_decode == want["decode"]
+    for (n, c, r), parts in zip(ref["batches"], want["parts"]):
+        got = breakdown(m, n, c, r)
+        for k, v in parts.items():
+            assert (got[k] is None) == (v is None), (k, got[k], v)
+            if v is not None:
+                assert got[k] == pytest.approx(v, rel=1e-12, abs=1e-18), k
+
+
+def test_a_new_formula_is_timed_the_same_by_every_derived_path() -> None:
+    """A model written only as the formula's three methods gets step_time, step_time_sums, the
+    decode closure and explain's parts from them, all agreeing."""
+    from sim.cost.base import NOT_SPLIT, CostModel, StepFixed, StepSums
+    from sim.explain import breakdown
+
+    class Linear(CostModel):
+        def step_fixed(self, num_seqs, new, num_logits, num_prefills):
+            return StepFixed(2.0, 1e-3 + 1e-6 * new, 0.0, NOT_SPLIT, 1e-6 * new, NOT_SPLIT, 0.0, 1e-3, new)
+
+        def layer_attention(self, f, pairs, cached):
+            return 1e-9 * pairs + 1e-8 * cached
+
+    m = Linear()
+    assert m.uses_sums
+    new, cached = [5, 1, 1], [0, 40, 90]
+    pairs = attention_pairs(np.array(new, float), np.array(cached, float))
+    want = 1e-3 + 1e-6 * 7 + 2.0 * (1e-9 * pairs + 1e-8 * 130)
+    assert m.step_time(new, cached) == pytest.approx(want, rel=1e-15)
+    assert m.step_time_sums(StepSums.of(new, cached)) == m.step_time(new, cached)
+    step = m.decode_step_time(3)
+    assert step(130) == m.step_time([1, 1, 1], [0, 40, 90])
+    parts = breakdown(m, new, cached)
+    assert parts["attention_s"] == pytest.approx(2.0 * (1e-9 * pairs + 1e-8 * 130), rel=1e-15)
+    assert parts["linear_s"] == pytest.approx(7e-6) and parts["overhead_s"] == 1e-3 and parts["lm_head_s"] is None
+
+
+def test_the_cost_package_is_part_of_the_compiled_core() -> None:
+    """Every cost model's formula runs in the simulator's hot loop: compiled with the core when it is."""
+    from varlen import compiled
+
+    mods = [m for m in compiled.MODULES if m.startswith("sim/cost/")]
+    assert {"sim/cost/base.py", "sim/cost/roofline.py", "sim/cost/measured.py", "sim/cost/fitted.py",
+            "sim/cost/replay.py", "sim/cost/communication.py"} <= set(mods)
+    if not compiled.is_compiled():
+        pytest.skip(f"no compiled core: {compiled.status()}")
+    import importlib
+
+    files = [importlib.import_module(m[:-3].replace("/", ".")).__file__ for m in mods]
+    assert all(str(f).endswith(".so") for f in files), files

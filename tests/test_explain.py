@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sim.cost_models import HardwareSpec, ProfiledCostModel, ReplayCostModel, load_model_config
+from sim.cost.fitted import ProfiledCostModel
+from sim.cost.hardware import HardwareSpec, load_model_config
+from sim.cost.replay import ReplayCostModel
 from sim.explain import PARTS, breakdown
-from sim.measured import ProfileError, load_profiles
+from sim.cost.operators import ProfileError, load_profiles
 from sim.parallel import build_cost_model
 
 ROOT = Path(__file__).resolve().parents[1]

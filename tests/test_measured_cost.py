@@ -12,9 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.cost_models import HardwareSpec, StepSums
-from sim.measured import (
-    LAYER_OPS, PER_LAYER, SHIPPED, MeasuredCostModel, ModelKey, ProfileError, interp_size, interp_tokens,
+from sim.cost.base import StepSums
+from sim.cost.hardware import HardwareSpec
+from sim.cost.measured import MeasuredCostModel
+from sim.cost.operators import (
+    LAYER_OPS, PER_LAYER, SHIPPED, ModelKey, ProfileError, interp_size, interp_tokens,
     layer_op_ms, load_profiles, read_compute_table,
 )
 
@@ -206,7 +208,7 @@ def test_profiler_writes_tables_the_measured_model_reads(tmp_path: Path) -> None
 
 
 def test_attention_calibration_recovers_the_rates_of_a_table(tmp_path: Path) -> None:
-    from sim.measured import ATTENTION_COLUMNS, calibrate_attention
+    from sim.cost.operators import ATTENTION_COLUMNS, calibrate_attention
 
     const, per_seq, per_byte, per_flop = 20e-6, 3e-6, 1 / 50e9, 1 / 2e12
     rows = []

@@ -6,8 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sim.cost_models import HardwareSpec, ModelShape, RooflineCostModel, StepSums
-from sim.measured import MeasuredCostModel, interp_size, load_profiles
+from sim.cost.base import StepSums
+from sim.cost.hardware import HardwareSpec, ModelShape
+from sim.cost.measured import MeasuredCostModel
+from sim.cost.operators import interp_size, load_profiles
+from sim.cost.roofline import RooflineCostModel
 from sim.parallel import CommunicationCostModel, Parallelism, build_cost_model, capacity, shard_config
 
 LLAMA2_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,

@@ -249,14 +249,34 @@ def test_user_cost_model_times_every_step(cost, method):
     base_factory = cost_roofline if cost is RooflineCostModel else cost_profiled
     user_factory = (lambda: user("tiny", "cpu_2core")) if cost is RooflineCostModel else \
         (lambda: user(coef=cost_profiled().coefficients()))
-    # Roofline's decode closure is its own promise; Profiled's is the interface's (derived from
-    # step_time_sums, so it follows an override of it). step_time_sums promises to equal step_time.
-    broken = None if (cost, method) == (ProfiledCostModel, "step_time_sums") else f"{user.__name__}.{method}"
+    # Both write a formula (sim/cost/base.py); the decode closure is the interface's, derived from
+    # the formula only while no class below it overrides step_time_sums, else from step_time_sums:
+    # an override of step_time_sums keeps the fast path and is timed by it. The formula promises
+    # to equal step_time: an override of step_time alone runs every step.
+    broken = None if method == "step_time_sums" else f"{user.__name__}.{method}"
     b = run_checked(make_factory(POLICIES["chunked"], paged(400), user_factory), broken=broken)
     plain = base_factory()
     assert_timed_by(b, lambda i, s: 2 * plain.step_time(s.new_tokens, s.cached_tokens, s.num_sampled))
     ff = b.replicas[0].engine.num_fast_forwarded_steps
     assert (ff > 0) if broken is None else (ff == 0)
+
+
+@pytest.mark.parametrize("cost", [RooflineCostModel, ProfiledCostModel], ids=lambda c: c.__name__)
+def test_user_formula_term_times_every_step_and_keeps_the_fast_path(cost):
+    """Overriding one term of a shipped model's formula (its attention) is the formula: the sums,
+    the decode closure and step_time all follow it, so the fast-forward stays on."""
+    user = doubled(cost, "layer_attention")
+    base_factory = cost_roofline if cost is RooflineCostModel else cost_profiled
+    user_factory = (lambda: user("tiny", "cpu_2core")) if cost is RooflineCostModel else \
+        (lambda: user(coef=cost_profiled().coefficients()))
+    b = run_checked(make_factory(POLICIES["chunked"], paged(400), user_factory))
+    plain = base_factory()
+
+    def expected(i, s):
+        sums = StepSums.of(s.new_tokens, s.cached_tokens, s.num_sampled)
+        return plain.step_time_sums(sums) + plain.parts(sums)["attention_s"]  # attention counted twice
+    assert_timed_by(b, expected)
+    assert b.replicas[0].engine.num_fast_forwarded_steps > 0.1 * b.num_steps
 
 
 def test_user_replay_cost_model():

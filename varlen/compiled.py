@@ -14,7 +14,7 @@ editing any core module makes the build unused (never stale) until it is rebuilt
 VARLEN_PURE=1 forces the pure-Python core; VARLEN_CACHE_DIR moves the cache (default
 $XDG_CACHE_HOME/varlen or ~/.cache/varlen).
 
-Each package of the core (varlen, varlen.kv, schedulers, sim) calls `package_path` from its
+Each package of the core (varlen, varlen.kv, schedulers, sim, sim.cost) calls `package_path` from its
 __init__ so that its modules are looked up in the build folder first. Either every core module
 is compiled or none is: compiled modules call each other's classes natively, and would reject
 pure-Python instances of them.
@@ -37,9 +37,11 @@ MODULES = (
     "varlen/kv/base.py", "varlen/kv/paged.py", "varlen/kv/contiguous.py",
     "schedulers/base.py", "schedulers/chunked.py", "schedulers/continuous.py", "schedulers/static.py",
     "schedulers/priority.py",
-    "sim/executor.py", "sim/simulator.py", "sim/cost_models.py",
+    "sim/executor.py", "sim/simulator.py",
+    "sim/cost/base.py", "sim/cost/hardware.py", "sim/cost/roofline.py", "sim/cost/fitted.py", "sim/cost/replay.py",
+    "sim/cost/measured.py", "sim/cost/communication.py",
 )
-PACKAGES = ("varlen", "varlen.kv", "schedulers", "sim")
+PACKAGES = ("varlen", "varlen.kv", "schedulers", "sim", "sim.cost")
 
 
 def build_key() -> str:

@@ -1,23 +1,8 @@
-"""The measured operator cost model (`cost.model=measured`): step times from per-operator timings
-taken on real GPUs (the tables in sim/profiles/, or a user's folder of the same layout).
-
-What is measured and what is predicted, per GPU:
-- the layer's non-attention operators (QKV / output / MLP GEMMs, norms, rotary, activation,
-  residual adds, embedding): read from the table of a profiled model with the same shape at that
-  TP degree, interpolated in tokens; for a shape or TP degree not profiled on that GPU, predicted
-  from the profiled operators of other models on the same GPU (GEMMs by their achieved FLOP/s
-  at the same number of rows, interpolated over the weight shape N x K; element-wise operators
-  at the same number of elements, over the row width). Flagged `predicted`.
-- the LM head: always a GEMM predicted from its shape (the tables do not time it).
-- attention: the roofline (FLOPs and KV bytes at the hardware's efficiencies) -- ESTIMATED, no
-  attention timings exist for the shipped GPUs; where sim.profile timed the project's attention
-  backend on the GPU (attention.csv), its achieved bandwidth and FLOP rate plus a per-call and
-  per-request cost, fitted to those timings (calibrated).
-- collectives: the node's all-reduce / send-recv tables interpolated in message size; a worker
-  count or node without a table is predicted from its send/recv table as a ring. Flagged.
-
-All torch-free and pandas-free (the simulator starts fast); the tables are read once per process.
-"""
+"""The measured operator tables (sim/profiles/, or a user's folder of the same layout): reading
+them, interpolating them, and predicting from them what they do not hold (shapes, TP degrees and
+collectives not profiled), for the measured cost model (sim/cost/measured.py) and
+benchmarks/sim_profiles.py. Torch-free and pandas-free (the simulator starts fast); the tables
+are read once per process."""
 
 from __future__ import annotations
 
@@ -27,18 +12,22 @@ import gzip
 import io
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from sim.cost_models import (
-    CostModel, HardwareSpec, ModelShape, StepSums, _as_arrays, attention_pairs, load_model_config,
-)
+from sim.cost.hardware import HardwareSpec, ModelShape
 
-SHIPPED = Path(__file__).resolve().parent / "profiles" / "vidur"
+def _shipped() -> Path:
+    import sim  # from the package, not this file: compiled, a module's file is in the build cache
+
+    return Path(sim.__file__).resolve().parent / "profiles" / "vidur"
+
+
+SHIPPED = _shipped()
 
 # The per-layer operators of a table, and how many times a layer runs each (two residual adds).
 LAYER_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
@@ -554,7 +543,7 @@ class AttentionCalibration:
 
 
 def calibrate_attention(profiles: Profiles, gpu: str) -> AttentionCalibration | None:
-    from sim.cost_models import _nnls
+    from sim.cost.fitted import _nnls
 
     X, y, names = [], [], []
     for path, c in profiles.attention(gpu):
@@ -575,160 +564,3 @@ def calibrate_attention(profiles: Profiles, gpu: str) -> AttentionCalibration | 
     coef = _nnls(A / norms, t) / norms
     return AttentionCalibration(float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3]), cases=len(y),
                                 source=", ".join(names))
-
-
-class MeasuredCostModel(CostModel):
-    """Step time from measured operator tables (see the module docstring), for one GPU of a TP
-    group, one microbatch through all pipeline stages in sequence.
-
-    step = embedding + layers x (linear + attention + 2 all-reduces) + LM head
-           + (pipeline - 1) send/recv + the hardware's fixed overhead.
-    """
-
-    def __init__(self, model_config: str | os.PathLike | Mapping[str, Any] = "tiny",
-                 hardware: str | os.PathLike | Mapping[str, Any] | HardwareSpec = "h100_sxm",
-                 profiles: str | os.PathLike | None = None, tensor: int = 1, pipeline: int = 1,
-                 dtype_bytes: int | None = None, overhead_s: float | None = None,
-                 exclude: tuple[ModelKey, ...] = (), engine_overhead: bool = True):
-        cfg = load_model_config(model_config)
-        self.shape = m = ModelShape.from_config(cfg)
-        self.hardware = hw = HardwareSpec.coerce(hardware)
-        self.tensor, self.pipeline = int(tensor), int(pipeline)
-        self.dtype_bytes = d = int(dtype_bytes if dtype_bytes is not None else hw.dtype_bytes)
-        self.overhead_s = float(overhead_s if overhead_s is not None else hw.step_overhead_s)
-        self.profiles = load_profiles(profiles)
-        self.gpu = resolve_gpu(hw, self.profiles)
-        self.key = ModelKey.of(m, is_gated(cfg))
-        tp = self.tensor
-        tokens = np.arange(GRID_TOKENS + 1, dtype=np.float64)
-        ops, self.linear_source = layer_op_ms(self.profiles, self.gpu, self.key, m.head_dim, tp, tokens, exclude,
-                                               m.vocab)
-        layer = np.sum([PER_LAYER[op] * ops[op] for op in LAYER_OPS], axis=0)
-        layer[0] = 0.0
-        emb = ops["emb"].copy()
-        emb[0] = 0.0
-        if (self.tensor > 1 or self.pipeline > 1) and hw.node is None:
-            raise ProfileError(f"hardware {hw.name!r} names no node (hardware.node) to time tensor/pipeline "
-                               f"communication with; set e.g. hardware.node=h100_dgx (nodes: {', '.join(self.profiles.nodes)})")
-        self.comm = Collectives(hw.node, self.profiles)
-        act = tokens * m.hidden * d  # bytes of one activation all-reduced / sent
-        ar = 2.0 * self.comm.all_reduce_ms(act, tp) if tp > 1 else np.zeros_like(tokens)
-        pp = (self.pipeline - 1) * self.comm.send_recv_ms(act) if self.pipeline > 1 else np.zeros_like(tokens)
-        ar[0] = 0.0
-        pp[0] = 0.0
-        # Seconds, as Python lists: an index is far cheaper than a numpy call per step.
-        self._layer = (layer * 1e-3).tolist()
-        self._emb = (emb * 1e-3).tolist()
-        self._ar = (ar * 1e-3).tolist()
-        self._pp = (pp * 1e-3).tolist()
-        # What a step's token count fixes, summed once: the per-step path is then three lookups
-        # and the attention's roofline.
-        L = m.layers
-        self._fixed = [e + L * (ly + a) + p for e, ly, a, p in zip(self._emb, self._layer, self._ar, self._pp)]
-        om = _operator_model(self.profiles, self.gpu, frozenset(exclude))
-        rows = np.arange(HEAD_ROWS + 1, dtype=np.float64)
-        head = om.gemm_ms(rows, max(m.vocab // tp, 1), m.hidden) * 1e-3
-        head[0] = 0.0
-        self._head = head.tolist()
-        # Attention: the roofline per layer, heads sharded over TP.
-        q_dim = (m.heads // tp) * m.head_dim
-        kv_dim = max(m.kv_heads // tp, 1) * m.head_dim
-        self._pair_flops = 4.0 * q_dim
-        self._kv_token = 2.0 * kv_dim * d
-        self._q_token = 2.0 * q_dim * d
-        self._F, self._B = hw.flops, hw.bandwidth
-        self.attention_calibration = cal = calibrate_attention(self.profiles, self.gpu)
-        if cal is None:
-            attention = "attention: estimated (roofline at the hardware's efficiencies; no attention tables)"
-            # One form for both: attention = const + per_seq n + max(pairs flops / F, bytes / B).
-            self._a0 = self._a1 = 0.0
-            self._calibrated = False
-        else:
-            attention = (f"attention: calibrated on {cal.cases} measured cases ({cal.source}): "
-                         f"{1 / max(cal.per_byte, 1e-30) / 1e9:.3g} GB/s, {1 / max(cal.per_flop, 1e-30) / 1e12:.3g} TFLOP/s, "
-                         f"{cal.const * 1e6:.3g} us + {cal.per_seq * 1e6:.3g} us per request per layer")
-            self._a0, self._a1 = cal.const, cal.per_seq
-            self._F = 1.0 / cal.per_flop if cal.per_flop > 0 else float("inf")
-            self._B = 1.0 / cal.per_byte if cal.per_byte > 0 else float("inf")
-            self._calibrated = True
-        # Per-step cost: sim.profile's fitted engine overhead on this device if there is one,
-        # else the hardware spec's (estimated) step_overhead_s.
-        prof_ov = self.profiles.engine_overhead(self.gpu) if engine_overhead and overhead_s is None else None
-        if prof_ov is None:
-            self._o0, self._o1, self._o2 = self.overhead_s, 0.0, 0.0
-            overhead = f"overhead: {self.overhead_s * 1e3:.3g} ms per step (hardware.step_overhead_s)"
-        else:
-            c = prof_ov[1]
-            self._o0, self._o1, self._o2 = c["const_ms"] * 1e-3, c["per_seq_ms"] * 1e-3, c["per_prefill_ms"] * 1e-3
-            self.overhead_s = self._o0
-            overhead = (f"overhead: the engine's, profiled ({prof_ov[0]}): {c['const_ms']:.3g} ms per step + "
-                        f"{c['per_seq_ms']:.3g} ms per request + {c['per_prefill_ms']:.3g} ms per prefill")
-        self.notes = [f"linear: {self.linear_source}", "lm_head: predicted from its GEMM shape", attention,
-                      overhead, *self.comm.notes]
-
-    # Per-token tables past their end: time per token of the last entry.
-    @staticmethod
-    def _at(table: list[float], i: int) -> float:
-        n = len(table) - 1
-        return table[i] if i <= n else table[n] * i / n
-
-    def parts(self, s: StepSums) -> dict[str, float]:
-        """Seconds of each part of the step (sim.explain's breakdown); they sum to step_time_sums."""
-        t = int(s.new)
-        if not t:
-            return {"embedding_s": 0.0, "linear_s": 0.0, "attention_s": 0.0, "lm_head_s": 0.0,
-                    "communication_s": 0.0, "overhead_s": self.overhead_s}
-        L = self.shape.layers
-        attn = self._attention(s.num_seqs, s.attention_pairs, s.cached, t)
-        return {"embedding_s": self._at(self._emb, t), "linear_s": L * self._at(self._layer, t),
-                "attention_s": L * attn, "lm_head_s": self._at(self._head, s.num_logits),
-                "communication_s": L * self._at(self._ar, t) + self._at(self._pp, t),
-                "overhead_s": self._o0 + self._o1 * s.num_seqs + self._o2 * s.num_prefills}
-
-    def step_time_sums(self, s: StepSums) -> float:
-        t = int(s.new)
-        if not t:
-            return self.overhead_s
-        fixed, head = self._fixed, self._head
-        base = ((fixed[t] if t < len(fixed) else self._at(fixed, t))
-                + (head[s.num_logits] if s.num_logits < len(head) else self._at(head, s.num_logits))
-                + (self._o0 + self._o1 * s.num_seqs + self._o2 * s.num_prefills))
-        return base + self.shape.layers * self._attention(s.num_seqs, s.attention_pairs, s.cached, t)
-
-    def _attention(self, seqs: float, pairs: float, cached: float, t: float) -> float:
-        """One layer's attention: the roofline, or its calibrated form (sum of the terms plus a
-        per-call and a per-request cost) where this GPU has attention tables."""
-        f = self._pair_flops * pairs / self._F
-        b = (self._kv_token * (cached + 2.0 * t) + self._q_token * t) / self._B
-        if self._calibrated:
-            return self._a0 + self._a1 * seqs + f + b
-        return max(f, b)
-
-    def step_time(self, new_tokens: ArrayLike, cached_tokens: ArrayLike, num_logits: int | None = None) -> float:
-        n, c = _as_arrays(new_tokens, cached_tokens)
-        rows = len(n) if num_logits is None else int(num_logits)
-        pairs = attention_pairs(n, c)
-        s = StepSums(len(n), float(n.sum()), float(c.sum()), float(np.dot(n, c)), float(np.dot(n, n)), rows,
-                     int((n > 1).sum()))
-        assert abs(s.attention_pairs - pairs) <= 1e-9 * max(pairs, 1.0)
-        return self.step_time_sums(s)
-
-    def decode_step_time(self, num_seqs: int) -> Callable[[int], float]:
-        # Everything but the attention's KV read is fixed by the batch size: computed once, the
-        # rest in step_time_sums's order of operations (the same floats).
-        t = num_seqs
-        base = self._at(self._fixed, t) + self._at(self._head, t) + (self._o0 + self._o1 * t + self._o2 * 0)
-        L, pair_flops, kv_token, q_bytes = self.shape.layers, self._pair_flops, self._kv_token, self._q_token * t
-        F, B, half_pairs = self._F, self._B, (t + t) / 2.0
-
-        if self._calibrated:
-            a0, a1 = self._a0, self._a1
-
-            def calibrated(cached: int) -> float:
-                return base + L * (a0 + a1 * t + pair_flops * (cached + half_pairs) / F
-                                   + (kv_token * (cached + 2.0 * t) + q_bytes) / B)
-            return calibrated
-
-        def step(cached: int) -> float:
-            return base + L * max(pair_flops * (cached + half_pairs) / F, (kv_token * (cached + 2.0 * t) + q_bytes) / B)
-        return step

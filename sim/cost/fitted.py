@@ -1,0 +1,260 @@
+"""The fitted (`profiled`) cost model: a linear model of step time in a few physical features of
+the batch, fitted to a real engine's step log; and the rows to fit it on (`profile_rows`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+from mypy_extensions import mypyc_attr
+
+from sim.cost.base import NOT_SPLIT, CostModel, StepFixed, StepSums
+
+# Each feature is a quantity some part of the step scales with, from the step's sums (exact for
+# integer token counts, so fitting on a log and timing in the simulator see the same numbers).
+# "logit_rows" is left out of the default because with one logit row per request it equals
+# "num_seqs" (collinear).
+FEATURES: dict[str, Callable[[StepSums], float]] = {
+    "const": lambda s: 1.0,  # launch, scheduling, sampling overhead
+    "new_tokens": lambda s: s.new,  # linear layers (GEMM rows)
+    "num_seqs": lambda s: float(s.num_seqs),  # per-request work: metadata, LM head row, sampling
+    "attn_work": lambda s: s.attention_pairs,  # causal query-key pairs
+    "cached_tokens": lambda s: s.cached,  # KV read
+    "logit_rows": lambda s: float(s.num_logits),
+    "prefill_seqs": lambda s: float(s.num_prefills),  # per-prompt work: attention call, mask, gathers
+}
+# prefill_seqs: measured on the CPU engine, a prompt (or a chunk of one) costs ~2 ms beyond its
+# tokens (its own attention call, mask and K/V gathers per layer); without it the fit spreads
+# that cost over tokens and TTFT comes out ~10% off (benchmarks/sim_fidelity.py).
+DEFAULT_FEATURES = ("const", "new_tokens", "num_seqs", "attn_work", "cached_tokens", "prefill_seqs")
+
+
+@dataclass(slots=True)
+class FitReport:
+    n_steps: int
+    r2: float
+    mape: float  # mean absolute percentage error, in percent
+    max_ape: float  # worst step, in percent
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
+    try:
+        from scipy.optimize import nnls  # not a declared dependency; numpy fallback below
+    except ImportError:
+        return _nnls_numpy(A, b)
+    return nnls(A, b)[0]
+
+
+def _nnls_numpy(A: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
+    """Active-set non-negative least squares (Lawson & Hanson's algorithm), numpy only."""
+    m, k = A.shape
+    x = np.zeros(k)
+    passive = np.zeros(k, bool)
+    tol = 10 * np.finfo(float).eps * np.linalg.norm(A, 1) * max(m, k)
+    for _ in range(max_iter or 3 * k + 10):
+        w = A.T @ (b - A @ x)
+        candidates = ~passive & (w > tol)
+        if not candidates.any():
+            break
+        passive[np.argmax(np.where(candidates, w, -np.inf))] = True
+        while True:
+            z = np.zeros(k)
+            z[passive] = np.linalg.lstsq(A[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            # Step from x towards z until the first passive coefficient reaches zero.
+            neg = passive & (z <= 0)
+            alpha: Any = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+    return x
+
+
+# One logged step: (new_tokens, cached_tokens, duration_s) or (..., duration_s, num_logits).
+Step = tuple[Any, ...]
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class ProfiledCostModel(CostModel):
+    """A linear model of step time in a few physical features, fitted by non-negative least squares.
+
+    Non-negative because each coefficient is the cost of a unit of real work; a negative one
+    would be the fit trading features against each other, and it extrapolates badly.
+    Plain least squares by default; "relative" weighting (see `fit`) favours the short, many
+    decode steps in percent.
+    Pure-decode logs alone make num_seqs, new_tokens and attn_work collinear; profile a mix of
+    prefills, chunks and decodes for coefficients that mean something.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, *,
+                 coef: Sequence[float] | Mapping[str, float] | None = None,
+                 features: Sequence[str] = DEFAULT_FEATURES):
+        self.report: FitReport | None = None
+        self.meta: dict[str, Any] = {}
+        if path is not None:
+            d = json.loads(Path(path).read_text())
+            if d.get("format") != "varlen.profiled_cost_model":
+                raise ValueError(f"{path}: not a profiled cost model file")
+            features, coef = d["features"], d["coef"]
+            self.report = FitReport(**d["report"]) if d.get("report") else None
+            self.meta = d.get("meta", {})
+        if isinstance(coef, Mapping):
+            features = list(coef)
+            coef = [coef[f] for f in features]
+        unknown = [f for f in features if f not in FEATURES]
+        if unknown:
+            raise ValueError(f"unknown features {unknown} (known: {', '.join(FEATURES)})")
+        self.features = tuple(features)
+        self.coef = np.zeros(len(self.features)) if coef is None else np.asarray(coef, np.float64)
+        if self.coef.shape != (len(self.features),):
+            raise ValueError(f"{len(self.coef)} coefficients for {len(self.features)} features")
+        self._set_terms()
+
+    def _set_terms(self) -> None:
+        # The formula's coefficients by name (0 for a feature not fitted).
+        c = dict.fromkeys(FEATURES, 0.0)
+        c.update(zip(self.features, self.coef.tolist()))
+        self._c_const, self._c_new, self._c_seqs = c["const"], c["new_tokens"], c["num_seqs"]
+        self._c_attn, self._c_cached = c["attn_work"], c["cached_tokens"]
+        self._c_logits, self._c_prefills = c["logit_rows"], c["prefill_seqs"]
+        self._has_logits = "logit_rows" in self.features
+
+    def feature_row(self, new_tokens: Any, cached_tokens: Any, num_logits: int | None = None) -> np.ndarray:
+        s = StepSums.of(new_tokens, cached_tokens, num_logits)
+        return np.array([FEATURES[f](s) for f in self.features])
+
+    def _design(self, steps: Iterable[Step]) -> tuple[np.ndarray, np.ndarray]:
+        X, y = [], []
+        for s in steps:
+            X.append(self.feature_row(s[0], s[1], s[3] if len(s) > 3 else None))
+            y.append(float(s[2]))
+        if not y:
+            raise ValueError("no steps")
+        return np.array(X), np.array(y)
+
+    @classmethod
+    def fit(cls, steps: Iterable[Step], features: Sequence[str] = DEFAULT_FEATURES,
+            weighting: str = "absolute", outlier_factor: float | None = 3.0,
+            iterations: int = 4) -> ProfiledCostModel:
+        """Fit to (new_tokens, cached_tokens, duration_s[, num_logits]) per step.
+
+        weighting "relative": each step's squared error is weighted by 1 / its predicted time
+        squared (iteratively reweighted, starting from the absolute fit), so a short decode step
+        counts as much as a long prefill in percent. The weights come from the model, not from
+        the measured durations: weighting by 1 / measured time favours the steps that happened to
+        run fast and biases every prediction low (by ~4% of a CPU decode step's time, measured),
+        while the simulator needs each step's mean time, since TPOT, e2e latency and throughput
+        are sums of step times. "absolute" (the default): plain least squares, which weighs the
+        long prefill steps that TTFT's tail depends on by their seconds; in the fidelity benchmark
+        (fit on one real run, predict another, both directions) its worst error over TTFT p50/p90,
+        TPOT p50 and throughput was 8.9% against 16.0% for "relative" at 100 requests per slice,
+        10.1% against 13.8% at 60.
+
+        outlier_factor: steps that took more than this many times the model's prediction
+        (a garbage collection, the process preempted by another) are dropped from the next
+        iteration's fit; they are not a function of the batch. None keeps every step.
+        The report scores all the steps, outliers included.
+        """
+        if weighting not in ("relative", "absolute"):
+            raise ValueError(f"weighting must be 'relative' or 'absolute', got {weighting!r}")
+        model = cls(features=features)
+        X, y = model._design(steps)
+        keep: Any = np.ones(len(y), bool)
+        coef = np.zeros(X.shape[1])
+        for it in range(max(1, iterations)):
+            if it == 0 or weighting == "absolute":
+                w = np.ones_like(y)
+            else:
+                w = 1.0 / np.maximum(X @ coef, 1e-3 * float(np.median(y)))
+            A, b = X[keep] * w[keep, None], y[keep] * w[keep]
+            # Features span ten orders of magnitude (const vs attention pairs); scale columns to
+            # unit norm so the solver's tolerances mean the same thing for every coefficient.
+            norms = np.linalg.norm(A, axis=0)
+            norms[norms == 0] = 1.0
+            coef = _nnls(A / norms, b) / norms
+            if outlier_factor is not None:
+                pred = X @ coef
+                keep = ~(y > outlier_factor * np.maximum(pred, 1e-12))
+                if keep.sum() < X.shape[1]:
+                    keep[:] = True
+        model.coef = coef
+        model._set_terms()
+        model.report = model._score(X, y)
+        model.meta = {"weighting": weighting, "outliers_dropped": int((~keep).sum())}
+        return model
+
+    def _score(self, X: np.ndarray, y: np.ndarray) -> FitReport:
+        pred = X @ self.coef
+        ss_res = float(np.sum((y - pred) ** 2))
+        ss_tot = float(np.sum((y - y.mean()) ** 2))
+        ape = np.abs(pred - y) / np.maximum(np.abs(y), 1e-12) * 100
+        return FitReport(len(y), 1.0 - ss_res / ss_tot if ss_tot > 0 else float(ss_res == 0),
+                         float(ape.mean()), float(ape.max()))
+
+    def score(self, steps: Iterable[Step]) -> FitReport:
+        """R², mean and max absolute percentage error on these steps (e.g. held-out ones)."""
+        return self._score(*self._design(steps))
+
+    def coefficients(self) -> dict[str, float]:
+        return dict(zip(self.features, self.coef.tolist()))
+
+    def save(self, path: str | os.PathLike) -> None:
+        d = {"format": "varlen.profiled_cost_model", "version": 1, "features": list(self.features),
+             "coef": self.coef.tolist(), "report": self.report.as_dict() if self.report else None,
+             "meta": self.meta}
+        Path(path).write_text(json.dumps(d, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> ProfiledCostModel:
+        return cls(path)
+
+    # -- the formula: const + new + seqs + logit rows + prefills, then attention ------------------
+
+    def step_fixed(self, num_seqs: int, new: float, num_logits: int, num_prefills: int) -> StepFixed:
+        linear = self._c_new * new
+        head = self._c_logits * num_logits
+        overhead = self._c_const + self._c_seqs * num_seqs + self._c_prefills * num_prefills
+        return StepFixed(1.0, overhead + linear + head, 0.0, NOT_SPLIT, linear, head if self._has_logits else NOT_SPLIT,
+                         0.0, overhead, new)
+
+    def layer_attention(self, f: StepFixed, pairs: float, cached: float) -> float:
+        return self._c_attn * pairs + self._c_cached * cached
+# ---------------------------------------------------------------------------------------------
+# From an engine's step log
+
+
+def profile_rows(steps: Sequence[Any], busy_period: bool = True,
+                 max_gap_factor: float = 5.0) -> list[Step]:
+    """(new_tokens, cached_tokens, seconds, num_logits) per recorded step, for ProfiledCostModel.fit.
+
+    busy_period=True charges each step the time until the next step starts when the engine
+    stayed busy: the engine's bookkeeping after the forward (appending tokens, stop checks,
+    freeing blocks) is real per-step time that a simulator must spend too, but it falls outside
+    StepRecord.duration. A gap is idle time, not bookkeeping, when the engine went idle
+    (num_running == 0 and nothing waiting) or, for logs that lack that, when the gap is over
+    max_gap_factor times the median gap.
+    """
+    steps = list(steps)  # a StepLog reads as a sequence, but slices only as a list
+    rows: list[Step] = []
+    gaps = [b.start - (a.start + a.duration) for a, b in zip(steps, steps[1:])]
+    typical = float(np.median(gaps)) if gaps else 0.0
+    for i, s in enumerate(steps):
+        t = s.duration
+        if busy_period and i < len(gaps):
+            running = getattr(s, "num_running", -1)
+            idle = (running == 0 and s.num_waiting == 0) if running >= 0 else gaps[i] > max_gap_factor * typical
+            if not idle:
+                t += max(gaps[i], 0.0)
+        sampled = getattr(s, "num_sampled", -1)
+        rows.append((list(s.new_tokens), list(s.cached_tokens), t, None if sampled < 0 else sampled))
+    return rows
+

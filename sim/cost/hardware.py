@@ -1,0 +1,163 @@
+"""The hardware a step runs on and the shape of the model it runs: the numbers every cost model
+starts from. Torch-free; yaml is read only when a spec is loaded by name."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+
+def hardware_dir() -> Path:
+    """conf/hardware/ of the source tree. Found from the package, not this module: compiled
+    (varlen/compiled.py), this module's file is in the build cache."""
+    import sim
+
+    return Path(sim.__file__).resolve().parents[1] / "conf" / "hardware"
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareSpec:
+    """Peak figures from datasheets plus the achievable fraction of each (the efficiencies)."""
+
+    name: str
+    peak_tflops: float  # dense matmul TFLOP/s at dtype_bytes (no sparsity)
+    mem_bandwidth_gbs: float  # GB/s (1e9 bytes)
+    memory_gb: float  # device memory, GB (1e9 bytes)
+    flops_efficiency: float = 0.7
+    bandwidth_efficiency: float = 0.85
+    step_overhead_s: float = 0.0  # fixed per-step cost: scheduling, launches, sampling
+    dtype_bytes: int = 2  # the dtype peak_tflops refers to
+    estimated: bool = False  # True when the figures are estimates rather than datasheet values
+    profile_gpu: str | None = None  # its name in measured operator tables (cost.model=measured)
+    node: str | None = None  # the node it sits in, for collective tables (tensor/pipeline parallelism)
+
+    @property
+    def flops(self) -> float:
+        """Achievable FLOP/s."""
+        return self.peak_tflops * 1e12 * self.flops_efficiency
+
+    @property
+    def bandwidth(self) -> float:
+        """Achievable bytes/s."""
+        return self.mem_bandwidth_gbs * 1e9 * self.bandwidth_efficiency
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * 1e9
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> HardwareSpec:
+        # Keys starting with "_" (Hydra's _target_) are not fields.
+        names = {f.name for f in fields(cls)}
+        unknown = [k for k in d if not str(k).startswith("_") and k not in names]
+        if unknown:
+            raise ValueError(f"unknown hardware fields {unknown}")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def load(cls, name_or_path: str | os.PathLike) -> HardwareSpec:
+        """From conf/hardware/<name>.yaml, or from a yaml path."""
+        import yaml  # type: ignore[import-untyped]  # only here: the simulator need not pay for it when given a spec
+
+        p = Path(name_or_path)
+        if p.suffix not in (".yaml", ".yml"):
+            p = hardware_dir() / f"{name_or_path}.yaml"
+        if not p.is_file():
+            known = sorted(x.stem for x in hardware_dir().glob("*.yaml"))
+            raise FileNotFoundError(f"no hardware spec {name_or_path!r} (known: {', '.join(known)})")
+        return cls.from_dict(yaml.safe_load(p.read_text()))
+
+    @classmethod
+    def coerce(cls, hw: str | os.PathLike | Mapping[str, Any] | HardwareSpec) -> HardwareSpec:
+        if isinstance(hw, HardwareSpec):
+            return hw
+        if isinstance(hw, Mapping):
+            return cls.from_dict(hw)
+        return cls.load(hw)
+
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The numbers of a dense decoder (Llama / Qwen2 / Qwen3 / Mistral) that set its cost."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> ModelShape:
+        cfg = dict(cfg)
+        if "text_config" in cfg:  # multimodal wrappers keep the decoder's numbers here
+            cfg = dict(cfg["text_config"])
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+        if experts and experts > 1:
+            raise ValueError("mixture-of-experts configs are not modelled yet")
+        try:
+            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            return cls(
+                hidden=hidden,
+                intermediate=int(cfg["intermediate_size"]),
+                layers=int(cfg["num_hidden_layers"]),
+                heads=heads,
+                kv_heads=int(cfg.get("num_key_value_heads") or heads),  # absent = MHA
+                head_dim=int(cfg.get("head_dim") or hidden // heads),  # Qwen3 sets it apart
+                vocab=int(cfg["vocab_size"]),
+                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            )
+        except KeyError as e:
+            raise ValueError(f"model config lacks {e.args[0]!r}") from None
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        h = self.hidden
+        attn = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
+        mlp = 3 * h * self.intermediate  # gated MLP: gate, up, down
+        return attn + mlp + 2 * h  # two RMSNorm weights
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def num_params(self) -> int:
+        head = 0 if self.tied_embeddings else self.embedding_params
+        return self.layers * self.layer_params + self.embedding_params + head + self.hidden
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return self.layers * 2 * self.kv_dim * dtype_bytes
+
+
+def load_model_config(model_config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """An HF config dict from a mapping, a config.json (or its folder), or "tiny[-arch]"."""
+    if isinstance(model_config, Mapping):
+        return dict(model_config)
+    s = str(model_config)
+    if s == "tiny" or s.startswith("tiny-"):
+        # The embedded default model's shape; tiny_model imports torch only when writing weights.
+        from varlen.tiny_model import ARCHITECTURES, TINY_SHAPE
+
+        arch = s.partition("-")[2] or "qwen3"
+        return {**TINY_SHAPE, **ARCHITECTURES[arch], "vocab_size": 512}
+    p = Path(s)
+    if p.is_dir():
+        p = p / "config.json"
+    return json.loads(p.read_text())
+
+

@@ -1,0 +1,68 @@
+"""The replay cost model: recorded step durations played back, to prove the simulator makes the
+engine's decisions."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from mypy_extensions import mypyc_attr
+from numpy.typing import ArrayLike
+
+from sim.cost.base import CostModel
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class ReplayCostModel(CostModel):
+    """Returns recorded step durations in order, whatever the batch.
+
+    Given the engine's own step times, a simulator that schedules exactly as the engine did sees
+    exactly the engine's clock, so any divergence in the batches is a scheduling difference.
+    With `starts` (the recorded step start times) the simulator also waits, as the real engine
+    did, between one step's end and the next one's start (bookkeeping outside the step, idle
+    time), so arrivals land between the same two steps as they did for real.
+    """
+
+    def __init__(self, durations: Sequence[float] | str | os.PathLike,
+                 starts: Sequence[float] | None = None):
+        if isinstance(durations, (str, os.PathLike)):
+            # A JSON list, or one number per line.
+            text = Path(durations).read_text()
+            values: Sequence[Any] = json.loads(text) if text.lstrip().startswith("[") else text.split()
+        else:
+            values = durations
+        self.durations = [float(d) for d in values]
+        self.starts = None if starts is None else [float(t) for t in starts]
+        if self.starts is not None and len(self.starts) != len(self.durations):
+            raise ValueError(f"{len(self.starts)} start times for {len(self.durations)} durations")
+        self.position = 0
+
+    @classmethod
+    def from_steps(cls, steps: Sequence[Any], timeline: bool = True) -> ReplayCostModel:
+        """From an engine's step log (StepRecord-like: .start, .duration); timeline=True also
+        replays the start times."""
+        return cls([s.duration for s in steps], [s.start for s in steps] if timeline else None)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.durations) - self.position
+
+    def reset(self) -> None:
+        self.position = 0
+
+    def next_start(self, now: float) -> float:
+        """The recorded start of the next step (never before `now`); `now` without a timeline."""
+        if self.starts is None or self.position >= len(self.starts):
+            return now
+        return max(now, self.starts[self.position])
+
+    def step_time(self, new_tokens: ArrayLike, cached_tokens: ArrayLike,
+                  num_logits: int | None = None) -> float:
+        if self.position >= len(self.durations):
+            raise RuntimeError(f"replay exhausted: the simulator asked for step {self.position + 1} "
+                               f"but only {len(self.durations)} were recorded")
+        d = self.durations[self.position]
+        self.position += 1
+        return d
