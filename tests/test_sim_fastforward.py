@@ -49,7 +49,7 @@ def state(obj) -> dict:
 def factory(policy: str, allocator: str, num_blocks: int, block_size: int = 16, max_model_len: int = 1024,
             budget: int = 256, seats: int = 16, cost=None, eos: int | None = None):
     cost = cost or RooflineCostModel("tiny", "cpu_2core")
-    if policy in ("static", "continuous"):
+    if not POLICIES[policy].chunked_prefill:
         budget = max(budget, max_model_len)  # whole prompts must fit one step
 
     def make(clock):
