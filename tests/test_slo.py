@@ -119,5 +119,6 @@ def test_report_draws_the_tbt_cdf_and_reads_runs_without_it(tmp_path):
         if with_column:
             cols["max_tbt"] = [0.05, 0.3]
         pd.DataFrame(cols).to_csv(d / "requests.csv", index=False)
+        pd.DataFrame({"replica": [0, 0], "time": [0.0, 1.0], "kv_usage": [0.1, 0.2]}).to_csv(d / "kv_usage.csv")
     df = report([tmp_path])
     assert (tmp_path / "tbt_cdf.png").stat().st_size > 0 and "tbt_p99" in df
