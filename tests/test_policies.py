@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from schedulers import POLICIES, ContinuousPolicy, SarathiPolicy, StaticPolicy
+from schedulers import POLICIES, ContinuousPolicy, StaticPolicy
 from varlen.clock import SimClock
 from varlen.engine import Engine, Executor
 from varlen.kv import PagedAllocator
