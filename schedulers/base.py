@@ -120,10 +120,16 @@ class SchedulerPolicy(ABC):
 
     # -- the decision ----------------------------------------------------------------------
     def schedule(self, kv: KVAllocator) -> SchedulerOutput:
-        """Choose this step's batch: running requests first, then admissions from the waiting queue."""
+        """Choose this step's batch: running requests first, then admissions from the waiting queue.
+
+        A whole-prompt policy (no chunked prefill) gives its admissions the full token budget,
+        not what the running decodes left of it: were it shared, a prompt near the budget (the
+        budget is max_model_len by default) could start only once the batch had drained, and the
+        whole FCFS queue would wait behind it while the KV pool sat mostly empty. A chunked
+        policy shares one budget, as its prompts take whatever the decodes leave."""
         out = SchedulerOutput()
         budget = self._schedule_running(kv, out, self.max_num_batched_tokens)
-        self._admit_waiting(kv, out, budget)
+        self._admit_waiting(kv, out, budget if self.chunked_prefill else self.max_num_batched_tokens)
         return out
 
     def next_decode_batch(self) -> list[Request] | None:

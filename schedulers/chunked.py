@@ -1,4 +1,4 @@
-"""Chunked prefill (Sarathi / vLLM V1 style): one token budget per step, spent on running
+"""Chunked prefill, vLLM V1 style: one token budget per step, spent on running
 requests first (decodes and unfinished prefills, in admission order), then on new requests;
 a prompt longer than what is left of the budget is split across steps."""
 

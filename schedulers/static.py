@@ -25,7 +25,9 @@ class StaticPolicy(SchedulerPolicy):
         budget = self._schedule_running(kv, out, self.max_num_batched_tokens)
         # A member preempted for memory re-enters its own batch, never a newcomer.
         if self._may_admit():
-            self._admit_waiting(kv, out, budget, limit=sum(r.req_id in self.members for r in self.waiting))
+            # A member re-enters with the whole budget: the decodes running beside it do not share it.
+            self._admit_waiting(kv, out, self.max_num_batched_tokens,
+                                limit=sum(r.req_id in self.members for r in self.waiting))
         return out
 
     def _may_admit(self) -> bool:

@@ -1,9 +1,11 @@
 """`python -m sim.capacity`: the highest arrival rate that still meets the SLOs, by bisection.
 
 Same config as sim.run (conf/sim/sim.yaml). A rate meets the SLOs when at least
-`capacity.attainment` of the requests have TTFT <= slo.ttft_s and TPOT <= slo.tpot_s.
+`capacity.attainment` of the requests meet every SLO set: TTFT <= slo.ttft_s, TPOT <= slo.tpot_s
+and no gap between two output tokens over slo.tbt_s (the stalls Sarathi-Serve targets).
 
     python -m sim.capacity scheduler=chunked workload.limit=2000 slo.ttft_s=1 slo.tpot_s=0.05
+    python -m sim.capacity scheduler=sarathi workload.limit=2000 slo.tbt_s=0.2   # a stall-aware SLO
     python -m sim.capacity -m scheduler=static,continuous,chunked workload.limit=2000   # one search per policy
 
 Attainment falls as the rate rises (more queueing), so bisection applies; the search halves
@@ -71,8 +73,14 @@ def check_capacity_settings(cfg: DictConfig) -> None:
     number(cfg, "capacity.attainment", low=0, low_open=True, high=1,
            hint=" (the fraction of requests that must meet the SLOs, e.g. 0.9)")
     number(cfg, "capacity.rel_tol", low=0, low_open=True, hint=" (stop when high / low - 1 < rel_tol, e.g. 0.05)")
-    if cfg.slo.ttft_s is None and cfg.slo.tpot_s is None:
-        raise SettingError("a capacity search needs an SLO: set slo.ttft_s and/or slo.tpot_s (seconds)")
+    if cfg.slo.ttft_s is None and cfg.slo.tpot_s is None and cfg.slo.get("tbt_s") is None:
+        raise SettingError("a capacity search needs an SLO: set slo.ttft_s, slo.tpot_s and/or slo.tbt_s (seconds)")
+
+
+def slo_text(cfg: DictConfig) -> str:
+    """The SLOs set, e.g. 'TTFT <= 2 s, TBT <= 0.2 s'."""
+    names = (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("TBT", "tbt_s"))
+    return ", ".join(f"{n} <= {cfg.slo.get(k)} s" for n, k in names if cfg.slo.get(k) is not None)
 
 
 def capacity_search(cfg: DictConfig, labels: dict[str, Any] | None = None,
@@ -86,7 +94,7 @@ def capacity_search(cfg: DictConfig, labels: dict[str, Any] | None = None,
         with open_dict(cfg):
             cfg.workload.rate = rate
         _, row = simulate_config(cfg, labels)
-        keep = ("slo_attainment", "requests_per_s", "ttft_p90", "tpot_p90", "sim_wall_s")
+        keep = ("slo_attainment", "requests_per_s", "ttft_p90", "tpot_p90", "tbt_p99", "sim_wall_s")
         print(f"  rate {rate:8.3f} req/s: SLO attainment {row['slo_attainment']:.1%}", flush=True)
         ok, kept = row["slo_attainment"] >= c.attainment, {k: row[k] for k in keep}
         if probes_out is not None:
@@ -109,8 +117,8 @@ def main(cfg: DictConfig) -> None:
     done: list[dict[str, Any]] = []
     try:
         check_capacity_settings(cfg)
-        print(f"capacity search: {labels['scheduler']}/{labels['allocator']}, SLO TTFT <= {cfg.slo.ttft_s} s, "
-              f"TPOT <= {cfg.slo.tpot_s} s for {cfg.capacity.attainment:.0%} of requests")
+        print(f"capacity search: {labels['scheduler']}/{labels['allocator']}, SLO {slo_text(cfg)} "
+              f"for {cfg.capacity.attainment:.0%} of requests")
         best, probes = capacity_search(cfg, labels, done)
     except errors_to_exit() as err:
         fail(str(err))
@@ -122,7 +130,7 @@ def main(cfg: DictConfig) -> None:
                      else f"nothing written to {out}"))
     pd.DataFrame(probes).to_csv(out / "capacity_probes.csv", index=False)
     result = {**labels, "capacity_requests_per_s": best, "slo_ttft_s": cfg.slo.ttft_s,
-              "slo_tpot_s": cfg.slo.tpot_s, "attainment": cfg.capacity.attainment,
+              "slo_tpot_s": cfg.slo.tpot_s, "slo_tbt_s": cfg.slo.get("tbt_s"), "attainment": cfg.capacity.attainment,
               "search_high": cfg.capacity.high, "probes": len(probes)}
     (out / "capacity.json").write_text(json.dumps(result, indent=2))
     if best is None:

@@ -2,7 +2,7 @@
 
 Reads every run's summary.json (and requests.csv / kv_usage.csv) under the given directories and
 writes, next to them (or to --out): summary.csv, latency_throughput.png, ttft_cdf.png,
-tpot_cdf.png, kv_usage.png.
+tpot_cdf.png, tbt_cdf.png (each request's longest gap between output tokens), kv_usage.png.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 COLUMNS = ["scheduler", "allocator", "rate", "requests", "finished", "requests_per_s", "output_tokens_per_s",
-           "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "e2e_p50", "mean_batch_size", "peak_kv_usage",
-           "mean_kv_usage", "preemptions", "goodput_requests_per_s", "slo_attainment", "steps", "sim_wall_s"]
+           "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "tbt_p99", "e2e_p50", "mean_batch_size", "peak_kv_usage",
+           "mean_kv_usage", "preemptions", "goodput_requests_per_s", "slo_attainment", "tbt_attainment", "steps", "sim_wall_s"]
+
+LABELS = {"max_tbt": "longest gap between tokens (s)"}  # the CDF plots' x axes (default: NAME (s))
 
 
 def gather(dirs: Sequence[str | Path]) -> pd.DataFrame:
@@ -86,6 +88,9 @@ def plot_cdfs(df: pd.DataFrame, metric: str, path: Path) -> int:
             f = Path(run["run_dir"]) / "requests.csv"
             if not f.is_file():
                 continue
+            cols = pd.read_csv(f, nrows=0).columns
+            if metric not in cols:  # a run written before the column existed
+                continue
             x = np.sort(pd.read_csv(f, usecols=[metric])[metric].dropna().to_numpy())
             if len(x):
                 ax.plot(x, np.arange(1, len(x) + 1) / len(x), label=run["policy"])
@@ -93,7 +98,7 @@ def plot_cdfs(df: pd.DataFrame, metric: str, path: Path) -> int:
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # minor labels overlap
         ax.set_title(f"{rate:.3g} req/s")
-        ax.set_xlabel(f"{metric.upper()} (s)")
+        ax.set_xlabel(LABELS.get(metric, f"{metric.upper()} (s)"))
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("fraction of requests")
     axes[0][-1].legend(fontsize=8)
@@ -132,6 +137,7 @@ def report(dirs: Sequence[str | Path], out: str | Path | None = None) -> pd.Data
     plot_latency_throughput(df, out / "latency_throughput.png")
     plot_cdfs(df, "ttft", out / "ttft_cdf.png")
     plot_cdfs(df, "tpot", out / "tpot_cdf.png")
+    plot_cdfs(df, "max_tbt", out / "tbt_cdf.png")
     plot_kv(df, out / "kv_usage.png")
     return df
 

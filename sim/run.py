@@ -219,7 +219,8 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
                max_num_batched_tokens=c["scheduler"].get("max_num_batched_tokens"),
                rate=trace.stats.mean_rate, trace=c["workload"].get("source"))
     row.update({f"trace_{k}": getattr(trace.stats, k) for k in LOSSY_KEYS})
-    row.update(summarize(reqs, res.steps, res.total_slots, c["slo"]["ttft_s"], c["slo"]["tpot_s"]))
+    row.update(summarize(reqs, res.steps, res.total_slots, c["slo"]["ttft_s"], c["slo"]["tpot_s"],
+                         c["slo"].get("tbt_s")))
     row.update(steps=res.num_steps, sim_wall_s=res.wall_s,
                sim_requests_per_wall_s=len(reqs) / max(res.wall_s, 1e-9),
                sim_time_s=max(r.clock.now() for r in res.replicas))

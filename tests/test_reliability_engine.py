@@ -136,7 +136,7 @@ bad_field_values = st.one_of(
 
 
 def stub_engine(policy="chunked", allocator="paged", clock=None, executor=None):
-    pol = POLICIES[policy](max_num_seqs=4, max_num_batched_tokens=16 if policy in ("chunked", "priority") else 64)
+    pol = POLICIES[policy](max_num_seqs=4, max_num_batched_tokens=16 if POLICIES[policy].chunked_prefill else 64)
     kv = PagedAllocator(40, 4, 64) if allocator == "paged" else ContiguousAllocator(40, 4, 64)
     clock = SimClock() if clock is None else clock
     return Engine(pol, kv, executor or StubExecutor(clock), clock=clock, max_model_len=64, eos_token_id=1,

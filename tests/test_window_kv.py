@@ -83,7 +83,7 @@ def test_refused_where_it_would_free_what_a_layer_reads(windowed_dirs):
 
 def window_factory(policy: str, num_blocks: int, block_size: int = 16, max_model_len: int = 1024,
                    budget: int = 256, seats: int = 16, window: int = 40, caching: bool = True):
-    if policy in ("static", "continuous"):
+    if not POLICIES[policy].chunked_prefill:
         budget = max(budget, max_model_len)
 
     def make(clock):

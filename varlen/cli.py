@@ -192,7 +192,7 @@ def existing_file(cfg: DictConfig, key: str, what: str) -> Path:
 
 
 def check_slo(cfg: DictConfig) -> None:
-    for key in ("slo.ttft_s", "slo.tpot_s"):
+    for key in ("slo.ttft_s", "slo.tpot_s", "slo.tbt_s"):
         number(cfg, key, low=0, low_open=True, optional=True, hint=" (seconds)")
 
 

@@ -43,7 +43,7 @@ def request_table(requests: Iterable[Request]):
     import pandas as pd
 
     requests = list(requests)
-    lat = _latencies(requests, itl=False)
+    lat = _latencies(requests)
     out_tokens = np.array([r.num_output_tokens for r in requests], np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         normalized = np.where(out_tokens > 0, lat["e2e"] / out_tokens, np.nan)
@@ -54,7 +54,7 @@ def request_table(requests: Iterable[Request]):
         finish_message=[r.finish_message for r in requests], arrival=lat["arrival"],
         first_scheduled=[np.nan if r.first_scheduled is None else r.first_scheduled for r in requests],
         first_token=lat["first_token"], finish=lat["finish"], ttft=lat["ttft"], tpot=lat["tpot"], e2e=lat["e2e"],
-        normalized_latency=normalized, num_preemptions=[r.num_preemptions for r in requests],
+        normalized_latency=normalized, max_tbt=lat["max_tbt"], num_preemptions=[r.num_preemptions for r in requests],
         prefix_hit_tokens=[r.num_prefix_hit_tokens for r in requests], priority=[r.priority for r in requests]))
 
 
@@ -110,43 +110,43 @@ def _time_weighted_kv(c: dict[str, np.ndarray], total_slots: int) -> float:
     return float(np.dot(c["kv_reserved_slots"], c["duration"])) / busy / total_slots
 
 
-def _latencies(reqs: Sequence[Request], itl: bool = True) -> dict[str, np.ndarray]:
-    """Per request: arrival, first_token, finish, ttft, tpot, e2e (NaN where undefined), and
-    with itl=True every request's inter-token gaps as one array (itl). For the gaps all token
-    times go into one array: a long simulation has millions, too many to handle one by one.
-    Without them, each request's first and last token time is all it takes."""
+def _latencies(reqs: Sequence[Request]) -> dict[str, np.ndarray]:
+    """Per request: arrival, first_token, finish, ttft, tpot, e2e, max_tbt (its longest gap between
+    consecutive output tokens; NaN where undefined), and every request's inter-token gaps as one
+    array (itl). All token times go into one array: a long simulation has millions, too many to
+    handle one by one."""
     times = [r.token_times for r in reqs]
     lens = np.fromiter(map(len, times), np.int64, len(times))
+    flat = np.fromiter(itertools.chain.from_iterable(times), np.float64, int(lens.sum()))
+    first = np.cumsum(lens) - lens
     has, many = lens > 0, lens > 1
     arrival = np.array([r.arrival for r in reqs], np.float64)
     finish = np.array([np.nan if r.finish_time is None else r.finish_time for r in reqs], np.float64)
     first_token = np.full(len(reqs), np.nan)
-    last_token = np.full(len(reqs), np.nan)
-    gaps = None
-    if itl:
-        flat = np.fromiter(itertools.chain.from_iterable(times), np.float64, int(lens.sum()))
-        first = np.cumsum(lens) - lens
-        first_token[has] = flat[first[has]]
-        last_token[has] = flat[first[has] + lens[has] - 1]
-        gaps = np.diff(flat)
-        between = np.ones(len(gaps), bool)  # False where a gap spans two requests
-        between[first[has & (first > 0)] - 1] = False
-        gaps = gaps[between]
-    else:
-        first_token[has] = [t[0] for t in times if t]
-        last_token[has] = [t[-1] for t in times if t]
+    first_token[has] = flat[first[has]]
     tpot = np.full(len(reqs), np.nan)
-    tpot[many] = (last_token[many] - first_token[many]) / (lens[many] - 1)
-    out = dict(arrival=arrival, first_token=first_token, finish=finish, ttft=first_token - arrival, tpot=tpot,
-               e2e=finish - arrival)
-    if gaps is not None:
-        out["itl"] = gaps
-    return out
+    tpot[many] = (flat[first[many] + lens[many] - 1] - flat[first[many]]) / (lens[many] - 1)
+    gaps = np.diff(flat)
+    between = np.ones(len(gaps), bool)  # False where a gap spans two requests
+    between[first[has & (first > 0)] - 1] = False
+    # Each request's longest gap: one reduceat from each multi-token request's first gap to the
+    # next one's; the gaps spanning two requests, which fall in between, are masked out.
+    max_tbt = np.full(len(reqs), np.nan)
+    if many.any():
+        max_tbt[many] = np.maximum.reduceat(np.where(between, gaps, -np.inf), first[many])
+    return dict(arrival=arrival, first_token=first_token, finish=finish, ttft=first_token - arrival, tpot=tpot,
+                e2e=finish - arrival, itl=gaps[between], max_tbt=max_tbt)
 
 
 def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
-              ttft_slo: float | None = None, tpot_slo: float | None = None) -> dict[str, float]:
-    """One row of headline figures: throughput, latency percentiles, preemptions, KV usage, goodput."""
+              ttft_slo: float | None = None, tpot_slo: float | None = None,
+              tbt_slo: float | None = None) -> dict[str, float]:
+    """One row of headline figures: throughput, latency percentiles, preemptions, KV usage, goodput.
+
+    SLOs (seconds; None: not set): TTFT, TPOT (the mean gap), and TBT, met when no gap between
+    two consecutive output tokens of the request exceeds it (a stall, as from a prefill step, fails
+    it even when the mean is low). A request counts toward goodput when it meets every SLO set;
+    `slo_attainment` is that count over all requests, `tbt_attainment` the TBT SLO's alone."""
     c = step_columns(steps, tokens=False)
     done = [r for r in requests if r.finish_reason is not None and r.finish_reason.value in ("length", "stop")]
     lat = _latencies(done)
@@ -169,10 +169,15 @@ def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         for q, v in zip((50, 90, 99), _pcts(xs, (50, 90, 99))):
             row[f"{name}_p{q}"] = v
-    if ttft_slo is not None or tpot_slo is not None:
+    row["tbt_p99"] = _pcts(itl, (99,))[0]  # over all inter-token gaps, as Sarathi-Serve reports it
+    if ttft_slo is not None or tpot_slo is not None or tbt_slo is not None:
         ok_ttft = np.ones(len(done), bool) if ttft_slo is None else has & (np.nan_to_num(ttft_all, nan=np.inf) <= ttft_slo)
         ok_tpot = np.ones(len(done), bool) if tpot_slo is None else ~many | (np.nan_to_num(tpot_all) <= tpot_slo)
-        ok = int((ok_ttft & ok_tpot).sum())
+        ok_tbt = np.ones(len(done), bool)
+        if tbt_slo is not None:  # a request with one token has no gap to exceed it
+            ok_tbt = ~many | (np.nan_to_num(lat["max_tbt"]) <= tbt_slo)
+            row["tbt_attainment"] = int(ok_tbt.sum()) / max(len(requests), 1)
+        ok = int((ok_ttft & ok_tpot & ok_tbt).sum())
         row["goodput_requests_per_s"] = ok / span
         row["slo_attainment"] = ok / max(len(requests), 1)
     return row

@@ -123,7 +123,8 @@ def write_results(cfg: DictConfig, llm: Any, reqs: list, trace: Any, out: Path, 
     from varlen.metrics import request_table, step_table, summarize
 
     eng = llm.engine
-    row = summarize(reqs, eng.steps, eng.kv.capacity_tokens, cfg.slo.ttft_s, cfg.slo.tpot_s)
+    row = summarize(reqs, eng.steps, eng.kv.capacity_tokens, cfg.slo.ttft_s, cfg.slo.tpot_s,
+                    cfg.slo.get("tbt_s"))
     row["partial"] = partial
     # Ctrl-C ends the requests still in flight `aborted` (Engine.run), so count what did not finish.
     row["unfinished"] = sum(r.finish_reason is None or r.finish_reason.value == "aborted" for r in reqs)
