@@ -15,7 +15,9 @@ alternately, `--repeats` times; the table shows median output tokens/s, the spre
 ratio of varlen's best to each contender and of each torch_paged row to the same run with
 torch_sdpa (all measured in the same run). Then: the host's roofline (measured GEMM FLOP/s and read
 bandwidth, the minimum time of each varlen run's own schedule, varlen's fraction of it), the
-decode-attention micro-benchmark (benchmarks/roofline.py) and a varlen step broken into phases.
+decode-attention micro-benchmark (benchmarks/roofline.py), a varlen step broken into phases, and one
+decode and one mixed forward split into linear layers / attention / rest in thread CPU time (robust
+to other load on the machine, unlike the wall-clock figures).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 The model is the unmodified HF module tree. We register one attention function, "varlen", in
 transformers' `AttentionInterface`; it receives q/k/v after q/k-norm and RoPE and hands them to
 the backend with this step's metadata, which travels as an extra forward() keyword. A mask
-function registered under the same name returns None, so no N×N mask is ever built. The LM head
+function registered under the same name returns None, so no N×N mask is ever built; models that
+take a ready mask mapping get one of Nones and skip even that call (`precomputed_masks`). The LM head
 runs only at `logits_indices` (transformers' `logits_to_keep`).
 
 No silent features: at load, a probe forward reads what every layer's attention asks for
