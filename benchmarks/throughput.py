@@ -15,7 +15,9 @@ alternately, `--repeats` times; the table shows median output tokens/s, the spre
 ratio of varlen's best to each contender and of each torch_paged row to the same run with
 torch_sdpa (all measured in the same run). Then: the host's roofline (measured GEMM FLOP/s and read
 bandwidth, the minimum time of each varlen run's own schedule, varlen's fraction of it), the
-decode-attention micro-benchmark (benchmarks/roofline.py) and a varlen step broken into phases.
+decode-attention micro-benchmark (benchmarks/roofline.py), a varlen step broken into phases, and one
+decode and one mixed forward split into linear layers / attention / rest in thread CPU time (robust
+to other load on the machine, unlike the wall-clock figures).
 """
 
 from __future__ import annotations
@@ -96,6 +98,54 @@ def run_varlen(path, prompts, outputs, scheduler, backend, block_size=16, max_ba
     assert [len(o.token_ids) for o in outs] == outputs
     timings = {**llm.engine.timings, **llm.executor.timings}
     return sum(outputs) / dt, dt, timings, list(llm.engine.steps), [o.token_ids for o in outs]
+
+
+def forward_split(path, prompts, outputs, backend, repeats=3):
+    """CPU time of one forward split into linear layers (nn.Linear incl. the LM head), the attention
+    backend and the rest (norms, RoPE, activations, HF's module code, metadata), for the first pure
+    decode step holding every request and the first step of >= 500 tokens (prefill chunks). Each is
+    re-run `repeats` times on the same batch (it rewrites the same K/V); best of them. Thread CPU
+    time, not wall time: other processes on the machine do not count."""
+    import torch.nn.functional as F
+
+    llm = LLM(str(path), backend=backend, scheduler="chunked", block_size=16, max_num_seqs=len(prompts),
+              max_model_len=2048, max_num_batched_tokens=512, kv_cache_memory="1GiB")
+    runner, be = llm.runner, llm.runner.backend
+    execute, attend, linear = runner.execute, be.forward, F.linear
+    acc = {"attention": 0.0, "linear": 0.0}
+    rows: dict[str, tuple] = {}
+
+    def timed(key, fn):
+        def wrapper(*args, **kwargs):
+            t = time.thread_time()
+            out = fn(*args, **kwargs)
+            acc[key] += time.thread_time() - t
+            return out
+        return wrapper
+
+    def split(batch):
+        decode = batch.is_pure_decode and batch.num_seqs == len(prompts)
+        kind = "decode" if decode else "mixed" if batch.num_tokens >= 500 else None
+        if kind is None or kind in rows:
+            return execute(batch)
+        F.linear, be.forward = timed("linear", linear), timed("attention", attend)
+        try:
+            best = None
+            for _ in range(repeats):
+                acc.update(attention=0.0, linear=0.0)
+                t = time.thread_time()
+                out = execute(batch)
+                total = time.thread_time() - t
+                if best is None or total < best[0]:
+                    best = (total, acc["linear"], acc["attention"])
+        finally:
+            F.linear, be.forward = linear, attend
+        rows[kind] = (batch.num_tokens, batch.num_seqs, int(batch.seq_lens.sum()), *best)
+        return out
+
+    runner.execute = split
+    llm.generate(prompts, [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in outputs])
+    return rows
 
 
 def run_varlen_online(path, prompts, outputs, scheduler, rate, seed=0):
@@ -320,6 +370,14 @@ def main() -> None:
             print(f"  {k:<12} {timings[k] * 1e3:>9.1f} ms {100 * timings[k] / total:>6.1f}%")
         outside = total - timings["forward"]
         print(f"  outside the forward: {100 * outside / total:.1f}% of step time")
+        rows = forward_split(path, prompts, outputs, b)
+        print(f"\none forward of varlen chunked + {b}, thread CPU ms (best of 3; linear: nn.Linear incl. LM head):")
+        print(f"{'step':<8} {'tokens':>6} {'seqs':>5} {'keys':>7} {'total':>8} {'linear':>15} {'attention':>15} "
+              f"{'rest':>15}")
+        for kind, (n, ns, keys, tot, lin, att) in rows.items():
+            rest = tot - lin - att
+            print(f"{kind:<8} {n:>6} {ns:>5} {keys:>7} {tot * 1e3:>8.1f} "
+                  + " ".join(f"{v * 1e3:>8.1f} ({v / tot:>3.0%})" for v in (lin, att, rest)))
 
 
 if __name__ == "__main__":
