@@ -27,11 +27,11 @@ from numpy.typing import ArrayLike
 
 
 def hardware_dir() -> Path:
-    """conf/hardware/ of the source tree. Found from the package, not this module: compiled
-    (varlen/compiled.py), this module's file is in the build cache."""
-    import sim
+    """conf/hardware/, package data (installed or in the source tree). Found from the conf
+    package, not this module: compiled (varlen/compiled.py), this module's file is in the build cache."""
+    from conf import conf_dir
 
-    return Path(sim.__file__).resolve().parents[1] / "conf" / "hardware"
+    return conf_dir("hardware")
 
 
 # init=False and an explicit __init__: compiled (varlen/compiled.py), a dataclass's generated
