@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,9 +32,17 @@ def installed(tmp_path_factory) -> Path:
     """The wheel of this checkout, installed without dependencies into a folder of its own; the
     test environment's packages (torch, hydra, ...) serve as the dependencies."""
     tmp = tmp_path_factory.mktemp("install")
+    # Built from a copy of the tracked layout: setuptools' build/ folder in the checkout may hold
+    # stale files that would travel into the wheel (and a build here leaves none behind).
+    src = tmp / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("varlen", "backends", "schedulers", "sim", "conf"):
+        shutil.copytree(ROOT / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(ROOT), "-w", str(tmp / "wheel")],
-                   cwd=ROOT, check=True, capture_output=True, text=True)
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(src), "-w", str(tmp / "wheel")],
+                   cwd=src, check=True, capture_output=True, text=True)
     (wheel,) = (tmp / "wheel").glob("varlen-*.whl")
     subprocess.run([*pip, "install", "--no-deps", "--target", str(tmp / "site"), str(wheel)],
                    check=True, capture_output=True, text=True)
