@@ -103,6 +103,10 @@ def test_entry_point_runs_from_another_directory(entry_points, module, expect):
 
 
 def test_help_of_an_installed_command_lists_only_its_groups(installed, tmp_path):
+    # A Hydra project's own conf/ folder (no __init__.py) in the working directory, which
+    # `python -m` puts first on sys.path, must not stand in for the installed configs.
+    (tmp_path / "conf" / "run").mkdir(parents=True)
+    (tmp_path / "conf" / "run" / "config.yaml").write_text("defaults:\n  - hardware: nothing_here\n")
     out = run_installed(installed, tmp_path, "-m", "varlen.run", "--help")
     groups = out.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
     assert out.returncode == 0 and "scheduler:" in groups and "hardware:" not in groups and "sim_model:" not in groups
