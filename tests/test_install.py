@@ -16,6 +16,9 @@ import varlen
 from varlen.traces import NAMED_TRACES, default_traces_dir, load_trace, named_trace_path
 
 ROOT = Path(__file__).resolve().parents[1]
+# About 30 s of CPU in all (a wheel build, seven interpreters), minutes of wall time on a loaded
+# machine: `slow`, which CI still runs (.ci/run selects every test).
+wheel_test = pytest.mark.slow
 
 # Each entry point, small: (module, arguments, a line its output must hold).
 COMMANDS = [
@@ -75,6 +78,7 @@ def entry_points(installed, tmp_path_factory) -> dict[str, tuple[subprocess.Pope
         p.communicate()
 
 
+@wheel_test
 def test_installed_packages_come_from_the_wheel(installed, tmp_path):
     code = ("import conf, sim, varlen, backends, schedulers\n"
             "from sim.run import CONF\nfrom sim.cost_models import hardware_dir\nfrom varlen.traces import default_traces_dir\n"
@@ -93,6 +97,7 @@ def test_installed_packages_come_from_the_wheel(installed, tmp_path):
                                                        "LICENSE-Apache-2.0.txt"])
 
 
+@wheel_test
 @pytest.mark.parametrize("module,expect", [(c[0], c[2]) for c in COMMANDS], ids=[c[0] for c in COMMANDS])
 def test_entry_point_runs_from_another_directory(entry_points, module, expect):
     proc, cwd = entry_points[module]
@@ -102,6 +107,7 @@ def test_entry_point_runs_from_another_directory(entry_points, module, expect):
     assert not (cwd / "conf").exists()  # nothing read from, or written as, a source tree here
 
 
+@wheel_test
 def test_help_of_an_installed_command_lists_only_its_groups(installed, tmp_path):
     # A Hydra project's own conf/ folder (no __init__.py) in the working directory, which
     # `python -m` puts first on sys.path, must not stand in for the installed configs.
