@@ -212,11 +212,9 @@ def main() -> None:
     from sim.cost.fitted import DEFAULT_FEATURES
     from varlen import LLM
     from varlen.tiny_model import write_tiny_model
-    from varlen.traces import default_traces_dir, load_trace
+    from varlen.traces import load_trace
 
     backend = args.backend or ("torch_sdpa" if "torch_sdpa" in BACKENDS else "torch_ref")
-    if not (default_traces_dir() / "AzureLLMInferenceTrace_conv.csv").is_file():
-        raise SystemExit(f"needs the Azure conversation trace in {default_traces_dir()}")
     trace = load_trace("azure_conv", limit=2 * args.n, max_model_len=args.max_len, over_length="clip")
     slices = {"A": (0, args.n, args.rate_a), "B": (args.n, 2 * args.n, args.rate_b)}
     runs: dict[str, list[RealRun]] = {}

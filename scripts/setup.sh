@@ -1,11 +1,27 @@
 #!/usr/bin/env bash
-# Installs varlen and its test tools into the current Python environment, and builds the
-# compiled scheduling core.
+# Installs varlen and its test tools into the project's Python (scripts/py: the active venv, else
+# .venv/ where the system Python is externally managed, else python3), and builds the compiled
+# scheduling core.
 # torch comes first and pinned: on these CPU machines `torch==2.13.0` is a CPU build on local
 # disk, while an unpinned torch (asked for by any dependency) would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+# Which Python: scripts/py decides (the run and test commands use it too). Where python3 refuses
+# installs (an externally managed system Python, PEP 668, or one without pip) and no virtual
+# environment is active, the project gets its own venv, .venv/, reused by later runs.
+can_install='import importlib.util, os, sys, sysconfig
+managed = sys.prefix == sys.base_prefix and os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED"))
+sys.exit(1 if managed or importlib.util.find_spec("pip") is None else 0)'
+if [ -z "${PYTHON:-}" ] && [ -z "${VIRTUAL_ENV:-}" ] && [ ! -x .venv/bin/python ] && ! python3 -c "$can_install"; then
+  echo "setup: $(command -v python3) does not take installs (externally managed, PEP 668); creating the project venv .venv"
+  if ! python3 -m venv .venv; then
+    rm -rf .venv
+    echo "error: python3 -m venv failed; install the venv module (Debian/Ubuntu: apt install python3-venv) and rerun" >&2
+    exit 2
+  fi
+fi
+PY=$(scripts/py -c 'import sys; print(sys.executable)')
+echo "setup: installing into $PY"
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi

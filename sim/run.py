@@ -19,7 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from varlen.cli import SettingError, check_missing, check_slo, existing_file, number
 
-CONF = str(Path(__file__).resolve().parent.parent / "conf" / "sim")  # this command's config root
+from conf import conf_dir
+
+CONF = str(conf_dir("sim"))  # this command's config root (package data)
 
 
 def load_requests(workload: Mapping[str, Any], vocab_size: int):

@@ -24,7 +24,7 @@ from varlen.engine import Engine
 from varlen.kv import PagedAllocator
 from varlen.metrics import kv_usage_table
 from varlen.sampling_params import SamplingParams
-from varlen.traces import default_traces_dir, load_trace
+from varlen.traces import load_trace
 from varlen.workload import trace_requests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,8 +176,6 @@ def test_sweep_command_and_report(tmp_path):
         assert (sweep / f).stat().st_size > 0
 
 
-@pytest.mark.skipif(not (default_traces_dir() / "mooncake_conversation_trace.jsonl").is_file(),
-                    reason=f"public traces not found in {default_traces_dir()}")
 def test_mooncake_hash_ids_drive_prefix_caching():
     from hydra import compose, initialize_config_dir
 

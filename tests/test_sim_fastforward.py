@@ -26,7 +26,7 @@ from varlen.metrics import step_table, summarize
 from varlen.request import Request
 from varlen.sampling_params import SamplingParams
 from varlen.steplog import step_columns
-from varlen.traces import default_traces_dir, load_trace
+from varlen.traces import load_trace
 from varlen.workload import trace_requests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,8 +168,6 @@ def test_decode_step_time_is_step_time_sums_bit_for_bit():
             assert times == [cost.step_time_sums(StepSums(B, B, c + j * B, c + j * B, B, B)) for j in range(40)]
 
 
-@pytest.mark.skipif(not (default_traces_dir() / "AzureLLMInferenceTrace_conv.csv").is_file(),
-                    reason=f"the Azure conversation trace is not in {default_traces_dir()}")
 @pytest.mark.parametrize("policy", DISTINCT_POLICIES)
 def test_azure_slice(policy):
     """200 requests of the Azure conversation trace at twice its rate, Llama-3-8B on an H100."""

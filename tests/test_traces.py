@@ -23,9 +23,6 @@ DATA = Path(__file__).parent / "data"
 AZURE_CONV = DATA / "azure_conv_small.csv"
 AZURE_CODE = DATA / "azure_code_small.csv"
 MOONCAKE = DATA / "mooncake_conv_small.jsonl"
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
-
-needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"real traces not present at {SHARED}")
 
 
 def _csv_rows(path: Path) -> list[dict[str, str]]:
@@ -417,11 +414,10 @@ def test_prompt_tokens_deterministic_unique_and_sized() -> None:
 # The real traces
 
 
-@needs_shared
 def test_full_azure_conv_trace_loads() -> None:
     load_trace(AZURE_CONV)  # pandas imported before timing
     t0 = time.perf_counter()
-    tr = load_trace(SHARED / "AzureLLMInferenceTrace_conv.csv")
+    tr = load_trace("azure_conv")  # as shipped: gzipped package data
     elapsed = time.perf_counter() - t0
     s = tr.stats
     assert len(tr) == 19_366 and s.num_reordered == 0
@@ -432,11 +428,10 @@ def test_full_azure_conv_trace_loads() -> None:
     assert elapsed < 5.0, f"loading took {elapsed:.2f} s"
 
 
-@needs_shared
 def test_full_azure_code_and_mooncake_traces_load() -> None:
-    code = load_trace(SHARED / "AzureLLMInferenceTrace_code.csv")
+    code = load_trace("azure_code")
     assert len(code) == 8_819 and round(code.stats.prompt_mean) == 2048 and code.stats.output_p50 == 13
-    mc = load_trace(SHARED / "mooncake_conversation_trace.jsonl")
+    mc = load_trace("mooncake_conv")
     assert len(mc) == 12_031 and mc.stats.prompt_p50 == 6909 and mc.stats.output_p50 == 350
     # Block reuse with an unbounded cache, as the README measured it: blocks seen before.
     seen: set[int] = set()

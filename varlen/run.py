@@ -18,7 +18,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from varlen.cli import SettingError, check_missing, check_slo, errors_to_exit, existing_file, fail, interrupted, number
 
-CONF = str(Path(__file__).resolve().parent.parent / "conf" / "run")  # this command's config root
+from conf import conf_dir
+
+CONF = str(conf_dir("run"))  # this command's config root (package data)
 
 
 def format_summary(row: dict, title: str) -> str:

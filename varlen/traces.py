@@ -40,6 +40,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, fields
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NoReturn
 
@@ -47,7 +48,7 @@ import numpy as np
 
 MOONCAKE_BLOCK_TOKENS = 512
 
-# Short names for the public traces kept next to the repository (see shared/traces/README.md).
+# Short names for the public traces shipped in varlen/traces_data (see its README.md).
 NAMED_TRACES: dict[str, str] = {
     "azure_conv": "AzureLLMInferenceTrace_conv.csv",
     "azure_code": "AzureLLMInferenceTrace_code.csv",
@@ -474,9 +475,16 @@ def _synthesize(num_requests: int, rate: float, arrival: str, cv: float,
 
 
 def default_traces_dir() -> Path:
-    """$VARLEN_TRACES_DIR, else shared/traces beside the repository."""
+    """$VARLEN_TRACES_DIR, else the public traces shipped with the package (varlen/traces_data)."""
     env = os.environ.get("VARLEN_TRACES_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "traces"
+    return Path(env) if env else Path(str(files("varlen").joinpath("traces_data")))
+
+
+def named_trace_path(name: str) -> Path:
+    """Where a name in NAMED_TRACES lies: the file in default_traces_dir(), or its .gz (as shipped)."""
+    plain = default_traces_dir() / NAMED_TRACES[name]
+    gz = plain.with_name(plain.name + ".gz")
+    return gz if not plain.is_file() and gz.is_file() else plain
 
 
 def resolve_trace(source: str | os.PathLike, kind: str | None = None) -> tuple[str, Path | None]:
@@ -484,7 +492,7 @@ def resolve_trace(source: str | os.PathLike, kind: str | None = None) -> tuple[s
     s = str(source)
     if s == "synthetic" or kind == "synthetic":
         return "synthetic", None
-    path = default_traces_dir() / NAMED_TRACES[s] if s in NAMED_TRACES else Path(s)
+    path = named_trace_path(s) if s in NAMED_TRACES else Path(s)
     if path.is_dir():
         raise ValueError(f"trace {s!r} is a directory; give a trace file (.csv, .jsonl, or either with .gz)")
     if not path.is_file():

@@ -11,11 +11,11 @@ from typing import Any, Mapping
 
 
 def hardware_dir() -> Path:
-    """conf/hardware/ of the source tree. Found from the package, not this module: compiled
-    (varlen/compiled.py), this module's file is in the build cache."""
-    import sim
+    """conf/hardware/, package data (installed or in the source tree). Found from the conf
+    package, not this module: compiled (varlen/compiled.py), this module's file is in the build cache."""
+    from conf import conf_dir
 
-    return Path(sim.__file__).resolve().parents[1] / "conf" / "hardware"
+    return conf_dir("hardware")
 
 
 @dataclass(frozen=True, slots=True)
