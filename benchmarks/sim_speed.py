@@ -99,9 +99,9 @@ def main() -> None:
     if args.child:
         return child(args)
 
-    from varlen.traces import default_traces_dir
+    from varlen.traces import default_traces_dir, named_trace_path
 
-    if not (default_traces_dir() / "AzureLLMInferenceTrace_conv.csv").is_file():
+    if not named_trace_path("azure_conv").is_file():
         raise SystemExit(f"needs the Azure conversation trace in {default_traces_dir()}")
     argv = sys.argv[1:]
     cores, modes = args.cores.split(","), args.modes.split(",")

@@ -58,7 +58,7 @@ def model_dir(name: str) -> Path:
 
 
 def workload(n: int, max_prompt: int, max_output: int, vocab: int, seed: int = 0, lengths: str = "azure"):
-    from varlen.traces import default_traces_dir, load_trace
+    from varlen.traces import load_trace, named_trace_path
 
     rng = np.random.default_rng(seed)
     if lengths == "lognormal":
@@ -66,7 +66,7 @@ def workload(n: int, max_prompt: int, max_output: int, vocab: int, seed: int = 0
         outputs = np.clip(rng.lognormal(np.log(max_output / 4), 1.0, n), 16, max_output).astype(int)
         prompts = [rng.integers(3, vocab, k).tolist() for k in prompts_len]
         return prompts, outputs.tolist(), "lognormal lengths (median max/4, sigma 1)"
-    trace_file = default_traces_dir() / "AzureLLMInferenceTrace_conv.csv"
+    trace_file = named_trace_path("azure_conv")
     if trace_file.exists():
         cols = load_trace("azure_conv").columns()
         p_src, o_src = cols["prompt_len"].astype(float), cols["output_len"].astype(float)
