@@ -31,7 +31,7 @@ from sim.simulator import simulate
 from varlen.engine import Engine
 from varlen.kv import PagedAllocator
 from varlen.sampling_params import SamplingParams
-from varlen.traces import default_traces_dir, load_trace, named_trace_path
+from varlen.traces import load_trace
 from varlen.workload import trace_requests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,8 +79,6 @@ def main() -> None:
     p.add_argument("--blocks", default="300,600", help="KV pool sizes in 16-token blocks")
     p.add_argument("--plot", help="write preemptions per request (sorted) for each run to this PNG")
     args = p.parse_args()
-    if not named_trace_path("azure_conv").is_file():
-        raise SystemExit(f"needs the Azure conversation trace in {default_traces_dir()}")
     tr = load_trace("azure_conv", limit=args.limit, max_model_len=MAX_LEN, target_rate=args.rate)
     conf = yaml.safe_load((ROOT / "conf" / "sim_model" / "llama3_8b.yaml").read_text())
     cost = RooflineCostModel(conf["config"], "h100_sxm")

@@ -23,9 +23,9 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout this script is in, not an installed one
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # the reference policy the tests hold
 
 from schedulers import ChunkedPolicy, PriorityPolicy
-from schedulers.base import SchedulerPolicy
 from sim.cost_models import RooflineCostModel
 from sim.executor import CostModelExecutor
 from sim.simulator import simulate
@@ -33,36 +33,12 @@ from varlen.compiled import status
 from varlen.engine import Engine
 from varlen.kv import PagedAllocator
 from varlen.sampling_params import SamplingParams
-from varlen.traces import default_traces_dir, load_trace, named_trace_path
+from varlen.traces import load_trace
 from varlen.workload import trace_requests
+from test_scheduling_invariants import SortingPriority  # noqa: E402 (the same reference as the test)
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LEN = 8192
-
-
-def _rank(r):
-    return r.priority, r.arrival
-
-
-class SortingPriority(SchedulerPolicy):
-    """The reference: the priority policy that sorts its queues every step."""
-
-    chunked_prefill = True
-    repeats_decode_batches = True
-
-    def schedule(self, kv):
-        self.running.sort(key=_rank)
-        return super().schedule(kv)
-
-    def next_decode_batch(self):
-        self.running.sort(key=_rank)
-        return super().next_decode_batch()
-
-    def waiting_order(self):
-        return sorted(self.waiting, key=_rank)
-
-    def victim_order(self):
-        return sorted(self.running, key=_rank, reverse=True)
 
 
 POLICIES = {"chunked": ChunkedPolicy, "priority (ranked)": PriorityPolicy, "priority (sorting ref)": SortingPriority}
@@ -90,8 +66,6 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=30.0)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    if not named_trace_path("azure_conv").is_file():
-        raise SystemExit(f"needs the Azure conversation trace in {default_traces_dir()}")
     tr = load_trace("azure_conv", limit=args.limit, max_model_len=MAX_LEN, target_rate=args.rate)
     conf = yaml.safe_load((ROOT / "conf" / "sim_model" / "llama3_8b.yaml").read_text())
     cost = RooflineCostModel(conf["config"], "h100_sxm")

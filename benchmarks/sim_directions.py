@@ -38,10 +38,6 @@ def main() -> None:
 
     from sim.capacity import capacity_search
     from sim.run import CONF, simulate_config
-    from varlen.traces import default_traces_dir, named_trace_path
-
-    if not named_trace_path("azure_conv").is_file():
-        raise SystemExit(f"needs the Azure conversation trace in {default_traces_dir()}")
     base = ["sim_workload=azure_conv", f"workload.limit={args.limit}"]
     rows = []
     with initialize_config_dir(CONF, version_base="1.3"):

@@ -51,10 +51,8 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="sim.run overrides (after --)")
     args = p.parse_args()
 
-    from varlen.traces import default_traces_dir, named_trace_path
+    from varlen.traces import default_traces_dir
 
-    if not named_trace_path("azure_conv").is_file():
-        raise SystemExit(f"needs the Azure conversation trace in {default_traces_dir()}")
     py = sys.executable
     env = {**os.environ, "VARLEN_TRACES_DIR": str(default_traces_dir())}  # the same trace for every checkout
     checkouts = {"this": ROOT} | ({"compare": args.compare.resolve()} if args.compare else {})

@@ -99,10 +99,6 @@ def main() -> None:
     if args.child:
         return child(args)
 
-    from varlen.traces import default_traces_dir, named_trace_path
-
-    if not named_trace_path("azure_conv").is_file():
-        raise SystemExit(f"needs the Azure conversation trace in {default_traces_dir()}")
     argv = sys.argv[1:]
     cores, modes = args.cores.split(","), args.modes.split(",")
     print(f"{'cost':>8} {'budget':>6} {'core':>8} {'fast_fwd':>8} {'steps':>7} {'ff steps':>8} {'mean B':>6} {'loop s min':>10} "

@@ -128,7 +128,11 @@ def check_mixed_batches_match_each_request_alone(models, backend: str, data, max
     block_size, pool, reqs = data.draw(workloads(max_requests=max_requests))
     rounds = data.draw(groupings([len(r.steps) for r in reqs]), label="rounds")
     runner = ModelRunner(model, make_backend(backend), block_size, pool)
-    got = run_grouping(runner, reqs, rounds)
+    assert_each_matches_alone(run_grouping(runner, reqs, rounds), reqs, oracle)
+
+
+def assert_each_matches_alone(got: dict, reqs: list, oracle, label: str = "") -> None:
+    """Every logit row the batched run kept equals the oracle's on that request alone, within TOL."""
     with torch.inference_mode():
         for i, r in enumerate(reqs):
             alone = oracle(torch.tensor([r.tokens])).logits[0]
@@ -136,7 +140,7 @@ def check_mixed_batches_match_each_request_alone(models, backend: str, data, max
             for s, want in enumerate(r.wants):
                 if want:
                     err = (got[(i, s)] - alone[ends[s]]).abs().max().item()
-                    assert err <= TOL, f"request {i} step {s}: max abs error {err:.2e} > {TOL}"
+                    assert err <= TOL, f"{label}request {i} step {s}: max abs error {err:.2e} > {TOL}"
 
 
 def check_two_batchings_agree(models, backend: str, data, max_requests: int = 8) -> None:

@@ -14,13 +14,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from backends import make_backend
-from test_equivalence import TOL, groupings, run_grouping, workloads
+from test_equivalence import assert_each_matches_alone, groupings, run_grouping, workloads
 from varlen.architectures import markdown_table, readme_table
 from varlen.model_attention import UnsupportedModel
 from varlen.model_runner import ATTN_NAME, ModelRunner, load_model, register_varlen_attention
@@ -55,15 +54,7 @@ def test_architecture_matches_hf_per_request(arch_models, backend, data):
                 for f in layer.features}
         assert used - be.features, f"{backend} refused {arch} although it declares {sorted(used)}"
         return
-    got = run_grouping(runner, reqs, rounds)
-    with torch.inference_mode():
-        for i, r in enumerate(reqs):
-            alone = oracle(torch.tensor([r.tokens])).logits[0]
-            ends = np.cumsum(r.steps) - 1
-            for s, want in enumerate(r.wants):
-                if want:
-                    err = (got[(i, s)] - alone[ends[s]]).abs().max().item()
-                    assert err <= TOL, f"{arch}/{backend} request {i} step {s}: max abs error {err:.2e} > {TOL}"
+    assert_each_matches_alone(run_grouping(runner, reqs, rounds), reqs, oracle, f"{arch}/{backend} ")
 
 
 REASONS = {"deepseek_v3": "multi-head latent attention", "mamba": "state-space", "jamba": "state-space",

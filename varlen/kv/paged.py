@@ -175,7 +175,7 @@ class PagedAllocator(KVAllocator):
         self.registered.pop(req.req_id, None)
         if table is None:
             return
-        rc, plain, block_hash = self.ref_count, self.free_plain, self.block_hash
+        rc, plain = self.ref_count, self.free_plain
         if not self.enable_prefix_caching:  # nothing shared, nothing cached: all go on the stack
             for b in table:
                 if rc[b] != 1:
@@ -184,7 +184,13 @@ class PagedAllocator(KVAllocator):
             table.reverse()
             plain += table
             return
-        for b in reversed(table):  # a prefix's tail is evicted before its head
+        self._release(table)
+
+    def _release(self, blocks: list[int]) -> None:
+        """Drop one holder of each block; a block nobody holds goes to the plain stack, or to the
+        LRU of cached blocks if it holds a registered prefix."""
+        rc, plain, block_hash = self.ref_count, self.free_plain, self.block_hash
+        for b in reversed(blocks):  # a prefix's tail is evicted before its head
             c = rc[b] - 1
             rc[b] = c
             if c == 0:

@@ -54,17 +54,7 @@ class WindowedPagedAllocator(PagedAllocator):
         done = self.released.get(rid, 0)
         if k <= done:
             return
-        rc, plain, block_hash = self.ref_count, self.free_plain, self.block_hash
-        for b in reversed(table[done:k]):  # as free(): a prefix's tail is evicted before its head
-            c = rc[b] - 1
-            rc[b] = c
-            if c == 0:
-                if block_hash[b] is None:
-                    plain.append(b)
-                else:
-                    self.free_cached[b] = None
-            elif c < 0:
-                raise AssertionError(f"block {b} freed more often than it was taken")
+        self._release(table[done:k])
         self.released[rid] = k
 
     def next_allocation_event(self, req: Request, num_tokens: int) -> int:
