@@ -102,7 +102,7 @@ def load_sim_model(spec: Any) -> dict[str, Any]:
 
 def check_settings(cfg: DictConfig) -> None:
     """Every setting the simulation reads, checked before any work starts (one-line errors)."""
-    from sim.simulator import ROUTERS
+    from varlen import registry
 
     check_missing(cfg)
     number(cfg, "engine.block_size", low=1, integer=True, hint=" (tokens per KV block, e.g. 16)")
@@ -111,8 +111,7 @@ def check_settings(cfg: DictConfig) -> None:
            hint=" (the fraction of device memory for weights and KV, e.g. 0.9)")
     number(cfg, "engine.max_model_len", low=2, integer=True)
     number(cfg, "cluster.replicas", low=1, integer=True)
-    if cfg.cluster.router not in ROUTERS:
-        raise SettingError(f"cluster.router={cfg.cluster.router!r} is unknown; choose one of {', '.join(ROUTERS)}")
+    check_router(cfg, registry)
     check_slo(cfg)
     number(cfg, "workload.rate", low=0, low_open=True, optional=True, hint=" (requests/s)")
     number(cfg, "workload.limit", low=0, integer=True, optional=True)
@@ -122,6 +121,23 @@ def check_settings(cfg: DictConfig) -> None:
 
         if str(src) not in NAMED_TRACES:
             existing_file(cfg, "workload.source", f"a trace file or one of {', '.join(NAMED_TRACES)}")
+
+
+def check_router(cfg: DictConfig, registry: Any) -> None:
+    """cluster.router names a conf/router yaml (or a class's dotted path) that builds with
+    cluster.router_options over its settings."""
+    name = cfg.cluster.router
+    names = registry.names("router")
+    if not isinstance(name, str) or (name not in names and "." not in name):
+        raise SettingError(f"cluster.router={name!r} is unknown; choose one of {', '.join(names)} (conf/router/*.yaml)")
+    opts = cfg.cluster.get("router_options")
+    options = OmegaConf.to_container(opts, resolve=True) if opts is not None else {}
+    if not isinstance(options, dict):
+        raise SettingError(f"cluster.router_options={options!r}: give a mapping of the router's settings")
+    try:
+        registry.build("router", name, **options)
+    except ValueError as e:
+        raise SettingError(f"cluster.router={name!r} with cluster.router_options={options}: {e}") from None
 
 
 def lossy_line(stats: Any) -> str | None:
@@ -211,7 +227,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
         return engine, executor
 
     res = simulate(reqs, make_engine, c["cluster"]["replicas"] * par.pipeline, c["cluster"]["router"],
-                   c.get("fast_forward", True))
+                   c.get("fast_forward", True), c["cluster"].get("router_options"))
     row = dict(labels or {})
     row.update(model=c["sim_model"]["name"], hardware=hardware.name, cost_model=c["cost"]["model"],
                replicas=c["cluster"]["replicas"], router=c["cluster"]["router"],
@@ -223,10 +239,18 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     row.update({f"trace_{k}": getattr(trace.stats, k) for k in LOSSY_KEYS})
     row.update(summarize(reqs, res.steps, res.total_slots, c["slo"]["ttft_s"], c["slo"]["tpot_s"],
                          c["slo"].get("tbt_s")))
+    row.update(prefix_hit_rate=prefix_hit_rate(reqs))
     row.update(steps=res.num_steps, sim_wall_s=res.wall_s,
                sim_requests_per_wall_s=len(reqs) / max(res.wall_s, 1e-9),
                sim_time_s=max(r.clock.now() for r in res.replicas))
     return res, row
+
+
+def prefix_hit_rate(requests: Any) -> float:
+    """Prompt tokens served from a prefix cache over all prompt tokens (each request's hit at its
+    last admission, Request.num_prefix_hit_tokens)."""
+    prompt = sum(r.num_prompt_tokens for r in requests)
+    return sum(r.num_prefix_hit_tokens for r in requests) / prompt if prompt else 0.0
 
 
 def hydra_labels() -> dict[str, Any]:

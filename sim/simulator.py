@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import gc
 import heapq
-import itertools
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from sim.executor import CostModelExecutor
+from sim.routers import Router, make_router
 from varlen.clock import SimClock
 from varlen.engine import Engine
 from varlen.interrupt import poll
@@ -38,37 +38,6 @@ class Replica:
         """Requests routed here and not finished (waiting or running)."""
         p = self.engine.policy
         return len(p.waiting) + len(p.running)
-
-
-# A router picks the replica for an arriving request from the replicas' current state.
-Router = Callable[[Sequence[Replica], Request], int]
-
-
-class RoundRobinRouter:
-    def __init__(self) -> None:
-        self._next = itertools.count()
-
-    def __call__(self, replicas: Sequence[Replica], req: Request) -> int:
-        return next(self._next) % len(replicas)
-
-
-class LeastOutstandingRouter:
-    """Fewest unfinished requests; ties to the lowest index (deterministic)."""
-
-    def __call__(self, replicas: Sequence[Replica], req: Request) -> int:
-        return min(range(len(replicas)), key=lambda i: replicas[i].outstanding)
-
-
-ROUTERS: dict[str, Callable[[], Router]] = {
-    "round_robin": RoundRobinRouter, "least_outstanding": LeastOutstandingRouter,
-}
-
-
-def make_router(name: str) -> Router:
-    try:
-        return ROUTERS[name]()
-    except KeyError:
-        raise ValueError(f"unknown router {name!r} (known: {', '.join(ROUTERS)})") from None
 
 
 @contextmanager
@@ -113,11 +82,15 @@ class SimResult:
 
 
 def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tuple[Engine, CostModelExecutor]],
-             num_replicas: int = 1, router: str | Router = "round_robin", fast_forward: bool = True) -> SimResult:
+             num_replicas: int = 1, router: str | Router = "round_robin", fast_forward: bool = True,
+             router_options: dict | None = None) -> SimResult:
     """Serve `requests` (by arrival time) on `num_replicas` engines built by make_engine(clock).
 
     make_engine must build the Engine around the executor it returns (a CostModelExecutor on the
     given clock); each replica gets its own policy, allocator and cost-model state.
+
+    router: a conf/router name (options: its settings over the yaml's) or a router callable
+    (sim/routers.py).
 
     fast_forward: tell each step when the next arrival comes, so that an engine runs a stretch
     of repeating pure-decode steps in one go (Engine.step's `until`). The result is the same,
@@ -125,7 +98,7 @@ def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tupl
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-    route = make_router(router) if isinstance(router, str) else router
+    route = make_router(router, router_options)
     replicas = []
     for i in range(num_replicas):
         clock = SimClock()

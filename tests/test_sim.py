@@ -19,6 +19,7 @@ from sim.cost_models import ProfiledCostModel, RooflineCostModel, StepSums, prof
 from sim.executor import CostModelExecutor
 from sim.simulator import simulate
 from sim.validate import batch_sequence, first_difference, fresh_copies
+from varlen import registry
 from varlen.clock import SimClock
 from varlen.engine import Engine
 from varlen.kv import PagedAllocator
@@ -71,7 +72,7 @@ def test_one_replica_is_engine_run(policy, budget):
     assert [r.token_times for r in reqs] == [r.token_times for r in res.requests]
 
 
-@pytest.mark.parametrize("router", ["round_robin", "least_outstanding"])
+@pytest.mark.parametrize("router", registry.names("router"))
 def test_replicas_behind_a_router(router):
     reqs = synthetic(n=90, rate=200.0)
     res = simulate(reqs, engine_factory(), num_replicas=3, router=router)
