@@ -112,6 +112,9 @@ def check_settings(cfg: DictConfig) -> None:
     number(cfg, "engine.max_model_len", low=2, integer=True)
     number(cfg, "cluster.replicas", low=1, integer=True)
     check_router(cfg, registry)
+    from sim.cluster import check_cluster
+
+    check_cluster(cfg)
     check_slo(cfg)
     number(cfg, "workload.rate", low=0, low_open=True, optional=True, hint=" (requests/s)")
     number(cfg, "workload.limit", low=0, integer=True, optional=True)
@@ -178,6 +181,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     from sim.simulator import simulate
     from varlen.engine import Engine
     from varlen.metrics import summarize
+    from varlen.steplog import StepLog
 
     check_settings(cfg)
     c = OmegaConf.to_container(cfg, resolve=True)
@@ -191,7 +195,10 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     from sim.parallel import Parallelism, capacity
 
     par = Parallelism.of(c.get("parallel"))
-    if num_blocks is None:
+    disaggregated = c["cluster"].get("mode", "colocated") == "disaggregated"
+    if disaggregated:
+        num_blocks = 0  # each pool's own (sim/cluster.py)
+    elif num_blocks is None:
         tokens = capacity(model_config, hardware, par, e["gpu_memory_utilization"],
                           name=c["sim_model"]["name"]).kv_tokens
         num_blocks = tokens // e["block_size"] // par.pipeline
@@ -210,7 +217,10 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     if announce and lossy:
         print(lossy, flush=True)
     if announce:
-        print(f"simulating {len(reqs)} requests on {c['cluster']['replicas']} replica(s) (Ctrl-C stops)", flush=True)
+        cl = c["cluster"]
+        where = (f"{cl['prefill_replicas']} prefill + {cl['decode_replicas']} decode instance(s)" if disaggregated
+                 else f"{cl['replicas']} replica(s)")
+        print(f"simulating {len(reqs)} requests on {where} (Ctrl-C stops)", flush=True)
     max_model_len = min(e["max_model_len"], num_blocks * e["block_size"])
 
     alloc_kw = {}
@@ -226,20 +236,30 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
         engine = Engine(instantiate(cfg.scheduler), kv, executor, clock=clock, max_model_len=max_model_len)
         return engine, executor
 
-    res = simulate(reqs, make_engine, c["cluster"]["replicas"] * par.pipeline, c["cluster"]["router"],
-                   c.get("fast_forward", True), c["cluster"].get("router_options"))
+    cluster_row: dict[str, Any] = {}
+    if disaggregated:
+        from sim.cluster import simulate_disaggregated_config
+
+        res, cluster_row = simulate_disaggregated_config(cfg, c, model_config, hardware, reqs, alloc_kw)
+        # The headline KV and batch figures are the decode pool's (the prefill pool's: prefill_*).
+        steps, total_slots = StepLog.concat(r.engine.steps for r in res.decode), res.decode[0].engine.kv.capacity_tokens
+        replicas = len(res.replicas)
+    else:
+        res = simulate(reqs, make_engine, c["cluster"]["replicas"] * par.pipeline, c["cluster"]["router"],
+                       c.get("fast_forward", True), c["cluster"].get("router_options"))
+        steps, total_slots, replicas = res.steps, res.total_slots, c["cluster"]["replicas"]
+        cluster_row = dict(mode="colocated", gpus=replicas * par.gpus, prefix_hit_rate=prefix_hit_rate(reqs))
     row = dict(labels or {})
     row.update(model=c["sim_model"]["name"], hardware=hardware.name, cost_model=c["cost"]["model"],
-               replicas=c["cluster"]["replicas"], router=c["cluster"]["router"],
+               replicas=replicas, router=c["cluster"]["router"],
                tensor=par.tensor, pipeline=par.pipeline,
                num_blocks=num_blocks, block_size=e["block_size"], max_model_len=max_model_len,
                max_num_seqs=c["scheduler"].get("max_num_seqs"),
                max_num_batched_tokens=c["scheduler"].get("max_num_batched_tokens"),
                rate=trace.stats.mean_rate, trace=c["workload"].get("source"))
     row.update({f"trace_{k}": getattr(trace.stats, k) for k in LOSSY_KEYS})
-    row.update(summarize(reqs, res.steps, res.total_slots, c["slo"]["ttft_s"], c["slo"]["tpot_s"],
-                         c["slo"].get("tbt_s")))
-    row.update(prefix_hit_rate=prefix_hit_rate(reqs))
+    row.update(summarize(reqs, steps, total_slots, c["slo"]["ttft_s"], c["slo"]["tpot_s"], c["slo"].get("tbt_s")))
+    row.update(cluster_row)
     row.update(steps=res.num_steps, sim_wall_s=res.wall_s,
                sim_requests_per_wall_s=len(reqs) / max(res.wall_s, 1e-9),
                sim_time_s=max(r.clock.now() for r in res.replicas))
@@ -296,6 +316,8 @@ def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig) 
     if o.requests:
         df = request_table(res.requests)
         df["replica"] = df["req_id"].map(res.routed)
+        if hasattr(res, "decode_routed"):  # disaggregated: the prefill instance above, the decode one here
+            df["decode_replica"] = df["req_id"].map(res.decode_routed)
         write_csv(df, out / "requests.csv")
     kv = []
     for rep in res.replicas:

@@ -1,0 +1,181 @@
+"""`cluster.mode=disaggregated` from a sim config: the prefill and decode pools (each pool's
+hardware, tensor parallelism, scheduler, budget and KV pool, `cluster.prefill.*` /
+`cluster.decode.*` over the run's own settings), the link, the run, and the summary's cluster
+figures (transfers, per-pool utilisation). The simulation itself is sim/disagg.py."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from varlen.cli import SettingError, number
+
+MODES = ("colocated", "disaggregated")
+POOLS = ("prefill", "decode")
+POOL_KEYS = ("hardware", "tensor", "scheduler", "max_num_batched_tokens", "max_num_seqs", "num_blocks")
+
+
+def check_cluster(cfg: DictConfig) -> None:
+    """cluster.mode and, when disaggregated, its pools and link (one-line errors)."""
+    mode = OmegaConf.select(cfg, "cluster.mode", default="colocated")
+    if mode not in MODES:
+        raise SettingError(f"cluster.mode={mode!r} is unknown; choose colocated or disaggregated")
+    if mode == "colocated":
+        return
+    number(cfg, "cluster.prefill_replicas", low=1, integer=True, hint=" (prefill instances)")
+    number(cfg, "cluster.decode_replicas", low=1, integer=True, hint=" (decode instances)")
+    if (OmegaConf.select(cfg, "parallel.pipeline") or 1) != 1:
+        raise SettingError(f"cluster.mode=disaggregated with parallel.pipeline={cfg.parallel.pipeline}: pipeline "
+                           "parallelism is not modelled in a disaggregated cluster; use parallel.pipeline=1 "
+                           "(tensor parallelism per pool: cluster.prefill.tensor / cluster.decode.tensor)")
+    links = OmegaConf.select(cfg, "cluster.links") or {}
+    link = OmegaConf.select(cfg, "cluster.link")
+    if link not in links:
+        raise SettingError(f"cluster.link={link!r} is unknown; choose one of {', '.join(links)} (cluster.links)")
+    number(cfg, f"cluster.links.{link}.bandwidth_gbs", low=0, low_open=True, hint=" (GB/s per GPU, one direction)")
+    number(cfg, f"cluster.links.{link}.latency_s", low=0, hint=" (seconds per transfer)")
+    for pool in POOLS:
+        over = OmegaConf.select(cfg, f"cluster.{pool}")
+        unknown = sorted(set(over or {}) - set(POOL_KEYS))
+        if unknown:
+            raise SettingError(f"cluster.{pool}.{unknown[0]} is not a per-pool setting; use one of "
+                               f"{', '.join(POOL_KEYS)}")
+        for key in ("tensor", "max_num_batched_tokens", "max_num_seqs", "num_blocks"):
+            number(cfg, f"cluster.{pool}.{key}", low=1, integer=True, optional=True)
+        hw = OmegaConf.select(cfg, f"cluster.{pool}.hardware")
+        if hw is not None:
+            from conf import conf_dir
+
+            names = sorted(p.stem for p in conf_dir("hardware").glob("*.yaml"))
+            if str(hw) not in names:
+                raise SettingError(f"cluster.{pool}.hardware={hw!r} is unknown; choose one of {', '.join(names)}")
+        sched = OmegaConf.select(cfg, f"cluster.{pool}.scheduler")
+        if sched is not None:
+            from varlen import registry
+
+            if str(sched) not in registry.names("scheduler"):
+                raise SettingError(f"cluster.{pool}.scheduler={sched!r} is unknown; choose one of "
+                                   f"{', '.join(registry.names('scheduler'))}")
+
+
+def simulate_disaggregated_config(cfg: DictConfig, c: Mapping[str, Any], model_config: Mapping[str, Any],
+                                  hardware: Any, reqs: list, alloc_kw: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Build both pools from the run's settings and the cluster's overrides and simulate; returns
+    (DisaggResult, the summary's cluster figures and headline inputs)."""
+    from hydra.utils import instantiate
+
+    from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
+    from sim.disagg import DisaggEngine, Link, receiving, simulate_disaggregated
+    from sim.executor import CostModelExecutor
+    from sim.parallel import Parallelism, capacity
+    from sim.run import build_cost_model
+    from varlen import registry
+    from varlen.clock import SimClock
+
+    cl, e = c["cluster"], c["engine"]
+    bs = e["block_size"]
+    pools: dict[str, dict[str, Any]] = {}
+    for pool in POOLS:
+        over = {k: v for k, v in (cl.get(pool) or {}).items() if v is not None}
+        hw = HardwareSpec.load(over["hardware"]) if "hardware" in over else hardware
+        tp = int(over.get("tensor", (c.get("parallel") or {}).get("tensor") or 1))
+        par = Parallelism(tp, 1)
+        num_blocks = over.get("num_blocks", e.get("num_blocks"))
+        if num_blocks is None:
+            try:
+                tokens = capacity(model_config, hw, par, e["gpu_memory_utilization"], name=c["sim_model"]["name"]).kv_tokens
+            except ValueError as err:
+                raise SettingError(f"cluster.{pool}: {err}") from None
+            num_blocks = tokens // bs
+            if num_blocks < 1:
+                raise SettingError(f"cluster.{pool}: {c['sim_model']['name']} leaves no room for KV blocks on "
+                                   f"{hw.name} with tensor={tp}; raise cluster.{pool}.tensor")
+        sched = registry.spec("scheduler", over["scheduler"]) if "scheduler" in over else \
+            OmegaConf.create(OmegaConf.to_container(cfg.scheduler, resolve=True))
+        sched_over = {k: over[k] for k in ("max_num_batched_tokens", "max_num_seqs") if k in over}
+        pools[pool] = dict(hardware=hw, tensor=tp, num_blocks=int(num_blocks), scheduler=sched,
+                           scheduler_over=sched_over, scheduler_name=over.get("scheduler"))
+    max_model_len = min(e["max_model_len"], *(p["num_blocks"] * bs for p in pools.values()))
+    alloc = instantiate(cfg.allocator, **alloc_kw)
+    if not isinstance(alloc, functools.partial):
+        raise SettingError("allocator: a disaggregated cluster builds each pool's allocator itself; its yaml "
+                           "must be a partial (_partial_: true), as conf/allocator/*.yaml are")
+
+    def factory(pool: str):
+        p = pools[pool]
+        alloc_cls = alloc.func if pool == "prefill" else receiving(alloc.func)
+
+        def make(clock):
+            kv = alloc_cls(*alloc.args, **{**alloc.keywords, "num_blocks": p["num_blocks"], "block_size": bs,
+                                           "max_model_len": max_model_len})
+            policy = registry.build("scheduler", p["scheduler"], context=c, **p["scheduler_over"])
+            executor = CostModelExecutor(build_cost_model(c["cost"], model_config, p["hardware"],
+                                                          {"tensor": p["tensor"], "pipeline": 1}), clock)
+            engine = DisaggEngine(policy, kv, executor, clock=clock, max_model_len=max_model_len,
+                                  keep_finished_kv=pool == "prefill")
+            return engine, executor
+
+        return make
+
+    for pool in POOLS:  # a bad pool setting fails now, in one line, not inside the run
+        try:
+            factory(pool)(SimClock())
+        except ValueError as err:
+            raise SettingError(f"cluster.{pool}: {' '.join(str(err).split())}") from None
+    spec = cl["links"][cl["link"]]
+    link = Link(cl["link"], float(spec["bandwidth_gbs"]), float(spec["latency_s"]))
+    shape = ModelShape.from_config(load_model_config(model_config))
+    kv_bytes = shape.kv_bytes_per_token(hardware.dtype_bytes)
+    streams = min(pools["prefill"]["tensor"], pools["decode"]["tensor"])
+    P, D = int(cl["prefill_replicas"]), int(cl["decode_replicas"])
+    res = simulate_disaggregated(reqs, factory("prefill"), factory("decode"), P, D, link, kv_bytes, streams,
+                                 cl["router"], cl.get("router_options"), c.get("fast_forward", True))
+    row = dict(mode="disaggregated", prefill_replicas=P, decode_replicas=D, link=link.name,
+               gpus=P * pools["prefill"]["tensor"] + D * pools["decode"]["tensor"],
+               max_model_len=max_model_len, num_blocks=pools["decode"]["num_blocks"])
+    for pool in POOLS:
+        p = pools[pool]
+        row.update({f"{pool}_hardware": p["hardware"].name, f"{pool}_tensor": p["tensor"],
+                    f"{pool}_num_blocks": p["num_blocks"], f"{pool}_scheduler": p["scheduler_name"] or "(run's)",
+                    **{f"{pool}_{k}": v for k, v in p["scheduler_over"].items()}})
+    row.update(cluster_figures(res))
+    return res, row
+
+
+def pool_utilisation(reps: list, span: float) -> dict[str, float]:
+    """busy: the fraction of the pool's instance-time spent in steps; KV: time-weighted mean and
+    peak of reserved slots over each instance's pool."""
+    busy = kv_mean = kv_peak = 0.0
+    for rep in reps:
+        col = rep.engine.steps.columns(tokens=False)
+        cap = rep.engine.kv.capacity_tokens
+        dur, kv = col["duration"], col["kv_reserved_slots"]
+        busy += float(dur.sum())
+        kv_mean += float((dur * kv).sum()) / cap / max(span, 1e-12)
+        kv_peak = max(kv_peak, float(kv.max(initial=0)) / cap)
+    n = max(len(reps), 1)
+    return dict(busy=busy / n / max(span, 1e-12), mean_kv_usage=kv_mean / n, peak_kv_usage=kv_peak)
+
+
+def cluster_figures(res: Any) -> dict[str, float]:
+    """Transfers (mean / p99 time, mean wait for decode room and a free port, total bytes) and
+    each pool's utilisation over the run's span (first arrival to last finish)."""
+    tr = res.transfers
+    t = np.array([x.end - x.start for x in tr]) if tr else np.array([np.nan])
+    wait = np.array([x.start - x.ready for x in tr]) if tr else np.array([np.nan])
+    start = min((r.arrival for r in res.requests), default=0.0)
+    end = max((r.finish_time for r in res.requests if r.finish_time is not None), default=start)
+    span = end - start
+    row: dict[str, float] = dict(transfers=len(tr), transfer_mean_s=float(np.mean(t)),
+                                 transfer_p99_s=float(np.percentile(t, 99)),
+                                 transfer_wait_mean_s=float(np.mean(wait)),
+                                 transfer_bytes_total=float(sum(x.bytes for x in tr)))
+    for name, reps in (("prefill", res.prefill), ("decode", res.decode)):
+        for k, v in pool_utilisation(reps, span).items():
+            row[f"{name}_{k}"] = v
+    prompt = sum(r.num_prompt_tokens for r in res.requests)
+    row["prefix_hit_rate"] = sum(res.prefill_hit_tokens.values()) / prompt if prompt else 0.0
+    return row

@@ -1,0 +1,398 @@
+"""Disaggregated prefill/decode (as in DistServe, Splitwise, Mooncake): a pool of prefill
+instances computes each prompt and its first token, the prompt's KV cache moves over a link to
+a decode instance, which generates the rest. Every instance is the engine's own objects (Engine,
+policy, allocator, CostModelExecutor on its own simulated clock).
+
+A request's path, each step at its own instance's simulated time:
+
+1. Arrival: the router (conf/router) picks a prefill instance. That instance serves a *prefill
+   copy* of the request (same id, prompt and priority, max_tokens=1), admitted and scheduled by
+   its policy like any request.
+2. Prefill done: the copy's step samples the first token, which becomes the request's first
+   token (TTFT ends here). The prefill engine keeps the copy's KV blocks (`DisaggEngine.held`).
+   A request with nothing left to generate finishes here, and its blocks are freed.
+3. Decode admission (pull, as DistServe and vLLM's disaggregated connectors do): the least
+   loaded decode instance takes the request in arrival order of prefill completions, when its
+   allocator has room for the prompt and the first token (`allocate`, all or nothing); until
+   then the prefill instance keeps holding the KV.
+4. Transfer: prompt tokens x the model's KV bytes per token, over the link: latency + bytes /
+   bandwidth, the bytes split over min(prefill TP, decode TP) parallel GPU-to-GPU streams. Link
+   contention: each prefill instance sends one transfer at a time and each decode instance
+   receives one at a time (FIFO per port); the network between them is not modelled.
+5. Transfer end: the prefill instance frees the copy's blocks; the decode instance queues the
+   request at the front of its waiting queue (it needs no memory: its blocks are held), with its
+   prompt marked cached (`ReceivingAllocator.match_prefix` answers the received tokens), so the
+   decode policy admits it with one token to compute and never recomputes the prefill. Preempted
+   there later, it is recomputed on the decode instance, as in vLLM.
+
+Events are taken in time order; a decode instance may fast-forward its pure-decode steps only up
+to the next event that could reach it (an arrival, a prefill step, a prefill completion or a
+transfer end), so its state is never ahead of what another instance reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from sim.executor import CostModelExecutor
+from sim.routers import Router, make_router
+from sim.simulator import Replica, SimResult, gc_paused
+from varlen.clock import SimClock
+from varlen.engine import Engine
+from varlen.interrupt import poll
+from varlen.kv.base import KVAllocator
+from varlen.request import FinishReason, Request
+
+
+@dataclass(frozen=True)
+class Link:
+    """One KV-transfer path between a prefill and a decode GPU (conf/sim/sim.yaml, cluster.links)."""
+
+    name: str
+    bandwidth_gbs: float  # GB/s, one direction, per GPU
+    latency_s: float
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_gbs > 0 or not self.latency_s >= 0:
+            raise ValueError(f"link {self.name}: bandwidth_gbs={self.bandwidth_gbs} must be > 0 and "
+                             f"latency_s={self.latency_s} >= 0")
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / (self.bandwidth_gbs * 1e9)
+
+
+class DisaggEngine(Engine):
+    """The engine of one instance of a disaggregated pool; changes only what a pool needs.
+
+    Prefill role (`keep_finished_kv`): a request that ends normally keeps its KV blocks
+    (`held`) until `release_held`, once its transfer is done. Decode role: `receive` queues a
+    request whose KV has arrived. In both roles an idle engine whose queue head does not fit
+    waits instead of aborting it while blocks will come back by themselves (held for a transfer,
+    or reserved for one in flight, `incoming`)."""
+
+    def __init__(self, *args: Any, keep_finished_kv: bool = False, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.keep_finished_kv = keep_finished_kv
+        self.held: dict[str, Request] = {}
+        self.incoming = 0  # transfers under way to this (decode) instance, their blocks reserved
+
+    def _finish(self, req: Request, reason: FinishReason, message: str = "", failed: bool = False) -> None:
+        if not self.keep_finished_kv or failed or reason not in (FinishReason.LENGTH, FinishReason.STOP):
+            super()._finish(req, reason, message, failed)
+            return
+        # Engine._finish less kv.free: the prompt's KV is computed and must still be sent.
+        req.finish(reason, self.clock.now(), message)
+        self.requests.pop(req.req_id, None)
+        self.policy.remove(req)
+        self.executor.release(req)
+        self.held[req.req_id] = req
+
+    def release_held(self, req_id: str) -> None:
+        self.kv.free(self.held.pop(req_id))
+
+    def receive(self, req: Request) -> None:
+        """Queue `req`, its prompt's KV already in this engine's allocator (reserved before the
+        transfer), ahead of the waiting requests: it needs no memory and one token of compute, so
+        it never waits behind a request its own blocks keep out."""
+        if not isinstance(self.kv, ReceivingAllocator) or req.req_id not in self.kv.received:
+            raise AssertionError(f"request {req.req_id!r} received without blocks reserved for its KV")
+        self.requests[req.req_id] = req
+        self.policy.add(req)
+        self.policy.waiting.remove(req)
+        self.policy.waiting.appendleft(req)
+
+    def _unstick(self) -> list[Request]:
+        if self.held or self.incoming:
+            return []  # blocks come back when the transfers end; the simulator wakes this engine then
+        return super()._unstick()
+
+
+class ReceivingAllocator:
+    """Mixin over a decode instance's allocator class (`receiving(cls)`): a request whose KV was
+    received holds its blocks from before the transfer, and `match_prefix` answers its received
+    tokens (the prompt) until those blocks are freed, so the policy admits it as cached."""
+
+    received: dict[str, int]
+
+    def reserve(self, req: Request, num_received: int) -> bool:
+        """Slots for all of `req`'s tokens (the prompt and the first token); False if no room."""
+        if not self.allocate(req, req.num_tokens):  # type: ignore[attr-defined]
+            return False
+        self.received[req.req_id] = num_received
+        return True
+
+    def match_prefix(self, req: Request) -> int:
+        n = self.received.get(req.req_id)
+        if n is not None:
+            if len(self.block_table(req)):  # type: ignore[attr-defined]
+                return n
+            del self.received[req.req_id]  # freed (preempted): recomputed here, from its own cache
+        return super().match_prefix(req)  # type: ignore[misc]
+
+
+_receiving_classes: dict[type, type] = {}
+
+
+def receiving(cls: type) -> type:
+    """`cls` with ReceivingAllocator's match_prefix. It keeps cls's decode promises
+    (next_allocation_event, grow_decodes; varlen/promises.py): they are about decode growth,
+    which the received answer of match_prefix, asked only at admission, does not change."""
+    if not (isinstance(cls, type) and issubclass(cls, KVAllocator)):
+        raise ValueError(f"a decode instance's allocator must be a KVAllocator class, got {cls!r}")
+    sub = _receiving_classes.get(cls)
+    if sub is None:
+        ns = {"next_allocation_event": cls.next_allocation_event, "grow_decodes": cls.grow_decodes,
+              "__module__": __name__}
+
+        def __init__(self: Any, *a: Any, **kw: Any) -> None:
+            cls.__init__(self, *a, **kw)
+            self.received = {}
+
+        ns["__init__"] = __init__
+        sub = _receiving_classes[cls] = type(f"Receiving{cls.__name__}", (ReceivingAllocator, cls), ns)
+    return sub
+
+
+@dataclass(slots=True)
+class Transfer:
+    req_id: str
+    prefill: int  # instance indices (prefill 0..P-1, decode P..P+D-1)
+    decode: int
+    tokens: int
+    bytes: float
+    ready: float  # prefill done (first token)
+    start: float
+    end: float
+
+
+@dataclass
+class DisaggResult(SimResult):
+    num_prefill: int = 0
+    transfers: list[Transfer] = field(default_factory=list)
+    decode_routed: dict[str, int] = field(default_factory=dict)  # req_id -> decode instance index
+    prefill_hit_tokens: dict[str, int] = field(default_factory=dict)  # prefill-side prefix-cache hits
+
+    @property
+    def prefill(self) -> list[Replica]:
+        return self.replicas[:self.num_prefill]
+
+    @property
+    def decode(self) -> list[Replica]:
+        return self.replicas[self.num_prefill:]
+
+
+MakeEngine = Callable[[SimClock], tuple[DisaggEngine, CostModelExecutor]]
+
+
+def simulate_disaggregated(requests: Sequence[Request], make_prefill: MakeEngine, make_decode: MakeEngine,
+                           num_prefill: int, num_decode: int, link: Link, kv_bytes_per_token: float,
+                           streams: int = 1, router: str | Router = "round_robin",
+                           router_options: dict | None = None, fast_forward: bool = True) -> DisaggResult:
+    """Serve `requests` on `num_prefill` prefill and `num_decode` decode instances (module doc).
+
+    make_prefill / make_decode build an instance's DisaggEngine (prefill: keep_finished_kv=True;
+    decode: its allocator a `receiving(...)` class) around the executor they return, on the clock
+    they are given. `router` places arrivals on the prefill pool."""
+    if num_prefill < 1 or num_decode < 1:
+        raise ValueError(f"a disaggregated cluster needs >= 1 prefill and >= 1 decode instance, "
+                         f"got {num_prefill} and {num_decode}")
+    if streams < 1 or not kv_bytes_per_token > 0:
+        raise ValueError(f"streams={streams} must be >= 1 and kv_bytes_per_token={kv_bytes_per_token} > 0")
+    route = make_router(router, router_options)
+    reps: list[Replica] = []
+    for i in range(num_prefill + num_decode):
+        role = "prefill" if i < num_prefill else "decode"
+        clock = SimClock()
+        engine, executor = (make_prefill if i < num_prefill else make_decode)(clock)
+        if engine.clock is not clock or executor.clock is not clock:
+            raise ValueError(f"make_{role} must put the engine and its executor on the clock it is given")
+        if not isinstance(engine, DisaggEngine) or engine.keep_finished_kv != (role == "prefill"):
+            raise ValueError(f"make_{role} must build a DisaggEngine with keep_finished_kv={role == 'prefill'}")
+        if role == "decode" and not isinstance(engine.kv, ReceivingAllocator):
+            raise ValueError("make_decode must give its engine a receiving(...) allocator")
+        reps.append(Replica(i, engine, clock, executor))
+    lens = {r.engine.max_model_len for r in reps}
+    if len(lens) != 1:
+        raise ValueError(f"every instance must have the same max_model_len, got {sorted(lens)}")
+    res = DisaggResult(list(requests), reps, 0.0, num_prefill=num_prefill)
+    t0 = time.perf_counter()
+    with gc_paused():
+        _Loop(res, route, link, kv_bytes_per_token, streams, fast_forward).run()
+    res.wall_s = time.perf_counter() - t0
+    return res
+
+
+# Event kinds, in the order they are taken at equal times: what a step starting then must see
+# (a finished prefill, an arrived KV cache) before the step.
+_DONE, _XFER, _STEP = 0, 1, 2
+
+
+class _Loop:
+    def __init__(self, res: DisaggResult, route: Router, link: Link, kv_bytes_per_token: float, streams: int,
+                 fast_forward: bool):
+        self.res, self.route, self.link = res, route, link
+        self.kv_bytes, self.streams, self.fast_forward = kv_bytes_per_token, streams, fast_forward
+        self.P = res.num_prefill
+        self.reps = res.replicas
+        n = len(self.reps)
+        self.events: list[tuple[float, int, int, int, Any]] = []  # (time, kind, seq, instance, payload)
+        self.decode_steps: list[tuple[float, int]] = []  # (time, instance): decode steps, apart (`until`)
+        self.seq = 0
+        self.busy = [False] * n
+        self.waiting_kv: list[deque[tuple[Request, int]]] = [deque() for _ in range(n)]  # (request, prefill)
+        self.send_free = [0.0] * n
+        self.recv_free = [0.0] * n
+        self.orig: dict[str, Request] = {}
+
+    def push(self, t: float, kind: int, k: int, payload: Any = None) -> None:
+        if kind == _STEP and k >= self.P:
+            heapq.heappush(self.decode_steps, (t, k))
+        else:
+            self.seq += 1
+            heapq.heappush(self.events, (t, kind, self.seq, k, payload))
+
+    def wake(self, k: int) -> None:
+        rep = self.reps[k]
+        if not self.busy[k] and rep.engine.has_unfinished():
+            self.busy[k] = True
+            self.push(rep.executor.ready_time(rep.clock.now()), _STEP, k)
+
+    def run(self) -> None:
+        pending = sorted(self.res.requests, key=lambda r: r.arrival)
+        i, n, inf = 0, len(pending), float("inf")
+        count = 0
+        while i < n or self.events or self.decode_steps:
+            count += 1
+            if count & 1023 == 0:
+                poll()
+            ta = pending[i].arrival if i < n else inf
+            te = self.events[0][0] if self.events else inf
+            td = self.decode_steps[0][0] if self.decode_steps else inf
+            if ta <= te and ta <= td and i < n:
+                self.arrive(pending[i])
+                i += 1
+            elif te <= td:
+                t, kind, _, k, payload = heapq.heappop(self.events)
+                if kind == _DONE:
+                    self.prefill_done(t, k, payload)
+                elif kind == _XFER:
+                    self.transfer_end(t, payload)
+                else:
+                    self.step(t, k, ta)
+            else:
+                t, k = heapq.heappop(self.decode_steps)
+                self.step(t, k, min(ta, te))
+        self.check_end()
+
+    def arrive(self, req: Request) -> None:
+        prefills = self.reps[:self.P]
+        k = self.route(prefills, req) if self.P > 1 else 0
+        self.res.routed[req.req_id] = k
+        self.orig[req.req_id] = req
+        copy = Request(req.req_id, req.prompt_token_ids, dataclasses.replace(req.sampling, max_tokens=1),
+                       req.arrival, req.priority, req.prompt, expected_output_len=1)
+        copy._hashes = req._hashes  # the same prompt's block hashes, computed once for both
+        rep = self.reps[k]
+        if not self.busy[k]:
+            rep.clock.sleep_until(req.arrival)
+        rep.engine.add_request(copy)
+        if copy.is_finished:  # rejected: it can never run here
+            req.finish(copy.finish_reason, copy.finish_time, copy.finish_message)  # type: ignore[arg-type]
+            return
+        self.wake(k)
+
+    def step(self, t: float, k: int, until: float) -> None:
+        rep = self.reps[k]
+        eng = rep.engine
+        rep.clock.sleep_until(t)
+        before = len(eng.steps)
+        finished = eng.step(t, until if self.fast_forward else None)
+        self.busy[k] = False
+        if len(eng.steps) == before and rep.clock.now() == t and not finished:
+            if eng.policy.running:
+                raise RuntimeError(f"instance {k}: the policy scheduled nothing at t={t} with requests running")
+            # Blocked on blocks held for (or reserved by) transfers: a transfer's end wakes it.
+        else:
+            self.wake(k)
+        if k < self.P:
+            for copy in finished:
+                self.push(copy.finish_time, _DONE, k, copy)  # type: ignore[arg-type]
+        else:
+            received = eng.kv.received  # type: ignore[attr-defined]
+            for r in finished:
+                received.pop(r.req_id, None)
+            self.admit_transfers(k, rep.clock.now())
+
+    def prefill_done(self, t: float, k: int, copy: Request) -> None:
+        req = self.orig[copy.req_id]
+        req.first_scheduled = copy.first_scheduled
+        req.num_preemptions += copy.num_preemptions
+        if copy.finish_reason not in (FinishReason.LENGTH, FinishReason.STOP):  # aborted on the prefill instance
+            req.finish(copy.finish_reason, t, copy.finish_message)  # type: ignore[arg-type]
+            return
+        self.res.prefill_hit_tokens[req.req_id] = copy.num_prefix_hit_tokens
+        req.output_token_ids.append(copy.output_token_ids[0])
+        req.token_times.append(copy.token_times[0])
+        prefill = self.reps[k].engine
+        reason = prefill._stop_reason(req, req.output_token_ids[-1])  # the request's own limits
+        if reason is not None:
+            req.finish(reason, t)
+            prefill.release_held(req.req_id)
+            self.wake(k)
+            return
+        d = min(range(self.P, len(self.reps)), key=self.decode_load)
+        self.res.decode_routed[req.req_id] = d
+        self.waiting_kv[d].append((req, k))
+        self.admit_transfers(d, t)
+
+    def decode_load(self, d: int) -> int:
+        p = self.reps[d].engine.policy
+        return len(p.waiting) + len(p.running) + len(self.waiting_kv[d]) + self.reps[d].engine.incoming  # type: ignore[attr-defined]
+
+    def admit_transfers(self, d: int, now: float) -> None:
+        """Start the transfers decode instance `d` has room for, in order (no overtaking)."""
+        queue, eng = self.waiting_kv[d], self.reps[d].engine
+        kv = eng.kv
+        while queue:
+            req, k = queue[0]
+            if not kv.reserve(req, req.num_prompt_tokens):  # type: ignore[attr-defined]
+                return
+            queue.popleft()
+            eng.incoming += 1  # type: ignore[attr-defined]
+            tokens = req.num_prompt_tokens
+            nbytes = tokens * self.kv_bytes
+            start = max(now, self.send_free[k], self.recv_free[d])
+            end = start + self.link.seconds(nbytes / self.streams)
+            self.send_free[k] = self.recv_free[d] = end
+            tr = Transfer(req.req_id, k, d, tokens, nbytes, req.token_times[0], start, end)
+            self.res.transfers.append(tr)
+            self.push(end, _XFER, d, (tr, req))
+
+    def transfer_end(self, t: float, payload: tuple[Transfer, Request]) -> None:
+        tr, req = payload
+        self.reps[tr.prefill].engine.release_held(req.req_id)  # type: ignore[attr-defined]
+        self.wake(tr.prefill)
+        d = self.reps[tr.decode]
+        d.engine.incoming -= 1  # type: ignore[attr-defined]
+        d.engine.receive(req)  # type: ignore[attr-defined]
+        if not self.busy[tr.decode]:
+            d.clock.sleep_until(t)
+        self.wake(tr.decode)
+
+    def check_end(self) -> None:
+        # A decode admission counts the received prompt as its prefix hit; the request's own
+        # figure is the prefill instance's, what a prefix cache gave it.
+        for rid, hit in self.res.prefill_hit_tokens.items():
+            self.orig[rid].num_prefix_hit_tokens = hit
+        for rep in self.reps:
+            eng = rep.engine
+            if eng.held or eng.incoming or eng.requests:  # type: ignore[attr-defined]
+                raise AssertionError(f"instance {rep.index} ended holding KV or requests")
+        left = [r.req_id for r in self.res.requests if not r.is_finished]
+        if left or any(self.waiting_kv):
+            raise AssertionError(f"requests left unfinished: {left[:5]}")

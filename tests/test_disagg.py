@@ -1,0 +1,149 @@
+"""Disaggregated prefill/decode (sim/disagg.py, sim/cluster.py): each request's timeline is
+consistent (prefill end <= transfer start <= transfer end <= first decode step), its prompt is
+computed once (on the prefill instance), TTFT is the prefill's first token, KV is freed on both
+sides, every request finishes with its token count; bad cluster settings are one-line errors."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import sim.run as sim_run
+from schedulers import ChunkedPolicy
+from sim.cluster import check_cluster
+from sim.cost_models import RooflineCostModel
+from sim.disagg import DisaggEngine, Link, receiving, simulate_disaggregated
+from sim.executor import CostModelExecutor
+from varlen.cli import SettingError
+from varlen.kv import ContiguousAllocator, PagedAllocator
+from varlen.promises import keeps_promise
+from varlen.kv.base import ALLOCATION_PROMISE_BEHAVIOUR, KVAllocator
+from varlen.sampling_params import SamplingParams
+from varlen.traces import load_trace
+from varlen.workload import trace_requests
+
+MAX_LEN = 2048
+
+
+def trace(n=120):
+    tr = load_trace("mooncake_conv", limit=n, max_model_len=MAX_LEN, over_length="clip", target_rate=6.0)
+    return trace_requests(tr, 512, SamplingParams(ignore_eos=True), token_ids=True)
+
+
+def factory(role, num_blocks, alloc=PagedAllocator):
+    cost = RooflineCostModel("tiny", "cpu_2core")
+    cls = alloc if role == "prefill" else receiving(alloc)
+
+    def make(clock):
+        ex = CostModelExecutor(cost, clock)
+        kv = cls(num_blocks, 16, MAX_LEN)
+        eng = DisaggEngine(ChunkedPolicy(max_num_seqs=16, max_num_batched_tokens=512), kv, ex, clock=clock,
+                           max_model_len=MAX_LEN, keep_finished_kv=role == "prefill")
+        return eng, ex
+
+    return make
+
+
+def per_request_steps(engine):
+    out = defaultdict(list)  # req_id -> [(start, end, new, cached)]
+    for rec in engine.steps:
+        for rid, n, c in zip(rec.req_ids, rec.new_tokens, rec.cached_tokens):
+            out[rid].append((rec.start, rec.start + rec.duration, n, c))
+    return out
+
+
+@pytest.mark.parametrize("decode_blocks", [4000, 140])  # roomy, and tight (transfers wait, decodes preempt)
+def test_one_prefill_one_decode_timelines(decode_blocks):
+    reqs = trace()
+    link = Link("test", bandwidth_gbs=0.5, latency_s=1e-3)  # slow: transfers take visible time
+    res = simulate_disaggregated(reqs, factory("prefill", 600), factory("decode", decode_blocks), 1, 1, link,
+                                 kv_bytes_per_token=4096.0)
+    pre, dec = res.prefill[0].engine, res.decode[0].engine
+    on_pre, on_dec = per_request_steps(pre), per_request_steps(dec)
+    transfers = {t.req_id: t for t in res.transfers}
+    assert all(r.finish_reason.value == "length" and r.num_output_tokens == r.sampling.max_tokens for r in reqs)
+    waited = 0
+    for r in reqs:
+        p = on_pre[r.req_id]
+        assert sum(n for *_, n, _ in p) + p[0][3] == r.num_prompt_tokens  # the prompt, once (less its hits)
+        assert r.token_times[0] == p[-1][1]  # TTFT: the first token comes from the prefill's last step
+        if r.sampling.max_tokens == 1:
+            assert r.req_id not in transfers and r.req_id not in on_dec
+            continue
+        t = transfers[r.req_id]
+        assert t.ready == r.token_times[0] <= t.start < t.end
+        assert t.end - t.start == pytest.approx(link.seconds(r.num_prompt_tokens * 4096.0))
+        assert t.bytes == r.num_prompt_tokens * 4096.0 and t.tokens == r.num_prompt_tokens
+        d = on_dec[r.req_id]
+        assert d[0][0] >= t.end  # the first decode step starts after the KV has arrived
+        if r.num_preemptions == 0:  # never recomputed: one token per decode step, the prompt cached
+            assert d[0][2:] == (1, r.num_prompt_tokens)
+            assert sum(n for _, _, n, _ in d) == r.sampling.max_tokens - 1
+        waited += t.start > t.ready
+    if decode_blocks == 140:
+        assert waited > 0 and dec.num_preemptions > 0  # the tight case exercises both
+    # Transfers never overlap on a port (one prefill, one decode instance: one at a time).
+    spans = sorted((t.start, t.end) for t in res.transfers)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    for eng in (pre, dec):  # KV freed on both sides
+        assert eng.kv.usage().reserved_slots == 0 and eng.kv.live_tokens == 0 and not eng.kv.tables
+        assert not eng.held and not eng.incoming and not eng.requests
+    assert not dec.kv.received
+
+
+def test_contiguous_pools_and_several_instances():
+    reqs = trace(80)
+    res = simulate_disaggregated(reqs, factory("prefill", 2000, ContiguousAllocator), factory("decode", 3000, ContiguousAllocator),
+                                 2, 3, Link("nvlink", 450, 5e-6), 1024.0, router="least_outstanding")
+    assert all(r.finish_reason.value == "length" and r.num_output_tokens == r.sampling.max_tokens for r in reqs)
+    assert set(res.routed.values()) == {0, 1} and set(res.decode_routed.values()) == {2, 3, 4}
+    for rep in res.replicas:
+        assert rep.engine.kv.usage().reserved_slots == 0 and not rep.engine.kv.runs
+
+
+def test_receiving_allocator_keeps_its_decode_promises():
+    kv = receiving(PagedAllocator)(10, 16, 160, enable_prefix_caching=False)
+    assert keeps_promise(kv, ("next_allocation_event", "grow_decodes"), ALLOCATION_PROMISE_BEHAVIOUR, KVAllocator)
+    assert receiving(PagedAllocator) is type(kv)
+
+
+def sim_cfg(*overrides):
+    with initialize_config_dir(sim_run.CONF, version_base="1.3"):
+        return compose("sim", list(overrides))
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["cluster.mode=split"], r"cluster.mode='split' is unknown; choose colocated or disaggregated"),
+    (["cluster.mode=disaggregated", "cluster.link=carrier_pigeon"], r"cluster.link='carrier_pigeon' is unknown; choose one of nvlink"),
+    (["cluster.mode=disaggregated", "cluster.prefill_replicas=0"], r"cluster.prefill_replicas"),
+    (["cluster.mode=disaggregated", "parallel.pipeline=2"], r"pipeline parallelism is not modelled"),
+    (["cluster.mode=disaggregated", "cluster.decode.hardware=tpu"], r"cluster.decode.hardware='tpu' is unknown; choose one of .*h100_sxm"),
+    (["cluster.mode=disaggregated", "cluster.prefill.scheduler=fifo"], r"cluster.prefill.scheduler='fifo' is unknown"),
+    (["cluster.mode=disaggregated", "cluster.decode.tensor=0"], r"cluster.decode.tensor"),
+    (["cluster.mode=disaggregated", "+cluster.decode.gpus=2"], r"cluster.decode.gpus is not a per-pool setting"),
+    (["cluster.mode=disaggregated", "cluster.links.nvlink.bandwidth_gbs=0"], r"cluster.links.nvlink.bandwidth_gbs"),
+])
+def test_bad_cluster_settings_are_one_line_errors(overrides, match):
+    with pytest.raises(SettingError, match=match) as e:
+        check_cluster(sim_cfg(*overrides))
+    assert "\n" not in str(e.value)
+
+
+def test_disaggregated_run_from_config_reports_transfers_and_pools():
+    cfg = sim_cfg("sim_model=llama3_8b", "sim_workload=azure_conv", "workload.limit=60", "cluster.mode=disaggregated",
+                  "cluster.prefill_replicas=1", "cluster.decode_replicas=2", "cluster.link=infiniband",
+                  "cluster.decode.max_num_batched_tokens=1024", "cluster.prefill.tensor=2")
+    res, row = sim_run.simulate_config(cfg)
+    assert row["finished"] == 60 and row["mode"] == "disaggregated" and row["gpus"] == 4
+    assert row["transfers"] == sum(r.num_output_tokens > 1 for r in res.requests)
+    assert row["transfer_bytes_total"] == pytest.approx(sum(t.tokens for t in res.transfers) * 131072)  # Llama-3-8B
+    assert 0 < row["transfer_mean_s"] <= row["transfer_p99_s"]
+    assert 0 < row["prefill_busy"] < 1 and 0 < row["decode_busy"] < 1
+    assert row["decode_max_num_batched_tokens"] == 1024 and row["prefill_tensor"] == 2
+    assert res.decode[0].engine.policy.max_num_batched_tokens == 1024
+    with pytest.raises(SettingError, match=r"cluster.decode: .*does not fit"):
+        sim_run.simulate_config(sim_cfg("sim_model=llama2_70b", "workload.limit=5", "cluster.mode=disaggregated",
+                                        "cluster.prefill.tensor=4"))
