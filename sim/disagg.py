@@ -286,7 +286,9 @@ class _Loop:
                     self.step(t, k, ta)
             else:
                 t, k = heapq.heappop(self.decode_steps)
-                self.step(t, k, min(ta, te))
+                # With transfers waiting for its room, the instance goes step by step: a finish
+                # inside a fast-forwarded run would free blocks they could take at once.
+                self.step(t, k, t if self.waiting_kv[k] else min(ta, te))
         self.check_end()
 
     def arrive(self, req: Request) -> None:

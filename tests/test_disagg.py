@@ -147,3 +147,21 @@ def test_disaggregated_run_from_config_reports_transfers_and_pools():
     with pytest.raises(SettingError, match=r"cluster.decode: .*does not fit"):
         sim_run.simulate_config(sim_cfg("sim_model=llama2_70b", "workload.limit=5", "cluster.mode=disaggregated",
                                         "cluster.prefill.tensor=4"))
+
+
+@pytest.mark.parametrize("decode_blocks, num_decode", [(4000, 2), (140, 1)])
+def test_fast_forward_changes_nothing(decode_blocks, num_decode):
+    """The decode instances' fast-forward gives every request the same timeline as stepping one
+    step at a time (transfers waiting for room included)."""
+    runs = []
+    for ff in (True, False):
+        reqs = trace(100)
+        res = simulate_disaggregated(reqs, factory("prefill", 600), factory("decode", decode_blocks), 1,
+                                     num_decode, Link("t", 0.5, 1e-3), 4096.0, fast_forward=ff)
+        runs.append(([(r.req_id, r.token_times, r.finish_reason) for r in reqs],
+                     [(t.req_id, t.start, t.end, t.decode) for t in res.transfers],
+                     sum(rep.engine.num_fast_forwarded_steps for rep in res.decode)))
+    (a, ta, fa), (b, tb, fb) = runs
+    assert fa > 0 and fb == 0
+    assert ta == tb
+    assert a == b
