@@ -12,6 +12,17 @@
    steps stall every running decode) and Orca (`orca`: whole prompts batched with the decodes,
    so a long prompt makes one long step for all of them). Capacity by bisection.
 
+4. vLLM (PagedAttention, SOSP'23, Fig. 12: vLLM > Orca (Oracle) > Orca (Pow2) > Orca (Max)):
+   the SLO capacity of paged allocation beats contiguous reservation of the true final length
+   (oracle), which beats rounding to a power of two, which beats max_model_len, on a memory-bound
+   setup (Llama-2-7B, A100 80GB, max_model_len 4096, continuous batching with an 8192-token budget).
+5. DistServe (OSDI'24, Fig. 1 and 8): with tight TTFT and TPOT SLOs on a prefill-heavy trace (Azure
+   code: ~2k-token prompts, short outputs), a prefill/decode split serves a higher rate than the
+   same number of colocated GPUs (vLLM V0-style scheduling on both). Capacity by bisection.
+6. KV-cache-aware routing (SGLang's cache-aware router, Mooncake's conductor): on the Mooncake
+   conversation trace (shared prefixes by block hash ids), prefix_aware routing raises the prefix
+   cache hit rate over round_robin and least_outstanding on 4 replicas.
+
     python benchmarks/sim_directions.py [--limit 1000] [--only 3]
 """
 
@@ -28,13 +39,15 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=1000, help="first N requests of the trace")
     p.add_argument("--kv-rate", type=float, default=4.0, help="offered load for the allocator comparison")
     p.add_argument("--skip-capacity", action="store_true")
-    p.add_argument("--only", type=int, choices=(1, 2, 3), help="run one direction")
+    p.add_argument("--only", type=int, choices=(1, 2, 3, 4, 5, 6), help="run one direction")
     p.add_argument("--tbt", type=float, default=0.1, help="direction 3's TBT SLO (s)")
     p.add_argument("--ttft", type=float, default=2.0, help="direction 3's TTFT SLO (s), met as well")
+    p.add_argument("--pd-limit", type=int, default=600, help="direction 5's first N requests (Azure code)")
+    p.add_argument("--route-rate", type=float, default=8.0, help="direction 6's offered load (req/s, 4 replicas)")
     args = p.parse_args()
-    wanted = {args.only} if args.only else {1, 2, 3}
+    wanted = {args.only} if args.only else {1, 2, 3, 4, 5, 6}
     if args.skip_capacity:
-        wanted -= {1, 3}
+        wanted -= {1, 3, 4, 5}
 
     from sim.capacity import capacity_search
     from sim.run import CONF, simulate_config
@@ -89,6 +102,72 @@ def main() -> None:
                   f"{cfg.capacity.attainment:.0%} of requests (Llama-3-8B, H100, first {args.limit} requests; "
                   f"Sarathi-Serve, OSDI'24, Fig. 1 and 10: higher capacity under strict TBT SLOs):")
             print(tbt.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+
+        if 4 in wanted:
+            vllm_capacity(args, base, compose, capacity_search)
+        if 5 in wanted:
+            disaggregation(args, compose, capacity_search)
+        if 6 in wanted:
+            routing(args, compose, simulate_config)
+
+
+def vllm_capacity(args, base, compose, capacity_search) -> None:
+    rows = []
+    setup = ["scheduler=continuous", "scheduler.max_num_batched_tokens=8192", "sim_model=llama2_7b",
+             "hardware=a100_80gb_sxm", "engine.max_model_len=4096", "capacity.rel_tol=0.05", "capacity.high=16"]
+    for name, alloc in (("paged", ["allocator=paged"]), ("contiguous (oracle)", ["allocator=contiguous",
+                        "allocator.reservation=oracle"]), ("contiguous (pow2)", ["allocator=contiguous",
+                        "allocator.reservation=pow2"]), ("contiguous (max)", ["allocator=contiguous",
+                        "allocator.reservation=max"])):
+        cfg = compose("sim", overrides=base + setup + alloc)
+        best, probes = capacity_search(cfg, {"scheduler": "continuous", "allocator": name})
+        rows.append({"allocator": name, "capacity (req/s)": best, "probes": len(probes)})
+    cap = pd.DataFrame(rows)
+    cap["vs contiguous (max)"] = cap["capacity (req/s)"] / cap["capacity (req/s)"].iloc[-1]
+    print(f"\n4. capacity at SLO TTFT <= {cfg.slo.ttft_s} s, TPOT <= {cfg.slo.tpot_s} s for "
+          f"{cfg.capacity.attainment:.0%} of requests (Llama-2-7B, A100 80GB, max_model_len 4096, continuous, "
+          f"8192-token budget, first {args.limit} requests; vLLM, SOSP'23, Fig. 12: paged > oracle > pow2 > max):")
+    print(cap.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+
+
+def disaggregation(args, compose, capacity_search) -> None:
+    base = ["sim_workload=azure_code", f"workload.limit={args.pd_limit}", "scheduler=vllm_v0",
+            "sim_model=llama3_8b", "hardware=a100_80gb_sxm", "cluster.router=least_outstanding",
+            "slo.ttft_s=1.0", "slo.tpot_s=0.04", "capacity.rel_tol=0.05", "capacity.high=16"]
+    rows = []
+    for gpus in (3, 4):
+        for name, ov in ((f"colocated x{gpus}", [f"cluster.replicas={gpus}"]),
+                         (f"{gpus - 1} prefill + 1 decode", ["cluster.mode=disaggregated",
+                                                             f"cluster.prefill_replicas={gpus - 1}"])):
+            cfg = compose("sim", overrides=base + ov)
+            best, probes = capacity_search(cfg, {"scheduler": "vllm_v0", "allocator": "paged"})
+            rows.append({"deployment": name, "GPUs": gpus, "goodput capacity (req/s)": best,
+                         "per GPU": (best or 0.0) / gpus, "probes": len(probes)})
+    t = pd.DataFrame(rows)
+    t["vs colocated"] = t["goodput capacity (req/s)"] / t.groupby("GPUs")["goodput capacity (req/s)"].transform("first")
+    print(f"\n5. capacity at SLO TTFT <= {cfg.slo.ttft_s} s, TPOT <= {cfg.slo.tpot_s} s for "
+          f"{cfg.capacity.attainment:.0%} of requests (Llama-3-8B, A100 80GB, vllm_v0 scheduling, KV over NVLink, "
+          f"Azure code, first {args.pd_limit} requests; DistServe, OSDI'24, Fig. 1 and 8: disaggregation "
+          f"serves more under tight TTFT + TPOT SLOs):")
+    print(t.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+
+
+def routing(args, compose, simulate_config) -> None:
+    rows = []
+    for router in ("round_robin", "least_outstanding", "prefix_aware"):
+        cfg = compose("sim", overrides=["sim_workload=mooncake_conv", f"workload.limit={args.limit}",
+                                        f"workload.rate={args.route_rate}", "cluster.replicas=4",
+                                        f"cluster.router={router}"])
+        _, row = simulate_config(cfg)
+        rows.append({"router": router, "prefix hit rate": row["prefix_hit_rate"], "TTFT p50 (s)": row["ttft_p50"],
+                     "TTFT p90 (s)": row["ttft_p90"], "TTFT p99 (s)": row["ttft_p99"],
+                     "SLO attainment": row["slo_attainment"]})
+    t = pd.DataFrame(rows)
+    t["hit rate vs round_robin"] = t["prefix hit rate"] / t["prefix hit rate"].iloc[0]
+    print(f"\n6. routing on the Mooncake conversation trace at {args.route_rate} req/s, 4 replicas (Llama-3-8B, "
+          f"H100, chunked, paged with prefix caching, first {args.limit} requests; SGLang's cache-aware router, "
+          f"Mooncake's conductor: routing by cached prefix raises the hit rate):")
+    print(t.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
 
 
 if __name__ == "__main__":
