@@ -106,7 +106,7 @@ def simulate_disaggregated_config(cfg: DictConfig, c: Mapping[str, Any], model_c
 
     def factory(pool: str):
         p = pools[pool]
-        alloc_cls = alloc.func if pool == "prefill" else receiving(alloc.func)
+        alloc_cls = alloc.func if pool == "prefill" else receiving(alloc.func)  # type: ignore[arg-type]
 
         def make(clock):
             kv = alloc_cls(*alloc.args, **{**alloc.keywords, "num_blocks": p["num_blocks"], "block_size": bs,

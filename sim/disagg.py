@@ -41,12 +41,13 @@ from typing import Any, Callable, Sequence
 
 from sim.executor import CostModelExecutor
 from sim.routers import Router, make_router
-from sim.simulator import Replica, SimResult, gc_paused
+from sim.simulator import Replica, gc_paused
 from varlen.clock import SimClock
 from varlen.engine import Engine
 from varlen.interrupt import poll
 from varlen.kv.base import KVAllocator
 from varlen.request import FinishReason, Request
+from varlen.steplog import StepLog
 
 
 @dataclass(frozen=True)
@@ -171,11 +172,31 @@ class Transfer:
 
 
 @dataclass
-class DisaggResult(SimResult):
-    num_prefill: int = 0
+class DisaggResult:
+    """SimResult's interface (SimResult itself is compiled, so not subclassed here), plus the
+    pools, the transfers and where each request was decoded."""
+
+    requests: list[Request]
+    replicas: list[Replica]  # the prefill instances, then the decode instances
+    wall_s: float
+    num_prefill: int
+    routed: dict[str, int] = field(default_factory=dict)  # req_id -> prefill instance index
     transfers: list[Transfer] = field(default_factory=list)
     decode_routed: dict[str, int] = field(default_factory=dict)  # req_id -> decode instance index
     prefill_hit_tokens: dict[str, int] = field(default_factory=dict)  # prefill-side prefix-cache hits
+
+    @property
+    def steps(self) -> StepLog:
+        return StepLog.concat(r.engine.steps for r in self.replicas)
+
+    @property
+    def num_steps(self) -> int:
+        return sum(len(r.engine.steps) for r in self.replicas)
+
+    @property
+    def total_slots(self) -> int:
+        """One decode instance's KV pool."""
+        return self.decode[0].engine.kv.capacity_tokens
 
     @property
     def prefill(self) -> list[Replica]:
@@ -219,7 +240,7 @@ def simulate_disaggregated(requests: Sequence[Request], make_prefill: MakeEngine
     lens = {r.engine.max_model_len for r in reps}
     if len(lens) != 1:
         raise ValueError(f"every instance must have the same max_model_len, got {sorted(lens)}")
-    res = DisaggResult(list(requests), reps, 0.0, num_prefill=num_prefill)
+    res = DisaggResult(list(requests), reps, 0.0, num_prefill)
     t0 = time.perf_counter()
     with gc_paused():
         _Loop(res, route, link, kv_bytes_per_token, streams, fast_forward).run()
@@ -344,7 +365,7 @@ class _Loop:
         reason = prefill._stop_reason(req, req.output_token_ids[-1])  # the request's own limits
         if reason is not None:
             req.finish(reason, t)
-            prefill.release_held(req.req_id)
+            prefill.release_held(req.req_id)  # type: ignore[attr-defined]
             self.wake(k)
             return
         d = min(range(self.P, len(self.reps)), key=self.decode_load)

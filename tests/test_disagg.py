@@ -9,7 +9,6 @@ from collections import defaultdict
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 import sim.run as sim_run
 from schedulers import ChunkedPolicy
