@@ -61,88 +61,100 @@ def check_cluster(cfg: DictConfig) -> None:
                                    f"{', '.join(registry.names('scheduler'))}")
 
 
-def simulate_disaggregated_config(cfg: DictConfig, c: Mapping[str, Any], model_config: Mapping[str, Any],
-                                  hardware: Any, reqs: list, alloc_kw: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """Build both pools from the run's settings and the cluster's overrides and simulate; returns
-    (DisaggResult, the summary's cluster figures and headline inputs)."""
-    from hydra.utils import instantiate
+class Pools:
+    """Both pools of a disaggregated run, built from the run's settings and the cluster's
+    overrides (a bad one is a SettingError here, before any work); `simulate` runs them."""
 
-    from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
-    from sim.disagg import DisaggEngine, Link, receiving, simulate_disaggregated
-    from sim.executor import CostModelExecutor
-    from sim.parallel import Parallelism, capacity
-    from sim.run import build_cost_model
-    from varlen import registry
-    from varlen.clock import SimClock
+    def __init__(self, cfg: DictConfig, c: Mapping[str, Any], model_config: Mapping[str, Any], hardware: Any,
+                 alloc_kw: Mapping[str, Any]):
+        from hydra.utils import instantiate
 
-    cl, e = c["cluster"], c["engine"]
-    bs = e["block_size"]
-    pools: dict[str, dict[str, Any]] = {}
-    for pool in POOLS:
-        over = {k: v for k, v in (cl.get(pool) or {}).items() if v is not None}
-        hw = HardwareSpec.load(over["hardware"]) if "hardware" in over else hardware
-        tp = int(over.get("tensor", (c.get("parallel") or {}).get("tensor") or 1))
-        par = Parallelism(tp, 1)
-        num_blocks = over.get("num_blocks", e.get("num_blocks"))
-        if num_blocks is None:
+        from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
+        from sim.disagg import Link
+        from sim.parallel import Parallelism, capacity
+        from varlen import registry
+        from varlen.clock import SimClock
+
+        self.c, self.model_config = c, model_config
+        cl, e = c["cluster"], c["engine"]
+        self.block_size = bs = e["block_size"]
+        self.pools: dict[str, dict[str, Any]] = {}
+        for pool in POOLS:
+            over = {k: v for k, v in (cl.get(pool) or {}).items() if v is not None}
+            hw = HardwareSpec.load(over["hardware"]) if "hardware" in over else hardware
+            tp = int(over.get("tensor", (c.get("parallel") or {}).get("tensor") or 1))
+            num_blocks = over.get("num_blocks", e.get("num_blocks"))
+            if num_blocks is None:
+                try:
+                    tokens = capacity(model_config, hw, Parallelism(tp, 1), e["gpu_memory_utilization"],
+                                      name=c["sim_model"]["name"]).kv_tokens
+                except ValueError as err:
+                    raise SettingError(f"cluster.{pool}: {err}") from None
+                num_blocks = tokens // bs
+                if num_blocks < 1:
+                    raise SettingError(f"cluster.{pool}: {c['sim_model']['name']} leaves no room for KV blocks on "
+                                       f"{hw.name} with tensor={tp}; raise cluster.{pool}.tensor")
+            sched = registry.spec("scheduler", over["scheduler"]) if "scheduler" in over else \
+                OmegaConf.create(OmegaConf.to_container(cfg.scheduler, resolve=True))
+            self.pools[pool] = dict(hardware=hw, tensor=tp, num_blocks=int(num_blocks), scheduler=sched,
+                                    scheduler_over={k: over[k] for k in ("max_num_batched_tokens", "max_num_seqs")
+                                                    if k in over},
+                                    scheduler_name=over.get("scheduler"))
+        self.max_model_len = min(e["max_model_len"], *(p["num_blocks"] * bs for p in self.pools.values()))
+        self.alloc = instantiate(cfg.allocator, **alloc_kw)
+        if not isinstance(self.alloc, functools.partial):
+            raise SettingError("allocator: a disaggregated cluster builds each pool's allocator itself; its yaml "
+                               "must be a partial (_partial_: true), as conf/allocator/*.yaml are")
+        for pool in POOLS:  # one instance of each, built and dropped: its settings are checked
             try:
-                tokens = capacity(model_config, hw, par, e["gpu_memory_utilization"], name=c["sim_model"]["name"]).kv_tokens
+                self.factory(pool)(SimClock())
             except ValueError as err:
-                raise SettingError(f"cluster.{pool}: {err}") from None
-            num_blocks = tokens // bs
-            if num_blocks < 1:
-                raise SettingError(f"cluster.{pool}: {c['sim_model']['name']} leaves no room for KV blocks on "
-                                   f"{hw.name} with tensor={tp}; raise cluster.{pool}.tensor")
-        sched = registry.spec("scheduler", over["scheduler"]) if "scheduler" in over else \
-            OmegaConf.create(OmegaConf.to_container(cfg.scheduler, resolve=True))
-        sched_over = {k: over[k] for k in ("max_num_batched_tokens", "max_num_seqs") if k in over}
-        pools[pool] = dict(hardware=hw, tensor=tp, num_blocks=int(num_blocks), scheduler=sched,
-                           scheduler_over=sched_over, scheduler_name=over.get("scheduler"))
-    max_model_len = min(e["max_model_len"], *(p["num_blocks"] * bs for p in pools.values()))
-    alloc = instantiate(cfg.allocator, **alloc_kw)
-    if not isinstance(alloc, functools.partial):
-        raise SettingError("allocator: a disaggregated cluster builds each pool's allocator itself; its yaml "
-                           "must be a partial (_partial_: true), as conf/allocator/*.yaml are")
+                raise SettingError(f"cluster.{pool}: {' '.join(str(err).split())}") from None
+        spec = cl["links"][cl["link"]]
+        self.link = Link(cl["link"], float(spec["bandwidth_gbs"]), float(spec["latency_s"]))
+        self.kv_bytes = ModelShape.from_config(load_model_config(model_config)).kv_bytes_per_token(hardware.dtype_bytes)
 
-    def factory(pool: str):
-        p = pools[pool]
+    def factory(self, pool: str) -> Any:
+        from sim.disagg import DisaggEngine, receiving
+        from sim.executor import CostModelExecutor
+        from sim.run import build_cost_model
+        from varlen import registry
+
+        p, c, alloc = self.pools[pool], self.c, self.alloc
         alloc_cls = alloc.func if pool == "prefill" else receiving(alloc.func)  # type: ignore[arg-type]
 
         def make(clock):
-            kv = alloc_cls(*alloc.args, **{**alloc.keywords, "num_blocks": p["num_blocks"], "block_size": bs,
-                                           "max_model_len": max_model_len})
+            kv = alloc_cls(*alloc.args, **{**alloc.keywords, "num_blocks": p["num_blocks"],
+                                           "block_size": self.block_size, "max_model_len": self.max_model_len})
             policy = registry.build("scheduler", p["scheduler"], context=c, **p["scheduler_over"])
-            executor = CostModelExecutor(build_cost_model(c["cost"], model_config, p["hardware"],
+            executor = CostModelExecutor(build_cost_model(c["cost"], self.model_config, p["hardware"],
                                                           {"tensor": p["tensor"], "pipeline": 1}), clock)
-            engine = DisaggEngine(policy, kv, executor, clock=clock, max_model_len=max_model_len,
+            engine = DisaggEngine(policy, kv, executor, clock=clock, max_model_len=self.max_model_len,
                                   keep_finished_kv=pool == "prefill")
             return engine, executor
 
         return make
 
-    for pool in POOLS:  # a bad pool setting fails now, in one line, not inside the run
-        try:
-            factory(pool)(SimClock())
-        except ValueError as err:
-            raise SettingError(f"cluster.{pool}: {' '.join(str(err).split())}") from None
-    spec = cl["links"][cl["link"]]
-    link = Link(cl["link"], float(spec["bandwidth_gbs"]), float(spec["latency_s"]))
-    shape = ModelShape.from_config(load_model_config(model_config))
-    kv_bytes = shape.kv_bytes_per_token(hardware.dtype_bytes)
-    streams = min(pools["prefill"]["tensor"], pools["decode"]["tensor"])
-    P, D = int(cl["prefill_replicas"]), int(cl["decode_replicas"])
-    res = simulate_disaggregated(reqs, factory("prefill"), factory("decode"), P, D, link, kv_bytes, streams,
-                                 cl["router"], cl.get("router_options"), c.get("fast_forward", True))
-    row = dict(mode="disaggregated", prefill_replicas=P, decode_replicas=D, link=link.name,
-               gpus=P * pools["prefill"]["tensor"] + D * pools["decode"]["tensor"],
-               max_model_len=max_model_len, num_blocks=pools["decode"]["num_blocks"])
-    for pool in POOLS:
-        p = pools[pool]
-        row.update({f"{pool}_hardware": p["hardware"].name, f"{pool}_tensor": p["tensor"],
-                    f"{pool}_num_blocks": p["num_blocks"], f"{pool}_scheduler": p["scheduler_name"] or "(run's)",
-                    **{f"{pool}_{k}": v for k, v in p["scheduler_over"].items()}})
-    row.update(cluster_figures(res))
-    return res, row
+    def simulate(self, reqs: list) -> tuple[Any, dict[str, Any]]:
+        """(DisaggResult, the summary's cluster figures)."""
+        from sim.disagg import simulate_disaggregated
+
+        cl, pools = self.c["cluster"], self.pools
+        streams = min(pools["prefill"]["tensor"], pools["decode"]["tensor"])
+        P, D = int(cl["prefill_replicas"]), int(cl["decode_replicas"])
+        res = simulate_disaggregated(reqs, self.factory("prefill"), self.factory("decode"), P, D, self.link,
+                                     self.kv_bytes, streams, cl["router"], cl.get("router_options"),
+                                     self.c.get("fast_forward", True))
+        row = dict(mode="disaggregated", prefill_replicas=P, decode_replicas=D, link=self.link.name,
+                   gpus=P * pools["prefill"]["tensor"] + D * pools["decode"]["tensor"],
+                   max_model_len=self.max_model_len, num_blocks=pools["decode"]["num_blocks"])
+        for pool in POOLS:
+            p = pools[pool]
+            row.update({f"{pool}_hardware": p["hardware"].name, f"{pool}_tensor": p["tensor"],
+                        f"{pool}_num_blocks": p["num_blocks"], f"{pool}_scheduler": p["scheduler_name"] or "(run's)",
+                        **{f"{pool}_{k}": v for k, v in p["scheduler_over"].items()}})
+        row.update(cluster_figures(res))
+        return res, row
 
 
 def pool_utilisation(reps: list, span: float) -> dict[str, float]:

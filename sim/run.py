@@ -195,9 +195,17 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     from sim.parallel import Parallelism, capacity
 
     par = Parallelism.of(c.get("parallel"))
+    alloc_kw = {}
+    if not c["workload"].get("token_ids", False) and "enable_prefix_caching" in c["allocator"]:
+        # Content-free prompts (Azure) are all zeros, so every prompt would "hit" every other's
+        # blocks; without content there is nothing to cache.
+        alloc_kw["enable_prefix_caching"] = False
     disaggregated = c["cluster"].get("mode", "colocated") == "disaggregated"
     if disaggregated:
-        num_blocks = 0  # each pool's own (sim/cluster.py)
+        from sim.cluster import Pools
+
+        pools = Pools(cfg, c, model_config, hardware, alloc_kw)  # a bad pool setting fails before any work
+        num_blocks = 0  # each pool's own
     elif num_blocks is None:
         tokens = capacity(model_config, hardware, par, e["gpu_memory_utilization"],
                           name=c["sim_model"]["name"]).kv_tokens
@@ -223,12 +231,6 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
         print(f"simulating {len(reqs)} requests on {where} (Ctrl-C stops)", flush=True)
     max_model_len = min(e["max_model_len"], num_blocks * e["block_size"])
 
-    alloc_kw = {}
-    if not c["workload"].get("token_ids", False) and "enable_prefix_caching" in c["allocator"]:
-        # Content-free prompts (Azure) are all zeros, so every prompt would "hit" every other's
-        # blocks; without content there is nothing to cache.
-        alloc_kw["enable_prefix_caching"] = False
-
     def make_engine(clock):
         kv = instantiate(cfg.allocator, **alloc_kw)(num_blocks=num_blocks, block_size=e["block_size"],
                                                     max_model_len=max_model_len)
@@ -238,9 +240,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
 
     cluster_row: dict[str, Any] = {}
     if disaggregated:
-        from sim.cluster import simulate_disaggregated_config
-
-        res, cluster_row = simulate_disaggregated_config(cfg, c, model_config, hardware, reqs, alloc_kw)
+        res, cluster_row = pools.simulate(reqs)
         # The headline KV and batch figures are the decode pool's (the prefill pool's: prefill_*).
         steps, total_slots = StepLog.concat(r.engine.steps for r in res.decode), res.decode[0].engine.kv.capacity_tokens
         replicas = len(res.replicas)
