@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 import pandas as pd
 from hydra import compose, initialize_config_dir
@@ -103,12 +104,13 @@ def main() -> None:
                   f"Sarathi-Serve, OSDI'24, Fig. 1 and 10: higher capacity under strict TBT SLOs):")
             print(tbt.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
 
-        if 4 in wanted:
-            vllm_capacity(args, base, compose, capacity_search)
-        if 5 in wanted:
-            disaggregation(args, compose, capacity_search)
-        if 6 in wanted:
-            routing(args, compose, simulate_config)
+        for k, run in ((4, lambda: vllm_capacity(args, base, compose, capacity_search)),
+                       (5, lambda: disaggregation(args, compose, capacity_search)),
+                       (6, lambda: routing(args, compose, simulate_config))):
+            if k in wanted:
+                t0 = time.perf_counter()
+                run()
+                print(f"({time.perf_counter() - t0:.0f} s)")
 
 
 def vllm_capacity(args, base, compose, capacity_search) -> None:
