@@ -143,7 +143,9 @@ def receiving(cls: type) -> type:
     """`cls` with ReceivingAllocator's match_prefix. It keeps cls's decode promises
     (next_allocation_event, grow_decodes; varlen/promises.py): they are about decode growth,
     which the received answer of match_prefix, asked only at admission, does not change."""
-    if not (isinstance(cls, type) and issubclass(cls, KVAllocator)):
+    # Not issubclass: compiled (mypyc), the allocator classes share KVAllocator's ABC cache, so one
+    # issubclass answer would be taken for another class's (an isinstance(contiguous, Paged...) True).
+    if not (isinstance(cls, type) and KVAllocator in cls.__mro__):
         raise ValueError(f"a decode instance's allocator must be a KVAllocator class, got {cls!r}")
     sub = _receiving_classes.get(cls)
     if sub is None:
