@@ -96,8 +96,10 @@ def test_one_prefill_one_decode_timelines(decode_blocks):
 def test_contiguous_pools_and_several_instances():
     reqs = trace(80)
     res = simulate_disaggregated(reqs, factory("prefill", 2000, ContiguousAllocator), factory("decode", 3000, ContiguousAllocator),
-                                 2, 3, Link("nvlink", 450, 5e-6), 1024.0, router="least_outstanding")
+                                 2, 3, Link("nvlink", 450, 5e-6), 1024.0, streams=2, router="least_outstanding")
     assert all(r.finish_reason.value == "length" and r.num_output_tokens == r.sampling.max_tokens for r in reqs)
+    # Tensor-parallel pools: each GPU sends its shard, two streams at once.
+    assert all(t.end - t.start == pytest.approx(5e-6 + t.tokens * 1024.0 / 2 / 450e9) for t in res.transfers)
     assert set(res.routed.values()) == {0, 1} and set(res.decode_routed.values()) == {2, 3, 4}
     for rep in res.replicas:
         assert rep.engine.kv.usage().reserved_slots == 0 and not rep.engine.kv.runs
