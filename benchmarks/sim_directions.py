@@ -21,7 +21,7 @@
    same number of colocated GPUs (vLLM V0-style scheduling on both). Capacity by bisection.
 6. KV-cache-aware routing (SGLang's cache-aware router, Mooncake's conductor): on the Mooncake
    conversation trace (shared prefixes by block hash ids), prefix_aware routing raises the prefix
-   cache hit rate over round_robin and least_outstanding on 4 replicas.
+   cache hit rate over round_robin and least_outstanding on 4 replicas, and near saturation cuts TTFT.
 
     python benchmarks/sim_directions.py [--limit 1000] [--only 3]
 """
@@ -44,7 +44,8 @@ def main() -> None:
     p.add_argument("--tbt", type=float, default=0.1, help="direction 3's TBT SLO (s)")
     p.add_argument("--ttft", type=float, default=2.0, help="direction 3's TTFT SLO (s), met as well")
     p.add_argument("--pd-limit", type=int, default=600, help="direction 5's first N requests (Azure code)")
-    p.add_argument("--route-rate", type=float, default=8.0, help="direction 6's offered load (req/s, 4 replicas)")
+    p.add_argument("--route-rates", default="8,32", help="direction 6's offered loads (req/s, 4 replicas; "
+                   "32 is near their saturation)")
     args = p.parse_args()
     wanted = {args.only} if args.only else {1, 2, 3, 4, 5, 6}
     if args.skip_capacity:
@@ -156,17 +157,18 @@ def disaggregation(args, compose, capacity_search) -> None:
 
 def routing(args, compose, simulate_config) -> None:
     rows = []
-    for router in ("round_robin", "least_outstanding", "prefix_aware"):
-        cfg = compose("sim", overrides=["sim_workload=mooncake_conv", f"workload.limit={args.limit}",
-                                        f"workload.rate={args.route_rate}", "cluster.replicas=4",
-                                        f"cluster.router={router}"])
-        _, row = simulate_config(cfg)
-        rows.append({"router": router, "prefix hit rate": row["prefix_hit_rate"], "TTFT p50 (s)": row["ttft_p50"],
-                     "TTFT p90 (s)": row["ttft_p90"], "TTFT p99 (s)": row["ttft_p99"],
-                     "SLO attainment": row["slo_attainment"]})
+    for rate in (float(x) for x in args.route_rates.split(",")):
+        for router in ("round_robin", "least_outstanding", "prefix_aware"):
+            cfg = compose("sim", overrides=["sim_workload=mooncake_conv", f"workload.limit={args.limit}",
+                                            f"workload.rate={rate}", "cluster.replicas=4", f"cluster.router={router}"])
+            _, row = simulate_config(cfg)
+            rows.append({"rate (req/s)": rate, "router": router, "prefix hit rate": row["prefix_hit_rate"],
+                         "TTFT p50 (s)": row["ttft_p50"], "TTFT p90 (s)": row["ttft_p90"],
+                         "TTFT p99 (s)": row["ttft_p99"], "SLO attainment": row["slo_attainment"]})
     t = pd.DataFrame(rows)
-    t["hit rate vs round_robin"] = t["prefix hit rate"] / t["prefix hit rate"].iloc[0]
-    print(f"\n6. routing on the Mooncake conversation trace at {args.route_rate} req/s, 4 replicas (Llama-3-8B, "
+    first = t.groupby("rate (req/s)")["prefix hit rate"].transform("first")
+    t["hit rate vs round_robin"] = t["prefix hit rate"] / first
+    print(f"\n6. routing on the Mooncake conversation trace, 4 replicas (Llama-3-8B, "
           f"H100, chunked, paged with prefix caching, first {args.limit} requests; SGLang's cache-aware router, "
           f"Mooncake's conductor: routing by cached prefix raises the hit rate):")
     print(t.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
