@@ -52,6 +52,11 @@ def gather(dirs: Sequence[str | Path]) -> pd.DataFrame:
         raise ValueError(f"no summary.json under {', '.join(map(str, dirs))}; give sim.run run or sweep directories")
     df = pd.DataFrame(rows)
     df["policy"] = df["scheduler"].astype(str) + "/" + df["allocator"].astype(str)
+    # A sweep over cluster designs: each its own line (else the plots would join them into one).
+    for col, label in (("mode", lambda r: "P/D" if r["mode"] == "disaggregated" else "colocated"),
+                       ("router", lambda r: str(r["router"]))):
+        if col in df.columns and df[col].nunique(dropna=False) > 1:
+            df["policy"] = df["policy"] + " " + df.apply(label, axis=1)
     return df.sort_values(["policy", "rate"]).reset_index(drop=True)
 
 

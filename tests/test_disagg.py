@@ -166,3 +166,21 @@ def test_fast_forward_changes_nothing(decode_blocks, num_decode):
     assert fa > 0 and fb == 0
     assert ta == tb
     assert a == b
+
+
+def test_report_keeps_cluster_designs_apart(tmp_path):
+    """A sweep over cluster.mode (or routers) draws one line per design, not one joined line."""
+    import json
+
+    from sim.report import gather
+
+    base = dict(scheduler="chunked", allocator="paged", rate=1.0, requests_per_s=1.0, router="round_robin")
+    for i, extra in enumerate([dict(mode="colocated"), dict(mode="disaggregated"),
+                               dict(mode="colocated", router="prefix_aware")]):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "summary.json").write_text(json.dumps({**base, **extra}))
+    assert sorted(gather([tmp_path])["policy"]) == ["chunked/paged P/D round_robin", "chunked/paged colocated prefix_aware",
+                                                    "chunked/paged colocated round_robin"]
+    (tmp_path / "1" / "summary.json").unlink()
+    (tmp_path / "2" / "summary.json").unlink()
+    assert list(gather([tmp_path])["policy"]) == ["chunked/paged"]  # one design: the label as before
