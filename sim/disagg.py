@@ -98,14 +98,22 @@ class DisaggEngine(Engine):
 
     def receive(self, req: Request) -> None:
         """Queue `req`, its prompt's KV already in this engine's allocator (reserved before the
-        transfer), ahead of the waiting requests: it needs no memory and one token of compute, so
-        it never waits behind a request its own blocks keep out."""
-        if not isinstance(self.kv, ReceivingAllocator) or req.req_id not in self.kv.received:
+        transfer), ahead of the other waiting requests, behind those received before it (FCFS
+        among them): it needs no memory and one token of compute, so it never waits behind a
+        request its own blocks keep out. (A priority policy keeps its own order by priority.)"""
+        kv = self.kv
+        if not isinstance(kv, ReceivingAllocator) or req.req_id not in kv.received:
             raise AssertionError(f"request {req.req_id!r} received without blocks reserved for its KV")
         self.requests[req.req_id] = req
+        waiting = self.policy.waiting
         self.policy.add(req)
-        self.policy.waiting.remove(req)
-        self.policy.waiting.appendleft(req)
+        waiting.remove(req)
+        earlier = []
+        while waiting and kv.holds_received(waiting[0]):
+            earlier.append(waiting.popleft())
+        waiting.appendleft(req)
+        for r in reversed(earlier):
+            waiting.appendleft(r)
 
     def _unstick(self) -> list[Request]:
         if self.held or self.incoming:
@@ -126,6 +134,10 @@ class ReceivingAllocator:
             return False
         self.received[req.req_id] = num_received
         return True
+
+    def holds_received(self, req: Request) -> bool:
+        """Whether `req` waits with its received KV (not yet admitted, never preempted here)."""
+        return req.req_id in self.received and req.num_computed_tokens == 0 and len(self.block_table(req)) > 0  # type: ignore[attr-defined]
 
     def match_prefix(self, req: Request) -> int:
         n = self.received.get(req.req_id)

@@ -184,3 +184,24 @@ def test_report_keeps_cluster_designs_apart(tmp_path):
     (tmp_path / "1" / "summary.json").unlink()
     (tmp_path / "2" / "summary.json").unlink()
     assert list(gather([tmp_path])["policy"]) == ["chunked/paged"]  # one design: the label as before
+
+
+def test_received_requests_queue_ahead_of_others_in_arrival_order():
+    from varlen.clock import SimClock
+    from varlen.request import make_request
+
+    eng, _ = factory("decode", 100)(SimClock())
+    other = make_request("other", list(range(40)), SamplingParams(max_tokens=3))
+    eng.add_request(other)
+    got = []
+    for name in ("a", "b", "c"):
+        r = make_request(name, list(range(100, 140)), SamplingParams(max_tokens=3))
+        r.output_token_ids.append(0)  # its first token, from the prefill instance
+        assert eng.kv.reserve(r, r.num_prompt_tokens)
+        eng.receive(r)
+        got.append(r)
+    assert [r.req_id for r in eng.policy.waiting] == ["a", "b", "c", "other"]
+    eng.step()  # admitted with the prompt cached: one token each, nothing recomputed
+    assert [(rec.req_ids, rec.new_tokens, rec.cached_tokens) for rec in eng.steps][0][:2] == (
+        ["a", "b", "c", "other"], [1, 1, 1, 40])
+    assert all(r.num_output_tokens == 2 for r in got)
