@@ -161,11 +161,12 @@ def receiving(cls: type) -> type:
         raise ValueError(f"a decode instance's allocator must be a KVAllocator class, got {cls!r}")
     sub = _receiving_classes.get(cls)
     if sub is None:
-        ns = {"next_allocation_event": cls.next_allocation_event, "grow_decodes": cls.grow_decodes,
+        base: Any = cls
+        ns = {"next_allocation_event": base.next_allocation_event, "grow_decodes": base.grow_decodes,
               "__module__": __name__}
 
         def __init__(self: Any, *a: Any, **kw: Any) -> None:
-            cls.__init__(self, *a, **kw)
+            base.__init__(self, *a, **kw)
             self.received = {}
 
         ns["__init__"] = __init__
