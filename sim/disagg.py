@@ -199,6 +199,7 @@ class DisaggResult:
     transfers: list[Transfer] = field(default_factory=list)
     decode_routed: dict[str, int] = field(default_factory=dict)  # req_id -> decode instance index
     prefill_hit_tokens: dict[str, int] = field(default_factory=dict)  # prefill-side prefix-cache hits
+    blocked: list[int] = field(default_factory=list)  # per instance: times it waited for transfers to end
 
     @property
     def steps(self) -> StepLog:
@@ -276,6 +277,7 @@ class _Loop:
         self.P = res.num_prefill
         self.reps = res.replicas
         n = len(self.reps)
+        res.blocked = [0] * n
         self.events: list[tuple[float, int, int, int, Any]] = []  # (time, kind, seq, instance, payload)
         self.decode_steps: list[tuple[float, int]] = []  # (time, instance): decode steps, apart (`until`)
         self.seq = 0
@@ -284,6 +286,7 @@ class _Loop:
         self.send_free = [0.0] * n
         self.recv_free = [0.0] * n
         self.orig: dict[str, Request] = {}
+        self.now = 0.0  # the time of the event being taken (events are taken in time order)
 
     def push(self, t: float, kind: int, k: int, payload: Any = None) -> None:
         if kind == _STEP and k >= self.P:
@@ -293,9 +296,12 @@ class _Loop:
             heapq.heappush(self.events, (t, kind, self.seq, k, payload))
 
     def wake(self, k: int) -> None:
+        """Give instance k its next step if it has work and none is due. An idle instance's clock
+        first moves to now: what woke it (an arrival, a transfer's end) happens now."""
         rep = self.reps[k]
         if not self.busy[k] and rep.engine.has_unfinished():
             self.busy[k] = True
+            rep.clock.sleep_until(self.now)
             self.push(rep.executor.ready_time(rep.clock.now()), _STEP, k)
 
     def run(self) -> None:
@@ -309,6 +315,10 @@ class _Loop:
             ta = pending[i].arrival if i < n else inf
             te = self.events[0][0] if self.events else inf
             td = self.decode_steps[0][0] if self.decode_steps else inf
+            now = min(ta, te, td)
+            if now < self.now:  # an event in the past: an instance would act on state it cannot know yet
+                raise AssertionError(f"event at t={now} after t={self.now}")
+            self.now = now
             if ta <= te and ta <= td and i < n:
                 self.arrive(pending[i])
                 i += 1
@@ -355,6 +365,7 @@ class _Loop:
             if eng.policy.running:
                 raise RuntimeError(f"instance {k}: the policy scheduled nothing at t={t} with requests running")
             # Blocked on blocks held for (or reserved by) transfers: a transfer's end wakes it.
+            self.res.blocked[k] += 1
         else:
             self.wake(k)
         if k < self.P:

@@ -54,11 +54,13 @@ def per_request_steps(engine):
     return out
 
 
-@pytest.mark.parametrize("decode_blocks", [4000, 140])  # roomy, and tight (transfers wait, decodes preempt)
-def test_one_prefill_one_decode_timelines(decode_blocks):
+# Roomy, and tight: transfers wait for decode room, decodes preempt, and the prefill instance's
+# pool fills with KV it holds for them, so its queue waits for transfers to end.
+@pytest.mark.parametrize("prefill_blocks, decode_blocks", [(600, 4000), (200, 140)])
+def test_one_prefill_one_decode_timelines(prefill_blocks, decode_blocks):
     reqs = trace()
     link = Link("test", bandwidth_gbs=0.5, latency_s=1e-3)  # slow: transfers take visible time
-    res = simulate_disaggregated(reqs, factory("prefill", 600), factory("decode", decode_blocks), 1, 1, link,
+    res = simulate_disaggregated(reqs, factory("prefill", prefill_blocks), factory("decode", decode_blocks), 1, 1, link,
                                  kv_bytes_per_token=4096.0)
     pre, dec = res.prefill[0].engine, res.decode[0].engine
     on_pre, on_dec = per_request_steps(pre), per_request_steps(dec)
@@ -84,6 +86,11 @@ def test_one_prefill_one_decode_timelines(decode_blocks):
         waited += t.start > t.ready
     if decode_blocks == 140:
         assert waited > 0 and dec.num_preemptions > 0  # the tight case exercises both
+    for eng in (pre, dec):  # each instance's steps one after another, never back in time
+        ends = [(rec.start, rec.start + rec.duration) for rec in eng.steps]
+        assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))
+    if decode_blocks == 140:
+        assert res.blocked[0] > 0, "the tight case has the prefill instance wait for its held KV"
     # Transfers never overlap on a port (one prefill, one decode instance: one at a time).
     spans = sorted((t.start, t.end) for t in res.transfers)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
