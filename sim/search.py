@@ -261,6 +261,9 @@ class Search:
         from sim.capacity import bisect_rate
         from sim.run import simulate_config
 
+        if p.gpus_per_replica > int(self.cfg.search.max_gpus):
+            p.status, p.reason = "over max_gpus", f"one replica needs {p.gpus_per_replica} GPUs > search.max_gpus"
+            return
         c = self.config(p)
         why = self.fits(p, c)
         if why:

@@ -115,6 +115,17 @@ def test_a_deployment_that_misses_at_the_target_gets_another_replica() -> None:
     assert chosen is b and [c["replicas"] for c in a.checks] == [2] and a.replicas == 3 and a.verified is None
 
 
+def test_a_replica_larger_than_max_gpus_is_left_out_unsimulated() -> None:
+    from omegaconf import OmegaConf
+
+    from sim.search import Search
+
+    cfg = OmegaConf.create({"search": {"target_rate": 1.0, "max_gpus": 4}, "capacity": {"attainment": 0.9}})
+    p = Point("h100_sxm", 4, 2, "chunked", 512, cost_per_gpu_hour=1.0)
+    Search(cfg, compose=None, labels={}).replica_capacity(p)  # compose=None: nothing may be simulated
+    assert p.status == "over max_gpus" and "8 GPUs" in p.reason and p.replicas is None
+
+
 @given(st.lists(st.tuples(st.integers(1, 6), st.floats(0.5, 50)), min_size=1, max_size=25))
 def test_pareto_front_is_exactly_the_non_dominated_points(specs) -> None:
     points = []
