@@ -56,8 +56,9 @@ def test_search_finds_the_cheapest_checked_deployment_and_its_pareto_set(tiny_se
     unfit = table[table.status == "does not fit"]
     assert set(zip(unfit.hardware, unfit.tensor)) == {("a40", 1)} and len(unfit) == 2
     assert unfit.reason.str.contains("use at least 2 GPUs").all()
+    assert table[table.status != "does not fit"].status.isin(["ok", "misses SLOs"]).all(), table.reason
     ok = table[table.status == "ok"]
-    assert len(ok) == 10
+    assert len(ok) >= 6
     assert (ok.replicas == [replicas_for(TARGET, c) for c in ok.replica_capacity]).all()
     assert ok.cost_per_hour.tolist() == pytest.approx((ok.replicas * ok.tensor * ok.cost_per_gpu_hour).tolist())
 
