@@ -474,4 +474,9 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     from varlen.cli import run_cli
 
-    run_cli(main)
+    # The entry point by its importable name, not __main__'s: a launcher that pickles the task
+    # (submitit) then pickles it by reference. By value, cloudpickle < 3 (which the Ray launcher
+    # pins) rebuilds Point without its dataclass fields, and the job fails.
+    from sim.search import main as entry
+
+    run_cli(entry)

@@ -1,7 +1,8 @@
 """Sweeps beyond one machine: the same 4-job `python -m sim.run -m` sweep through Hydra's submitit
 launcher (`submitit_local`: submitit's own local executor, the Slurm code path without Slurm) and
 its Ray launcher (on a local Ray instance the sweep starts: 2 CPUs, no dashboard) reports exactly
-what the default joblib launcher reports, but for wall times and paths.
+what the default joblib launcher reports, but for wall times and paths; two `python -m sim.search`
+jobs through submitit choose what they choose through joblib.
 
 The launchers come with the `cluster` extra (`pip install -e '.[cluster]'`; scripts/setup.sh, which
 CI runs, installs it); without them these tests skip, saying so."""
@@ -9,6 +10,7 @@ CI runs, installs it); without them these tests skip, saying so."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +21,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP = ["scheduler=chunked,sarathi", "workload.rate=2,8", "workload.limit=60", "engine.max_model_len=4096"]
+# Two deployment searches (sim.search composes each grid point's config inside its job).
+SEARCHES = ["search.target_rate=6,24", "workload.limit=40", "capacity.rel_tol=0.5", "search.hardware=[a40,h100_sxm]",
+            "search.tensor=[1]", "search.scheduler=[chunked]", "search.max_num_batched_tokens=[512]"]
 # Differ run to run by nature: how long the simulation took, where it wrote.
 UNCOMPARED = ["sim_wall_s", "sim_requests_per_wall_s", "run_dir"]
 LAUNCHERS = {
@@ -54,10 +59,14 @@ def sweeps(tmp_path_factory):
     for name, (args, plugin) in LAUNCHERS.items():
         if missing(plugin):
             continue
-        out = tmp_path_factory.mktemp(name) / "sweep"
-        cmd = [sys.executable, "-m", "sim.run", "-m", *args, *SWEEP, f"hydra.sweep.dir={out}"]
-        procs[name] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True), out)
+        # One Ray instance at a time (two starting together on 2 loaded cores can miss Ray's
+        # start-up timeout): searches go through submitit_local, which carries Hydra's state
+        # into each job as the Ray launcher does.
+        for module, settings in (("sim.run", SWEEP), ("sim.search", SEARCHES))[:1 if name == "ray" else 2]:
+            out = tmp_path_factory.mktemp(name) / "sweep"
+            cmd = [sys.executable, "-m", module, "-m", *args, *settings, f"hydra.sweep.dir={out}"]
+            procs[name, module] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                                    stderr=subprocess.STDOUT, text=True), out)
     yield procs
     for p, _ in procs.values():
         if p.poll() is None:
@@ -65,10 +74,15 @@ def sweeps(tmp_path_factory):
         p.communicate()
 
 
-def report(sweeps, name: str) -> pd.DataFrame:
-    proc, out = sweeps[name]
+def finished(sweeps, name: str, module: str) -> tuple[Path, str]:
+    proc, out = sweeps[name, module]
     log, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, f"{name}: rc={proc.returncode}\n{log[-4000:]}"
+    assert proc.returncode == 0, f"{module} through {name}: rc={proc.returncode}\n{log[-4000:]}"
+    return out, log
+
+
+def report(sweeps, name: str) -> pd.DataFrame:
+    out, log = finished(sweeps, name, "sim.run")
     assert "table and plots written to" in log, log[-2000:]
     table = pd.read_csv(out / "summary.csv")  # sim.report's table, written as the sweep ended
     assert len(table) == 4 and table.finished.eq(60).all(), table
@@ -90,3 +104,19 @@ def test_sweep_through_a_cluster_launcher_reports_what_joblib_reports(sweeps, na
     # Four different runs (two policies, two rates), each equal to its joblib twin, number for number.
     assert got.overrides.nunique() == 4 and got.requests_per_s.nunique() > 1
     pd.testing.assert_frame_equal(got.drop(columns=UNCOMPARED), want.drop(columns=UNCOMPARED), check_exact=True)
+
+
+def searched(sweeps, name: str) -> list[dict]:
+    out, _ = finished(sweeps, name, "sim.search")
+    results = [json.loads(f.read_text()) for f in sorted(out.glob("*/search.json"))]
+    assert [r["target_rate"] for r in results] == [6, 24]
+    return results
+
+
+def test_searches_through_submitit_choose_what_joblib_chooses(sweeps):
+    reason = missing(LAUNCHERS["submitit_local"][1])
+    if reason:
+        pytest.skip(reason)
+    got, want = searched(sweeps, "submitit_local"), searched(sweeps, "joblib")
+    assert got == want  # choices, their checks, Pareto sets: no wall times or paths in search.json
+    assert all(r["chosen"]["verified"] and r["pareto"] for r in got)
