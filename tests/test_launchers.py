@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +52,8 @@ def sweeps(tmp_path_factory):
     """All the sweeps started at once (mostly they wait: on imports, on submitit's polling, on
     Ray starting), each into a directory of its own."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
+    # Ray waits 60 s for its node to register by default; a loaded 2-core machine may need longer.
+    env.update(OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s="180")
     procs = {}
     if all(missing(plugin) for _, plugin in LAUNCHERS.values() if plugin):
         yield procs  # every test skips: no baseline to run
@@ -66,11 +68,11 @@ def sweeps(tmp_path_factory):
             out = tmp_path_factory.mktemp(name) / "sweep"
             cmd = [sys.executable, "-m", module, "-m", *args, *settings, f"hydra.sweep.dir={out}"]
             procs[name, module] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                                    stderr=subprocess.STDOUT, text=True), out)
+                                                    stderr=subprocess.STDOUT, text=True, start_new_session=True), out)
     yield procs
     for p, _ in procs.values():
-        if p.poll() is None:
-            p.kill()  # only after a failed test: each sweep ends by itself (Ray's instance with it)
+        if p.poll() is None:  # only after a failed test: each sweep ends by itself (Ray's instance with it)
+            os.killpg(p.pid, signal.SIGKILL)  # the sweep's own process group: its jobs, Ray's processes
         p.communicate()
 
 
