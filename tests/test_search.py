@@ -24,7 +24,7 @@ TARGET = 12.0
 # can, an A100 or H100 can; cpu_2core has no price. Short trace, coarse bisection: seconds.
 TINY = ["workload.limit=60", "engine.gpu_memory_utilization=0.3", "capacity.rel_tol=0.3",
         f"search.target_rate={TARGET}", "search.hardware=[a40,a100_80gb_sxm,h100_sxm,cpu_2core]",
-        "search.tensor=[1,2]", "search.scheduler=[chunked]", "search.max_num_batched_tokens=[512,2048]",
+        "search.tensor=[1,2]", "search.scheduler=[chunked]", "search.max_num_batched_tokens=[512]",
         "slo.ttft_s=1", "slo.tpot_s=0.05"]
 
 
@@ -54,11 +54,11 @@ def test_search_finds_the_cheapest_checked_deployment_and_its_pareto_set(tiny_se
     # Pruned, each with its reason: TP1 does not fit, cpu_2core has no price (a line, not a row).
     assert "cpu_2core: no cost_per_gpu_hour" in stdout and set(table.hardware) == {"a40", "a100_80gb_sxm", "h100_sxm"}
     unfit = table[table.status == "does not fit"]
-    assert set(zip(unfit.hardware, unfit.tensor)) == {("a40", 1)} and len(unfit) == 2
+    assert set(zip(unfit.hardware, unfit.tensor)) == {("a40", 1)} and len(unfit) == 1
     assert unfit.reason.str.contains("use at least 2 GPUs").all()
     assert table[table.status != "does not fit"].status.isin(["ok", "misses SLOs"]).all(), table.reason
     ok = table[table.status == "ok"]
-    assert len(ok) >= 6
+    assert len(ok) >= 3
     assert (ok.replicas == [replicas_for(TARGET, c) for c in ok.replica_capacity]).all()
     assert ok.cost_per_hour.tolist() == pytest.approx((ok.replicas * ok.tensor * ok.cost_per_gpu_hour).tolist())
 
