@@ -25,6 +25,8 @@ COMMANDS = [
     ("varlen.run", ["workload.num_requests=4", "progress=false"], "finished"),
     ("sim.run", ["workload.limit=40"], "finished"),  # its default trace, shipped gzipped
     ("sim.capacity", ["workload.limit=40", "slo.ttft_s=2", "slo.tpot_s=0.2", "capacity.rel_tol=0.5"], "capacity"),
+    ("sim.search", ["workload.limit=30", "capacity.rel_tol=0.5", "search.hardware=[h100_sxm]", "search.tensor=[1]",
+                    "search.scheduler=[chunked]", "search.max_num_batched_tokens=[512]"], "cheapest"),
     ("sim.explain", [], "attention"),
     ("varlen.demo", [], "max"),
 ]
@@ -90,7 +92,7 @@ def test_installed_packages_come_from_the_wheel(installed, tmp_path):
     assert len(paths) == 8 and all(p.startswith(str(installed)) for p in paths), paths
     # The commands' config roots are real folders in the wheel (setuptools copies the links).
     for root, groups in (("run", ["allocator", "backend", "model", "scheduler", "workload"]),
-                         ("sim", ["allocator", "hardware", "scheduler", "sim_model", "sim_workload"])):
+                         ("sim", ["allocator", "hardware", "hydra", "scheduler", "sim_model", "sim_workload"])):
         assert sorted(p.name for p in (installed / "conf" / root).iterdir() if p.is_dir()) == groups
     assert sorted(p.name for p in (installed / "varlen" / "traces_data").iterdir()) == sorted(
         [f"{f}.gz" for f in NAMED_TRACES.values()] + ["README.md", "AzureLLMInferenceDataset2023.md",

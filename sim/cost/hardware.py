@@ -33,6 +33,7 @@ class HardwareSpec:
     estimated: bool = False  # True when the figures are estimates rather than datasheet values
     profile_gpu: str | None = None  # its name in measured operator tables (cost.model=measured)
     node: str | None = None  # the node it sits in, for collective tables (tensor/pipeline parallelism)
+    cost_per_gpu_hour: float | None = None  # USD, an estimate (python -m sim.search); None: no price
 
     @property
     def flops(self) -> float:

@@ -1,0 +1,482 @@
+"""`python -m sim.search`: the cheapest deployment that meets the SLOs at a target rate.
+
+    python -m sim.search search.target_rate=20 slo.ttft_s=1 slo.tpot_s=0.05 workload.limit=2000
+    python -m sim.search search.hardware=[h100_sxm] search.tensor=[1,2,4] search.pipeline=[1,2]
+
+Config: conf/sim/search.yaml (sim.yaml plus `search.*`). A plain grid: hardware x TP x PP x policy
+x token budget (`search.*` lists). Each point is one replica; the search
+
+1. prunes points whose weights do not fit (sim/parallel.py's capacity check, its message kept) and
+   hardware without a price (`cost_per_gpu_hour` in conf/hardware/*.yaml, an estimate);
+2. finds one replica's SLO capacity with sim.capacity's bisection on workload.rate (capacity.*);
+3. sizes the deployment: replicas = ceil(target / replica capacity), cost per hour = replicas x
+   GPUs per replica x cost per GPU-hour, its capacity estimated as replicas x replica capacity;
+4. checks the cheapest by simulating the whole deployment (cluster.replicas, the router set) at the
+   target rate; one that misses the SLOs gets another replica and goes back in the queue, so the
+   answer is the cheapest deployment whose check passed (up to search.max_verify checks).
+
+Prints the Pareto set (no other deployment is as cheap with as much capacity) and writes
+search.csv (every point, with why it was left out), search.json (the settings, the choice, its
+check, the Pareto set), pareto.png and the checked run's tables (verified/) to the run directory.
+
+Disaggregated prefill/decode (a P/D split instead of replicas) is a `search.cluster_mode` option
+for when sim.run has cluster.mode=disaggregated; until then only `colocated` is searched.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import hydra
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from sim.run import CONF
+from varlen.cli import SettingError, number
+
+# What a grid point sets; set on the command line, it would be silently replaced by the grid.
+SWEPT = {"hardware": "search.hardware", "parallel.tensor": "search.tensor", "parallel.pipeline": "search.pipeline",
+         "scheduler": "search.scheduler", "scheduler.max_num_batched_tokens": "search.max_num_batched_tokens",
+         "cluster.replicas": "(derived from the target rate)", "workload.rate": "search.target_rate"}
+MODES = ("colocated",)  # + "disaggregated" once sim.run has cluster.mode (see _mode_overrides)
+
+
+@dataclass
+class Point:
+    """One grid point (one replica's design) and what the search found for it."""
+
+    hardware: str
+    tensor: int
+    pipeline: int
+    scheduler: str
+    budget: int | None  # scheduler.max_num_batched_tokens; None: the policy's default
+    mode: str = "colocated"
+    cost_per_gpu_hour: float = math.nan
+    status: str = "pending"  # ok | does not fit | misses SLOs | over max_gpus | error
+    reason: str = ""
+    replica_capacity: float | None = None  # req/s one replica sustains within the SLOs
+    capacity_at_top: bool = False  # the bisection's top (capacity.high) met the SLOs: a lower bound
+    probes: int = 0
+    replicas: int | None = None
+    verified: bool | None = None  # None: not checked; True / False: the check's verdict
+    verified_attainment: float | None = None
+    checks: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tensor * self.pipeline
+
+    @property
+    def gpus(self) -> int:
+        return (self.replicas or 0) * self.gpus_per_replica
+
+    @property
+    def cost_per_hour(self) -> float:
+        return self.gpus * self.cost_per_gpu_hour
+
+    @property
+    def capacity(self) -> float:
+        """The deployment's capacity, estimated: replicas x one replica's."""
+        return (self.replicas or 0) * (self.replica_capacity or 0.0)
+
+    def overrides(self) -> list[str]:
+        o = [f"hardware={self.hardware}", f"parallel.tensor={self.tensor}", f"parallel.pipeline={self.pipeline}",
+             f"scheduler={self.scheduler}"]
+        if self.budget is not None:
+            o.append(f"scheduler.max_num_batched_tokens={self.budget}")
+        return o + _mode_overrides(self.mode)
+
+    def label(self) -> str:
+        b = "default" if self.budget is None else self.budget
+        return f"{self.hardware} TP{self.tensor} PP{self.pipeline} {self.scheduler}/{b}"
+
+    def row(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "checks"}
+        d.update(gpus_per_replica=self.gpus_per_replica, gpus=self.gpus if self.replicas else None,
+                 cost_per_hour=self.cost_per_hour if self.replicas else None,
+                 capacity=self.capacity if self.replicas else None)
+        return d
+
+
+def _mode_overrides(mode: str) -> list[str]:
+    """The sim.run settings of a cluster mode. The hook for a P/D split: a disaggregated point
+    would carry its prefill and decode pools (cluster.prefill_replicas / decode_replicas) here,
+    and be sized per pool rather than by whole replicas."""
+    if mode == "colocated":
+        return []
+    raise SettingError(f"search.cluster_mode={mode!r}: only {', '.join(MODES)} is searched yet (a disaggregated "
+                       f"P/D split needs sim.run's cluster.mode=disaggregated first)")
+
+
+def pareto_front(points: Sequence[Point]) -> list[Point]:
+    """The points no other dominates (as cheap or cheaper with as much capacity or more, better in
+    one), cheapest first."""
+    def dominates(a: Point, b: Point) -> bool:
+        return (a.cost_per_hour <= b.cost_per_hour and a.capacity >= b.capacity
+                and (a.cost_per_hour < b.cost_per_hour or a.capacity > b.capacity))
+
+    front = [p for p in points if not any(dominates(q, p) for q in points if q is not p)]
+    return sorted(front, key=lambda p: (p.cost_per_hour, -p.capacity))
+
+
+def replicas_for(target: float, replica_capacity: float) -> int:
+    """Whole replicas whose summed capacity reaches the target (a hair of float slack)."""
+    return max(1, math.ceil(target / replica_capacity * (1 - 1e-9)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+
+
+def _names(cfg: DictConfig, key: str) -> list[Any]:
+    v = OmegaConf.select(cfg, key)
+    if OmegaConf.is_list(v):
+        v = list(OmegaConf.to_container(v))
+    elif v is not None and not OmegaConf.is_config(v):
+        v = [v]  # one option given bare: search.hardware=h100_sxm
+    if not isinstance(v, list) or not v:
+        raise SettingError(f"{key}={v!r}: give a non-empty list, e.g. {key}=[a,b]")
+    return v
+
+
+def _ints(cfg: DictConfig, key: str, none_ok: bool = False) -> list[int | None]:
+    out = []
+    for x in _names(cfg, key):
+        if x is None and none_ok:
+            out.append(None)
+        elif isinstance(x, int) and not isinstance(x, bool) and x >= 1:
+            out.append(x)
+        else:
+            raise SettingError(f"{key} holds {x!r}: give whole numbers >= 1" + (" or null" if none_ok else ""))
+    return out
+
+
+def hardware_prices(cfg: DictConfig) -> tuple[dict[str, float], list[str]]:
+    """({name: USD per GPU-hour} of the hardware searched, lines saying what was left out)."""
+    from conf import conf_dir
+
+    own = OmegaConf.to_container(cfg.search.get("cost_per_gpu_hour") or OmegaConf.create({}))
+    if not isinstance(own, dict):
+        raise SettingError(f"search.cost_per_gpu_hour={own!r}: give a mapping {{hardware name: USD per GPU-hour}}")
+    names = [str(n) for n in _names(cfg, "search.hardware")]
+    known = sorted(p.stem for p in conf_dir("hardware").glob("*.yaml"))
+    for n in [*names, *own]:
+        if n not in known:
+            raise SettingError(f"search.hardware: unknown hardware {n!r}; choose from {', '.join(known)}")
+    prices, left_out = {}, []
+    for n in names:
+        price = own.get(n, OmegaConf.load(conf_dir("hardware", f"{n}.yaml")).get("cost_per_gpu_hour"))
+        if price is None:
+            left_out.append(f"{n}: no cost_per_gpu_hour (conf/hardware/{n}.yaml), left out of the search; "
+                            f"give one with search.cost_per_gpu_hour={{{n}: USD}}")
+        elif isinstance(price, bool) or not isinstance(price, (int, float)) or not price > 0:
+            raise SettingError(f"cost_per_gpu_hour of {n} is {price!r}: give a price > 0 (USD per GPU-hour)")
+        else:
+            prices[n] = float(price)
+    if not prices:
+        raise SettingError("no hardware to search: none of search.hardware has a cost_per_gpu_hour; "
+                           "give prices with search.cost_per_gpu_hour={name: USD}")
+    return prices, left_out
+
+
+def check_search_settings(cfg: DictConfig, task_overrides: Iterable[str] = ()) -> None:
+    from sim.capacity import check_capacity_settings
+
+    check_capacity_settings(cfg)
+    number(cfg, "search.target_rate", low=0, low_open=True, hint=" (requests/s the deployment must sustain)")
+    number(cfg, "search.max_gpus", low=1, integer=True)
+    number(cfg, "search.max_verify", low=1, integer=True, hint=" (simulations at the target rate)")
+    for o in task_overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key in SWEPT:
+            raise SettingError(f"{o}: the search sets {key} itself; give its options with {SWEPT[key]}")
+    for m in _names(cfg, "search.cluster_mode"):
+        _mode_overrides(str(m))
+    from varlen import registry
+
+    for s in _names(cfg, "search.scheduler"):
+        try:
+            registry.spec("scheduler", str(s))  # an unknown policy fails now, with the known ones
+        except ValueError as e:
+            raise SettingError(f"search.scheduler: {e}") from None
+    _ints(cfg, "search.tensor")
+    _ints(cfg, "search.pipeline")
+    _ints(cfg, "search.max_num_batched_tokens", none_ok=True)
+
+
+def grid(cfg: DictConfig, prices: Mapping[str, float]) -> list[Point]:
+    return [Point(hw, tp, pp, str(s), b, str(m), prices[hw])
+            for hw in prices for tp in _ints(cfg, "search.tensor") for pp in _ints(cfg, "search.pipeline")
+            for s in _names(cfg, "search.scheduler") for b in _ints(cfg, "search.max_num_batched_tokens", True)
+            for m in _names(cfg, "search.cluster_mode")]
+
+
+# ---------------------------------------------------------------------------------------------
+# The search
+
+
+class Search:
+    """Runs the grid. `compose(overrides)` gives the full config of a point (Hydra's compose of
+    this command's config with the command line's overrides and the point's)."""
+
+    def __init__(self, cfg: DictConfig, compose: Any, labels: Mapping[str, Any], log: Any = print) -> None:
+        self.cfg, self.compose, self.labels, self.log = cfg, compose, dict(labels), log
+        self.target = float(cfg.search.target_rate)
+        self.attainment = float(cfg.capacity.attainment)
+
+    def config(self, p: Point, replicas: int = 1, rate: float | None = None) -> DictConfig:
+        c = self.compose([*p.overrides(), f"cluster.replicas={replicas}"])
+        if rate is not None:
+            with open_dict(c):
+                c.workload.rate = rate
+        return c
+
+    def _labels(self, p: Point) -> dict[str, Any]:
+        return {**self.labels, "scheduler": p.scheduler, "overrides": " ".join(p.overrides())}
+
+    def fits(self, p: Point, c: DictConfig) -> str | None:
+        """Why one replica of `p` cannot hold the model and a KV block, or None when it can."""
+        from sim.cost.hardware import HardwareSpec
+        from sim.parallel import Parallelism, capacity
+        from sim.run import load_sim_model
+
+        if c.engine.num_blocks is not None:
+            return None  # a pool size given: the simulation's own checks decide
+        par = Parallelism(p.tensor, p.pipeline)
+        try:
+            hw = HardwareSpec.from_dict(OmegaConf.to_container(c.hardware, resolve=True))
+            cap = capacity(load_sim_model(c.sim_model.config), hw, par, c.engine.gpu_memory_utilization,
+                           name=c.sim_model.name)
+        except ValueError as e:
+            return " ".join(str(e).split())
+        if cap.kv_tokens // c.engine.block_size // par.pipeline < 1:
+            return f"no room for a KV block next to the weights on {hw.name} (TP{p.tensor} PP{p.pipeline})"
+        return None
+
+    def replica_capacity(self, p: Point) -> None:
+        from sim.capacity import bisect_rate
+        from sim.run import simulate_config
+
+        if p.gpus_per_replica > int(self.cfg.search.max_gpus):
+            p.status, p.reason = "over max_gpus", f"one replica needs {p.gpus_per_replica} GPUs > search.max_gpus"
+            return
+        c = self.config(p)
+        why = self.fits(p, c)
+        if why:
+            p.status, p.reason = "does not fit", why
+            return
+
+        def meets(rate: float) -> tuple[bool, dict[str, Any]]:
+            with open_dict(c):
+                c.workload.rate = rate
+            _, row = simulate_config(c, self._labels(p))
+            return row["slo_attainment"] >= self.attainment, {"slo_attainment": row["slo_attainment"]}
+
+        try:
+            best, probes = bisect_rate(meets, float(c.capacity.low), float(c.capacity.high), float(c.capacity.rel_tol))
+        except (ValueError, KeyError) as e:  # a setting of this point the simulation refuses
+            p.status, p.reason = "error", " ".join(str(e).split())[:300]
+            return
+        p.probes = len(probes)
+        if best is None:
+            p.status, p.reason = "misses SLOs", f"misses the SLOs even at capacity.low={c.capacity.low} req/s"
+            return
+        p.replica_capacity, p.capacity_at_top = best, best >= float(c.capacity.high)
+        p.replicas = replicas_for(self.target, best)
+        if p.gpus > int(self.cfg.search.max_gpus):
+            p.status, p.reason = "over max_gpus", f"needs {p.gpus} GPUs > search.max_gpus={self.cfg.search.max_gpus}"
+            return
+        p.status = "ok"
+
+    def verify(self, p: Point) -> tuple[bool, Any, dict[str, Any], DictConfig]:
+        """Simulate the deployment (p.replicas replicas) at the target rate."""
+        from sim.run import simulate_config
+
+        assert p.replicas is not None
+        c = self.config(p, p.replicas, self.target)
+        res, row = simulate_config(c, self._labels(p))
+        ok = row["slo_attainment"] >= self.attainment
+        p.checks.append({"replicas": p.replicas, "slo_attainment": row["slo_attainment"], "meets": ok})
+        p.verified, p.verified_attainment = ok, row["slo_attainment"]
+        return ok, res, row, c
+
+    def cheapest_verified(self, points: Sequence[Point]) -> tuple[Point | None, Any, dict[str, Any] | None, Any]:
+        """The cheapest deployment whose simulation at the target rate meets the SLOs: check
+        deployments cheapest first; one that misses gets a replica more and goes back in line."""
+        max_gpus, budget = int(self.cfg.search.max_gpus), int(self.cfg.search.max_verify)
+        line = [(p.cost_per_hour, -p.capacity, i) for i, p in enumerate(points) if p.status == "ok"]
+        heapq.heapify(line)
+        while line and budget > 0:
+            _, _, i = heapq.heappop(line)
+            p = points[i]
+            budget -= 1
+            ok, res, row, c = self.verify(p)
+            self.log(f"check {p.label()} x{p.replicas} at {self.target:g} req/s: SLO attainment "
+                     f"{row['slo_attainment']:.1%} -> {'meets' if ok else 'misses'} the SLOs")
+            if ok:
+                return p, res, row, c
+            if (p.replicas + 1) * p.gpus_per_replica > max_gpus:
+                p.status, p.reason = "over max_gpus", (f"missed the SLOs at the target with {p.replicas} replicas; "
+                                                       f"one more exceeds search.max_gpus={max_gpus}")
+                continue
+            p.replicas += 1
+            p.verified = None  # this size is not checked yet (p.checks keeps the miss)
+            heapq.heappush(line, (p.cost_per_hour, -p.capacity, i))
+        return None, None, None, None
+
+    def run(self, points: Sequence[Point]) -> tuple[Point | None, Any, dict[str, Any] | None, Any]:
+        for k, p in enumerate(points, 1):
+            self.replica_capacity(p)
+            if p.status == "ok":
+                bound = ">=" if p.capacity_at_top else ""
+                self.log(f"[{k}/{len(points)}] {p.label()}: one replica {bound}{p.replica_capacity:.3g} req/s -> "
+                         f"{p.replicas} replica(s), {p.gpus} GPUs, ${p.cost_per_hour:.2f}/h")
+            else:
+                self.log(f"[{k}/{len(points)}] {p.label()}: {p.status}: {p.reason}")
+        return self.cheapest_verified(points)
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+TABLE = [("hardware", "hardware"), ("tensor", "TP"), ("pipeline", "PP"), ("scheduler", "policy"),
+         ("budget", "budget"), ("replica_capacity", "replica req/s"), ("replicas", "replicas"), ("gpus", "GPUs"),
+         ("cost_per_hour", "$/h"), ("capacity", "capacity req/s"), ("verified", "verified")]
+
+
+def pareto_table(front: Sequence[Point], chosen: Point | None) -> str:
+    import pandas as pd
+
+    rows = []
+    for p in front:
+        r = p.row()
+        rows.append({head: r[k] for k, head in TABLE})
+        rows[-1]["budget"] = "default" if p.budget is None else p.budget
+        bound = ">=" if p.capacity_at_top else ""  # the bisection's top met the SLOs
+        rows[-1]["replica req/s"] = f"{bound}{p.replica_capacity:.3g}"
+        rows[-1]["capacity req/s"] = f"{bound}{p.capacity:.3g}"
+        rows[-1]["$/h"] = f"{p.cost_per_hour:.2f}"
+        rows[-1]["verified"] = {None: "-", True: "yes", False: "no"}[p.verified]
+        rows[-1][""] = "<- chosen" if p is chosen else ""
+    df = pd.DataFrame(rows)
+    return df.to_string(index=False)
+
+
+def plot_pareto(points: Sequence[Point], front: Sequence[Point], chosen: Point | None, target: float,
+                path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ok = [p for p in points if p.replicas and p.status == "ok"]
+    ax.scatter([p.cost_per_hour for p in ok], [p.capacity for p in ok], s=14, c="0.6", label="deployments")
+    ax.step([p.cost_per_hour for p in front], [p.capacity for p in front], "o-", where="post", c="C0",
+            label="Pareto set")
+    same: dict[tuple[float, float], list[str]] = {}  # ties (e.g. two policies alike) share one label
+    for p in front:
+        same.setdefault((p.cost_per_hour, p.capacity), []).append(
+            f"{'>=' if p.capacity_at_top else ''}{p.label()} x{p.replicas}")
+    for xy, labels in same.items():
+        ax.annotate("\n".join(labels), xy, fontsize=7, xytext=(4, -4), textcoords="offset points", va="top")
+    if chosen is not None:
+        ax.scatter([chosen.cost_per_hour], [chosen.capacity], marker="*", s=220, c="C3", zorder=5,
+                   label="cheapest, checked at the target")
+    ax.axhline(target, ls="--", c="C2", lw=1, label=f"target {target:g} req/s")
+    ax.set_xlabel("cost (USD per hour, estimated GPU prices)")
+    ax.set_ylabel("capacity within the SLOs (requests/s)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def sim_run_args(task: Sequence[str], cfg: DictConfig, p: Point) -> list[str]:
+    """The `python -m sim.run` arguments that simulate deployment `p` at the target rate as the
+    search checked it: the command line's settings but the search's own, the trace limit
+    search.yaml sets (sim.yaml has none), the point's settings."""
+    args = [o for o in task if not o.split("=", 1)[0].lstrip("+~").startswith("search.")]
+    if not any(o.split("=", 1)[0] == "workload.limit" for o in args):
+        args.append(f"workload.limit={cfg.workload.limit}")
+    return [*args, *p.overrides(), f"cluster.replicas={p.replicas}", f"workload.rate={cfg.search.target_rate}"]
+
+
+@hydra.main(config_path=CONF, config_name="search", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    import pandas as pd
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+
+    from sim.capacity import slo_text
+    from sim.run import hydra_labels, write_outputs
+    from varlen.cli import errors_to_exit, fail, interrupted
+
+    hc = HydraConfig.get()
+    out = Path(hc.runtime.output_dir)
+    task = list(hc.overrides.task)
+    points: list[Point] = []
+
+    def write_table() -> None:
+        if points:
+            pd.DataFrame([p.row() for p in points]).to_csv(out / "search.csv", index=False)
+
+    try:
+        check_search_settings(cfg, task)
+        prices, left_out = hardware_prices(cfg)
+        for line in left_out:
+            print(f"note: {line}")
+        points = grid(cfg, prices)
+        print(f"deployment search: {len(points)} replica designs for {cfg.search.target_rate:g} req/s, SLO "
+              f"{slo_text(cfg)} for {cfg.capacity.attainment:.0%} of requests, {cfg.sim_model.name}, "
+              f"{cfg.workload.source} (limit {cfg.workload.limit})", flush=True)
+        search = Search(cfg, lambda o: compose(config_name="search", overrides=[*task, *o]), hydra_labels(),
+                        log=lambda s: print(s, flush=True))
+        chosen, res, row, ccfg = search.run(points)
+    except errors_to_exit() as err:
+        fail(str(err))
+    except KeyboardInterrupt:
+        write_table()
+        interrupted(f"search stopped; the points done so far are in {out / 'search.csv'}" if points
+                    else f"nothing written to {out}")
+    write_table()
+    front = pareto_front([p for p in points if p.status == "ok"])
+    if chosen is not None:
+        write_outputs(res, row, out / "verified", ccfg)
+    plot_pareto(points, front, chosen, search.target, out / "pareto.png")
+    result = {"target_rate": search.target, "slo_ttft_s": cfg.slo.ttft_s, "slo_tpot_s": cfg.slo.tpot_s,
+              "slo_tbt_s": cfg.slo.get("tbt_s"), "attainment": search.attainment, "model": cfg.sim_model.name,
+              "trace": cfg.workload.source, "limit": cfg.workload.limit, "left_out": left_out,
+              "cluster_modes_searched": list(_names(cfg, "search.cluster_mode")),
+              "chosen": None if chosen is None else {**chosen.row(), "checks": chosen.checks,
+                                                     "sim_run": " ".join(sim_run_args(task, cfg, chosen))},
+              "pareto": [p.row() for p in front]}
+    (out / "search.json").write_text(json.dumps(result, indent=2, default=str))
+    print(f"\nPareto set (cost vs capacity; capacity = replicas x one replica's, estimated; "
+          f"{len(front)} of {sum(p.status == 'ok' for p in points)} deployments):")
+    print(pareto_table(front, chosen))
+    if chosen is None:
+        print(f"\nno deployment was checked to meet the SLOs at {search.target:g} req/s "
+              f"(search.max_verify={cfg.search.max_verify}, search.max_gpus={cfg.search.max_gpus}); see search.csv")
+    else:
+        print(f"\ncheapest: {chosen.label()} x{chosen.replicas} replicas = {chosen.gpus} GPUs, "
+              f"${chosen.cost_per_hour:.2f}/h; at {search.target:g} req/s SLO attainment "
+              f"{chosen.verified_attainment:.1%} (simulated)")
+        print(f"  python -m sim.run {result['chosen']['sim_run']}")
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    from varlen.cli import run_cli
+
+    # The entry point by its importable name, not __main__'s: a launcher that pickles the task
+    # (submitit) then pickles it by reference. By value, cloudpickle < 3 (which the Ray launcher
+    # pins) rebuilds Point without its dataclass fields, and the job fails.
+    from sim.search import main as entry
+
+    run_cli(entry)
