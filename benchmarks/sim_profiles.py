@@ -207,7 +207,8 @@ def parallel_table(limit: int) -> None:
     from hydra import compose, initialize_config_dir
 
     from sim.cost.hardware import load_model_config
-    from sim.parallel import Parallelism, build_cost_model, capacity
+    from sim.cost.registry import build_cost_model
+    from sim.parallel import Parallelism, capacity
     from sim.run import CONF, simulate_config
 
     print(f"TP/PP sanity: decode step = 64 requests at 2k context each; prefill = one 4096-token prompt; "
