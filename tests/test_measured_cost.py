@@ -253,6 +253,36 @@ def test_profiler_writes_tables_the_measured_model_reads(tmp_path: Path) -> None
     assert main(["--model", str(tmp_path), "--out", str(tmp_path)]) == 2  # not a model folder
 
 
+def test_profiler_times_collectives_on_cpu_with_gloo(tmp_path: Path) -> None:
+    """python -m sim.profile --collectives 2 on CPU: two gloo processes time all-reduce and
+    send/recv (the torch.distributed path a multi-GPU machine runs with NCCL); the tables are in
+    the shipped layout and the measured model's collectives read their medians back."""
+    import csv
+
+    from sim.cost.operators import Collectives, Profiles, read_collective_table
+    from sim.profile import main
+
+    assert main(["--only-collectives", "--collectives", "2", "--node", "cpu_pair", "--sizes", "1024,65536",
+                 "--repeats", "2", "--out", str(tmp_path)]) == 0
+    folder = tmp_path / "network" / "cpu_pair"
+    shipped = gzip.decompress((SHIPPED / "network" / "h100_dgx" / "all_reduce.csv.gz").read_bytes()).decode()
+    for kind in ("all_reduce", "send_recv"):
+        with (folder / f"{kind}.csv").open() as f:
+            rows = list(csv.DictReader(f))
+        assert list(rows[0]) == shipped.splitlines()[0].replace("all_reduce", kind).split(",")
+        assert [(r["num_workers"], r["size"], r["devices_per_node"]) for r in rows] == [("2", "1024", "2"), ("2", "65536", "2")]
+        table = read_collective_table(folder / f"{kind}.csv", "cpu_pair", kind)
+        size, ms = table.curves[(2, 2)]
+        assert list(size) == [1024, 65536] and np.all(ms > 0)
+        assert list(ms) == [float(r[f"time_stats.{kind}.median"]) for r in rows]
+    comm = Collectives("cpu_pair", Profiles([tmp_path]))
+    np.testing.assert_allclose(comm.all_reduce_ms(np.array([1024.0, 65536.0]), 2),  # exp(log): to rounding
+                               read_collective_table(folder / "all_reduce.csv", "cpu_pair", "all_reduce").curves[(2, 2)][1],
+                               rtol=1e-12)
+    assert comm.has_measured_all_reduce(2) and comm.send_recv_ms(np.array([1024.0]))[0] > 0
+    assert main(["--only-collectives", "--collectives", "1", "--out", str(tmp_path)]) == 2
+
+
 def test_attention_calibration_recovers_the_rates_of_a_table(tmp_path: Path) -> None:
     from sim.cost.operators import ATTENTION_COLUMNS, calibrate_attention
 
