@@ -193,7 +193,7 @@ def load_path(options: Mapping[str, Any], model: str, what: str, load: Callable[
     """cost.path read by `load`, with one-line errors: unset, not a file, not `what`."""
     path = settings(options, model, ("path",)).get("path")
     if path is None:
-        raise ValueError(f"cost.model={model} needs cost.path ({what})")
+        raise ValueError(f"cost.model={model} needs cost.path: {what}")
     if not Path(str(path)).is_file():
         raise ValueError(f"cost.path={str(path)!r} is not a file; give {what}")
     try:

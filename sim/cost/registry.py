@@ -27,8 +27,11 @@ def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Any,
 
     options = {k: v for k, v in dict(cost).items() if v is not None}
     name = options.pop("model", None) or "roofline"
-    spec = registry.spec("cost", name)
-    cls = registry.target("cost", spec)
+    try:
+        spec = registry.spec("cost", name)
+        cls = registry.target("cost", spec)
+    except ValueError as e:
+        raise ValueError(f"cost.model={name}: {e}") from None
     if not (isinstance(cls, type) and issubclass(cls, CostModel)):
         raise ValueError(f"cost.model={name}: {spec._target_} is not a cost model (a subclass of "
                          f"sim.cost.base.CostModel)")
