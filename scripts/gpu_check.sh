@@ -173,4 +173,4 @@ else
   grep -vE "^\s*$" "$bench_log" | tail -15
 fi
 echo "$prof_note"
-grep -E -- "->|collectives|total" "$prof_log" | head -12
+grep -E -- "->|collectives|total" "$prof_log" | head -12 || true
