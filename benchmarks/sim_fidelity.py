@@ -27,12 +27,16 @@ import argparse
 import dataclasses
 import gc
 import os
+import sys
 import tempfile
 import time
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages, not another install's
 
 
 class CpuClock:

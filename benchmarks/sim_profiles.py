@@ -64,7 +64,9 @@ def roofline_layer_ms(hw: HardwareSpec, key, tp: int, m: np.ndarray) -> np.ndarr
     return np.maximum(2.0 * params * m / hw.flops, ((params + 2 * key.hidden) * d + act * m) / hw.bandwidth) * 1e3
 
 
-def operator_errors() -> dict[tuple[str, int], dict[str, list[np.ndarray]]]:
+def operator_errors(cases: list[dict] | None = None) -> dict[tuple[str, int], dict[str, list[np.ndarray]]]:
+    """|error| per (operator group, token range) and predictor; `cases` (if given) gets one row
+    per (GPU, held-out table, TP) with the whole layer's signed error where it is largest."""
     prof = load_profiles()
     errs: dict[tuple[str, int], dict[str, list[np.ndarray]]] = defaultdict(lambda: defaultdict(list))
     for gpu in prof.gpus:
@@ -83,6 +85,11 @@ def operator_errors() -> dict[tuple[str, int], dict[str, list[np.ndarray]]]:
                         roof = sum(roofline_gemm_ms(hw, tok, *dims[o]) for o in ops)
                     elif g.startswith("layer"):
                         roof = roofline_layer_ms(hw, t.key, tp, tok)
+                    if cases is not None and g.startswith("layer"):
+                        e = p / meas - 1
+                        i = int(np.abs(e).argmax())
+                        cases.append({"gpu": gpu, "model": t.name, "tp": tp, "median_pct": float(np.median(np.abs(e))) * 100,
+                                      "max_pct": float(e[i]) * 100, "at_tokens": int(tok[i])})
                     for lo, hi in RANGES:
                         sel = (tok >= lo) & (tok <= hi)
                         if sel.any():
@@ -139,7 +146,8 @@ def main() -> None:
 
 
 def operator_table() -> list[dict]:
-    errs = operator_errors()
+    cases: list[dict] = []
+    errs = operator_errors(cases)
     rows: list[dict] = []
     print("Model shapes held out (every TP degree 1, 2, 4, 8 of it), predicted from the GEMM shapes of the "
           "other models profiled on the same GPU (a100, h100, a40); |error| in %")
@@ -163,6 +171,12 @@ def operator_table() -> list[dict]:
                          "roofline_max_pct": r[3] if r else None})
             rs = f"{r[1]:>14.1f}{r[2]:>6.1f}{r[3]:>7.1f}" if r else f"{'-':>14}{'-':>6}{'-':>7}"
             print(f"{g:<26}{label:>11}{n:>8}{med:>14.1f}{p95:>6.1f}{mx:>7.1f}{rs}")
+    print("\nWhere the layer's (all but attention) error is largest: per GPU, held-out table and TP degree, "
+          "signed error at its worst token count (+ = predicted slower)")
+    print(f"{'gpu':<6}{'held-out table':<30}{'TP':>4}{'median %':>10}{'worst %':>9}{'at tokens':>11}")
+    for c in sorted(cases, key=lambda c: -abs(c["max_pct"]))[:12]:
+        print(f"{c['gpu']:<6}{c['model']:<30}{c['tp']:>4}{c['median_pct']:>10.1f}{c['max_pct']:>+9.1f}{c['at_tokens']:>11}")
+        rows.append({"scenario": "worst_case", **c})
     return rows
 
 
@@ -193,7 +207,8 @@ def parallel_table(limit: int) -> None:
     from hydra import compose, initialize_config_dir
 
     from sim.cost.hardware import load_model_config
-    from sim.parallel import Parallelism, build_cost_model, capacity
+    from sim.cost.registry import build_cost_model
+    from sim.parallel import Parallelism, capacity
     from sim.run import CONF, simulate_config
 
     print(f"TP/PP sanity: decode step = 64 requests at 2k context each; prefill = one 4096-token prompt; "

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a session with a lent GPU runs, in one go: install the carried kernel wheels, run the
-# GPU tests, run `varlen.run` end to end on the triton backend, run the attention benchmark, print
-# one summary. Logs, the run's tables and the benchmark's JSON go to $OUT (the device tool brings
+# GPU tests, run `varlen.run` end to end on the triton backend, run the attention benchmark, profile
+# the GPU's operators for the simulator's measured cost model, print one summary. Logs, the run's tables and the benchmark's JSON go to $OUT (the device tool brings
 # that folder back), or /tmp/varlen-gpu-out elsewhere.
 #
 #   bash scripts/gpu_check.sh stage   # only collect carried wheel parts (see fetch_gpu_wheels.sh)
@@ -14,9 +14,13 @@
 #
 # Time shares of BUDGET (seconds, default 530: 9 minutes less a timeout's 10 s kill grace):
 #   GPU tests  SHARE_TESTS per dtype (default 120; GPU_DTYPES, default "bf16 fp16", in that order)
-#   end to end SHARE_RUN (default 100): python -m varlen.run backend=triton engine.device=cuda
-#   benchmark  SHARE_BENCH (default 150): decode B 1/16/64/256 x context 1k/8k vs the HBM
+#   end to end SHARE_RUN (default 80): python -m varlen.run backend=triton engine.device=cuda
+#   benchmark  SHARE_BENCH (default 120): decode B 1/16/64/256 x context 1k/8k vs the HBM
 #              roofline, prefill throughput; BENCH_ARGS adds arguments
+#   profile    SHARE_PROFILE (default 80): python -m sim.profile on the 50M shape in bf16 (its
+#              layers, the torch_sdpa attention backend, the engine's per-step cost; collectives
+#              over every GPU when there are several) into $OUT/profiles/, named PROFILE_GPU
+#              (default h200_sxm), then sim.explain reads them back (cost.model=measured)
 # Each part gets its share, or less when an earlier part overran, so that the later parts and the
 # summary keep theirs; the benchmark also stops starting cases at its share (--budget).
 # JIT caches (FlashInfer's nvcc builds, Triton's kernels) live in /tmp/varlen-jit, so a rerun on
@@ -26,8 +30,9 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 deadline=$(( $(date +%s) + ${BUDGET:-530} ))
 SHARE_TESTS=${SHARE_TESTS:-120}
-SHARE_RUN=${SHARE_RUN:-100}
-SHARE_BENCH=${SHARE_BENCH:-150}
+SHARE_RUN=${SHARE_RUN:-80}
+SHARE_BENCH=${SHARE_BENCH:-120}
+SHARE_PROFILE=${SHARE_PROFILE:-80}
 SUMMARY_RESERVE=10
 share() {  # seconds for a part: its share ($1), or what is left after the later parts' reserve ($2), at least 20
   local s=$(( deadline - $(date +%s) - $2 - SUMMARY_RESERVE ))
@@ -103,7 +108,7 @@ dtypes=(${GPU_DTYPES:-bf16 fp16})
 for i in "${!dtypes[@]}"; do
   dt=${dtypes[$i]}
   log="$OUT_DIR/pytest-$dt.log"
-  t=$(share "$SHARE_TESTS" $(( SHARE_RUN + SHARE_BENCH + SHARE_TESTS * (${#dtypes[@]} - i - 1) )))
+  t=$(share "$SHARE_TESTS" $(( SHARE_RUN + SHARE_BENCH + SHARE_PROFILE + SHARE_TESTS * (${#dtypes[@]} - i - 1) )))
   timeout -k 10 "$t" python3 -m pytest -m gpu -k "$dt" -q -rs -p no:cacheprovider \
     "${gpu_files[@]}" > "$log" 2>&1
   rc=$?
@@ -115,7 +120,7 @@ done
 
 # --- 3. end to end: the CLI on the triton backend (the tiny default model, the default fp32)
 run_log="$OUT_DIR/run-triton.log"
-t=$(share "$SHARE_RUN" "$SHARE_BENCH")
+t=$(share "$SHARE_RUN" $(( SHARE_BENCH + SHARE_PROFILE )))
 run_start=$(date +%s)
 timeout -k 10 "$t" python3 -m varlen.run backend=triton engine.device=cuda progress=false \
   "hydra.run.dir=$OUT_DIR/run-triton" > "$run_log" 2>&1
@@ -126,13 +131,27 @@ echo "$run_note"
 
 # --- 4. benchmark
 bench_log="$OUT_DIR/bench.log"
-t=$(share "$SHARE_BENCH" 0)
+t=$(share "$SHARE_BENCH" "$SHARE_PROFILE")
 # --budget: no new case starts in the last 30 s of the share (one case takes seconds).
 timeout -k 10 "$t" python3 benchmarks/gpu_attention.py --budget "$(( t > 40 ? t - 30 : 10 ))" \
   --json "$OUT_DIR/gpu_attention.json" ${BENCH_ARGS:-} > "$bench_log" 2>&1
 bench_rc=$?
 
-# --- 5. one summary
+# --- 5. operator profile for the simulator (cost.model=measured cost.profiles=$OUT/profiles)
+prof_log="$OUT_DIR/profile.log"
+t=$(share "$SHARE_PROFILE" 0)
+prof_start=$(date +%s)
+export VARLEN_HOME=/tmp/varlen-home  # where sim.profile writes the 50M model
+timeout -k 10 "$t" bash -c '
+  python3 -m sim.profile --model big --device cuda --dtype bfloat16 --gpu "$1" --out "$2/profiles" --repeats 5 &&
+  python3 -m sim.explain cost.model=measured cost.profiles="$2/profiles" hardware="$1" sim_model=local \
+    sim_model.config="$VARLEN_HOME/bench-qwen3-50m/config.json" "hydra.run.dir=$2/explain"
+' _ "${PROFILE_GPU:-h200_sxm}" "$OUT_DIR" > "$prof_log" 2>&1
+prof_rc=$?
+prof_note="profile (sim.profile, 50M shape, bf16): rc=$prof_rc in $(( $(date +%s) - prof_start ))s"
+[ $prof_rc -eq 124 ] || [ $prof_rc -eq 137 ] && prof_note="$prof_note, TIMED OUT after ${t}s"
+
+# --- 6. one summary
 echo
 echo "================ GPU CHECK SUMMARY ================"
 cat "$OUT_DIR/env.txt"
@@ -153,3 +172,5 @@ if grep -q "^SUMMARY" "$bench_log"; then
 else
   grep -vE "^\s*$" "$bench_log" | tail -15
 fi
+echo "$prof_note"
+grep -E -- "->|collectives|total" "$prof_log" | head -12 || true

@@ -23,12 +23,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from sim.cost.base import CostModel
 from sim.cost.communication import CommunicationCostModel
 from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
-from sim.cost.roofline import RooflineCostModel
 
-__all__ = ["Capacity", "CommunicationCostModel", "Parallelism", "build_cost_model", "capacity", "shard_config"]
+__all__ = ["Capacity", "CommunicationCostModel", "Parallelism", "capacity", "shard_config"]
 
 
 @dataclass(frozen=True)
@@ -118,26 +116,3 @@ def capacity(model_config: Mapping[str, Any], hardware: HardwareSpec, par: Paral
                          f"{usable / 1e9:.1f} GB usable ({memory_fraction:g} x {hardware.memory_gb:g} GB); "
                          f"use at least {need} GPUs (parallel.tensor x parallel.pipeline)")
     return Capacity(weights, per_token, usable, tokens)
-
-
-def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: HardwareSpec,
-                     parallel: Mapping[str, Any] | Parallelism | None) -> CostModel:
-    """roofline (sharded + communication) or measured, for any parallelism; profiled and replay
-    time one measured engine as it ran, so they refuse a parallel configuration."""
-    par = parallel if isinstance(parallel, Parallelism) else Parallelism.of(parallel)
-    cfg = load_model_config(model_config)
-    shape = ModelShape.from_config(cfg)
-    par.check(shape)
-    name = cost.get("model", "roofline")
-    if name == "measured":
-        from sim.cost.measured import MeasuredCostModel
-
-        return MeasuredCostModel(cfg, hardware, profiles=cost.get("profiles"), tensor=par.tensor,
-                                 pipeline=par.pipeline)
-    if name == "roofline":
-        inner = RooflineCostModel(shard_config(cfg, par.tensor), hardware)
-        if par.gpus == 1:
-            return inner
-        return CommunicationCostModel(inner, shape, hardware, par.tensor, par.pipeline, cost.get("profiles"))
-    raise ValueError(f"cost.model={name} replays or fits one measured engine as it ran; parallel.tensor="
-                     f"{par.tensor} parallel.pipeline={par.pipeline} needs cost.model=roofline or measured")

@@ -18,7 +18,11 @@ attention.csv beside mlp.csv; the measured model calibrates its attention roofli
 Engine: the real engine serves a few synthetic batches; what the operators leave unexplained of
 its steps (scheduling, metadata, sampling, Python between the modules) is fitted as a per-step,
 per-request and per-prefill cost (overhead.csv), which the measured model uses on this device in
-place of the hardware spec's estimated step_overhead_s. Collectives are not profiled yet.
+place of the hardware spec's estimated step_overhead_s.
+Collectives (`--collectives N`, the default on a machine with several GPUs: all of them): all-reduce
+over 2, 4, ... N processes and send/recv between two, through torch.distributed (NCCL on GPUs,
+gloo on CPU), written to DIR/network/<node>/ (sim/profile_network.py); point hardware.node at
+<node> to time parallel.tensor / parallel.pipeline with them.
 """
 
 from __future__ import annotations
@@ -262,6 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="torch_sdpa", help="attention backend to profile ('' to skip attention)")
     ap.add_argument("--no-engine", dest="engine", action="store_false",
                     help="skip the engine's per-step overhead (a few real engine runs)")
+    ap.add_argument("--collectives", type=int, default=None,
+                    help="profile all-reduce over up to N workers and send/recv (default: every GPU when there "
+                         "are several, else none; on CPU N gloo processes)")
+    ap.add_argument("--node", default=None, help="the node's name in the collective tables (default: --gpu's)")
+    ap.add_argument("--sizes", default=None, help="collective message sizes in bytes, comma-separated")
+    ap.add_argument("--only-collectives", action="store_true", help="skip the model's operators")
     a = ap.parse_args(argv)
     try:
         tokens = tuple(sorted({int(x) for x in a.tokens.split(",")}))
@@ -270,7 +280,12 @@ def main(argv: list[str] | None = None) -> int:
         gpu = a.gpu or ("cpu_2core" if a.device == "cpu" else None)
         if gpu is None:
             raise ValueError("--gpu: name the device as the tables should (e.g. h200_sxm, the hardware config's name)")
-        folder = model_folder(a.model)
+        sizes = tuple(int(x) for x in a.sizes.split(",")) if a.sizes else None
+        if sizes is not None and (not sizes or min(sizes) < 1):
+            raise ValueError(f"--sizes {a.sizes!r}: message sizes must be >= 1 byte")
+        if a.collectives is not None and a.collectives == 1:
+            raise ValueError("--collectives 1: a collective needs 2 or more workers (0 skips them)")
+        folder = None if a.only_collectives else model_folder(a.model)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -278,6 +293,21 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.device == "cpu":
         torch.set_num_threads(a.threads)
+    workers = a.collectives
+    if workers is None:
+        workers = torch.cuda.device_count() if a.device.startswith("cuda") else 0
+    if workers >= 2:
+        from sim.profile_network import profile_collectives
+
+        t0 = time.perf_counter()
+        for kind, path in profile_collectives(Path(a.out), a.node or gpu, workers, a.device, sizes, a.repeats,
+                                              a.dtype).items():
+            print(f"{kind} over up to {workers} workers -> {path}")
+        print(f"collectives profiled in {time.perf_counter() - t0:.1f} s")
+    else:
+        print("collectives: one device, not profiled (--collectives N with N >= 2 to force on CPU)")
+    if folder is None:
+        return 0
     rows = profile_model(folder, tokens, a.repeats, a.device, a.dtype)
     name = {"tiny": "tiny", "big": "bench-qwen3-50m"}.get(a.model, folder.name)
     path = write_table(rows, Path(a.out), gpu, name)

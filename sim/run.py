@@ -47,32 +47,16 @@ def load_requests(workload: Mapping[str, Any], vocab_size: int):
 
 def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Any,
                      parallel: Mapping[str, Any] | None = None):
-    from sim.cost.fitted import ProfiledCostModel
-    from sim.cost.replay import ReplayCostModel
-    from sim.cost.roofline import RooflineCostModel
+    """The `cost` section's model (sim/cost/registry.py: a name of conf/cost/ or a class's
+    dotted path), a SettingError in one line when a setting is wrong."""
+    from sim.cost.registry import build_cost_model as build
 
-    name = cost.get("model", "roofline")
-    par = dict(parallel or {})
-    if name == "measured" or par.get("tensor", 1) != 1 or par.get("pipeline", 1) != 1:
-        from sim.parallel import build_cost_model as build_parallel  # measured, and any TP / PP
-
-        return build_parallel(cost, model_config, hardware, par)
-    if name == "roofline":
-        return RooflineCostModel(model_config, hardware)
-    if name not in ("profiled", "replay"):
-        raise SettingError(f"cost.model={name!r} is unknown; choose roofline, measured, profiled or replay")
-    path = cost.get("path")
-    if path is None:
-        raise SettingError(f"cost.model={name} needs cost.path (a fitted model JSON or a durations file)")
-    what = "a fitted model JSON (ProfiledCostModel.save)" if name == "profiled" else \
-        "a durations file (a JSON list or one number per line)"
-    if not Path(path).is_file():
-        raise SettingError(f"cost.path={str(path)!r} is not a file; give {what}")
     try:
-        return ProfiledCostModel.load(path) if name == "profiled" else ReplayCostModel(path)
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-        reason = " ".join(str(e).split())[:160]
-        raise SettingError(f"cost.path={str(path)!r} is not {what} for cost.model={name} ({reason})") from None
+        return build(cost, model_config, hardware, parallel)
+    except SettingError:
+        raise
+    except ValueError as e:
+        raise SettingError(str(e)) from None
 
 
 def load_sim_model(spec: Any) -> dict[str, Any]:

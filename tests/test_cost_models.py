@@ -349,7 +349,7 @@ def test_factory_and_hydra_instantiate() -> None:
 
     m = make_cost_model("roofline", model_config="tiny", hardware="cpu_2core")
     assert isinstance(m, RooflineCostModel)
-    with pytest.raises(ValueError, match="unknown cost model"):
+    with pytest.raises(ValueError, match="unknown cost 'oracle'; choose one of measured, profiled, replay, roofline"):
         make_cost_model("oracle")
     hw_node = OmegaConf.load(hardware_dir() / "h200_sxm.yaml")
     cfg = OmegaConf.create({"_target_": "sim.cost.roofline.RooflineCostModel",
@@ -367,7 +367,7 @@ def test_factory_and_hydra_instantiate() -> None:
 def _reference_models() -> dict:
     import yaml
 
-    from sim.parallel import build_cost_model
+    from sim.cost.registry import build_cost_model
 
     def cfg(name: str) -> dict:
         return yaml.safe_load((REPO / "conf" / "sim_model" / f"{name}.yaml").read_text())["config"]

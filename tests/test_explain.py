@@ -16,7 +16,7 @@ from sim.cost.hardware import HardwareSpec, load_model_config
 from sim.cost.replay import ReplayCostModel
 from sim.explain import PARTS, breakdown
 from sim.cost.operators import ProfileError, load_profiles
-from sim.parallel import build_cost_model
+from sim.cost.registry import build_cost_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = sorted(p.stem for p in (ROOT / "conf/sim_model").glob("*.yaml") if p.stem != "local")

@@ -72,6 +72,8 @@ case "$*" in
   "-m pytest"*) echo "3 passed, 2 skipped in 1.00s" ;;
   "-m varlen.run"*) echo "output tokens/s 123.4"; exit 0 ;;
   benchmarks/gpu_attention.py*) echo "device STAND-IN"; echo "SUMMARY (per attention layer)"; echo "decode  triton B=1" ;;
+  "-m sim.profile"*) echo "22 token counts x 10 operators -> x/mlp.csv" ;;
+  "-m sim.explain"*) echo "total_s 1.0" ;;
 esac
 """
 
@@ -90,16 +92,19 @@ def test_gpu_check_runs_every_part_within_its_share(tmp_path):
     assert res.returncode == 0, res.stderr
     log = calls.read_text().splitlines()
     runs = [line.split(" | ")[0] for line in log if not line.startswith("python3 - ")]
-    assert len(runs) == 4, log
+    assert len(runs) == 6, log
     assert all("tests/test_gpu_backends.py" in r and "-m gpu" in r for r in runs[:2])
     assert "-k bf16" in runs[0] and "-k fp16" in runs[1]
     assert "-m varlen.run backend=triton engine.device=cuda" in runs[2]
     budget = int(re.search(r"--budget (\d+)", runs[3]).group(1))
-    assert 0 < budget <= 150 - 30, runs[3]
+    assert 0 < budget <= 120 - 30, runs[3]
+    assert "-m sim.profile --model big --device cuda --dtype bfloat16 --gpu h200_sxm" in runs[4]
+    assert "-m sim.explain cost.model=measured" in runs[5] and "sim_model=local" in runs[5]
     assert all(line.endswith("TRITON_INTERPRET=unset") for line in log), "the GPU check must run compiled kernels"
     summary = res.stdout[res.stdout.index("GPU CHECK SUMMARY"):]
     for part in ("tests bf16: rc=0", "tests fp16: rc=0", "end to end (backend=triton engine.device=cuda): rc=0",
-                 "output tokens/s", "benchmark: rc=0", "SUMMARY (per attention layer)"):
+                 "output tokens/s", "benchmark: rc=0", "SUMMARY (per attention layer)",
+                 "profile (sim.profile, 50M shape, bf16): rc=0", "-> x/mlp.csv"):
         assert part in summary, (part, summary)
 
 
@@ -111,7 +116,7 @@ def test_gpu_check_shares_fit_in_nine_minutes():
 
     dtypes = len(re.search(r'GPU_DTYPES:-([^}]*)\}', text).group(1).split())
     kill_grace = 10
-    parts = dtypes * default("SHARE_TESTS") + default("SHARE_RUN") + default("SHARE_BENCH")
+    parts = dtypes * default("SHARE_TESTS") + default("SHARE_RUN") + default("SHARE_BENCH") + default("SHARE_PROFILE")
     assert parts + int(re.search(r"SUMMARY_RESERVE=(\d+)", text).group(1)) <= default("BUDGET")
     assert default("BUDGET") + kill_grace <= 9 * 60
     subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")], check=True)

@@ -115,6 +115,52 @@ def test_held_out_model_is_predicted_within_bounds() -> None:
     assert np.median(err) < 0.06 and err.max() < 0.2  # measured: 3.3% and 14.7%
 
 
+def test_held_out_tables_do_not_leak_into_their_prediction(tmp_path: Path) -> None:
+    """Leave-one-out stays honest: the held-out shape's tables (both 70B models share one shape)
+    may be rewritten or deleted without changing its prediction, while another model's table
+    does change it (so the check can fail)."""
+    from sim.cost.operators import Profiles, _operator_model
+
+    src = SHIPPED / "compute" / "a100"
+    held = ("meta-llama/Llama-2-70b-hf", "meta-llama/Meta-Llama-3-70B")
+
+    def folder(name: str, scale: dict[str, float], drop: tuple[str, ...] = ()) -> Profiles:
+        root = tmp_path / name / "compute" / "a100"
+        for f in sorted(src.glob("*/*/mlp.csv.gz")):
+            model = f"{f.parent.parent.name}/{f.parent.name}"
+            if model in drop:
+                continue
+            lines = gzip.decompress(f.read_bytes()).decode().splitlines()
+            head = lines[0].split(",")
+            cols = [i for i, h in enumerate(head) if h.startswith("time_stats.") and h.endswith(".median")]
+            out = [lines[0]]
+            for line in lines[1:]:
+                v = line.split(",")
+                for i in cols:
+                    v[i] = repr(float(v[i]) * scale.get(model, 1.0))
+                out.append(",".join(v))
+            (root / model).mkdir(parents=True)
+            (root / model / "mlp.csv").write_text("\n".join(out) + "\n")
+        return Profiles([tmp_path / name])
+
+    base = folder("base", {})
+    key = next(t.key for t in base.compute("a100") if t.name == held[0])
+    tok = np.array([1.0, 7.0, 64.0, 240.0, 1000.0, 4096.0, 9000.0])
+
+    def predict(prof: Profiles) -> dict[str, np.ndarray]:
+        _operator_model.cache_clear()
+        pred, source = layer_op_ms(prof, "a100", key, 128, 4, tok, exclude=(key,))
+        assert source.startswith("predicted from GEMM shapes")
+        return pred
+
+    want = predict(base)
+    for prof in (folder("scaled", {m: 3.0 for m in held}), folder("dropped", {}, drop=held)):
+        got = predict(prof)
+        assert all(np.array_equal(got[op], want[op]) for op in want)
+    other = predict(folder("other", {"meta-llama/Llama-2-7b-hf": 3.0}))
+    assert not np.allclose(other["mlp_up_proj"], want["mlp_up_proj"])
+
+
 def test_unprofiled_shapes_and_gpus_are_predicted_and_flagged() -> None:
     qwen3_8b = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                     num_key_value_heads=8, head_dim=128, vocab_size=151936)
@@ -205,6 +251,36 @@ def test_profiler_writes_tables_the_measured_model_reads(tmp_path: Path) -> None
         f = m.decode_step_time(b)
         assert f(100 * b) == m.step_time_sums(StepSums(b, b, 100 * b, 100 * b, b, b))
     assert main(["--model", str(tmp_path), "--out", str(tmp_path)]) == 2  # not a model folder
+
+
+def test_profiler_times_collectives_on_cpu_with_gloo(tmp_path: Path) -> None:
+    """python -m sim.profile --collectives 2 on CPU: two gloo processes time all-reduce and
+    send/recv (the torch.distributed path a multi-GPU machine runs with NCCL); the tables are in
+    the shipped layout and the measured model's collectives read their medians back."""
+    import csv
+
+    from sim.cost.operators import Collectives, Profiles, read_collective_table
+    from sim.profile import main
+
+    assert main(["--only-collectives", "--collectives", "2", "--node", "cpu_pair", "--sizes", "1024,65536",
+                 "--repeats", "2", "--out", str(tmp_path)]) == 0
+    folder = tmp_path / "network" / "cpu_pair"
+    shipped = gzip.decompress((SHIPPED / "network" / "h100_dgx" / "all_reduce.csv.gz").read_bytes()).decode()
+    for kind in ("all_reduce", "send_recv"):
+        with (folder / f"{kind}.csv").open() as f:
+            rows = list(csv.DictReader(f))
+        assert list(rows[0]) == shipped.splitlines()[0].replace("all_reduce", kind).split(",")
+        assert [(r["num_workers"], r["size"], r["devices_per_node"]) for r in rows] == [("2", "1024", "2"), ("2", "65536", "2")]
+        table = read_collective_table(folder / f"{kind}.csv", "cpu_pair", kind)
+        size, ms = table.curves[(2, 2)]
+        assert list(size) == [1024, 65536] and np.all(ms > 0)
+        assert list(ms) == [float(r[f"time_stats.{kind}.median"]) for r in rows]
+    comm = Collectives("cpu_pair", Profiles([tmp_path]))
+    np.testing.assert_allclose(comm.all_reduce_ms(np.array([1024.0, 65536.0]), 2),  # exp(log): to rounding
+                               read_collective_table(folder / "all_reduce.csv", "cpu_pair", "all_reduce").curves[(2, 2)][1],
+                               rtol=1e-12)
+    assert comm.has_measured_all_reduce(2) and comm.send_recv_ms(np.array([1024.0]))[0] > 0
+    assert main(["--only-collectives", "--collectives", "1", "--out", str(tmp_path)]) == 2
 
 
 def test_attention_calibration_recovers_the_rates_of_a_table(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ from sim.cost.hardware import HardwareSpec, ModelShape
 from sim.cost.measured import MeasuredCostModel
 from sim.cost.operators import interp_size, load_profiles
 from sim.cost.roofline import RooflineCostModel
-from sim.parallel import CommunicationCostModel, Parallelism, build_cost_model, capacity, shard_config
+from sim.cost.registry import build_cost_model
+from sim.parallel import CommunicationCostModel, Parallelism, capacity, shard_config
 
 LLAMA2_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                   num_key_value_heads=8, vocab_size=32000)

@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 from abc import ABC
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Mapping
 
 import numpy as np
 from mypy_extensions import mypyc_attr
@@ -100,6 +101,20 @@ class StepFixed:
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class CostModel(ABC):
+    @classmethod
+    def from_config(cls, options: dict[str, Any], model_config: dict[str, Any], hardware: Any,
+                    parallel: Any) -> CostModel:
+        """Build from the simulator's config; every cost model is built this way
+        (sim/cost/registry.py). `options`: the cost section's settings (conf/cost/<name>.yaml's
+        keys, then the user's cost.*; cost.model and unset ones left out); `model_config`: the
+        HF config dict; `hardware`: a HardwareSpec; `parallel`: a sim.parallel.Parallelism.
+        This default serves a one-GPU model whose constructor takes the options as keyword
+        arguments, and model_config / hardware where it names them."""
+        from sim.cost.registry import construct
+
+        built: CostModel = construct(cls, options, model_config, hardware, parallel)
+        return built
+
     # -- the formula (a model writes these three) ------------------------------------------------
 
     def step_fixed(self, num_seqs: int, new: float, num_logits: int, num_prefills: int) -> StepFixed:
@@ -162,6 +177,37 @@ class CostModel(ABC):
         """When the next step may start: now, unless the model replays a recorded timeline."""
         return now
 
+
+
+def settings(options: Mapping[str, Any], model: str, known: tuple[str, ...]) -> dict[str, Any]:
+    """The options of cost.model=`model`, or a one-line error naming one it does not read (a
+    setting must never be silently ignored)."""
+    for k, v in options.items():
+        if k not in known:
+            raise ValueError(f"cost.{k}={v!r} is not a setting of cost.model={model} (its settings: "
+                             f"{', '.join('cost.' + n for n in known) or 'none'}); remove it")
+    return dict(options)
+
+
+def load_path(options: Mapping[str, Any], model: str, what: str, load: Callable[[str], CostModel]) -> CostModel:
+    """cost.path read by `load`, with one-line errors: unset, not a file, not `what`."""
+    path = settings(options, model, ("path",)).get("path")
+    if path is None:
+        raise ValueError(f"cost.model={model} needs cost.path: {what}")
+    if not Path(str(path)).is_file():
+        raise ValueError(f"cost.path={str(path)!r} is not a file; give {what}")
+    try:
+        return load(str(path))
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        reason = " ".join(str(e).split())[:160]
+        raise ValueError(f"cost.path={str(path)!r} is not {what} for cost.model={model} ({reason})") from None
+
+
+def one_gpu(model: str, parallel: Any, why: str) -> None:
+    """Refuse tensor / pipeline parallelism for a model that times one GPU."""
+    if parallel.gpus > 1:
+        raise ValueError(f"cost.model={model} {why}; parallel.tensor={parallel.tensor} parallel.pipeline="
+                         f"{parallel.pipeline} needs cost.model=roofline or measured")
 
 
 def formula_holds(cls: type, behaviour: tuple[str, ...] = ("step_time_sums", "step_time")) -> bool:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 from mypy_extensions import mypyc_attr
 
-from sim.cost.base import NOT_SPLIT, CostModel, StepFixed, StepSums
+from sim.cost.base import NOT_SPLIT, CostModel, StepFixed, StepSums, load_path, one_gpu
 
 # Each feature is a quantity some part of the step scales with, from the step's sums (exact for
 # integer token counts, so fitting on a log and timing in the simulator see the same numbers).
@@ -216,6 +216,13 @@ class ProfiledCostModel(CostModel):
     @classmethod
     def load(cls, path: str | os.PathLike) -> ProfiledCostModel:
         return cls(path)
+
+    @classmethod
+    def from_config(cls, options: dict[str, Any], model_config: dict[str, Any], hardware: Any,
+                    parallel: Any) -> CostModel:
+        """cost.path: a fitted model's JSON (ProfiledCostModel.save); one GPU."""
+        one_gpu("profiled", parallel, "replays or fits one measured engine as it ran")
+        return load_path(options, "profiled", "a fitted model JSON (ProfiledCostModel.save)", cls.load)
 
     # -- the formula: const + new + seqs + logit rows + prefills, then attention ------------------
 

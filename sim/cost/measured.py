@@ -28,7 +28,7 @@ from typing import Any, Mapping
 import numpy as np
 from mypy_extensions import mypyc_attr
 
-from sim.cost.base import CostModel, StepFixed
+from sim.cost.base import CostModel, StepFixed, settings
 from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
 from sim.cost.operators import (
     GRID_TOKENS, HEAD_ROWS, LAYER_OPS, PER_LAYER, Collectives, ModelKey, ProfileError, _operator_model,
@@ -44,6 +44,13 @@ class MeasuredCostModel(CostModel):
     step = embedding + layers x (linear + attention + 2 all-reduces) + LM head
            + (pipeline - 1) send/recv + the hardware's fixed overhead.
     """
+
+    @classmethod
+    def from_config(cls, options: dict[str, Any], model_config: dict[str, Any], hardware: Any,
+                    parallel: Any) -> CostModel:
+        """cost.profiles: a folder of your own tables, over the shipped ones."""
+        profiles = settings(options, "measured", ("profiles",)).get("profiles")
+        return cls(model_config, hardware, profiles=profiles, tensor=parallel.tensor, pipeline=parallel.pipeline)
 
     def __init__(self, model_config: str | os.PathLike | Mapping[str, Any] = "tiny",
                  hardware: str | os.PathLike | Mapping[str, Any] | HardwareSpec = "h100_sxm",

@@ -1,25 +1,77 @@
-"""Cost models by name (the API's counterpart of conf/cost; sim.run builds them from a config)."""
+"""Cost models by name, built from the simulator's `cost` section.
+
+A name is a file of conf/cost/ whose `_target_` is the class, as for every plug-in
+(varlen/registry.py); a class's dotted path (`cost.model=mypkg.costs.MyCost`) names a user's own.
+So a new cost model is its module and its yaml. Every model is built the same way:
+`cls.from_config(options, model_config, hardware, parallel)` (sim/cost/base.py), where `options`
+are the yaml's keys with the user's `cost.*` over them (unset ones left out).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import Any, Mapping
+
+from omegaconf import OmegaConf
 
 from sim.cost.base import CostModel
-from sim.cost.fitted import ProfiledCostModel
-from sim.cost.replay import ReplayCostModel
-from sim.cost.roofline import RooflineCostModel
+from varlen import registry
 
-COST_MODELS: dict[str, type[CostModel]] = {
-    "roofline": RooflineCostModel,
-    "profiled": ProfiledCostModel,
-    "replay": ReplayCostModel,
-}
+
+def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Any,
+                     parallel: Mapping[str, Any] | Any | None = None) -> CostModel:
+    """The cost model `cost.model` names (default roofline) for this model, hardware and
+    parallelism; ValueError in one line for a bad name, setting or split."""
+    from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
+    from sim.parallel import Parallelism
+
+    options = {k: v for k, v in dict(cost).items() if v is not None}
+    name = options.pop("model", None) or "roofline"
+    try:
+        spec = registry.spec("cost", name)
+        cls = registry.target("cost", spec)
+    except ValueError as e:
+        raise ValueError(f"cost.model={name}: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, CostModel)):
+        raise ValueError(f"cost.model={name}: {spec._target_} is not a cost model (a subclass of "
+                         f"sim.cost.base.CostModel)")
+    defaults = OmegaConf.to_container(spec, resolve=True)
+    assert isinstance(defaults, dict)
+    options = {**{k: v for k, v in defaults.items() if k != "_target_" and v is not None}, **options}
+    par = parallel if isinstance(parallel, Parallelism) else Parallelism.of(parallel)
+    cfg = load_model_config(model_config)
+    par.check(ModelShape.from_config(cfg))
+    return cls.from_config(options, cfg, HardwareSpec.coerce(hardware), par)
+
+
+def construct(cls: type[CostModel], options: Mapping[str, Any], model_config: Any, hardware: Any,
+              parallel: Any) -> CostModel:
+    """CostModel.from_config's default: one GPU, the options as constructor keywords (an option
+    the constructor does not take is an error, never dropped), plus model_config and hardware
+    where the constructor names them."""
+    label = f"{cls.__module__}.{cls.__qualname__}"
+    if parallel.gpus > 1:
+        raise ValueError(f"cost.model={label} times one GPU; parallel.tensor={parallel.tensor} parallel.pipeline="
+                         f"{parallel.pipeline} needs a cost model with a from_config that models parallelism "
+                         f"(roofline, measured)")
+    try:
+        params = dict(inspect.signature(cls).parameters)
+    except (TypeError, ValueError):  # a compiled constructor without a signature
+        params = {}
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        for k, v in options.items():
+            if k not in params:
+                known = [n for n in params if n not in ("model_config", "hardware")]
+                raise ValueError(f"cost.{k}={v!r} is not a setting of cost.model={label} (its settings: "
+                                 f"{', '.join('cost.' + n for n in known) or 'none'}); remove it")
+    kw = dict(options)
+    for k, v in (("model_config", model_config), ("hardware", hardware)):
+        if k in params:
+            kw.setdefault(k, v)
+    return cls(**kw)
 
 
 def make_cost_model(name: str, **kwargs: Any) -> CostModel:
-    """Build a cost model by name: roofline, profiled, replay (kwargs go to its constructor)."""
-    try:
-        cls = COST_MODELS[name]
-    except KeyError:
-        raise ValueError(f"unknown cost model {name!r} (known: {', '.join(COST_MODELS)})") from None
-    return cls(**kwargs)
+    """A cost model by name (conf/cost/) or dotted class path, from its constructor's keywords."""
+    model: CostModel = registry.target("cost", name)(**kwargs)
+    return model

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 from mypy_extensions import mypyc_attr
 from numpy.typing import ArrayLike
 
-from sim.cost.base import CostModel
+from sim.cost.base import CostModel, load_path, one_gpu
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -38,6 +38,13 @@ class ReplayCostModel(CostModel):
         if self.starts is not None and len(self.starts) != len(self.durations):
             raise ValueError(f"{len(self.starts)} start times for {len(self.durations)} durations")
         self.position = 0
+
+    @classmethod
+    def from_config(cls, options: dict[str, Any], model_config: dict[str, Any], hardware: Any,
+                    parallel: Any) -> CostModel:
+        """cost.path: a durations file; one GPU."""
+        one_gpu("replay", parallel, "replays or fits one measured engine as it ran")
+        return load_path(options, "replay", "a durations file (a JSON list or one number per line)", cls)
 
     @classmethod
     def from_steps(cls, steps: Sequence[Any], timeline: bool = True) -> ReplayCostModel:

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 from mypy_extensions import mypyc_attr
 from numpy.typing import ArrayLike
 
-from sim.cost.base import NOT_SPLIT, CostModel, StepFixed, StepSums
+from sim.cost.base import NOT_SPLIT, CostModel, StepFixed, StepSums, settings
 from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
 
 
@@ -58,6 +58,21 @@ class RooflineCostModel(CostModel):
         self._kv_bytes_token_layer = 2 * m.kv_dim * d
         self._attn_flops_pair = 4 * m.q_dim  # QK^T and PV, 2 FLOPs per multiply-add each
         self._head_bytes = m.embedding_params * d
+
+    @classmethod
+    def from_config(cls, options: dict[str, Any], model_config: dict[str, Any], hardware: Any,
+                    parallel: Any) -> CostModel:
+        """The sharded shape on one GPU; with TP or PP wrapped with the communication of the
+        node's collective tables (cost.profiles: a folder of your own)."""
+        from sim.cost.communication import CommunicationCostModel
+        from sim.parallel import shard_config  # sim.parallel imports this module
+
+        profiles = settings(options, "roofline", ("profiles",)).get("profiles")
+        inner = cls(shard_config(model_config, parallel.tensor), hardware)
+        if parallel.gpus == 1:
+            return inner
+        return CommunicationCostModel(inner, ModelShape.from_config(model_config), hardware, parallel.tensor,
+                                      parallel.pipeline, profiles)
 
     @property
     def weight_bytes(self) -> float:
