@@ -160,6 +160,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     from sim.cost.hardware import HardwareSpec
     from sim.executor import CostModelExecutor
     from sim.simulator import simulate
+    from varlen import registry
     from varlen.engine import Engine
     from varlen.metrics import summarize
 
@@ -195,7 +196,6 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
         print(lossy, flush=True)
     if announce:
         print(f"simulating {len(reqs)} requests on {c['cluster']['replicas']} replica(s) (Ctrl-C stops)", flush=True)
-    max_model_len = min(e["max_model_len"], num_blocks * e["block_size"])
 
     alloc_kw = {}
     if not c["workload"].get("token_ids", False) and "enable_prefix_caching" in c["allocator"]:
@@ -205,9 +205,13 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
 
     def make_engine(clock):
         kv = instantiate(cfg.allocator, **alloc_kw)(num_blocks=num_blocks, block_size=e["block_size"],
-                                                    max_model_len=max_model_len)
+                                                    max_model_len=e["max_model_len"])
+        # As LLM(...) builds a policy: ${engine.max_model_len} is what the pool holds of it.
+        longest = kv.max_request_tokens()
+        policy = registry.build("scheduler", OmegaConf.to_container(cfg.scheduler, resolve=False),
+                                context={"engine": {**e, "max_model_len": longest, "num_blocks": num_blocks}})
         executor = CostModelExecutor(build_cost_model(c["cost"], model_config, hardware, c.get("parallel")), clock)
-        engine = Engine(instantiate(cfg.scheduler), kv, executor, clock=clock, max_model_len=max_model_len)
+        engine = Engine(policy, kv, executor, clock=clock, max_model_len=longest)
         return engine, executor
 
     res = simulate(reqs, make_engine, c["cluster"]["replicas"] * par.pipeline, c["cluster"]["router"],
@@ -216,7 +220,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     row.update(model=c["sim_model"]["name"], hardware=hardware.name, cost_model=c["cost"]["model"],
                replicas=c["cluster"]["replicas"], router=c["cluster"]["router"],
                tensor=par.tensor, pipeline=par.pipeline,
-               num_blocks=num_blocks, block_size=e["block_size"], max_model_len=max_model_len,
+               num_blocks=num_blocks, block_size=e["block_size"], max_model_len=res.replicas[0].engine.max_model_len,
                max_num_seqs=c["scheduler"].get("max_num_seqs"),
                max_num_batched_tokens=c["scheduler"].get("max_num_batched_tokens"),
                rate=trace.stats.mean_rate, trace=c["workload"].get("source"))
