@@ -161,6 +161,7 @@ def max_new_tokens(steps_csv: Path) -> int:
     return max(int(n) for v in col for n in v.split())
 
 
+@pytest.mark.slow
 def test_the_suites_take_them_from_the_groups(user_plugins):
     """The property and invariant suites parametrise over registry.names(group): with the user's
     folder on VARLEN_CONFIG_PATH they run the user's backend and policy too, unchanged."""
