@@ -155,8 +155,6 @@ def simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None = None,
 
 def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
                      announce: bool) -> tuple[Any, dict[str, Any]]:
-    from hydra.utils import instantiate
-
     from sim.cost.hardware import HardwareSpec
     from sim.executor import CostModelExecutor
     from sim.simulator import simulate
@@ -203,9 +201,11 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
         # blocks; without content there is nothing to cache.
         alloc_kw["enable_prefix_caching"] = False
 
+    make_kv = registry.build("allocator", OmegaConf.to_container(cfg.allocator, resolve=False), context={"engine": e},
+                             _partial_=True, **alloc_kw)
+
     def make_engine(clock):
-        kv = instantiate(cfg.allocator, **alloc_kw)(num_blocks=num_blocks, block_size=e["block_size"],
-                                                    max_model_len=e["max_model_len"])
+        kv = make_kv(num_blocks=num_blocks, block_size=e["block_size"], max_model_len=e["max_model_len"])
         # As LLM(...) builds a policy: ${engine.max_model_len} is what the pool holds of it.
         longest = kv.max_request_tokens()
         policy = registry.build("scheduler", OmegaConf.to_container(cfg.scheduler, resolve=False),
