@@ -98,8 +98,12 @@ def test_a_mandatory_option_left_unset_is_named():
 
 
 def test_llm_refuses_a_class_of_the_wrong_kind(tiny_model_dirs):
+    """Regression (compiled core): its ABCs share one subclass cache, so a positive
+    issubclass(PagedAllocator, KVAllocator) made PagedAllocator pass as a SchedulerPolicy."""
     from varlen import LLM
+    from varlen.kv import KVAllocator, PagedAllocator
 
+    assert issubclass(PagedAllocator, KVAllocator)  # fills the cache the compiled ABCs share
     with pytest.raises(ValueError, match=r"scheduler 'varlen.kv.PagedAllocator' names .*not a SchedulerPolicy"):
         LLM(tiny_model_dirs["qwen3"], scheduler="varlen.kv.PagedAllocator")
     with pytest.raises(ValueError, match=r"backend=.*give a backend name"):

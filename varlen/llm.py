@@ -94,7 +94,7 @@ class LLM:
             dtype=dtype, device=device, seed=seed, batch_invariant=batch_invariant)
         self.device, self.dtype = s.device, s.dtype
         policy_spec = None
-        if isinstance(scheduler, SchedulerPolicy):
+        if _subclass(type(scheduler), SchedulerPolicy):
             for key in ("max_num_seqs", "max_num_batched_tokens"):
                 if getattr(s, key) is not None:  # it would be silently ignored
                     raise s.error(key, getattr(s, key), f"the policy object given as scheduler has its own "
@@ -139,7 +139,7 @@ class LLM:
         cfg = hf.config
         block_size = s.block_size
         per_block = ModelRunner.kv_bytes_per_block(cfg, block_size, self.dtype)
-        if isinstance(scheduler, SchedulerPolicy):
+        if _subclass(type(scheduler), SchedulerPolicy):
             seats = scheduler.max_num_seqs
         elif s.max_num_seqs is not None:
             seats = s.max_num_seqs
@@ -269,8 +269,15 @@ def _is_choice(x: object) -> bool:
     return isinstance(x, (str, Mapping, DictConfig))
 
 
+def _subclass(cls: Any, base: type) -> bool:
+    """issubclass by the MRO: on the compiled core every ABC shares abc.ABC's subclass caches
+    (mypyc gives a class no _abc_impl of its own), so after issubclass(PagedAllocator, KVAllocator)
+    an issubclass(PagedAllocator, SchedulerPolicy) answers True from the shared cache."""
+    return isinstance(cls, type) and base in cls.__mro__
+
+
 def _check_class(group: str, choice: object, cls: Any, base: type) -> None:
-    if not (isinstance(cls, type) and issubclass(cls, base)):
+    if not _subclass(cls, base):
         shown = choice if isinstance(choice, str) else dict(choice).get("_target_")  # type: ignore[call-overload]
         raise ValueError(f"{group} {shown!r} names {cls!r}, not a {base.__name__} subclass; give a {group} "
                          f"class ({', '.join(registry.names(group))} are shipped)")
