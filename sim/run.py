@@ -239,8 +239,13 @@ def hydra_labels() -> dict[str, Any]:
 
     hc = HydraConfig.get()
     ch = hc.runtime.choices
-    return {"scheduler": ch.get("scheduler"), "allocator": ch.get("allocator"),
-            "overrides": ",".join(hc.overrides.task)}
+
+    def name(group: str) -> Any:
+        # A class given on the command line (scheduler._target_=mypkg.Mine) is what ran, not the group's choice.
+        given = [o.split("=", 1)[1] for o in hc.overrides.task if o.lstrip("+~").startswith(f"{group}._target_=")]
+        return given[-1] if given else ch.get(group)
+
+    return {"scheduler": name("scheduler"), "allocator": name("allocator"), "overrides": ",".join(hc.overrides.task)}
 
 
 def write_csv(df: Any, path: Path) -> None:

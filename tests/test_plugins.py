@@ -149,7 +149,8 @@ def test_a_class_path_on_the_command_line(user_plugins, tmp_path):
                          capture_output=True, text=True, env=dict(user_plugins["env"], VARLEN_CONFIG_PATH=""),
                          timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    assert json.loads((tmp_path / "out" / "summary.json").read_text())["finished"] == 10
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["finished"] == 10 and summary["scheduler"] == "mypolicies.capped.FewestTokensFirst"
     assert max_new_tokens(tmp_path / "out" / "steps.csv") == 2
 
 
