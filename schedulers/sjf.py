@@ -99,7 +99,7 @@ class SJFPolicy(ChunkedPolicy):
     # order differs from chunked's, and a decode run needs an empty waiting queue.
     repeats_decode_batches = True
 
-    def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, aging_rate: float = 1000.0):
+    def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, aging_rate: float = 100.0):
         super().__init__(max_num_seqs, max_num_batched_tokens)
         if isinstance(aging_rate, bool) or not isinstance(aging_rate, (int, float)) or \
                 not math.isfinite(aging_rate) or aging_rate < 0:

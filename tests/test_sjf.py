@@ -89,7 +89,7 @@ def test_bad_aging_rate_is_one_clear_error(bad):
 def test_sjf_is_a_name_of_the_scheduler_group():
     assert "sjf" in registry.names("scheduler")
     pol = registry.build("scheduler", "sjf", context={"engine": {"max_model_len": 64}})
-    assert type(pol) is SJFPolicy and pol.aging_rate == 1000.0 and pol.max_num_batched_tokens == 512
+    assert type(pol) is SJFPolicy and pol.aging_rate == 100.0 and pol.max_num_batched_tokens == 512
 
 
 def test_llm_runs_sjf(tiny_model_dirs):
