@@ -1,39 +1,31 @@
-"""Attention backends, by name. Modules are imported only when a backend is asked for, so GPU
-libraries are never imported on machines that do not use them."""
+"""Attention backends. They are named only by `conf/backend/<name>.yaml` (varlen/registry.py), and
+each module is imported only when its backend is asked for, so GPU libraries are never imported
+on machines that do not use them."""
 
 from __future__ import annotations
 
-import importlib
-
 from backends.base import AttentionBackend, BackendUnavailable
 
-BACKENDS: dict[str, str] = {
-    "torch_ref": "backends.torch_ref:TorchRefBackend",
-    "torch_sdpa": "backends.torch_sdpa:TorchSdpaBackend",
-    "torch_paged": "backends.torch_paged:TorchPagedBackend",
-    "flash_attn": "backends.flash_attn:FlashAttnBackend",
-    "flashinfer": "backends.flashinfer:FlashInferBackend",
-    "triton": "backends.triton_paged:TritonPagedBackend",
-}
 
-
-def make_backend(name: str) -> AttentionBackend:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}")
-    module, cls = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)()
+def first_line(exc: BaseException) -> str:
+    """'Type: message', its first line: why an optional library failed to import, for a one-line error."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def usable_backends(device: str, dtype: "torch.dtype", block_size: int = 16) -> list[str]:  # noqa: F821
-    """Names of the backends that can run here with these settings."""
+    """Names of the backends (conf/backend/, and the user's) that can run here with these settings."""
+    from varlen import registry
+
     names = []
-    for name in BACKENDS:
+    for name in registry.names("backend"):
+        backend = registry.build("backend", name)  # one that cannot even be built is an error, not skipped
         try:
-            make_backend(name).check(device, dtype, block_size)
+            backend.check(device, dtype, block_size)
         except (ValueError, BackendUnavailable, ImportError):
             continue
         names.append(name)
     return names
 
 
-__all__ = ["AttentionBackend", "BackendUnavailable", "BACKENDS", "make_backend", "usable_backends"]
+__all__ = ["AttentionBackend", "BackendUnavailable", "first_line", "usable_backends"]

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from backends import first_line
 from backends.base import AttentionBackend, AttentionMetadata, BackendUnavailable, LayerAttention, write_kv
 from varlen.batch import ForwardBatch
 
@@ -97,11 +98,6 @@ class _Kernels:
     with_kvcache: Callable[..., Any] | None  # flash-attn 2 only
 
 
-def _first_line(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def _load_kernels(version: str) -> _Kernels:
     """Import the kernel library; BackendUnavailable (one line) when neither is importable."""
     errors: list[str] = []
@@ -112,13 +108,13 @@ def _load_kernels(version: str) -> _Kernels:
             from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
             return _Kernels("2", flash_attn_varlen_func, flash_attn_with_kvcache)
         except Exception as exc:  # noqa: BLE001
-            errors.append(f"flash-attn 2 ({_first_line(exc)})")
+            errors.append(f"flash-attn 2 ({first_line(exc)})")
     if version in ("auto", "4"):
         try:
             from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
             return _Kernels("4", fa4_varlen, None)
         except Exception as exc:  # noqa: BLE001
-            errors.append(f"flash-attn 4 ({_first_line(exc)})")
+            errors.append(f"flash-attn 4 ({first_line(exc)})")
     raise BackendUnavailable(
         f"backend 'flash_attn' needs the flash-attn package, which is not importable: "
         f"{'; '.join(errors)}; install it with {INSTALL_HINT} (or pip install flash-attn-4)")

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from backends import first_line
 from backends.base import AttentionBackend, AttentionMetadata, BackendUnavailable, LayerAttention, write_kv
 from varlen.batch import ForwardBatch
 
@@ -88,18 +89,13 @@ class FlashInferMetadata(AttentionMetadata):
     step_id: int = field(default_factory=lambda: next(_step_ids))
 
 
-def _first_line(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def _import_flashinfer() -> Any:
     try:
         import flashinfer
     except Exception as exc:  # noqa: BLE001 - a broken install (missing .so, wrong CUDA) is "unavailable" too
         raise BackendUnavailable(
             f"backend 'flashinfer' needs the flashinfer-python package, which is not importable "
-            f"({_first_line(exc)}); install it with {INSTALL_HINT}") from None
+            f"({first_line(exc)}); install it with {INSTALL_HINT}") from None
     return flashinfer
 
 

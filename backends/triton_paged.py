@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from backends import first_line
 from backends.base import AttentionBackend, AttentionMetadata, BackendUnavailable, write_kv
 from varlen.batch import ForwardBatch
 
@@ -98,11 +99,6 @@ class TritonMetadata(AttentionMetadata):
     plans: dict[tuple[Any, ...], LaunchPlan] = field(default_factory=dict)  # per head layout, for the step
 
 
-def _first_line(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 @dataclass(frozen=True)
 class Kernels:
     attention: Any  # paged_attention_kernel
@@ -119,7 +115,7 @@ def load_kernels() -> Kernels:
         from backends import triton_paged_kernels as kernels
     except Exception as exc:  # noqa: BLE001 - a broken install is "unavailable" too
         raise BackendUnavailable(f"backend 'triton' needs the triton package, which is not importable "
-                                 f"({_first_line(exc)}); install it with {INSTALL_HINT}") from None
+                                 f"({first_line(exc)}); install it with {INSTALL_HINT}") from None
     # Triton's own library (tl.zeros is a @triton.jit function) took its mode when triton was
     # imported, and our kernels can only call functions of their own kind.
     interpreted = isinstance(tl.zeros, InterpretedFunction)

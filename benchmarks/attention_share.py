@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput import model_dir  # noqa: E402
 
-from backends import make_backend  # noqa: E402
+from varlen import registry  # noqa: E402
 from varlen.batch import SeqSlice, build_batch  # noqa: E402
 from varlen.model_runner import ModelRunner  # noqa: E402
 
@@ -57,7 +57,7 @@ def main() -> None:
         per = ctx // 16 + 2
         first = None
         for name in a.backends:
-            timed = Timed(make_backend(name))
+            timed = Timed(registry.build("backend", name))
             runner = ModelRunner(path, timed, 16, a.batch * per)
             for cache in runner.kv_caches:
                 cache.normal_()

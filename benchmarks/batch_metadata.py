@@ -65,7 +65,8 @@ def persistent(seqs: list[SeqSlice], max_ctx: int) -> tuple[BatchBuffers, tuple]
     buf = BatchBuffers(len(seqs), max_ctx + 513, -(-(max_ctx + 513) // BLOCK))
     for i, s in enumerate(seqs):
         buf.set_tokens(i, s.num_cached, s.token_ids)
-        buf.set_blocks(i, s.block_table)
+        buf.block_tables[i, :len(s.block_table)] = s.block_table  # as ModelExecutor keeps its rows
+        buf.num_blocks[i] = len(s.block_table)
     args = (np.arange(len(seqs)), np.array([s.num_cached for s in seqs]),
             np.array([len(s.token_ids) for s in seqs]), np.ones(len(seqs), bool), BLOCK)
     return buf, args

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from backends import make_backend
+from varlen import registry
 from backends.base import AttentionBackend, BackendUnavailable
 from varlen.batch import ForwardBatch, SeqSlice, build_batch
 
@@ -170,7 +170,7 @@ def bench_decode(name: str, dtype: torch.dtype, b: int, context: int, block_size
     kv_bytes = decode_kv_bytes(b, context, elem)
     assert kv_bytes == int(batch.seq_lens.sum()) * 2 * HKV * D * elem
     iters = 3 if (quick or name == "torch_ref") else 20
-    t = time_layers(make_backend(name), batch, pool, dtype, decode_layers(kv_bytes), iters)
+    t = time_layers(registry.build("backend", name), batch, pool, dtype, decode_layers(kv_bytes), iters)
     roof_meas = roofline_us(kv_bytes, copy_bps)
     return dict(kind="decode", backend=name, batch=b, context=context, block_size=block_size,
                 kv_mb=kv_bytes / 1e6, achieved_tbps=kv_bytes / t["layer_us"] / 1e6,
@@ -183,7 +183,7 @@ def bench_prefill(name: str, dtype: torch.dtype, label: str, block_size: int, qu
     batch, pool = make_step(lengths, block_size)
     flops = prefill_flops(lengths)
     iters = 2 if (quick or name == "torch_ref") else 10
-    t = time_layers(make_backend(name), batch, pool, dtype, 1, iters)
+    t = time_layers(registry.build("backend", name), batch, pool, dtype, 1, iters)
     return dict(kind="prefill", backend=name, case=label, block_size=block_size, tokens=batch.num_tokens,
                 tokens_per_s=batch.num_tokens / (t["layer_us"] / 1e6),
                 tflops=flops / (t["layer_us"] / 1e6) / 1e12,
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         bs = args.block_size or DEFAULT_BLOCK.get(name, 16)
         if name not in usable:
             try:
-                backend = make_backend(name)
+                backend = registry.build("backend", name)
                 backend.check("cuda", dtype, bs)
                 if getattr(backend, "interpreted", False):
                     raise BackendUnavailable("Triton's interpreter is on (TRITON_INTERPRET is set): nothing to time")

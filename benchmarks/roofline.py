@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends import make_backend  # noqa: E402
+from varlen import registry  # noqa: E402
 from varlen.batch import SeqSlice, build_batch  # noqa: E402
 
 
@@ -119,7 +119,7 @@ def decode_problem(batch: int, context: int, q_heads: int = 8, kv_heads: int = 4
 
 def decode_attention_time(backend: str, problem, repeats: int) -> float:
     fb, cache, q, k, v, _ = problem
-    b = make_backend(backend)
+    b = registry.build("backend", backend)
     nb, bs, hkv, d = cache.shape[1:]
     own = b.allocate_kv_cache(1, nb, bs, hkv, d, cache.dtype, "cpu")[0]  # its layout; values: any
     cache = own.view(-1).copy_(cache.view(-1)).view(own.shape)

@@ -212,13 +212,13 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from backends import BACKENDS
+    from varlen import registry
     from sim.cost.fitted import DEFAULT_FEATURES
     from varlen import LLM
     from varlen.tiny_model import write_tiny_model
     from varlen.traces import load_trace
 
-    backend = args.backend or ("torch_sdpa" if "torch_sdpa" in BACKENDS else "torch_ref")
+    backend = args.backend or ("torch_sdpa" if "torch_sdpa" in registry.names("backend") else "torch_ref")
     trace = load_trace("azure_conv", limit=2 * args.n, max_model_len=args.max_len, over_length="clip")
     slices = {"A": (0, args.n, args.rate_a), "B": (args.n, 2 * args.n, args.rate_b)}
     runs: dict[str, list[RealRun]] = {}

@@ -60,7 +60,7 @@ def sim(n_req: int = 32, prompt: int = 1024, output: int = 16384, window: int = 
     from sim.cost_models import HardwareSpec, RooflineCostModel
     from sim.executor import CostModelExecutor
     from sim.simulator import simulate
-    from schedulers import POLICIES
+    from schedulers import ChunkedPolicy
     from varlen.engine import Engine
     from varlen.kv import PagedAllocator
     from varlen.kv.windowed import WindowedPagedAllocator
@@ -78,7 +78,7 @@ def sim(n_req: int = 32, prompt: int = 1024, output: int = 16384, window: int = 
                                                  sliding_window=window))):
         def make(clock):
             kv = alloc(num_blocks=n_req * -(-max_len // block_size), block_size=block_size, max_model_len=max_len)
-            pol = POLICIES["chunked"](max_num_seqs=n_req, max_num_batched_tokens=2048)
+            pol = ChunkedPolicy(max_num_seqs=n_req, max_num_batched_tokens=2048)
             ex = CostModelExecutor(cost, clock)
             return Engine(pol, kv, ex, clock=clock, max_model_len=max_len), ex
 

@@ -1,4 +1,5 @@
-"""Scheduler policies, by name (the same names as `conf/scheduler/*.yaml`)."""
+"""Scheduler policies. They are named only by `conf/scheduler/<name>.yaml` (varlen/registry.py):
+`registry.build("scheduler", "chunked", max_num_seqs=8)`, `registry.names("scheduler")`."""
 
 from varlen.compiled import package_path
 
@@ -12,11 +13,5 @@ from schedulers.sarathi import SarathiPolicy
 from schedulers.static import StaticPolicy
 from schedulers.vllm_v0 import VllmV0Policy
 
-# The reference systems' names (conf/scheduler/*.yaml cite the behaviour each reproduces): `orca`
-# is `continuous`, `fastertransformer` is `static`, under the names papers compare against.
-POLICIES: dict[str, type[SchedulerPolicy]] = {
-    "static": StaticPolicy, "continuous": ContinuousPolicy, "chunked": ChunkedPolicy, "priority": PriorityPolicy,
-    "vllm_v0": VllmV0Policy, "orca": ContinuousPolicy, "sarathi": SarathiPolicy, "fastertransformer": StaticPolicy,
-}
-
-__all__ = ["SchedulerOutput", "SchedulerPolicy", "POLICIES", *dict.fromkeys(c.__name__ for c in POLICIES.values())]
+__all__ = ["SchedulerOutput", "SchedulerPolicy", "ChunkedPolicy", "ContinuousPolicy", "PriorityPolicy", "SarathiPolicy",
+           "StaticPolicy", "VllmV0Policy"]

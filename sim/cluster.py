@@ -67,8 +67,6 @@ class Pools:
 
     def __init__(self, cfg: DictConfig, c: Mapping[str, Any], model_config: Mapping[str, Any], hardware: Any,
                  alloc_kw: Mapping[str, Any]):
-        from hydra.utils import instantiate
-
         from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
         from sim.disagg import Link
         from sim.parallel import Parallelism, capacity
@@ -101,7 +99,8 @@ class Pools:
                                                     if k in over},
                                     scheduler_name=over.get("scheduler"))
         self.max_model_len = min(e["max_model_len"], *(p["num_blocks"] * bs for p in self.pools.values()))
-        self.alloc = instantiate(cfg.allocator, **alloc_kw)
+        self.alloc = registry.build("allocator", OmegaConf.to_container(cfg.allocator, resolve=False),
+                                    context={"engine": e}, _partial_=True, **alloc_kw)
         if not isinstance(self.alloc, functools.partial):
             raise SettingError("allocator: a disaggregated cluster builds each pool's allocator itself; its yaml "
                                "must be a partial (_partial_: true), as conf/allocator/*.yaml are")
@@ -126,7 +125,9 @@ class Pools:
         def make(clock):
             kv = alloc_cls(*alloc.args, **{**alloc.keywords, "num_blocks": p["num_blocks"],
                                            "block_size": self.block_size, "max_model_len": self.max_model_len})
-            policy = registry.build("scheduler", p["scheduler"], context=c, **p["scheduler_over"])
+            # As LLM(...) and colocated runs: ${engine.max_model_len} is what both pools hold of it.
+            context = {**c, "engine": {**c["engine"], "max_model_len": self.max_model_len}}
+            policy = registry.build("scheduler", p["scheduler"], context=context, **p["scheduler_over"])
             executor = CostModelExecutor(build_cost_model(c["cost"], self.model_config, p["hardware"],
                                                           {"tensor": p["tensor"], "pipeline": 1}), clock)
             engine = DisaggEngine(policy, kv, executor, clock=clock, max_model_len=self.max_model_len,

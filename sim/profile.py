@@ -145,13 +145,13 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
     import torch
     from transformers import AutoConfig
 
-    from backends import make_backend
+    from varlen import registry
     from varlen.batch import SeqSlice, build_batch
 
     cfg = AutoConfig.from_pretrained(folder)
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
-    backend = make_backend(backend_name)
+    backend = registry.build("backend", backend_name)
     tdtype = getattr(torch, dtype)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     cases = [("decode", b, 1, c) for b, c in DECODE_GRID] + [("prefill", b, n, c) for b, n, c in PREFILL_GRID]

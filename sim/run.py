@@ -158,11 +158,10 @@ def simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None = None,
 
 def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
                      announce: bool) -> tuple[Any, dict[str, Any]]:
-    from hydra.utils import instantiate
-
     from sim.cost.hardware import HardwareSpec
     from sim.executor import CostModelExecutor
     from sim.simulator import simulate
+    from varlen import registry
     from varlen.engine import Engine
     from varlen.metrics import summarize
     from varlen.steplog import StepLog
@@ -213,13 +212,18 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
         where = (f"{cl['prefill_replicas']} prefill + {cl['decode_replicas']} decode instance(s)" if disaggregated
                  else f"{cl['replicas']} replica(s)")
         print(f"simulating {len(reqs)} requests on {where} (Ctrl-C stops)", flush=True)
-    max_model_len = min(e["max_model_len"], num_blocks * e["block_size"])
+
+    make_kv = registry.build("allocator", OmegaConf.to_container(cfg.allocator, resolve=False), context={"engine": e},
+                             _partial_=True, **alloc_kw)
 
     def make_engine(clock):
-        kv = instantiate(cfg.allocator, **alloc_kw)(num_blocks=num_blocks, block_size=e["block_size"],
-                                                    max_model_len=max_model_len)
+        kv = make_kv(num_blocks=num_blocks, block_size=e["block_size"], max_model_len=e["max_model_len"])
+        # As LLM(...) builds a policy: ${engine.max_model_len} is what the pool holds of it.
+        longest = kv.max_request_tokens()
+        policy = registry.build("scheduler", OmegaConf.to_container(cfg.scheduler, resolve=False),
+                                context={"engine": {**e, "max_model_len": longest, "num_blocks": num_blocks}})
         executor = CostModelExecutor(build_cost_model(c["cost"], model_config, hardware, c.get("parallel")), clock)
-        engine = Engine(instantiate(cfg.scheduler), kv, executor, clock=clock, max_model_len=max_model_len)
+        engine = Engine(policy, kv, executor, clock=clock, max_model_len=longest)
         return engine, executor
 
     cluster_row: dict[str, Any] = {}
@@ -237,7 +241,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     row.update(model=c["sim_model"]["name"], hardware=hardware.name, cost_model=c["cost"]["model"],
                replicas=replicas, router=c["cluster"]["router"],
                tensor=par.tensor, pipeline=par.pipeline,
-               num_blocks=num_blocks, block_size=e["block_size"], max_model_len=max_model_len,
+               num_blocks=num_blocks, block_size=e["block_size"], max_model_len=res.replicas[0].engine.max_model_len,
                max_num_seqs=c["scheduler"].get("max_num_seqs"),
                max_num_batched_tokens=c["scheduler"].get("max_num_batched_tokens"),
                rate=trace.stats.mean_rate, trace=c["workload"].get("source"))
@@ -263,8 +267,13 @@ def hydra_labels() -> dict[str, Any]:
 
     hc = HydraConfig.get()
     ch = hc.runtime.choices
-    return {"scheduler": ch.get("scheduler"), "allocator": ch.get("allocator"),
-            "overrides": ",".join(hc.overrides.task)}
+
+    def name(group: str) -> Any:
+        # A class given on the command line (scheduler._target_=mypkg.Mine) is what ran, not the group's choice.
+        given = [o.split("=", 1)[1] for o in hc.overrides.task if o.lstrip("+~").startswith(f"{group}._target_=")]
+        return given[-1] if given else ch.get(group)
+
+    return {"scheduler": name("scheduler"), "allocator": name("allocator"), "overrides": ",".join(hc.overrides.task)}
 
 
 def write_csv(df: Any, path: Path) -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from backends import make_backend
+from varlen import registry
 from backends.base import AttentionBackend, LayerAttention
 from backends.flash_attn import FlashAttnBackend
 from backends.flashinfer import FlashInferBackend
@@ -88,7 +88,7 @@ def test_torch_sdpa_windows_match_torch_ref(p, window, batch_invariant):
     ref = TorchRefBackend()
     want = ref.forward(p["q"], p["k"], p["v"], p["cache"].clone(), ref.prepare(p["batch"], "cpu"), p["scale"],
                        layer=spec)
-    sdpa = make_backend("torch_sdpa")
+    sdpa = registry.build("backend", "torch_sdpa")
     sdpa.batch_invariant = batch_invariant
     hkv, d = p["k"].shape[1:]
     # Two kinds of layer, as alternating models have: the metadata carries a mask for each.
@@ -151,7 +151,7 @@ def test_a_new_keyword_from_the_model_is_refused_at_load():
     attn = model.model.layers[1].self_attn
     attn.forward = partial(attn.forward, new_feature=3)  # as a newer transformers might pass
     with pytest.raises(UnsupportedModel) as info:
-        ModelRunner(model, make_backend("torch_ref"), 4, 8)
+        ModelRunner(model, registry.build("backend", "torch_ref"), 4, 8)
     assert str(info.value).startswith("LlamaForCausalLM: ") and "'new_feature'" in str(info.value)
 
 
@@ -159,7 +159,7 @@ def test_layers_without_attention_and_recurrent_mixers_are_refused():
     model = _varlen_model("llama")
     model.model.layers[1].self_attn.forward = lambda hidden_states, *a, **kw: (torch.zeros_like(hidden_states), None)
     with pytest.raises(UnsupportedModel, match=r"layer\(s\) \[1\] never call the attention interface"):
-        ModelRunner(model, make_backend("torch_ref"), 4, 8)
+        ModelRunner(model, registry.build("backend", "torch_ref"), 4, 8)
 
     class FakeMambaMixer(torch.nn.Module):
         pass
@@ -167,19 +167,19 @@ def test_layers_without_attention_and_recurrent_mixers_are_refused():
     model = _varlen_model("llama")
     model.model.layers[0].mixer = FakeMambaMixer()
     with pytest.raises(UnsupportedModel, match="FakeMambaMixer layers"):
-        ModelRunner(model, make_backend("torch_ref"), 4, 8)
+        ModelRunner(model, registry.build("backend", "torch_ref"), 4, 8)
     model = _varlen_model("llama")
     model.model.layers[0].self_attn.is_causal = False
     with pytest.raises(UnsupportedModel, match="layer 0 is not causal"):
-        ModelRunner(model, make_backend("torch_ref"), 4, 8)
+        ModelRunner(model, registry.build("backend", "torch_ref"), 4, 8)
     model = _varlen_model("llama").train()
     with pytest.raises(UnsupportedModel, match="training mode"):
-        ModelRunner(model, make_backend("torch_ref"), 4, 8)
+        ModelRunner(model, registry.build("backend", "torch_ref"), 4, 8)
 
 
 def test_a_call_that_differs_from_what_was_bound_is_refused():
     model = _varlen_model("mistral")
-    runner = ModelRunner(model, make_backend("torch_ref"), 4, 8)
+    runner = ModelRunner(model, registry.build("backend", "torch_ref"), 4, 8)
     batch = build_batch([SeqSlice([5, 6, 7], 0, [0])], 4, 8)
     runner.execute(batch)
     model.config.sliding_window = WINDOW // 2  # Mistral reads its window from the config at every call
@@ -202,7 +202,7 @@ def test_backends_that_do_not_declare_a_feature_refuse_models_that_use_it():
         and "none of the optional features" in msg, msg
     ModelRunner(_varlen_model("llama"), Undeclared(), 4, 8)  # plain models still run
     gpt_oss = _varlen_model("gpt_oss")
-    for backend in (make_backend("torch_sdpa"), FlashAttnBackend(), FlashInferBackend()):
+    for backend in (registry.build("backend", "torch_sdpa"), FlashAttnBackend(), FlashInferBackend()):
         with pytest.raises(ValueError, match=f"use sinks, which backend '{backend.name}' does not implement"):
             ModelRunner(gpt_oss, backend, 4, 8) if backend.name == "torch_sdpa" else \
                 backend.bind(4, 2, 16, torch.float16, 256, "cuda", ModelRunner(gpt_oss, TorchRefBackend(), 4, 8).layers)
@@ -231,7 +231,7 @@ def test_gpu_kernels_windows_and_softcaps_match_torch_ref(name, data):
     gen = torch.Generator(device=dev).manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
     cache = torch.randn(2, pool, batch.block_size, HKV, D, generator=gen, device=dev).to(dtype)
     q, k, v = (torch.randn(batch.num_tokens, h, D, generator=gen, device=dev).to(dtype) for h in (HQ, HKV, HKV))
-    backend, ref = make_backend(name), TorchRefBackend()
+    backend, ref = registry.build("backend", name), TorchRefBackend()
     backend.bind(HQ, HKV, D, dtype, batch.block_size, dev, [spec])
     got = backend.forward(q, k, v, cache.clone(), backend.prepare(batch, dev), spec.scale, layer=spec)
     want = ref.forward(q, k, v, cache.clone(), ref.prepare(batch, dev), spec.scale, layer=spec)

@@ -34,7 +34,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from backends import make_backend
+from varlen import registry
 from backends.base import BackendUnavailable, LayerAttention, write_kv
 from backends.flash_attn import FlashAttnBackend, flash_attn_feature_args, flash_attn_inputs
 from backends.flashinfer import FlashInferBackend, flashinfer_feature_args, flashinfer_plan_inputs
@@ -591,13 +591,13 @@ def test_flashinfer_plans_once_per_kind_of_layer(p):
 
 def test_flash_attn_rejects_block_size_16_on_any_machine():
     with pytest.raises(ValueError, match="multiple of 256"):
-        make_backend("flash_attn").check("cuda", torch.float16, 16)
+        registry.build("backend", "flash_attn").check("cuda", torch.float16, 16)
     with pytest.raises(ValueError, match="float16"):
-        make_backend("flash_attn").check("cuda", torch.float32, 256)
+        registry.build("backend", "flash_attn").check("cuda", torch.float32, 256)
     with pytest.raises(ValueError, match="float16"):
-        make_backend("flashinfer").check("cuda", torch.float32, 16)
+        registry.build("backend", "flashinfer").check("cuda", torch.float32, 16)
     with pytest.raises(ValueError, match="runs on cuda"):
-        make_backend("flashinfer").check("cpu", torch.float16, 16)
+        registry.build("backend", "flashinfer").check("cpu", torch.float16, 16)
 
 
 INSTALL = {"flash_attn": 'pip install -e ".[flash-attn]"', "flashinfer": 'pip install -e ".[flashinfer]"'}
@@ -615,7 +615,7 @@ def _assert_one_line(err: BackendUnavailable, name: str, *words: str) -> None:
 def test_no_cuda_says_so_in_one_line(name, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(BackendUnavailable) as info:
-        make_backend(name).check("cuda", torch.bfloat16, BLOCK[name])
+        registry.build("backend", name).check("cuda", torch.bfloat16, BLOCK[name])
     _assert_one_line(info.value, name, "GPU")
 
 
@@ -628,7 +628,7 @@ def test_missing_package_says_so_in_one_line(name, modules, words, monkeypatch):
     for m in modules:
         monkeypatch.setitem(sys.modules, m, None)  # makes `import m` raise ImportError
     with pytest.raises(BackendUnavailable) as info:
-        make_backend(name).check("cuda", torch.float16, BLOCK[name])
+        registry.build("backend", name).check("cuda", torch.float16, BLOCK[name])
     _assert_one_line(info.value, name, *words)
 
 
@@ -636,7 +636,7 @@ def test_missing_package_says_so_in_one_line(name, modules, words, monkeypatch):
 @pytest.mark.parametrize("name", ["flash_attn", "flashinfer"])
 def test_this_machine_without_cuda(name):
     with pytest.raises(BackendUnavailable) as info:
-        make_backend(name).check("cuda", torch.float16, BLOCK[name])
+        registry.build("backend", name).check("cuda", torch.float16, BLOCK[name])
     _assert_one_line(info.value, name)
 
 

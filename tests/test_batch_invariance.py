@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from backends import make_backend
+from varlen import registry
 from varlen.batch import SeqSlice, build_batch
 from varlen.model_runner import ModelRunner, load_model
 
@@ -34,7 +34,7 @@ def test_logits_do_not_depend_on_the_rest_of_the_batch(model, backend, data):
     lens = [data.draw(st.integers(2, 40)) for _ in range(n_others + 1)]
     cached = [data.draw(st.integers(1, n - 1)) for n in lens]
     toks = [rng.integers(3, 500, n).tolist() for n in lens]
-    runner = ModelRunner(model, make_backend(backend), 4, 256, batch_invariant=True)
+    runner = ModelRunner(model, registry.build("backend", backend), 4, 256, batch_invariant=True)
     blocks, at = [], 0
     for n in lens:
         blocks.append(list(range(at, at + -(-n // 4))))
@@ -44,6 +44,6 @@ def test_logits_do_not_depend_on_the_rest_of_the_batch(model, backend, data):
     target_item = mixed.pop(0)
     mixed.insert(pos, target_item)
     together = run(runner, pos, [], mixed)
-    alone = run(ModelRunner(model, make_backend(backend), 4, 256, batch_invariant=True), 0, [],
+    alone = run(ModelRunner(model, registry.build("backend", backend), 4, 256, batch_invariant=True), 0, [],
                 [target_item])
     assert torch.equal(together, alone), f"max diff {(together - alone).abs().max().item():.3e}"

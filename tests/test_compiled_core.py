@@ -69,7 +69,7 @@ def test_user_classes_subclass_every_shipped_plug_in():
     # compiled core must allow it (mypyc refuses interpreted subclasses unless told, and only
     # says so when the subclass is instantiated). Runs under whichever core this process got:
     # in CI, the compiled one.
-    from schedulers import POLICIES
+    from varlen import registry
     from sim.cost_models import ProfiledCostModel, ReplayCostModel, RooflineCostModel
     from sim.executor import CostModelExecutor
     from sim.simulator import simulate
@@ -80,7 +80,7 @@ def test_user_classes_subclass_every_shipped_plug_in():
     from varlen.traces import load_trace
     from varlen.workload import trace_requests
 
-    for cls in POLICIES.values():
+    for cls in map(registry.target, ["scheduler"] * 99, registry.names("scheduler")):
         type("Mine", (cls,), {})()
     type("Mine", (PagedAllocator,), {})(16, 4)
     type("Mine", (ContiguousAllocator,), {})(16, 4, 64)
@@ -90,7 +90,7 @@ def test_user_classes_subclass_every_shipped_plug_in():
 
     seen = []
 
-    class ShortestFirst(POLICIES["chunked"]):  # a user policy: admit the shortest prompt first
+    class ShortestFirst(registry.target("scheduler", "chunked")):  # a user policy: admit the shortest prompt first
         def waiting_order(self):
             seen.append(len(self.waiting))
             return sorted(self.waiting, key=lambda r: (r.num_prompt_tokens, r.arrival))

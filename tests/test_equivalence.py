@@ -25,7 +25,8 @@ if not torch.cuda.is_available():
     # imports triton (backends/triton_paged.py says why); nothing has yet.
     os.environ["TRITON_INTERPRET"] = "1"
 
-from backends import make_backend, usable_backends  # noqa: E402
+from backends import usable_backends  # noqa: E402
+from varlen import registry  # noqa: E402
 from varlen.batch import SeqSlice, build_batch  # noqa: E402
 from varlen.model_runner import ModelRunner, load_model  # noqa: E402
 
@@ -127,7 +128,7 @@ def check_mixed_batches_match_each_request_alone(models, backend: str, data, max
     model, oracle = models
     block_size, pool, reqs = data.draw(workloads(max_requests=max_requests))
     rounds = data.draw(groupings([len(r.steps) for r in reqs]), label="rounds")
-    runner = ModelRunner(model, make_backend(backend), block_size, pool)
+    runner = ModelRunner(model, registry.build("backend", backend), block_size, pool)
     assert_each_matches_alone(run_grouping(runner, reqs, rounds), reqs, oracle)
 
 
@@ -149,8 +150,8 @@ def check_two_batchings_agree(models, backend: str, data, max_requests: int = 8)
     n_steps = [len(r.steps) for r in reqs]
     first = data.draw(groupings(n_steps), label="first")
     second = data.draw(groupings(n_steps), label="second")
-    a = run_grouping(ModelRunner(model, make_backend(backend), block_size, pool), reqs, first)
-    b = run_grouping(ModelRunner(model, make_backend(backend), block_size, pool), reqs, second)
+    a = run_grouping(ModelRunner(model, registry.build("backend", backend), block_size, pool), reqs, first)
+    b = run_grouping(ModelRunner(model, registry.build("backend", backend), block_size, pool), reqs, second)
     assert a.keys() == b.keys()
     for key in a:
         err = (a[key] - b[key]).abs().max().item()
@@ -188,7 +189,7 @@ def test_error_is_detected(models):
     """The oracle comparison is not vacuous: attending to a wrong context is caught."""
     model, oracle = models
     tokens = list(range(10, 30))
-    runner = ModelRunner(model, make_backend("torch_ref"), 4, 8)
+    runner = ModelRunner(model, registry.build("backend", "torch_ref"), 4, 8)
     runner.execute(build_batch([SeqSlice(tokens[:10], 0, [0, 1, 2, 3, 4])], 4))
     # Second chunk pointed at a block table whose first block is wrong (block 5 was never written).
     logits = runner.execute(build_batch([SeqSlice(tokens[10:], 10, [5, 1, 2, 3, 4])], 4))

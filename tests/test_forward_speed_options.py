@@ -12,7 +12,7 @@ import torch
 import transformers.masking_utils as masking_utils
 import transformers.models.qwen3.modeling_qwen3 as qwen3
 
-from backends import make_backend
+from varlen import registry
 from varlen.batch import SeqSlice, build_batch
 from varlen.model_runner import ModelRunner, load_model, precomputed_masks
 from varlen.tiny_model import ensure_tiny_model
@@ -36,7 +36,7 @@ def _run(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, use_mapping: b
         return real(*a, **k)
 
     monkeypatch.setattr(qwen3, "create_causal_mask", counting)
-    runner = ModelRunner(model, make_backend("torch_paged"), BS, 8)
+    runner = ModelRunner(model, registry.build("backend", "torch_paged"), BS, 8)
     if not use_mapping:
         runner.forward_kwargs = {}
     calls.clear()  # the load-time probes build masks; only the steps count
@@ -59,4 +59,4 @@ def test_a_model_refusing_the_mapping_keeps_building_masks():
     the runner passes nothing (the model builds its masks as before)."""
     model = load_model(ensure_tiny_model("llama"), torch.float32, "cpu")
     assert precomputed_masks(model) is None
-    assert ModelRunner(model, make_backend("torch_paged"), BS, 8).forward_kwargs == {}
+    assert ModelRunner(model, registry.build("backend", "torch_paged"), BS, 8).forward_kwargs == {}

@@ -21,7 +21,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from backends import make_backend
+from varlen import registry
 from backends.base import BackendUnavailable
 from backends.torch_ref import TorchRefBackend
 from varlen.batch import ForwardBatch, SeqSlice, build_batch
@@ -41,7 +41,7 @@ HQ, HKV, D = 8, 2, 128
 
 def _unavailable(name: str) -> str | None:
     try:
-        make_backend(name).check("cuda", torch.bfloat16, BLOCK_SIZES[name][0])
+        registry.build("backend", name).check("cuda", torch.bfloat16, BLOCK_SIZES[name][0])
     except BackendUnavailable as err:
         return str(err)
     return None
@@ -85,7 +85,7 @@ def _compare_one_step(name: str, dtype: torch.dtype, batch: ForwardBatch, pool: 
     q = torch.randn(n, HQ, D, generator=gen, device=dev).to(dtype)
     k = torch.randn(n, HKV, D, generator=gen, device=dev).to(dtype)
     v = torch.randn(n, HKV, D, generator=gen, device=dev).to(dtype)
-    backend, ref = make_backend(name), TorchRefBackend()
+    backend, ref = registry.build("backend", name), TorchRefBackend()
     backend.check(dev, dtype, batch.block_size)
     got_cache, ref_cache = cache.clone(), cache.clone()
     got = backend.forward(q, k, v, got_cache, backend.prepare(batch, dev), D ** -0.5)
@@ -131,7 +131,7 @@ def test_request_lifecycles_match_torch_ref(name, dtype):
         [(3, 5), (0, 1), (1, 1), (2, 1)],
         [(3, 1), (0, 1), (1, 1), (2, 1)],  # pure decode again, with the late request
     ]
-    backend, ref = make_backend(name), TorchRefBackend()
+    backend, ref = registry.build("backend", name), TorchRefBackend()
     backend.check(dev, dtype, bs)
     cache = torch.zeros(2, pool, bs, HKV, D, dtype=dtype, device=dev)
     got_cache, ref_cache = cache.clone(), cache.clone()
@@ -185,7 +185,7 @@ def test_model_logits_match_torch_ref(name, dtype, gpu_model_dir):
             need = -(-(len(p) + 4) // bs)
             tables.append(perm[at:at + need])
             at += need
-    runners = {b: ModelRunner(gpu_model_dir, make_backend(b), bs, pool, dtype=dtype, device="cuda")
+    runners = {b: ModelRunner(gpu_model_dir, registry.build("backend", b), bs, pool, dtype=dtype, device="cuda")
                for b in (name, "torch_ref")}
     # Step 1: request 0 as a chunk of 200, requests 1-2 whole; step 2: the rest of request 0 with
     # decodes; step 3: a pure-decode step.

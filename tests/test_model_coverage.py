@@ -18,7 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from backends import make_backend
+from varlen import registry
 from test_equivalence import assert_each_matches_alone, groupings, run_grouping, workloads
 from varlen.architectures import markdown_table, readme_table
 from varlen.model_attention import UnsupportedModel
@@ -43,14 +43,14 @@ def test_architecture_matches_hf_per_request(arch_models, backend, data):
     arch, model, oracle = arch_models
     block_size, pool, reqs = data.draw(workloads(min_prompt=WINDOW + 3, max_requests=4))
     rounds = data.draw(groupings([len(r.steps) for r in reqs]), label="rounds")
-    be = make_backend(backend)
+    be = registry.build("backend", backend)
     try:
         runner = ModelRunner(model, be, block_size, pool)
     except ValueError as err:
         # Refused at start-up: only for a feature the backend does not declare, said in one line.
         msg = str(err)
         assert "\n" not in msg and type(model).__name__ in msg and "does not implement" in msg, msg
-        used = {f for layer in ModelRunner(model, make_backend("torch_ref"), block_size, pool).layers
+        used = {f for layer in ModelRunner(model, registry.build("backend", "torch_ref"), block_size, pool).layers
                 for f in layer.features}
         assert used - be.features, f"{backend} refused {arch} although it declares {sorted(used)}"
         return
@@ -68,7 +68,7 @@ def test_refused_architectures_say_why_in_one_line(arch):
     register_varlen_attention()
     model = tiny_model(arch, attn_implementation=ATTN_NAME)
     with pytest.raises(UnsupportedModel) as info:
-        ModelRunner(model, make_backend("torch_ref"), 4, 8)
+        ModelRunner(model, registry.build("backend", "torch_ref"), 4, 8)
     msg = str(info.value)
     assert "\n" not in msg and msg.startswith(type(model).__name__) and REASONS[arch] in msg, msg
     assert "supported" in msg, msg  # and what is supported

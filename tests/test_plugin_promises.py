@@ -13,10 +13,10 @@ import warnings
 from pathlib import Path
 
 import pytest
-from test_sim_fastforward import ALLOCATORS, assert_same, run_both, shared_prefix_requests, state
+from test_sim_fastforward import ALLOCATORS, POLICIES, assert_same, policy_class, run_both, shared_prefix_requests, state
 
 import varlen.compiled as compiled
-from schedulers import POLICIES
+from schedulers import ChunkedPolicy
 from schedulers.base import SchedulerPolicy
 from sim.cost_models import CostModel, ProfiledCostModel, ReplayCostModel, RooflineCostModel, StepSums
 from sim.executor import CostModelExecutor
@@ -126,9 +126,9 @@ CHANGES_DECODES = (cap_schedule, cap_running, cap_grant)
 
 
 @pytest.mark.parametrize("override", [*CHANGES_DECODES, fifo_victims, shortest_first], ids=lambda f: f.__name__)
-@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("policy", POLICIES)
 def test_user_policy_is_asked_every_step(policy, override):
-    P = POLICIES[policy]
+    P = policy_class(policy)
     user = override(P)
     method = next(n for n in ("schedule", "_schedule_running", "_grant", "victim_order", "waiting_order")
                   if n in user.__dict__)
@@ -141,7 +141,7 @@ def test_user_policy_is_asked_every_step(policy, override):
 
 
 def test_a_user_policy_that_declares_the_promise_keeps_the_fast_path():
-    class Declared(POLICIES["chunked"]):
+    class Declared(ChunkedPolicy):
         repeats_decode_batches = True  # its own: waiting_order does not touch decode batches
 
         def waiting_order(self):
@@ -189,10 +189,10 @@ ALLOCATOR_OVERRIDES = {  # name: (user class, its arguments, the shipped class i
 def test_user_allocator_is_asked_every_call(allocator, policy):
     cls, args, shipped = ALLOCATOR_OVERRIDES[allocator]
     user = type(cls.__name__, (cls,), {})  # a class of this test's own: each is checked (and said) once
-    b = run_checked(make_factory(POLICIES[policy], lambda: user(*args)), broken=f"{cls.__name__}.allocate")
+    b = run_checked(make_factory(policy_class(policy), lambda: user(*args)), broken=f"{cls.__name__}.allocate")
     assert b.replicas[0].engine.num_fast_forwarded_steps == 0
     if not allocator.endswith("max"):  # max-length reservations leave the live-token cap no say
-        base = simulate(fresh_copies(REQS), make_factory(POLICIES[policy], lambda: shipped(*args)))
+        base = simulate(fresh_copies(REQS), make_factory(policy_class(policy), lambda: shipped(*args)))
         assert token_times(base) != token_times(b)
 
 
@@ -229,7 +229,7 @@ class RecordingAllocator(KVAllocator):
 
 
 def test_allocator_from_scratch_gets_every_call_in_a_fast_forward():
-    b = run_checked(make_factory(POLICIES["chunked"], lambda: RecordingAllocator(400, 16, 1024)))
+    b = run_checked(make_factory(ChunkedPolicy, lambda: RecordingAllocator(400, 16, 1024)))
     assert b.replicas[0].engine.num_fast_forwarded_steps > 0.3 * b.num_steps  # the interface default is kept
 
 
@@ -254,7 +254,7 @@ def test_user_cost_model_times_every_step(cost, method):
     # an override of step_time_sums keeps the fast path and is timed by it. The formula promises
     # to equal step_time: an override of step_time alone runs every step.
     broken = None if method == "step_time_sums" else f"{user.__name__}.{method}"
-    b = run_checked(make_factory(POLICIES["chunked"], paged(400), user_factory), broken=broken)
+    b = run_checked(make_factory(ChunkedPolicy, paged(400), user_factory), broken=broken)
     plain = base_factory()
     assert_timed_by(b, lambda i, s: 2 * plain.step_time(s.new_tokens, s.cached_tokens, s.num_sampled))
     ff = b.replicas[0].engine.num_fast_forwarded_steps
@@ -269,7 +269,7 @@ def test_user_formula_term_times_every_step_and_keeps_the_fast_path(cost):
     base_factory = cost_roofline if cost is RooflineCostModel else cost_profiled
     user_factory = (lambda: user("tiny", "cpu_2core")) if cost is RooflineCostModel else \
         (lambda: user(coef=cost_profiled().coefficients()))
-    b = run_checked(make_factory(POLICIES["chunked"], paged(400), user_factory))
+    b = run_checked(make_factory(ChunkedPolicy, paged(400), user_factory))
     plain = base_factory()
 
     def expected(i, s):
@@ -282,7 +282,7 @@ def test_user_formula_term_times_every_step_and_keeps_the_fast_path(cost):
 def test_user_replay_cost_model():
     durations = [1e-3 * (1 + i % 7) for i in range(5000)]
     user = doubled(ReplayCostModel, "step_time")
-    b = run_checked(make_factory(POLICIES["chunked"], paged(400), lambda: user(durations)))
+    b = run_checked(make_factory(ChunkedPolicy, paged(400), lambda: user(durations)))
     assert_timed_by(b, lambda i, s: 2 * durations[i])
 
 
@@ -296,7 +296,7 @@ class OverheadExecutor(CostModelExecutor):
 
 
 def test_user_executor_runs_every_step():
-    b = run_checked(make_factory(POLICIES["chunked"], paged(400), executor_cls=OverheadExecutor),
+    b = run_checked(make_factory(ChunkedPolicy, paged(400), executor_cls=OverheadExecutor),
                     broken="OverheadExecutor.execute")
     assert b.replicas[0].engine.num_fast_forwarded_steps == 0
     plain = cost_roofline()
@@ -312,17 +312,17 @@ def test_a_user_cost_model_that_declares_its_decode_closure_keeps_the_fast_path(
         def decode_step_time(self, num_seqs):  # its own promise: the interface's derived closure
             return CostModel.decode_step_time(self, num_seqs)
 
-    b = run_checked(make_factory(POLICIES["chunked"], paged(400), lambda: Mine("tiny", "cpu_2core")))
+    b = run_checked(make_factory(ChunkedPolicy, paged(400), lambda: Mine("tiny", "cpu_2core")))
     assert b.replicas[0].engine.num_fast_forwarded_steps > 0.3 * b.num_steps
 
 
 # -- shipped classes keep the fast path; the rule itself ---------------------------------------
 
 @pytest.mark.parametrize("allocator", ["paged", "paged-cache", "contiguous-pow2"])
-@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("policy", POLICIES)
 def test_shipped_classes_keep_the_fast_path(policy, allocator):
     for cost in (cost_roofline, cost_profiled):
-        make = make_factory(POLICIES[policy], lambda: ALLOCATORS[allocator](num_blocks=400, block_size=16,
+        make = make_factory(policy_class(policy), lambda: ALLOCATORS[allocator](num_blocks=400, block_size=16,
                                                                              max_model_len=1024), cost)
         with warnings.catch_warnings():
             warnings.simplefilter("error", PromiseWarning)
@@ -358,8 +358,8 @@ def test_broken_by():
     assert broken_by(Redeclares, "promise", ["act"], Base) == ""
     assert broken_by(type("B", (Base,), {"act": lambda self: None}), "promise", ["act"], Base) == ""  # the default
     # Compiled classes list their methods and class attributes in __dict__ as Python classes do.
-    assert "repeats_decode_batches" in POLICIES["chunked"].__dict__ and "schedule" in SchedulerPolicy.__dict__
-    assert "Mine.schedule" in broken_by(type("Mine", (POLICIES["chunked"],), {"schedule": lambda s, kv: None}),
+    assert "repeats_decode_batches" in ChunkedPolicy.__dict__ and "schedule" in SchedulerPolicy.__dict__
+    assert "Mine.schedule" in broken_by(type("Mine", (ChunkedPolicy,), {"schedule": lambda s, kv: None}),
                                         "repeats_decode_batches", ["schedule"], SchedulerPolicy)
 
 

@@ -4,19 +4,18 @@ checked on every step of a run with preemption, not on one hand-made state."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import yaml
 
-from schedulers import POLICIES, ContinuousPolicy, StaticPolicy
+from schedulers import ContinuousPolicy, SchedulerPolicy, StaticPolicy, VllmV0Policy
+from varlen import registry
 from varlen.clock import SimClock
 from varlen.engine import Engine, Executor
 from varlen.kv import PagedAllocator
 from varlen.request import Request
 from varlen.sampling_params import SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
 MAX_LEN = 64
 
 
@@ -52,7 +51,7 @@ def whole(entry: tuple[str, int, int, bool], reqs: dict[str, Request]) -> bool:
 def run(policy: str, num_blocks: int = 40, seats: int = 6, budget: int | None = None, n: int = 40,
         seed: int = 0) -> tuple[Recorder, list[Request], Engine]:
     """A bursty workload on a small pool (preemptions happen), stepped to the end."""
-    cls = POLICIES[policy]
+    cls = registry.target("scheduler", policy)
     budget = budget or (16 if cls.chunked_prefill else MAX_LEN)
     rng = random.Random(seed)
     ex = Recorder()
@@ -76,14 +75,15 @@ def run(policy: str, num_blocks: int = 40, seats: int = 6, budget: int | None = 
     return ex, reqs, eng
 
 
-@pytest.mark.parametrize("policy", ["continuous", "orca", "vllm_v0", "static", "fastertransformer"])
+@pytest.mark.parametrize("policy", [n for n in registry.names("scheduler")
+                                    if not registry.target("scheduler", n).chunked_prefill])
 def test_whole_prompt_admission_not_blocked_by_running_decodes(policy):
     """Regression: the token budget of a whole-prompt policy bounds its prompts, not the decodes
     running beside them. With the budget shared, a prompt as long as the budget (max_model_len by
     default) waited until the batch drained, and the whole queue behind it (the sim at 8 req/s on
     Azure conv, Llama-2-7B/A100, max_model_len 4096: 500+ waiting, the KV pool 23% used)."""
     budget = 32
-    pol = POLICIES[policy](max_num_seqs=8, max_num_batched_tokens=budget)
+    pol = registry.target("scheduler", policy)(max_num_seqs=8, max_num_batched_tokens=budget)
     kv = PagedAllocator(64, 4, budget)
     eng = Engine(pol, kv, Recorder(), SimClock(), budget)
     short = Request("short", [5] * 4, SamplingParams(max_tokens=10, ignore_eos=True), arrival=1e-9)
@@ -112,7 +112,7 @@ def test_vllm_v0_steps_are_prefills_or_decodes_prefills_first():
     assert all(whole(e, by_id) for s in ex.steps for e in s), "a prompt was chunked"
     # Prefills first: a decode step happens only when no waiting request fit (checked on a state
     # where one does: a decode is running and a short prompt waits).
-    pol = POLICIES["vllm_v0"](max_num_seqs=4, max_num_batched_tokens=MAX_LEN)
+    pol = VllmV0Policy(max_num_seqs=4, max_num_batched_tokens=MAX_LEN)
     kv = PagedAllocator(40, 4, MAX_LEN)
     e = Engine(pol, kv, Recorder(), SimClock(), MAX_LEN)
     e.add_request(Request("a", [1] * 8, SamplingParams(max_tokens=5, ignore_eos=True), arrival=1e-9))
@@ -142,7 +142,7 @@ def test_sarathi_budget_and_decodes_first():
     # preemption leave such orders): sarathi serves the decode first, vLLM V1 (chunked) in order.
     got = {}
     for name in ("sarathi", "chunked"):
-        pol = POLICIES[name](max_num_seqs=4, max_num_batched_tokens=8)
+        pol = registry.target("scheduler", name)(max_num_seqs=4, max_num_batched_tokens=8)
         kv = PagedAllocator(40, 4, MAX_LEN)
         e = Engine(pol, kv, Recorder(), SimClock(), MAX_LEN)
         e.add_request(Request("short", [2] * 3, SamplingParams(max_tokens=3, ignore_eos=True), arrival=1e-9))
@@ -167,11 +167,10 @@ def test_fastertransformer_admits_only_into_an_empty_batch(policy):
 
 
 def test_every_policy_config_names_a_registered_class_and_cites_its_behaviour():
-    classes = {c.__name__ for c in POLICIES.values()}
-    for name in POLICIES:
-        f = ROOT / "conf" / "scheduler" / f"{name}.yaml"
+    for name, f in registry.files("scheduler").items():
         text = f.read_text()
         assert text.lstrip().startswith("#"), f"{f.name} has no comment citing the behaviour it reproduces"
-        target = yaml.safe_load(text)["_target_"]
-        assert target.removeprefix("schedulers.") in classes and POLICIES[name].__name__ == target.split(".")[-1]
-    assert POLICIES["orca"] is ContinuousPolicy and POLICIES["fastertransformer"] is StaticPolicy
+        cls = registry.target("scheduler", name)
+        assert issubclass(cls, SchedulerPolicy) and cls.__name__ == yaml.safe_load(text)["_target_"].split(".")[-1]
+    assert registry.target("scheduler", "orca") is ContinuousPolicy
+    assert registry.target("scheduler", "fastertransformer") is StaticPolicy

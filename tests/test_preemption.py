@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from schedulers import POLICIES
+from schedulers import ChunkedPolicy, ContinuousPolicy
+from varlen import registry
 from sim.cost_models import RooflineCostModel
 from sim.executor import CostModelExecutor
 from sim.simulator import simulate
@@ -55,17 +56,17 @@ def test_preemptions_per_request_are_bounded(policy, num_blocks, caching):
     # Before the fix: up to 88 preemptions of one request and 708% of the tokens computed again
     # (no cache, 200 blocks); continuous batching on the same trace: 2 and 19%.
     reqs = pressure_requests(seed=num_blocks)
-    res = simulate_pool(reqs, POLICIES[policy], num_blocks, caching)
+    res = simulate_pool(reqs, registry.target("scheduler", policy), num_blocks, caching)
     assert all(r.finish_reason.value == "length" for r in res.requests)
     assert res.replicas[0].engine.num_preemptions > 0  # the pool is under pressure
     assert max(r.num_preemptions for r in res.requests) <= 3
     assert recomputed(res) <= (0.25 if not caching else 0.06)
     # No worse than whole-prompt admission (continuous batching) by more than a few points.
-    cont = simulate_pool(reqs, POLICIES["continuous"], num_blocks, caching)
+    cont = simulate_pool(reqs, ContinuousPolicy, num_blocks, caching)
     assert recomputed(res) <= recomputed(cont) + 0.03
 
 
-class ChunkAdmission(POLICIES["chunked"]):
+class ChunkAdmission(ChunkedPolicy):
     """vLLM V1's admission: a first chunk that fits is admitted, whatever the rest needs."""
 
     repeats_decode_batches = True  # _rest_fits plays no part in a decode run
@@ -76,7 +77,7 @@ class ChunkAdmission(POLICIES["chunked"]):
 
 def test_without_pressure_chunked_decides_as_before():
     reqs = pressure_requests(seed=7)
-    a = simulate_pool(reqs, POLICIES["chunked"], 3000, caching=True)
+    a = simulate_pool(reqs, ChunkedPolicy, 3000, caching=True)
     b = simulate_pool(reqs, ChunkAdmission, 3000, caching=True)
     assert a.replicas[0].engine.num_preemptions == 0
     assert [r.token_times for r in a.requests] == [r.token_times for r in b.requests]
@@ -88,7 +89,7 @@ def test_without_pressure_chunked_decides_as_before():
 
 def test_a_long_prompt_waits_for_room_for_all_of_it():
     kv = PagedAllocator(num_blocks=10, block_size=4, enable_prefix_caching=False)  # 40 slots
-    policy = POLICIES["chunked"](max_num_seqs=4, max_num_batched_tokens=8)
+    policy = ChunkedPolicy(max_num_seqs=4, max_num_batched_tokens=8)
 
     clock = SimClock()
     eng = Engine(policy, kv, CostModelExecutor(RooflineCostModel("tiny", "cpu_2core"), clock), clock, max_model_len=40)

@@ -17,8 +17,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from schedulers import POLICIES, ChunkedPolicy
-from varlen import LLM, SamplingParams
+from schedulers import ChunkedPolicy
+from varlen import LLM, SamplingParams, registry
 from varlen.clock import SimClock, WallClock
 from varlen.engine import Engine, Executor
 from varlen.kv import ContiguousAllocator, PagedAllocator
@@ -136,7 +136,8 @@ bad_field_values = st.one_of(
 
 
 def stub_engine(policy="chunked", allocator="paged", clock=None, executor=None):
-    pol = POLICIES[policy](max_num_seqs=4, max_num_batched_tokens=16 if POLICIES[policy].chunked_prefill else 64)
+    cls = registry.target("scheduler", policy)
+    pol = cls(max_num_seqs=4, max_num_batched_tokens=16 if cls.chunked_prefill else 64)
     kv = PagedAllocator(40, 4, 64) if allocator == "paged" else ContiguousAllocator(40, 4, 64)
     clock = SimClock() if clock is None else clock
     return Engine(pol, kv, executor or StubExecutor(clock), clock=clock, max_model_len=64, eos_token_id=1,
@@ -241,7 +242,7 @@ def test_failing_executor_aborts_its_step_and_the_rest_of_the_run(model_dir, fai
     assert {r for s in llm.engine.steps for r in s.req_ids} == {o.request_id for o in outs}
 
 
-@given(policy=st.sampled_from(sorted(POLICIES)), allocator=st.sampled_from(["paged", "contiguous"]),
+@given(policy=st.sampled_from(registry.names("scheduler")), allocator=st.sampled_from(["paged", "contiguous"]),
        fail_at=st.integers(1, 12), lengths=st.lists(st.integers(1, 30), min_size=1, max_size=6))
 def test_a_failure_at_any_step_leaves_the_engine_consistent(policy, allocator, fail_at, lengths):
     eng = stub_engine(policy, allocator)
@@ -321,7 +322,7 @@ def assert_ordered(r: Request) -> None:
     assert all(a <= b for a, b in zip(t, t[1:])), (r.req_id, r.finish_reason, t)
 
 
-@given(policy=st.sampled_from(sorted(POLICIES)), wall=st.booleans(),
+@given(policy=st.sampled_from(registry.names("scheduler")), wall=st.booleans(),
        reqs=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 6), st.sampled_from([0.0, 0.0, 1e-4, 2e-3])),
                      min_size=1, max_size=6))
 def test_timestamps_of_a_request_are_ordered(policy, wall, reqs):

@@ -14,13 +14,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from schedulers import POLICIES
+from schedulers import PriorityPolicy
 from schedulers.base import SchedulerPolicy
 from sim.cost_models import RooflineCostModel
 from sim.executor import CostModelExecutor
 from sim.simulator import simulate
 from sim.validate import fresh_copies
-from test_sim_fastforward import ALLOCATORS, assert_same, workloads
+from test_sim_fastforward import ALLOCATORS, POLICIES, assert_same, policy_class, workloads
 from varlen.clock import SimClock
 from varlen.engine import Engine, Executor
 from varlen.kv import ContiguousAllocator, PagedAllocator
@@ -44,15 +44,15 @@ class RecordingExecutor(Executor):
 
 
 class SchedulingMachine(RuleBasedStateMachine):
-    @initialize(policy=st.sampled_from(sorted(POLICIES)), allocator=st.sampled_from(["paged", "contiguous"]),
+    @initialize(policy=st.sampled_from(POLICIES), allocator=st.sampled_from(["paged", "contiguous"]),
                 block_size=st.sampled_from([1, 2, 4, 16]), seats=st.integers(1, 6),
                 reservation=st.sampled_from(["max", "pow2", "oracle"]))
     def setup(self, policy, allocator, block_size, seats, reservation):
         self.max_len = 48
         num_blocks = -(-self.max_len // block_size) * 2  # two full-length requests
-        chunked = POLICIES[policy].chunked_prefill or policy == "priority"
+        chunked = policy_class(policy).chunked_prefill
         self.budget = 8 if chunked else self.max_len
-        self.policy = POLICIES[policy](max_num_seqs=seats, max_num_batched_tokens=self.budget)
+        self.policy = policy_class(policy)(max_num_seqs=seats, max_num_batched_tokens=self.budget)
         self.kv = (PagedAllocator(num_blocks, block_size, self.max_len) if allocator == "paged"
                    else ContiguousAllocator(num_blocks, block_size, self.max_len, reservation))
         self.exe = RecordingExecutor()
@@ -158,10 +158,10 @@ TestScheduling.settings = settings(settings.default, max_examples=4 * settings.d
                                    stateful_step_count=60)
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("policy", POLICIES)
 def test_preemption_requeues_at_front_and_lifo_victim(policy):
     kv = PagedAllocator(num_blocks=6, block_size=4)
-    p = POLICIES[policy](max_num_seqs=4, max_num_batched_tokens=64)
+    p = policy_class(policy)(max_num_seqs=4, max_num_batched_tokens=64)
     eng = Engine(p, kv, RecordingExecutor(), SimClock(), max_model_len=24)
     a = Request("a", list(range(3, 11)), SamplingParams(max_tokens=16, ignore_eos=True))
     b = Request("b", list(range(20, 28)), SamplingParams(max_tokens=16, ignore_eos=True), arrival=1e-3)
@@ -219,7 +219,7 @@ def test_priority_decides_as_the_sorting_reference(w, fast_forward):
         r.arrival = reqs[i - i % 4].arrival
         r.priority %= 2
     a = simulate(fresh_copies(reqs), make(SortingPriority), fast_forward=fast_forward)
-    b = simulate(fresh_copies(reqs), make(POLICIES["priority"]), fast_forward=fast_forward)
+    b = simulate(fresh_copies(reqs), make(PriorityPolicy), fast_forward=fast_forward)
     assert_same(a, b)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import astuple
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -15,13 +14,12 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schedulers import POLICIES
 from sim.cost_models import ProfiledCostModel, RooflineCostModel, StepSums
 from sim.executor import SIM_TOKEN, CostModelExecutor
 from sim.simulator import simulate
 from sim.validate import fresh_copies
+from varlen import registry
 from varlen.engine import Engine
-from varlen.kv import ContiguousAllocator, PagedAllocator
 from varlen.metrics import step_table, summarize
 from varlen.request import Request
 from varlen.sampling_params import SamplingParams
@@ -30,14 +28,31 @@ from varlen.traces import load_trace
 from varlen.workload import trace_requests
 
 ROOT = Path(__file__).resolve().parents[1]
-# One name per policy class: `orca` and `fastertransformer` name the classes of `continuous` and `static`.
-DISTINCT_POLICIES = [n for n, c in POLICIES.items() if next(k for k, v in POLICIES.items() if v is c) == n]
+POLICIES = registry.names("scheduler")  # every policy of conf/scheduler/ (and the user's config folders)
 
+
+def policy_class(name: str) -> type:
+    return registry.target("scheduler", name)
+
+
+def distinct_policies() -> list[str]:
+    """One name per policy class (`orca` and `fastertransformer` name the classes of `continuous`
+    and `static`): the one the class is named after, else the first."""
+    by_class: dict[type, list[str]] = {}
+    for name in POLICIES:
+        by_class.setdefault(policy_class(name), []).append(name)
+    return sorted(next((n for n in ns if cls.__name__.lower() == n.replace("_", "") + "policy"), ns[0])
+                  for cls, ns in by_class.items())
+
+
+DISTINCT_POLICIES = distinct_policies()
+
+# The allocators (conf/allocator/) in the modes these tests run; paged_window: tests/test_window_kv.py.
 ALLOCATORS = {
-    "paged-cache": partial(PagedAllocator, enable_prefix_caching=True),
-    "paged": partial(PagedAllocator, enable_prefix_caching=False),
-    "contiguous-pow2": partial(ContiguousAllocator, reservation="pow2"),
-    "contiguous-max": partial(ContiguousAllocator, reservation="max"),
+    "paged-cache": registry.build("allocator", "paged", enable_prefix_caching=True),
+    "paged": registry.build("allocator", "paged", enable_prefix_caching=False),
+    "contiguous-pow2": registry.build("allocator", "contiguous", reservation="pow2"),
+    "contiguous-max": registry.build("allocator", "contiguous", reservation="max"),
 }
 
 
@@ -51,13 +66,13 @@ def state(obj) -> dict:
 def factory(policy: str, allocator: str, num_blocks: int, block_size: int = 16, max_model_len: int = 1024,
             budget: int = 256, seats: int = 16, cost=None, eos: int | None = None):
     cost = cost or RooflineCostModel("tiny", "cpu_2core")
-    if not POLICIES[policy].chunked_prefill:
+    if not policy_class(policy).chunked_prefill:
         budget = max(budget, max_model_len)  # whole prompts must fit one step
 
     def make(clock):
         ex = CostModelExecutor(cost, clock)
         kv = ALLOCATORS[allocator](num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len)
-        pol = POLICIES[policy](max_num_seqs=seats, max_num_batched_tokens=budget)
+        pol = policy_class(policy)(max_num_seqs=seats, max_num_batched_tokens=budget)
         return Engine(pol, kv, ex, clock=clock, max_model_len=max_model_len, eos_token_id=eos), ex
 
     return make
@@ -199,7 +214,7 @@ def workloads(draw):
         stop = [SIM_TOKEN] if draw(st.integers(0, 9)) == 0 else []
         sp = SamplingParams(ignore_eos=True, max_tokens=draw(st.integers(1, 60)), stop_token_ids=stop)
         reqs.append(Request(f"r{i}", prompt, sp, arrival=t, priority=draw(st.integers(0, 2))))
-    return dict(reqs=reqs, policy=draw(st.sampled_from(sorted(POLICIES))),
+    return dict(reqs=reqs, policy=draw(st.sampled_from(POLICIES)),
                 allocator=draw(st.sampled_from(sorted(ALLOCATORS))), num_blocks=num_blocks,
                 block_size=block_size, max_model_len=max_model_len, budget=draw(st.integers(1, 48)),
                 seats=draw(st.integers(1, 6)), replicas=draw(st.sampled_from([1, 1, 2])))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from schedulers import POLICIES
+from varlen import registry
 from sim.cost_models import ReplayCostModel
 from sim.validate import batch_sequence, first_difference, fresh_copies, simulate_like
 from varlen.kv import ContiguousAllocator, PagedAllocator
@@ -41,7 +41,7 @@ def test_replayed_timeline_gives_identical_batches(case, tiny_model_dirs):
                        over_length="drop" if "preempting" in case else "clip")
 
     def make_policy():
-        return POLICIES[sched](max_num_seqs=4, max_num_batched_tokens=budget)
+        return registry.target("scheduler", sched)(max_num_seqs=4, max_num_batched_tokens=budget)
 
     llm = LLM(tiny_model_dirs["qwen3"], scheduler=make_policy(), allocator=alloc, block_size=16,
               num_blocks=num_blocks, max_model_len=max_len)

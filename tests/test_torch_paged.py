@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from test_backend_metadata import mixed_batches, problems, reference
 
 import backends.torch_paged as tp
-from backends import make_backend
+from varlen import registry
 from backends.torch_ref import TorchRefBackend
 from varlen.batch import SeqSlice, build_batch
 
@@ -27,7 +27,7 @@ ATOL = 1e-5
 
 def run_paged(p: dict, q: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
     """Forward through torch_paged on p's cache (converted to the backend's layout and back)."""
-    backend = make_backend("torch_paged")
+    backend = registry.build("backend", "torch_paged")
     kernel_layout = backend.uses_kernel and dtype != torch.float16
     cache = tp.from_nhd(p["cache"].to(dtype)) if kernel_layout else p["cache"].to(dtype).clone()
     q = p["q"] if q is None else q
@@ -47,7 +47,7 @@ def test_layout_round_trip():
 
 def test_the_kernel_builds_here():
     """CI has a C compiler: the fast path, not the fallback, is what the other tests exercise."""
-    assert make_backend("torch_paged").uses_kernel
+    assert registry.build("backend", "torch_paged").uses_kernel
 
 
 @given(problems())
@@ -151,7 +151,7 @@ def test_build_failure_warns_once_and_falls_back_correctly(no_kernel, p):
     with __import__("warnings").catch_warnings():
         __import__("warnings").simplefilter("error")
         run_paged(p)  # no second warning
-    assert not make_backend("torch_paged").uses_kernel
+    assert not registry.build("backend", "torch_paged").uses_kernel
 
 
 def test_build_error_names_the_compiler(monkeypatch, tmp_path):
@@ -170,7 +170,8 @@ def test_build_is_cached(monkeypatch, tmp_path):
 
 
 def test_importing_and_checking_builds_nothing(tmp_path):
-    code = ("import backends, backends.torch_paged as tp, torch; b = backends.make_backend('torch_paged'); "
+    code = ("import backends, backends.torch_paged as tp, torch; from varlen import registry; "
+            "b = registry.build('backend', 'torch_paged'); "
             "b.check('cpu', torch.float32, 16); backends.usable_backends('cpu', torch.float32); "
             "import sys; sys.exit('built at import' if tp._kernel is not None else 0)")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "VARLEN_CACHE_DIR": str(tmp_path)})
@@ -179,7 +180,7 @@ def test_importing_and_checking_builds_nothing(tmp_path):
 
 def test_refuses_cuda():
     with pytest.raises(ValueError, match="runs on cpu"):
-        make_backend("torch_paged").check("cuda", torch.float32, 16)
+        registry.build("backend", "torch_paged").check("cuda", torch.float32, 16)
 
 
 def test_same_rows_bitwise_whatever_else_is_in_the_batch():
@@ -192,7 +193,7 @@ def test_same_rows_bitwise_whatever_else_is_in_the_batch():
     others = [SeqSlice([1], 200, list(range(5, 18))), SeqSlice(list(range(33)), 0, list(range(18, 21)))]
     q_t = torch.randn(20, hkv * group, d, generator=gen)
     kv_t = torch.randn(2, 20, hkv, d, generator=gen)
-    backend = make_backend("torch_paged")
+    backend = registry.build("backend", "torch_paged")
 
     def rows(seqs, where):
         batch = build_batch(seqs, bs, 64)

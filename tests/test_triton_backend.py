@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from backends import make_backend  # noqa: E402
+from varlen import registry  # noqa: E402
 from backends.base import BackendUnavailable  # noqa: E402
 from backends.torch_ref import TorchRefBackend  # noqa: E402
 from backends.triton_paged import HOW_TO_RUN, INSTALL_HINT, TritonPagedBackend, plan_launch  # noqa: E402
@@ -234,14 +234,14 @@ def test_missing_triton_says_how_to_install(monkeypatch):
     for mod in ("triton", "triton.language", "triton.runtime.interpreter", "backends.triton_paged_kernels"):
         monkeypatch.setitem(sys.modules, mod, None)  # `import mod` raises ImportError
     with pytest.raises(BackendUnavailable) as info:
-        make_backend("triton").check("cpu", torch.float32, 16)
+        registry.build("backend", "triton").check("cpu", torch.float32, 16)
     assert "\n" not in str(info.value) and INSTALL_HINT in str(info.value), info.value
 
 
 def test_no_cuda_says_so_in_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(BackendUnavailable) as info:
-        make_backend("triton").check("cuda", torch.float16, 16)
+        registry.build("backend", "triton").check("cuda", torch.float16, 16)
     assert "\n" not in str(info.value) and "GPU" in str(info.value) and INSTALL_HINT in str(info.value)
 
 
@@ -292,7 +292,7 @@ def test_config_instantiates_the_backend():
 
     backend = instantiate(OmegaConf.load("conf/backend/triton.yaml"))
     assert isinstance(backend, TritonPagedBackend) and backend.num_splits is None
-    assert make_backend("triton").name == "triton"
+    assert registry.build("backend", "triton").name == "triton"
 
 
 # ------------------------------------------------- the GPU path compiles (no GPU needed)

@@ -15,10 +15,9 @@ import pytest
 import torch
 from hypothesis import given
 
-from schedulers import POLICIES
 from sim.cost_models import RooflineCostModel
 from sim.executor import CostModelExecutor
-from test_sim_fastforward import assert_same, factory, run_both, shared_prefix_requests, workloads
+from test_sim_fastforward import POLICIES, assert_same, factory, policy_class, run_both, shared_prefix_requests, workloads
 from varlen import LLM, SamplingParams
 from varlen.engine import Engine
 from varlen.kv import PagedAllocator
@@ -83,20 +82,20 @@ def test_refused_where_it_would_free_what_a_layer_reads(windowed_dirs):
 
 def window_factory(policy: str, num_blocks: int, block_size: int = 16, max_model_len: int = 1024,
                    budget: int = 256, seats: int = 16, window: int = 40, caching: bool = True):
-    if not POLICIES[policy].chunked_prefill:
+    if not policy_class(policy).chunked_prefill:
         budget = max(budget, max_model_len)
 
     def make(clock):
         ex = CostModelExecutor(RooflineCostModel("tiny", "cpu_2core"), clock)
         kv = WindowedPagedAllocator(num_blocks, block_size, max_model_len, caching, sliding_window=window)
-        return Engine(POLICIES[policy](max_num_seqs=seats, max_num_batched_tokens=budget), kv, ex, clock=clock,
+        return Engine(policy_class(policy)(max_num_seqs=seats, max_num_batched_tokens=budget), kv, ex, clock=clock,
                       max_model_len=max_model_len), ex
 
     return make
 
 
 @pytest.mark.parametrize("caching", [True, False])
-@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("policy", POLICIES)
 def test_fast_forward_stays_exact_with_window_freeing(policy, caching):
     reqs = shared_prefix_requests(50, rate=30.0, seed=2)
     for num_blocks in (40, 300):

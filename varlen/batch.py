@@ -162,13 +162,6 @@ class BatchBuffers:
     def set_tokens(self, row: int, start: int, token_ids: Sequence[int] | np.ndarray) -> None:
         self.tokens[row, start:start + len(token_ids)] = token_ids
 
-    def set_blocks(self, row: int, block_ids: Sequence[int] | np.ndarray) -> None:
-        """Make the row's block table `block_ids` (only entries that changed need copying, but a
-        whole row is a few hundred ints at most)."""
-        n = len(block_ids)
-        self.block_tables[row, :n] = block_ids
-        self.num_blocks[row] = n
-
     def build(self, rows: np.ndarray, num_cached: np.ndarray, num_new: np.ndarray, needs_logits: np.ndarray,
               block_size: int, num_blocks: int | None = None,
               req_ids: Sequence[object] | None = None) -> ForwardBatch:

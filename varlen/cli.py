@@ -8,6 +8,12 @@ claims the run's (or sweep's) directory before Hydra writes anything into it: a 
 taken only if it is empty and this process creates its claim file exclusively (O_EXCL, atomic
 on one file system), else the next free `<dir>-1`, `<dir>-2`, ... is taken and a line says so.
 Two runs can therefore never share a directory, whoever named it.
+
+The user's config folders. Each command's primary config sets `hydra.searchpath:
+${varlen_config_path:}`, the folders of `VARLEN_CONFIG_PATH` (varlen/registry.py), so that a
+user's `scheduler/mine.yaml` there is `scheduler=mine` on the command line as it is
+`LLM(scheduler="mine")`; `run_cli` refuses a folder that is missing or a name defined twice
+(Hydra would silently take the first) before Hydra starts.
 """
 
 from __future__ import annotations
@@ -27,6 +33,26 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 CLAIM = ".varlen-run"  # created exclusively in a run directory by the run that owns it
 EXIT_USAGE = 2  # a setting or an input is wrong
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
+
+
+def _config_path() -> list[str]:
+    from varlen import registry
+
+    return registry.search_path_urls()
+
+
+OmegaConf.register_new_resolver("varlen_config_path", _config_path, replace=True)
+
+
+def check_config_path() -> None:
+    """VARLEN_CONFIG_PATH names folders, and no group name twice; else one line, exit 2."""
+    from varlen import registry
+
+    try:
+        for group in registry.GROUPS:
+            registry.files(group)
+    except ValueError as e:
+        fail(str(e))
 
 
 class SettingError(ValueError):
@@ -51,6 +77,7 @@ def run_cli(main: Callable[[], Any]) -> None:
     interrupted command must stop within a second; files are closed, streams flushed here.
     A Ctrl-C outside a run (Hydra starting, a sweep's launcher waiting for its jobs) gets its
     one line here."""
+    check_config_path()
     try:
         main()
     except SystemExit as e:

@@ -13,7 +13,8 @@ import argparse
 import numpy as np
 import torch
 
-from backends import BACKENDS, BackendUnavailable, make_backend
+from backends import BackendUnavailable
+from varlen import registry
 from varlen.batch import SeqSlice, build_batch
 from varlen.model_runner import ModelRunner, load_model
 from varlen.tiny_model import ARCHITECTURES, ensure_tiny_model
@@ -23,12 +24,11 @@ def main(argv: list[str] | None = None) -> float:
     p = argparse.ArgumentParser(prog="python -m varlen.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="qwen3", choices=sorted(ARCHITECTURES))
-    p.add_argument("--backend", default="torch_ref", help=f"one of {', '.join(sorted(BACKENDS))}")
+    p.add_argument("--backend", default="torch_ref", help=f"one of {', '.join(registry.names('backend'))}, "
+                                                          f"or a backend class's dotted path")
     p.add_argument("--block-size", type=int, default=4, help="tokens per KV block (>= 1)")
     a = p.parse_args(argv)
     # One line each (argparse's own errors print the usage too).
-    if a.backend not in BACKENDS:
-        p.exit(2, f"error: --backend {a.backend!r} is unknown; choose one of {', '.join(sorted(BACKENDS))}\n")
     if a.block_size < 1:
         p.exit(2, f"error: --block-size {a.block_size} is not valid; give tokens per KV block >= 1 (e.g. 4)\n")
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -38,10 +38,10 @@ def main(argv: list[str] | None = None) -> float:
     need = {k: -(-n // bs) for k, n in lens.items()}
     num_blocks = 2 * sum(need.values())  # room to scatter them
     try:
-        backend = make_backend(a.backend)
+        backend = registry.build("backend", a.backend)
         runner = ModelRunner(path, backend, bs, num_blocks=num_blocks)
     except (ValueError, BackendUnavailable) as e:  # e.g. a GPU backend on a CPU-only machine
-        p.exit(2, f"error: --backend {a.backend}: {' '.join(str(e).split())}\n")
+        p.exit(2, f"error: --backend {a.backend!r}: {' '.join(str(e).split())}\n")
     rng = np.random.default_rng(0)
     vocab = runner.config.vocab_size
     A, B, C = (rng.integers(3, vocab, n).tolist() for n in (31, 6, 40))

@@ -4,25 +4,24 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
+from omegaconf import DictConfig, OmegaConf
 
-from backends import AttentionBackend, make_backend
-from schedulers import POLICIES, SchedulerPolicy
+from backends import AttentionBackend
+from schedulers import SchedulerPolicy
+from varlen import registry
 from varlen.engine import Engine
 from varlen.executor import ModelExecutor
-from varlen.kv import ContiguousAllocator, KVAllocator, PagedAllocator
+from varlen.kv import KVAllocator
 from varlen.metrics import RequestMetrics
 from varlen.model_runner import ModelRunner, load_model
 from varlen.request import Request
 from varlen.sampler import Sampler
 from varlen.sampling_params import SamplingParams
 from varlen.settings import DEFAULT_MAX_NUM_SEQS, check_engine_settings, size_kv_pool
-
-ALLOCATORS: dict[str, type[KVAllocator]] = {"paged": PagedAllocator, "contiguous": ContiguousAllocator}
 
 
 @dataclass
@@ -62,9 +61,9 @@ class LLM:
     def __init__(
         self,
         model: str = "tiny",
-        backend: str | AttentionBackend = "torch_sdpa",
-        scheduler: str | SchedulerPolicy = "chunked",
-        allocator: str | Callable[..., KVAllocator] = "paged",
+        backend: str | Mapping[str, Any] | AttentionBackend = "torch_sdpa",
+        scheduler: str | Mapping[str, Any] | SchedulerPolicy = "chunked",
+        allocator: str | Mapping[str, Any] | Callable[..., KVAllocator] = "paged",
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_memory: int | str | None = None,
@@ -79,39 +78,60 @@ class LLM:
         setting_names: Mapping[str, str] | None = None,
         **allocator_options,
     ):
-        """`max_num_seqs` (default 64) and `max_num_batched_tokens` (default 512 for a chunked
-        policy, else max_model_len) size a policy named by `scheduler`; a policy object brings
-        its own. `setting_names`: how errors name the settings (the CLI passes its dotted names).
-        Every setting is checked before the model loads (varlen/settings.py)."""
+        """`backend`, `scheduler` and `allocator` are each a name of their config group
+        (conf/<group>/<name>.yaml, or a folder of VARLEN_CONFIG_PATH), a class's dotted path, a
+        config mapping with `_target_`, or a ready object (varlen/registry.py).
+
+        A policy built here gets `max_num_seqs` and `max_num_batched_tokens` when given, else its
+        yaml's values, whose `${engine.max_model_len}` is this engine's max_model_len (the KV pool
+        caps it: `KVAllocator.max_request_tokens`); a class named by its dotted path has its
+        constructor's defaults. A policy object brings its own. Extra keyword arguments are options
+        of the allocator built here. `setting_names`: how errors name the settings (the CLI passes
+        its dotted names). Every setting is checked before the model loads (varlen/settings.py)."""
         s = self.settings = check_engine_settings(
             names=setting_names, block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             dtype=dtype, device=device, seed=seed, batch_invariant=batch_invariant)
         self.device, self.dtype = s.device, s.dtype
-        if isinstance(scheduler, str):
-            if scheduler not in POLICIES:
-                raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {sorted(POLICIES)}")
-        elif not isinstance(scheduler, SchedulerPolicy):
-            raise ValueError(f"scheduler={scheduler!r}: give a policy name ({', '.join(sorted(POLICIES))}) "
-                             f"or a SchedulerPolicy instance")
-        else:
+        policy_spec = None
+        if _subclass(type(scheduler), SchedulerPolicy):
             for key in ("max_num_seqs", "max_num_batched_tokens"):
                 if getattr(s, key) is not None:  # it would be silently ignored
                     raise s.error(key, getattr(s, key), f"the policy object given as scheduler has its own "
                                                         f"({getattr(scheduler, key)}); set it on the policy")
-        if isinstance(allocator, str):
-            if allocator not in ALLOCATORS:
-                raise ValueError(f"unknown allocator {allocator!r}; choose one of {sorted(ALLOCATORS)}")
-            known = set(inspect.signature(ALLOCATORS[allocator]).parameters) - {"num_blocks", "block_size",
-                                                                                "max_model_len"}
+        elif _is_choice(scheduler):
+            policy_spec = registry.spec("scheduler", scheduler)
+            _check_class("scheduler", scheduler, registry.target("scheduler", policy_spec), SchedulerPolicy)
+        else:
+            raise ValueError(f"scheduler={scheduler!r}: give a policy name ({', '.join(registry.names('scheduler'))}), "
+                             f"a class's dotted path or a SchedulerPolicy instance")
+        alloc_spec = None
+        if _is_choice(allocator):
+            alloc_spec = registry.spec("allocator", allocator)
+            cls = registry.target("allocator", alloc_spec)
+            _check_class("allocator", allocator, cls, KVAllocator)
+            params = inspect.signature(cls).parameters
+            known = set(params) - {"num_blocks", "block_size", "max_model_len"}
+            if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+                known |= {*allocator_options, *map(str, alloc_spec)}  # it takes any keyword: let it judge
+            label = allocator if isinstance(allocator, str) else alloc_spec._target_
             for key in allocator_options:  # a misspelt LLM setting lands here too
                 if key not in known:
                     raise ValueError(f"{key}={allocator_options[key]!r}: not a setting of LLM nor an option of the "
-                                     f"{allocator} allocator ({', '.join(sorted(known)) or 'none'})")
+                                     f"{label} allocator ({', '.join(sorted(known)) or 'none'})")
+            for key in alloc_spec:  # its config's (a yaml, or the CLI's allocator.*)
+                if not str(key).startswith("_") and key not in known:
+                    raise ValueError(f"allocator.{key}: not an option of the {label} allocator "
+                                     f"({', '.join(sorted(known)) or 'none'})")
         elif allocator_options:
             raise ValueError(f"{', '.join(allocator_options)}: allocator options go with an allocator name; "
                              f"the allocator given ({allocator!r}) is built as it is")
-        self.backend = make_backend(backend) if isinstance(backend, str) else backend
+        if _is_choice(backend):
+            backend = registry.build("backend", backend)
+        if not isinstance(backend, AttentionBackend):
+            raise ValueError(f"backend={backend!r}: give a backend name ({', '.join(registry.names('backend'))}), "
+                             f"a class's dotted path or an AttentionBackend instance")
+        self.backend = backend
         # Fail on an impossible setting before the model is loaded.
         self.backend.check(self.device, self.dtype, s.block_size)
         path = resolve_model(model)
@@ -119,8 +139,13 @@ class LLM:
         cfg = hf.config
         block_size = s.block_size
         per_block = ModelRunner.kv_bytes_per_block(cfg, block_size, self.dtype)
-        seats = scheduler.max_num_seqs if isinstance(scheduler, SchedulerPolicy) else \
-            s.max_num_seqs if s.max_num_seqs is not None else DEFAULT_MAX_NUM_SEQS
+        if _subclass(type(scheduler), SchedulerPolicy):
+            seats = scheduler.max_num_seqs
+        elif s.max_num_seqs is not None:
+            seats = s.max_num_seqs
+        else:  # what the policy will get, to size the pool: its yaml's value, or its class's default
+            seats = _policy_default(policy_spec, "max_num_seqs", s.max_model_len or
+                                    getattr(cfg, "max_position_embeddings", None))
         num_blocks, max_model_len = size_kv_pool(s, cfg, per_block, seats)
         self.sizing = (f"KV cache: {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} "
                        f"token slots, {num_blocks * per_block / 2**20:.1f} MiB ({per_block} bytes per block: "
@@ -128,15 +153,14 @@ class LLM:
                        f"{str(self.dtype).removeprefix('torch.')})")
         if verbose:
             print(self.sizing)
-        max_model_len = min(max_model_len, num_blocks * block_size)  # what the pool can hold
-        if isinstance(scheduler, str):
-            policy_cls = POLICIES[scheduler]
-            budget = s.max_num_batched_tokens if s.max_num_batched_tokens is not None else \
-                512 if policy_cls.chunked_prefill or scheduler == "priority" else max_model_len
-            scheduler = policy_cls(max_num_seqs=seats, max_num_batched_tokens=budget)
-        if isinstance(allocator, str):
-            allocator = partial(ALLOCATORS[allocator], **allocator_options)
+        if alloc_spec is not None:
+            allocator = registry.build("allocator", alloc_spec, _partial_=True, **allocator_options)
         kv = allocator(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len)
+        max_model_len = kv.max_request_tokens()  # what the pool can hold
+        if policy_spec is not None:
+            sizes = {k: getattr(s, k) for k in ("max_num_seqs", "max_num_batched_tokens") if getattr(s, k) is not None}
+            engine = {"max_model_len": max_model_len, "block_size": block_size, "num_blocks": num_blocks}
+            scheduler = registry.build("scheduler", policy_spec, context={"engine": engine}, **sizes)
         self.runner = ModelRunner(hf, self.backend, block_size, num_blocks, self.dtype, self.device,
                                   batch_invariant=s.batch_invariant)
         self.executor = ModelExecutor(self.runner, scheduler.max_num_seqs, max_model_len, Sampler(s.seed))
@@ -238,3 +262,35 @@ def _is_one_prompt(prompts: object) -> bool:
         return False
     first = prompts[0]
     return not isinstance(first, (str, Sequence, np.ndarray))
+
+
+def _is_choice(x: object) -> bool:
+    """A plug-in named rather than given: a name or dotted path, or a config mapping with _target_."""
+    return isinstance(x, (str, Mapping, DictConfig))
+
+
+def _subclass(cls: Any, base: type) -> bool:
+    """issubclass by the MRO: on the compiled core every ABC shares abc.ABC's subclass caches
+    (mypyc gives a class no _abc_impl of its own), so after issubclass(PagedAllocator, KVAllocator)
+    an issubclass(PagedAllocator, SchedulerPolicy) answers True from the shared cache."""
+    return isinstance(cls, type) and base in cls.__mro__
+
+
+def _check_class(group: str, choice: object, cls: Any, base: type) -> None:
+    if not _subclass(cls, base):
+        shown = choice if isinstance(choice, str) else dict(choice).get("_target_")  # type: ignore[call-overload]
+        raise ValueError(f"{group} {shown!r} names {cls!r}, not a {base.__name__} subclass; give a {group} "
+                         f"class ({', '.join(registry.names(group))} are shipped)")
+
+
+def _policy_default(policy_spec: DictConfig, key: str, max_model_len: int | None) -> int:
+    """The `key` a policy built from `policy_spec` without it gets: its yaml's value, else its
+    class's default (else the interface's)."""
+    if key in policy_spec:
+        root = OmegaConf.create({"engine": {"max_model_len": max_model_len}, "__plugin__": policy_spec})
+        value = OmegaConf.select(root, f"__plugin__.{key}")
+        return value if isinstance(value, int) and not isinstance(value, bool) else DEFAULT_MAX_NUM_SEQS
+    param = inspect.signature(registry.target("scheduler", policy_spec)).parameters.get(key)
+    if param is not None and isinstance(param.default, int):
+        return param.default
+    return DEFAULT_MAX_NUM_SEQS

@@ -2,27 +2,72 @@
 `_target_` is the class: nothing else lists plug-ins, so a new one is its module and its yaml, and
 the CLIs (Hydra's defaults lists), `LLM(...)`, the simulator and the tests all see it.
 
-A class outside the package needs no yaml: give its dotted path (`mypkg.policies.MyPolicy`) where a
-name goes, or `scheduler._target_=mypkg.policies.MyPolicy` on a command line.
+A user's own plug-ins live outside the package: folders named in `VARLEN_CONFIG_PATH`
+(os.pathsep-separated, like PATH), each holding `<group>/<name>.yaml`, add names to the groups, for
+`LLM(...)` here and for the CLIs (their Hydra search path, varlen/cli.py). A user's name may not
+reuse a shipped one (or another folder's): that would silently pick one of two plug-ins.
+A class needs no yaml either: give its dotted path (`mypkg.policies.MyPolicy`) where a name goes,
+or `scheduler._target_=mypkg.policies.MyPolicy` on a command line.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+from pathlib import Path
 from typing import Any, Mapping
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
 from conf import conf_dir
 
 # The plug points and the simulator's pluggable parts; each is a folder of conf/.
 GROUPS = ("scheduler", "allocator", "backend", "router", "cost")
 
+#: os.pathsep-separated folders of the user's own configs, each holding <group>/<name>.yaml.
+CONFIG_PATH_ENV = "VARLEN_CONFIG_PATH"
+
+
+def user_config_dirs() -> list[Path]:
+    """The folders `VARLEN_CONFIG_PATH` names, in order; a ValueError for one that is not a folder."""
+    dirs = []
+    for entry in os.environ.get(CONFIG_PATH_ENV, "").split(os.pathsep):
+        if not entry.strip():
+            continue
+        folder = Path(entry).expanduser()
+        if not folder.is_dir():
+            raise ValueError(f"{CONFIG_PATH_ENV}: {entry!r} is not a folder; give folders holding "
+                             f"<group>/<name>.yaml, separated by {os.pathsep!r}")
+        dirs.append(folder.resolve())
+    return dirs
+
+
+def search_path_urls() -> list[str]:
+    """The user's config folders as Hydra search path entries (file://...), for the CLIs."""
+    return [f"file://{d}" for d in user_config_dirs()]
+
+
+def files(group: str) -> dict[str, Path]:
+    """Each name of `group` and its yaml file: the shipped ones, then the user's folders'."""
+    found: dict[str, Path] = {}
+    for root in (conf_dir(), *user_config_dirs()):
+        folder = Path(root) / _check_group(group)
+        if not folder.is_dir():
+            continue
+        for p in sorted(folder.iterdir()):
+            if not p.name.endswith(".yaml"):
+                continue
+            name = p.name[:-5]
+            if name in found:
+                raise ValueError(f"{group} {name!r} is defined twice: {found[name]} and {p}; rename the "
+                                 f"user's one (a name picks exactly one plug-in)")
+            found[name] = p
+    return found
+
 
 def names(group: str) -> list[str]:
-    """The names `group` knows: its yaml files' stems, sorted."""
-    folder = conf_dir(_check_group(group))
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+    """The names `group` knows: its yaml files' stems (shipped and the user's), sorted."""
+    return sorted(files(group))
 
 
 def spec(group: str, choice: str | Mapping[str, Any]) -> DictConfig:
@@ -34,8 +79,8 @@ def spec(group: str, choice: str | Mapping[str, Any]) -> DictConfig:
         return cfg
     if not isinstance(choice, str) or not choice:
         raise ValueError(f"{group}={choice!r}: give a {group} name ({', '.join(names(group))}) or a class's dotted path")
-    path = conf_dir(_check_group(group), f"{choice}.yaml")
-    if "/" not in choice and path.is_file():
+    path = files(group).get(choice)
+    if path is not None:
         cfg = OmegaConf.load(path)
         if not isinstance(cfg, DictConfig) or "_target_" not in cfg:
             raise ValueError(f"{path}: a {group} config needs a _target_ (the class's dotted path)")
@@ -43,7 +88,8 @@ def spec(group: str, choice: str | Mapping[str, Any]) -> DictConfig:
     if "." in choice:  # a user's class, e.g. mypkg.policies.MyPolicy
         return OmegaConf.create({"_target_": choice})
     raise ValueError(f"unknown {group} {choice!r}; choose one of {', '.join(names(group))} "
-                     f"(conf/{group}/*.yaml), or give a class's dotted path (mypkg.module.Class)")
+                     f"(conf/{group}/*.yaml, or {group}/*.yaml in a folder of {CONFIG_PATH_ENV}), "
+                     f"or give a class's dotted path (mypkg.module.Class)")
 
 
 def target(group: str, choice: str | Mapping[str, Any]) -> Any:
@@ -70,7 +116,10 @@ def build(group: str, choice: str | Mapping[str, Any], /, *, context: Mapping[st
         cfg = OmegaConf.merge(cfg, overrides)
     root = OmegaConf.create({**(dict(context) if context else {}), "__plugin__": cfg})
     try:
-        resolved = OmegaConf.to_container(root.__plugin__, resolve=True)
+        resolved = OmegaConf.to_container(root.__plugin__, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as e:  # a ??? in its yaml that nothing set
+        key = str(e.full_key).removeprefix("__plugin__.")
+        raise ValueError(f"{group} {_label(choice)}: {key} must be set (??? in its yaml); give {key}=...") from None
     except Exception as e:  # an interpolation the context does not hold
         raise ValueError(f"{group} {_label(choice)}: {' '.join(str(e).split())}") from None
     try:

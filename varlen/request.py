@@ -129,8 +129,3 @@ def prompt_problem(ids: object, vocab_size: int) -> str:
         if not 0 <= t < vocab_size:
             return f"prompt token {i} is {t}: {want}"
     return ""
-
-
-def make_request(req_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None,
-                 **kw) -> Request:
-    return Request(req_id, list(map(int, prompt_token_ids)), sampling or SamplingParams(), **kw)

@@ -76,7 +76,6 @@ def serve(cfg: DictConfig) -> dict:
 
     import pandas  # noqa: F401  (now, not when Ctrl-C asks for the tables: importing it takes ~1 s)
     import torch
-    from hydra.utils import instantiate
 
     from varlen.llm import LLM
     from varlen.sampling_params import SamplingParams
@@ -85,8 +84,10 @@ def serve(cfg: DictConfig) -> dict:
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     e = cfg.engine
-    llm = LLM(model=cfg.model.path, backend=instantiate(cfg.backend), scheduler=instantiate(cfg.scheduler),
-              allocator=instantiate(cfg.allocator), block_size=e.block_size, num_blocks=e.num_blocks,
+    # The groups' configs go to LLM unresolved, to be built as LLM builds a name: the scheduler's
+    # ${engine.max_model_len} is then the engine's (within what the KV pool holds), as for LLM(...).
+    llm = LLM(model=cfg.model.path, backend=_group(cfg, "backend"), scheduler=_group(cfg, "scheduler"),
+              allocator=_group(cfg, "allocator"), block_size=e.block_size, num_blocks=e.num_blocks,
               kv_cache_memory=e.kv_cache_memory, max_model_len=e.max_model_len, dtype=e.dtype,
               device=e.device, seed=e.seed, batch_invariant=e.batch_invariant, setting_names=CLI_NAMES)
     print(f"model {llm.model_path} | backend {llm.backend.name} | scheduler {llm.engine.policy.name} | "
@@ -116,6 +117,10 @@ def serve(cfg: DictConfig) -> dict:
     print(format_summary(row, title))
     print(f"tables and config written to {out}")
     return row
+
+
+def _group(cfg: DictConfig, group: str) -> dict:
+    return OmegaConf.to_container(cfg[group], resolve=False)  # type: ignore[return-value]
 
 
 def write_results(cfg: DictConfig, llm: Any, reqs: list, trace: Any, out: Path, partial: bool) -> dict:

@@ -17,29 +17,32 @@ from mypy_extensions import mypyc_attr
 from varlen.kv.base import KVAllocator, KVUsage
 from varlen.request import Request
 
-POLICIES = ("max", "pow2", "oracle")
+RESERVATIONS = ("max", "pow2", "oracle")  # how long a run a request reserves
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class ContiguousAllocator(KVAllocator):
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, reservation: str = "max"):
         super().__init__(num_blocks, block_size, max_model_len)
-        if reservation not in POLICIES:
-            raise ValueError(f"unknown reservation policy {reservation!r}; choose one of {POLICIES}")
+        if reservation not in RESERVATIONS:
+            raise ValueError(f"unknown reservation {reservation!r}; choose one of {RESERVATIONS}")
         self.reservation = reservation
         self.extents: list[tuple[int, int]] = [(0, num_blocks)]  # free runs (start, length), sorted
         self.runs: dict[str, tuple[int, int]] = {}
         self.free_blocks = num_blocks  # sum of the extents' lengths, kept as it changes: usage() runs every step
 
     def reserve_tokens(self, req: Request) -> int:
+        # The longest request the pool holds, not max_model_len alone: a max_model_len beyond the
+        # pool would make every `max` reservation too long to ever fit.
+        longest = self.max_request_tokens()
         if self.reservation == "max":
-            n = self.max_model_len
+            n = longest
         else:
             out = req.expected_output_len if self.reservation == "oracle" and req.expected_output_len \
                 else req.sampling.max_tokens
-            n = min(req.num_prompt_tokens + out, self.max_model_len)
+            n = min(req.num_prompt_tokens + out, longest)
             if self.reservation == "pow2":
-                n = min(1 << max(0, n - 1).bit_length(), self.max_model_len)
+                n = min(1 << max(0, n - 1).bit_length(), longest)
         return max(n, req.num_tokens)  # a resumed request never gets less than it already has
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
