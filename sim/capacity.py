@@ -104,7 +104,7 @@ def capacity_search(cfg: DictConfig, labels: dict[str, Any] | None = None,
     return bisect_rate(meets, c.low, c.high, c.rel_tol)
 
 
-@hydra.main(config_path=CONF, config_name="sim", version_base="1.3")
+@hydra.main(config_path=CONF, config_name="run", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     import pandas as pd
     from hydra.core.hydra_config import HydraConfig

@@ -344,7 +344,7 @@ def format_row(row: Mapping[str, Any]) -> str:
                 f"({row['sim_requests_per_wall_s']:.0f} requests/s of wall time)")
 
 
-@hydra.main(config_path=CONF, config_name="sim", version_base="1.3")
+@hydra.main(config_path=CONF, config_name="run", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     import time
 

@@ -195,14 +195,14 @@ def test_report_keeps_cluster_designs_apart(tmp_path):
 
 def test_received_requests_queue_ahead_of_others_in_arrival_order():
     from varlen.clock import SimClock
-    from varlen.request import make_request
+    from varlen.request import Request
 
     eng, _ = factory("decode", 100)(SimClock())
-    other = make_request("other", list(range(40)), SamplingParams(max_tokens=3))
+    other = Request("other", list(range(40)), SamplingParams(max_tokens=3))
     eng.add_request(other)
     got = []
     for name in ("a", "b", "c"):
-        r = make_request(name, list(range(100, 140)), SamplingParams(max_tokens=3))
+        r = Request(name, list(range(100, 140)), SamplingParams(max_tokens=3))
         r.output_token_ids.append(0)  # its first token, from the prefill instance
         assert eng.kv.reserve(r, r.num_prompt_tokens)
         eng.receive(r)

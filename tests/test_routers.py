@@ -18,7 +18,7 @@ from varlen.cli import SettingError
 from varlen.clock import SimClock
 from varlen.engine import Engine
 from varlen.kv import PagedAllocator
-from varlen.request import make_request
+from varlen.request import Request
 from varlen.sampling_params import SamplingParams
 from varlen.traces import load_trace
 from varlen.workload import trace_requests
@@ -69,15 +69,15 @@ def _replicas(n):
 def test_prefix_aware_picks_the_replica_caching_the_prefix_within_its_load_threshold():
     shared = list(range(100, 164))  # 4 blocks
     reps = _replicas(3)
-    cached = make_request("a", shared + [1, 2, 3], SamplingParams(max_tokens=4))
+    cached = Request("a", shared + [1, 2, 3], SamplingParams(max_tokens=4))
     assert reps[2].engine.kv.allocate(cached, cached.num_tokens)  # replica 2 holds its blocks
-    new = make_request("b", shared + [7, 8], SamplingParams(max_tokens=4))
-    other = make_request("c", [5] * 40, SamplingParams(max_tokens=4))
+    new = Request("b", shared + [7, 8], SamplingParams(max_tokens=4))
+    other = Request("c", [5] * 40, SamplingParams(max_tokens=4))
     assert reps[2].engine.kv.match_prefix(new) == 64
     assert PrefixAwareRouter(load_threshold=4)(reps, new) == 2
     assert PrefixAwareRouter(load_threshold=4)(reps, other) == 0  # no hit anywhere: least loaded
     for k in range(3):  # replica 2 gets 3 unfinished requests: more than 2 over the least loaded
-        reps[2].engine.add_request(make_request(f"w{k}", [9] * 20, SamplingParams(max_tokens=2)))
+        reps[2].engine.add_request(Request(f"w{k}", [9] * 20, SamplingParams(max_tokens=2)))
     assert PrefixAwareRouter(load_threshold=3)(reps, new) == 2
     assert PrefixAwareRouter(load_threshold=2)(reps, new) == 0
     with pytest.raises(ValueError, match="load_threshold=-1"):
