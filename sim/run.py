@@ -147,6 +147,13 @@ def simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None = None,
                     announce: bool = False) -> tuple[Any, dict[str, Any]]:
     """Run the simulation `cfg` describes; return (SimResult, summary row with labels).
     announce: print what the trace options changed and the run's size before it starts."""
+    res, row, _ = _simulate_paused(cfg, labels, announce)
+    return res, row
+
+
+def _simulate_paused(cfg: DictConfig, labels: Mapping[str, Any] | None,
+                     announce: bool) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """simulate_config, and the requests' latencies (metrics.request_latencies) for the tables."""
     from sim.simulator import gc_paused
 
     with gc_paused():  # the trace's requests, the run and its metrics are all long-lived objects
@@ -154,14 +161,14 @@ def simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None = None,
 
 
 def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
-                     announce: bool) -> tuple[Any, dict[str, Any]]:
+                     announce: bool) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     from hydra.utils import instantiate
 
     from sim.cost.hardware import HardwareSpec
     from sim.executor import CostModelExecutor
     from sim.simulator import simulate
     from varlen.engine import Engine
-    from varlen.metrics import summarize
+    from varlen.metrics import request_latencies, summarize
 
     check_settings(cfg)
     c = OmegaConf.to_container(cfg, resolve=True)
@@ -221,12 +228,13 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
                max_num_batched_tokens=c["scheduler"].get("max_num_batched_tokens"),
                rate=trace.stats.mean_rate, trace=c["workload"].get("source"))
     row.update({f"trace_{k}": getattr(trace.stats, k) for k in LOSSY_KEYS})
+    latencies = request_latencies(reqs)  # once: the summary and requests.csv both read it
     row.update(summarize(reqs, res.steps, res.total_slots, c["slo"]["ttft_s"], c["slo"]["tpot_s"],
-                         c["slo"].get("tbt_s")))
+                         c["slo"].get("tbt_s"), latencies=latencies))
     row.update(steps=res.num_steps, sim_wall_s=res.wall_s,
                sim_requests_per_wall_s=len(reqs) / max(res.wall_s, 1e-9),
                sim_time_s=max(r.clock.now() for r in res.replicas))
-    return res, row
+    return res, row, latencies
 
 
 def hydra_labels() -> dict[str, Any]:
@@ -239,49 +247,84 @@ def hydra_labels() -> dict[str, Any]:
             "overrides": ",".join(hc.overrides.task)}
 
 
-def write_csv(df: Any, path: Path) -> None:
-    """df.to_csv(path, index=False), byte for byte, in ~2/3 of the time for a table of numbers
-    and strings (a whole trace's requests.csv): pandas formats each float through numpy, the
-    csv module (which pandas writes with too) through Python's repr, the same shortest
-    round-trip text. Other column types are left to pandas."""
+def write_csv(table: Any, path: Path) -> None:
+    """What pd.DataFrame(table).to_csv(path, index=False) writes, byte for byte, for a DataFrame
+    or a mapping of column name to column (a numpy array or a list), without pandas for the
+    mapping, in ~2/3 of pandas' time for a table of numbers and strings (a whole trace's
+    requests.csv): pandas formats each float through numpy, the csv module (which pandas writes
+    with too) through Python's repr, the same shortest round-trip text. Other column types (of
+    a DataFrame: bool, dates, categories) are left to pandas."""
     import csv
     import os
 
-    cols = []
-    for name in df.columns:
-        col = df[name]
-        if col.dtype.kind not in "fiuOT" and str(col.dtype) not in ("str", "string"):
-            df.to_csv(path, index=False)
-            return
-        values = col.to_numpy().tolist() if col.dtype.kind in "fiu" else col.astype(object).tolist()
-        if col.dtype.kind not in "iu":
-            for i in col.isna().to_numpy().nonzero()[0].tolist():
-                values[i] = None  # missing: an empty field, as pandas writes it
-        cols.append(values)
+    import numpy as np
+
+    if isinstance(table, Mapping):
+        names, cols = [str(c) for c in table], []
+        for col in table.values():
+            # A list is typed as pandas would type it: numbers (and bools) as an array; text
+            # with missing values (None, NaN) as it is. Anything else is left to pandas.
+            arr = np.asarray(col) if not isinstance(col, np.ndarray) else col
+            if arr.dtype.kind in "fiub":
+                values = arr.tolist()
+                if arr.dtype.kind == "f":
+                    for i in np.isnan(arr).nonzero()[0].tolist():
+                        values[i] = None  # missing: an empty field, as pandas writes it
+            elif arr.dtype.kind in "OU" and not isinstance(col, np.ndarray) and all(
+                    type(v) is str or v is None or (type(v) is float and v != v) for v in col):
+                values = [None if v is not None and type(v) is not str else v for v in col]
+            else:
+                import pandas as pd
+
+                return write_csv(pd.DataFrame(table), path)
+            cols.append(values)
+        if len({len(c) for c in cols}) > 1:  # zip would cut the table short without a word
+            raise ValueError(f"{path}: columns of different lengths "
+                             f"({', '.join(f'{n}: {len(c)}' for n, c in zip(names, cols))})")
+    else:
+        names, cols = [str(c) for c in table.columns], []
+        for name in table.columns:
+            col = table[name]
+            if col.dtype.kind not in "fiuOT" and str(col.dtype) not in ("str", "string"):
+                table.to_csv(path, index=False)
+                return
+            values = col.to_numpy().tolist() if col.dtype.kind in "fiu" else col.astype(object).tolist()
+            if col.dtype.kind not in "iu":
+                for i in col.isna().to_numpy().nonzero()[0].tolist():
+                    values[i] = None  # missing: an empty field, as pandas writes it
+            cols.append(values)
     with open(path, "w", newline="") as f:
         w = csv.writer(f, lineterminator=os.linesep)
-        w.writerow([str(c) for c in df.columns])
+        w.writerow(names)
         w.writerows(zip(*cols))
 
 
-def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig) -> None:
-    from varlen.metrics import kv_usage_table, request_table, step_table
+def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig,
+                  latencies: Mapping[str, Any] | None = None) -> None:
+    """The run's tables and summary.json (last: it marks a complete run). `latencies`: the
+    requests' (metrics.request_latencies), when the caller has them. Without output.steps,
+    nothing here imports pandas (a whole-trace run's startup cost)."""
+    import numpy as np
+
+    from varlen.metrics import kv_usage_columns, request_columns, step_table
 
     out.mkdir(parents=True, exist_ok=True)
     o = cfg.output
     if o.requests:
-        df = request_table(res.requests)
-        df["replica"] = df["req_id"].map(res.routed)
-        write_csv(df, out / "requests.csv")
-    kv = []
+        cols = request_columns(res.requests, latencies)
+        # Every request is routed; a missing one would be NaN, as pandas' Series.map gives it.
+        cols["replica"] = np.array([res.routed.get(r, np.nan) for r in cols["req_id"]])
+        write_csv(cols, out / "requests.csv")
+    kv: dict[str, list] = {}
     for rep in res.replicas:
-        t = kv_usage_table(rep.engine.steps, rep.engine.kv.capacity_tokens, o.kv_points)
-        t.insert(0, "replica", rep.index)
-        kv.append(t)
-    import pandas as pd
-
-    pd.concat(kv).to_csv(out / "kv_usage.csv", index=False)
+        t = kv_usage_columns(rep.engine.steps, rep.engine.kv.capacity_tokens, o.kv_points)
+        kv.setdefault("replica", []).append(np.full(len(t["time"]), rep.index, np.int64))
+        for k, v in t.items():
+            kv.setdefault(k, []).append(v)
+    write_csv({k: np.concatenate(v) for k, v in kv.items()}, out / "kv_usage.csv")
     if o.steps:
+        import pandas as pd
+
         frames = []
         for rep in res.replicas:
             t = step_table(rep.engine.steps, detail=o.step_detail)
@@ -316,13 +359,13 @@ def main(cfg: DictConfig) -> float:
     out = Path(HydraConfig.get().runtime.output_dir)
     t0 = time.perf_counter()
     try:
-        res, row = simulate_config(cfg, hydra_labels(), announce=True)
+        res, row, latencies = _simulate_paused(cfg, hydra_labels(), announce=True)
     except errors_to_exit() as err:
         fail(str(err))  # a setting or input problem: one line, no traceback
     except KeyboardInterrupt:
         interrupted(f"simulation stopped after {time.perf_counter() - t0:.1f} s; no results written to {out}")
     try:
-        write_outputs(res, row, out, cfg)
+        write_outputs(res, row, out, cfg, latencies)
     except KeyboardInterrupt:
         interrupted(f"while writing {out}: its tables may be incomplete (summary.json is written last)")
     print(format_row(row))
