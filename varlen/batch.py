@@ -88,7 +88,7 @@ def layout(
     # One cheap pass over the whole slice; the per-request mask only when something is off
     # (entries past a request's last needed block are unspecified and may be stale).
     if tables.size and (tables.min() < 0 or (num_blocks is not None and tables.max() >= num_blocks)):
-        used = np.arange(W)[None, :] < need[:, None]
+        used = np.arange(tables.shape[1])[None, :] < need[:, None]  # a short table is narrower than W
         bad |= (((tables < 0) | (tables >= (num_blocks if num_blocks is not None else np.inf))) & used).any(1)
     bad = np.flatnonzero(bad)
     if bad.size:
@@ -173,9 +173,43 @@ class BatchBuffers:
               block_size: int, num_blocks: int | None = None,
               req_ids: Sequence[object] | None = None) -> ForwardBatch:
         q = num_new.astype(np.int64, copy=False)
+        if block_size >= 1 and len(q) and needs_logits.dtype == bool and q.min() == 1 == q.max():
+            fast = self._decode(rows, num_cached.astype(np.int64, copy=False), needs_logits, block_size, num_blocks)
+            if fast is not None:
+                return fast
         starts = np.cumsum(q) - q
         cols = np.arange(int(q.sum())) - np.repeat(starts - num_cached, q)
         input_ids = self.tokens[np.repeat(rows, q), cols]
         width = max(1, -(-int((num_cached + q).max()) // block_size))
         return layout(input_ids, num_cached, q, self.block_tables[rows, :width], needs_logits, block_size,
                       table_lens=self.num_blocks[rows], num_blocks=num_blocks, req_ids=req_ids)
+
+    def _decode(self, rows: np.ndarray, k: np.ndarray, needs_logits: np.ndarray, block_size: int,
+                num_blocks: int | None) -> ForwardBatch | None:
+        """build() of a pure-decode step (one new token each: most steps of a serving loop) in a
+        third of layout's array operations: each token is its request's, at position k. The
+        same ForwardBatch as layout's (tests/test_batch.py); None when a check fails, so that
+        layout names the bad request."""
+        B = len(k)
+        blk = k // block_size
+        need = blk + 1
+        W = int(need.max())
+        tables = self.block_tables[rows, :W]
+        if k.min() < 0 or (self.num_blocks[rows] < need).any():
+            return None
+        # Stale entries past a request's last block may be out of the pool: layout looks closer.
+        if tables.min() < 0 or (num_blocks is not None and tables.max() >= num_blocks):
+            return None
+        seq_lens = k + 1
+        return ForwardBatch(
+            input_ids=self.tokens[rows, k],
+            positions=k.copy(),
+            query_start_loc=np.arange(B + 1, dtype=np.int32),
+            seq_lens=seq_lens.astype(np.int32),
+            slot_mapping=tables[np.arange(B), blk].astype(np.int64) * block_size + k % block_size,
+            block_tables=tables,
+            logits_indices=np.flatnonzero(needs_logits),
+            max_query_len=1,
+            max_seq_len=int(seq_lens.max()),
+            block_size=block_size,
+        )

@@ -22,6 +22,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
         greedy = [i for i, r in enumerate(reqs) if r.sampling.greedy]
+        if len(greedy) == len(reqs):  # all greedy (the usual case): no copy of the rows to pick them
+            return logits.argmax(-1).tolist()
         tokens: list[int] = [0] * len(reqs)
         if greedy:
             for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
