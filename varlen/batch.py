@@ -172,6 +172,7 @@ class BatchBuffers:
     def build(self, rows: np.ndarray, num_cached: np.ndarray, num_new: np.ndarray, needs_logits: np.ndarray,
               block_size: int, num_blocks: int | None = None,
               req_ids: Sequence[object] | None = None) -> ForwardBatch:
+        """The step's ForwardBatch from buffer rows (what layout makes of the same requests)."""
         q = num_new.astype(np.int64, copy=False)
         if block_size >= 1 and len(q) and needs_logits.dtype == bool and q.min() == 1 == q.max():
             fast = self._decode(rows, num_cached.astype(np.int64, copy=False), needs_logits, block_size, num_blocks)
@@ -191,25 +192,26 @@ class BatchBuffers:
         same ForwardBatch as layout's (tests/test_batch.py); None when a check fails, so that
         layout names the bad request."""
         B = len(k)
-        blk = k // block_size
-        need = blk + 1
-        W = int(need.max())
+        blk = k // block_size  # each token's block, within its request
+        kmax = int(k.max())
+        W = kmax // block_size + 1
+        # Every check layout makes, in as few array operations: k >= 0 (blk >= 0), each table long
+        # enough, and the slice's ids in the pool (negative ids wrap to huge unsigned ones).
+        if blk.min() < 0 or (self.num_blocks[rows] <= blk).any():
+            return None
         tables = self.block_tables[rows, :W]
-        if k.min() < 0 or (self.num_blocks[rows] < need).any():
-            return None
-        # Stale entries past a request's last block may be out of the pool: layout looks closer.
-        if tables.min() < 0 or (num_blocks is not None and tables.max() >= num_blocks):
-            return None
-        seq_lens = k + 1
+        ids = tables.view(np.uint32)
+        if tables.size and ids.max() >= (2**31 if num_blocks is None else min(num_blocks, 2**31)):
+            return None  # a stale entry past a request's last block may be out of the pool: layout looks closer
         return ForwardBatch(
             input_ids=self.tokens[rows, k],
             positions=k.copy(),
             query_start_loc=np.arange(B + 1, dtype=np.int32),
-            seq_lens=seq_lens.astype(np.int32),
-            slot_mapping=tables[np.arange(B), blk].astype(np.int64) * block_size + k % block_size,
+            seq_lens=np.add(k, 1, dtype=np.int32, casting="unsafe"),
+            slot_mapping=self.block_tables[rows, blk].astype(np.int64) * block_size + k % block_size,
             block_tables=tables,
             logits_indices=np.flatnonzero(needs_logits),
             max_query_len=1,
-            max_seq_len=int(seq_lens.max()),
+            max_seq_len=kmax + 1,
             block_size=block_size,
         )

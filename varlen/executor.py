@@ -81,8 +81,12 @@ class ModelExecutor(Executor):
         t1 = time.perf_counter()
         logits = self.runner.execute(batch)
         t2 = time.perf_counter()
-        tokens = iter(self.sampler.sample(logits, sampled_reqs))
-        out = [next(tokens) if w else None for w in wants]
+        sampled = self.sampler.sample(logits, sampled_reqs)
+        if len(sampled) == len(wants):  # every request sampled (a decode step)
+            out: list[int | None] = list(sampled)
+        else:
+            tokens = iter(sampled)
+            out = [next(tokens) if w else None for w in wants]
         t3 = time.perf_counter()
         self.timings["batch_build"] += t1 - t0
         self.timings["forward"] += t2 - t1
