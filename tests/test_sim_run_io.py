@@ -72,6 +72,8 @@ def _mappings():
     yield {"mixed": [1, None, 3], "f": [1.0, 2.0, 3.0]}  # numbers with None: pandas makes floats
     yield {"text_and_numbers": ["a", 1, 2.5], "i": [1, 2, 3]}  # left to pandas
     yield {"f": np.array([], np.float64), "s": []}
+    yield {"s": ["", None, "a,b", "x"]}  # one column: a lone empty field is quoted
+    yield {"s": ["cr\rhere", 'only"quote', "plain", "tab\there"], "i": [1, 2, 3, 4]}
 
 
 @pytest.mark.parametrize("table", list(_mappings()))

@@ -167,7 +167,8 @@ def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
     latencies: request_latencies(requests), when the caller has it already; used as it is when
     every request finished (the usual case), else computed anew for the finished ones."""
     c = step_columns(steps, tokens=False)
-    done = [r for r in requests if r.finish_reason is not None and r.finish_reason.value in ("length", "stop")]
+    reasons = [None if r.finish_reason is None else r.finish_reason.value for r in requests]
+    done = [r for r, why in zip(requests, reasons) if why in ("length", "stop")]
     lat = latencies if latencies is not None and len(done) == len(requests) else request_latencies(done)
     finish, ttft_all, tpot_all = lat["finish"], lat["ttft"], lat["tpot"]
     has, many = ~np.isnan(ttft_all), ~np.isnan(tpot_all)
@@ -178,8 +179,7 @@ def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
     span = max(end - start, 1e-9)
     out_tokens = sum(r.num_output_tokens for r in done)
     row = dict(requests=len(requests), finished=len(done),
-               rejected=sum(r.finish_reason is not None and r.finish_reason.value == "rejected" for r in requests),
-               aborted=sum(r.finish_reason is not None and r.finish_reason.value == "aborted" for r in requests),
+               rejected=reasons.count("rejected"), aborted=reasons.count("aborted"),
                duration_s=span, requests_per_s=len(done) / span, output_tokens_per_s=out_tokens / span,
                preemptions=sum(r.num_preemptions for r in requests),
                peak_kv_usage=int(c["kv_reserved_slots"].max(initial=0)) / max(total_slots, 1),
