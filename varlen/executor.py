@@ -74,10 +74,9 @@ class ModelExecutor(Executor):
             wants.append(w)
             if w:
                 sampled_reqs.append(r)
-        i64 = np.int64
-        batch = self.buffers.build(np.array(rows, i64), np.array(cached, i64), np.array(new, i64),
-                                   np.array(wants, bool), self.runner.block_size, self.runner.num_blocks,
-                                   req_ids=[r.req_id for r, _ in scheduled])
+        ints = np.array((rows, cached, new), np.int64)  # one conversion for the three
+        batch = self.buffers.build(ints[0], ints[1], ints[2], np.array(wants, bool), self.runner.block_size,
+                                   self.runner.num_blocks, req_ids=[r.req_id for r, _ in scheduled])
         t1 = time.perf_counter()
         logits = self.runner.execute(batch)
         t2 = time.perf_counter()
