@@ -494,3 +494,14 @@ def test_a_damaged_or_stale_cache_entry_is_never_used(tmp_path, monkeypatch):
         with pytest.raises(TraceFormatError, match="line 3: negative prompt length -21"):
             load_trace(p)
     assert len(list((tmp_path / "cache").glob("azure-*.npz"))) == 2
+
+
+def test_a_cached_gzip_trace_under_a_plain_name_is_still_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("VARLEN_TRACE_CACHE", str(tmp_path / "cache"))
+    gz = tmp_path / "t.csv.gz"
+    gz.write_bytes(gzip.compress((AZ_HEADER + AZ_OK).encode()))
+    assert len(load_trace(gz)) == 1  # cached now
+    plain = tmp_path / "t.csv"
+    plain.write_bytes(gz.read_bytes())
+    with pytest.raises(TraceFormatError, match="gzip-compressed data in a file named .csv"):
+        load_trace(plain)

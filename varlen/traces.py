@@ -300,10 +300,12 @@ def _read_azure_cached(path: Path) -> _Columns:
     if folder is None:
         return _read_azure_csv(path)
     try:
+        _check_compression(path)  # gzip bytes under a plain name are an error however they were cached
         data = path.read_bytes()
+        # The name says how the bytes are read (gzip or not): part of the key, with the content.
+        key = hashlib.blake2b(data + (b".gz" if _is_gz(path) else b""), digest_size=20, key=_reader_key()).hexdigest()
     except OSError:
         return _read_azure_csv(path)  # the reader says why, naming the file
-    key = hashlib.blake2b(data, digest_size=20, key=_reader_key()).hexdigest()
     entry = folder / f"azure-{key}.npz"
     try:
         with np.load(entry, allow_pickle=False) as z:
