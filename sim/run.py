@@ -11,6 +11,8 @@ request, steps.csv to its output directory. Nothing here imports torch.
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -150,6 +152,13 @@ def simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None = None,
                     announce: bool = False) -> tuple[Any, dict[str, Any]]:
     """Run the simulation `cfg` describes; return (SimResult, summary row with labels).
     announce: print what the trace options changed and the run's size before it starts."""
+    res, row, _ = _simulate_paused(cfg, labels, announce)
+    return res, row
+
+
+def _simulate_paused(cfg: DictConfig, labels: Mapping[str, Any] | None,
+                     announce: bool) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """simulate_config, and the requests' latencies (metrics.request_latencies) for the tables."""
     from sim.simulator import gc_paused
 
     with gc_paused():  # the trace's requests, the run and its metrics are all long-lived objects
@@ -157,13 +166,13 @@ def simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None = None,
 
 
 def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
-                     announce: bool) -> tuple[Any, dict[str, Any]]:
+                     announce: bool) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     from sim.cost.hardware import HardwareSpec
     from sim.executor import CostModelExecutor
     from sim.simulator import simulate
     from varlen import registry
     from varlen.engine import Engine
-    from varlen.metrics import summarize
+    from varlen.metrics import request_latencies, summarize
     from varlen.steplog import StepLog
 
     check_settings(cfg)
@@ -246,12 +255,14 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
                max_num_batched_tokens=c["scheduler"].get("max_num_batched_tokens"),
                rate=trace.stats.mean_rate, trace=c["workload"].get("source"))
     row.update({f"trace_{k}": getattr(trace.stats, k) for k in LOSSY_KEYS})
-    row.update(summarize(reqs, steps, total_slots, c["slo"]["ttft_s"], c["slo"]["tpot_s"], c["slo"].get("tbt_s")))
+    latencies = request_latencies(reqs)  # once: the summary and requests.csv both read it
+    row.update(summarize(reqs, steps, total_slots, c["slo"]["ttft_s"], c["slo"]["tpot_s"], c["slo"].get("tbt_s"),
+                         latencies=latencies))
     row.update(cluster_row)
     row.update(steps=res.num_steps, sim_wall_s=res.wall_s,
                sim_requests_per_wall_s=len(reqs) / max(res.wall_s, 1e-9),
                sim_time_s=max(r.clock.now() for r in res.replicas))
-    return res, row
+    return res, row, latencies
 
 
 def prefix_hit_rate(requests: Any) -> float:
@@ -276,51 +287,104 @@ def hydra_labels() -> dict[str, Any]:
     return {"scheduler": name("scheduler"), "allocator": name("allocator"), "overrides": ",".join(hc.overrides.task)}
 
 
-def write_csv(df: Any, path: Path) -> None:
-    """df.to_csv(path, index=False), byte for byte, in ~2/3 of the time for a table of numbers
-    and strings (a whole trace's requests.csv): pandas formats each float through numpy, the
-    csv module (which pandas writes with too) through Python's repr, the same shortest
-    round-trip text. Other column types are left to pandas."""
+def write_csv(table: Any, path: Path) -> None:
+    """What pd.DataFrame(table).to_csv(path, index=False) writes, byte for byte, for a DataFrame
+    or a mapping of column name to column (a numpy array or a list), without pandas for the
+    mapping, in a fraction of pandas' time for a table of numbers and strings (a whole trace's
+    requests.csv): pandas formats each float through numpy, this through Python's repr (as the
+    csv module, which pandas writes with, does), the same shortest round-trip text. Other column types (of
+    a DataFrame: bool, dates, categories) are left to pandas."""
     import csv
-    import os
 
-    cols = []
-    for name in df.columns:
-        col = df[name]
-        if col.dtype.kind not in "fiuOT" and str(col.dtype) not in ("str", "string"):
-            df.to_csv(path, index=False)
-            return
-        values = col.to_numpy().tolist() if col.dtype.kind in "fiu" else col.astype(object).tolist()
-        if col.dtype.kind not in "iu":
-            for i in col.isna().to_numpy().nonzero()[0].tolist():
-                values[i] = None  # missing: an empty field, as pandas writes it
-        cols.append(values)
+    import numpy as np
+
+    if isinstance(table, Mapping) and len(table) == 1:  # a row of one empty field is quoted: pandas' rules
+        import pandas as pd
+
+        table = pd.DataFrame(table)
+    if isinstance(table, Mapping):
+        names, texts = [str(c) for c in table], []
+        for col in table.values():
+            # A list is typed as pandas would type it: numbers (and bools) as an array; text
+            # with missing values (None, NaN) as it is. Anything else is left to pandas.
+            arr = np.asarray(col) if not isinstance(col, np.ndarray) else col
+            if arr.dtype.kind == "f":
+                text = list(map(repr, arr.tolist()))  # what the csv module writes for a float
+                for i in np.isnan(arr).nonzero()[0].tolist():
+                    text[i] = ""  # missing: an empty field, as pandas writes it
+            elif arr.dtype.kind in "iub":
+                text = list(map(str, arr.tolist()))
+            elif arr.dtype.kind in "OU" and not isinstance(col, np.ndarray) and all(
+                    type(v) is str or v is None or (type(v) is float and v != v) for v in col):
+                text = [v if type(v) is str else "" for v in col]
+                if _CSV_SPECIAL.search("".join(text)):  # rare: quote the fields that need it
+                    text = ['"' + v.replace('"', '""') + '"' if _CSV_SPECIAL.search(v) else v for v in text]
+            else:
+                import pandas as pd
+
+                return write_csv(pd.DataFrame(table), path)
+            texts.append(text)
+        if len({len(c) for c in texts}) > 1:  # zip would cut the table short without a word
+            raise ValueError(f"{path}: columns of different lengths "
+                             f"({', '.join(f'{n}: {len(c)}' for n, c in zip(names, texts))})")
+        # Each field as the csv module would quote it (QUOTE_MINIMAL: only text holding a
+        # comma, a quote or a line break), joined here: a third of writerows' time.
+        with open(path, "w", newline="") as f:
+            csv.writer(f, lineterminator=os.linesep).writerow(names)
+            if texts[0]:
+                f.write(os.linesep.join(map(",".join, zip(*texts))) + os.linesep)
+        return
+    else:
+        names, cols = [str(c) for c in table.columns], []
+        for name in table.columns:
+            col = table[name]
+            if col.dtype.kind not in "fiuOT" and str(col.dtype) not in ("str", "string"):
+                table.to_csv(path, index=False)
+                return
+            values = col.to_numpy().tolist() if col.dtype.kind in "fiu" else col.astype(object).tolist()
+            if col.dtype.kind not in "iu":
+                for i in col.isna().to_numpy().nonzero()[0].tolist():
+                    values[i] = None  # missing: an empty field, as pandas writes it
+            cols.append(values)
     with open(path, "w", newline="") as f:
         w = csv.writer(f, lineterminator=os.linesep)
-        w.writerow([str(c) for c in df.columns])
+        w.writerow(names)
         w.writerows(zip(*cols))
 
 
-def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig) -> None:
-    from varlen.metrics import kv_usage_table, request_table, step_table
+# What makes the csv module quote a field: the delimiter, the quote, a character of the line
+# terminator (os.linesep: "\n" alone does not make it quote a "\r").
+_CSV_SPECIAL = re.compile("[" + re.escape(',"' + os.linesep) + "]")
+
+
+def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig,
+                  latencies: Mapping[str, Any] | None = None) -> None:
+    """The run's tables and summary.json (last: it marks a complete run). `latencies`: the
+    requests' (metrics.request_latencies), when the caller has them. Without output.steps,
+    nothing here imports pandas (a whole-trace run's startup cost)."""
+    import numpy as np
+
+    from varlen.metrics import kv_usage_columns, request_columns, step_table
 
     out.mkdir(parents=True, exist_ok=True)
     o = cfg.output
     if o.requests:
-        df = request_table(res.requests)
-        df["replica"] = df["req_id"].map(res.routed)
+        cols = request_columns(res.requests, latencies)
+        # Every request is routed; a missing one would be NaN, as pandas' Series.map gives it.
+        cols["replica"] = np.array([res.routed.get(r, np.nan) for r in cols["req_id"]])
         if hasattr(res, "decode_routed"):  # disaggregated: the prefill instance above, the decode one here
-            df["decode_replica"] = df["req_id"].map(res.decode_routed)
-        write_csv(df, out / "requests.csv")
-    kv = []
+            cols["decode_replica"] = np.array([res.decode_routed.get(r, np.nan) for r in cols["req_id"]])
+        write_csv(cols, out / "requests.csv")
+    kv: dict[str, list] = {}
     for rep in res.replicas:
-        t = kv_usage_table(rep.engine.steps, rep.engine.kv.capacity_tokens, o.kv_points)
-        t.insert(0, "replica", rep.index)
-        kv.append(t)
-    import pandas as pd
-
-    pd.concat(kv).to_csv(out / "kv_usage.csv", index=False)
+        t = kv_usage_columns(rep.engine.steps, rep.engine.kv.capacity_tokens, o.kv_points)
+        kv.setdefault("replica", []).append(np.full(len(t["time"]), rep.index, np.int64))
+        for k, v in t.items():
+            kv.setdefault(k, []).append(v)
+    write_csv({k: np.concatenate(v) for k, v in kv.items()}, out / "kv_usage.csv")
     if o.steps:
+        import pandas as pd
+
         frames = []
         for rep in res.replicas:
             t = step_table(rep.engine.steps, detail=o.step_detail)
@@ -355,16 +419,20 @@ def main(cfg: DictConfig) -> float:
     out = Path(HydraConfig.get().runtime.output_dir)
     t0 = time.perf_counter()
     try:
-        res, row = simulate_config(cfg, hydra_labels(), announce=True)
+        res, row, latencies = _simulate_paused(cfg, hydra_labels(), announce=True)
     except errors_to_exit() as err:
         fail(str(err))  # a setting or input problem: one line, no traceback
     except KeyboardInterrupt:
         interrupted(f"simulation stopped after {time.perf_counter() - t0:.1f} s; no results written to {out}")
     try:
-        write_outputs(res, row, out, cfg)
+        write_outputs(res, row, out, cfg, latencies)
     except KeyboardInterrupt:
         interrupted(f"while writing {out}: its tables may be incomplete (summary.json is written last)")
     print(format_row(row))
+    from hydra.types import RunMode
+
+    if HydraConfig.get().mode == RunMode.RUN:  # _exit_now leaves without freeing them one by one
+        _KEEP_UNTIL_EXIT.append((res, latencies))
     from varlen.compiled import status
 
     print(f"scheduling core: {status()}")
@@ -386,6 +454,11 @@ def _skip_mode_probe(argv: list[str]) -> None:
             return  # other configs, or Hydra's own settings, might set hydra.mode: let Hydra look
     if callable(getattr(Hydra, "get_mode", None)):
         Hydra.get_mode = lambda self, config_name, overrides: None  # type: ignore[method-assign]
+
+
+#: A single run's results, kept alive when main returns: freeing its millions of objects would
+#: take ~0.1 s of a whole-trace run just before _exit_now skips the interpreter's teardown.
+_KEEP_UNTIL_EXIT: list[Any] = []
 
 
 def _exit_now() -> None:

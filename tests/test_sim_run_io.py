@@ -5,6 +5,7 @@ write_csv writes what DataFrame.to_csv(index=False) writes, byte for byte."""
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 from hydra import initialize_config_dir
@@ -59,3 +60,29 @@ def test_write_csv_is_to_csv(tmp_path, df):
     df.to_csv(tmp_path / "pandas.csv", index=False)
     sim_run.write_csv(df, tmp_path / "ours.csv")
     assert (tmp_path / "ours.csv").read_bytes() == (tmp_path / "pandas.csv").read_bytes()
+
+
+def _mappings():
+    """Tables as sim.run hands them to write_csv: columns as numpy arrays and lists."""
+    nan = math.nan
+    yield {"f": np.array([0.1, nan, -0.0, 1e16, 1e-5, math.inf, 123456789.123, 2.0, 1 / 3]),
+           "i": np.arange(-4, 5), "fl": [0.5, nan, 3.0, 1e-7, 2.0, 0.0, -1.5, 7.25, nan],
+           "il": list(range(9)), "s": ["a,b", None, 'q"x', "", "line\nbreak", "x", nan, "z", " "],
+           "none": [None] * 9, "b": np.array([True, False] * 4 + [True])}
+    yield {"mixed": [1, None, 3], "f": [1.0, 2.0, 3.0]}  # numbers with None: pandas makes floats
+    yield {"text_and_numbers": ["a", 1, 2.5], "i": [1, 2, 3]}  # left to pandas
+    yield {"f": np.array([], np.float64), "s": []}
+    yield {"s": ["", None, "a,b", "x"]}  # one column: a lone empty field is quoted
+    yield {"s": ["cr\rhere", 'only"quote', "plain", "tab\there"], "i": [1, 2, 3, 4]}
+
+
+@pytest.mark.parametrize("table", list(_mappings()))
+def test_write_csv_of_columns_is_to_csv(tmp_path, table):
+    pd.DataFrame(table).to_csv(tmp_path / "pandas.csv", index=False)
+    sim_run.write_csv(table, tmp_path / "ours.csv")
+    assert (tmp_path / "ours.csv").read_bytes() == (tmp_path / "pandas.csv").read_bytes()
+
+
+def test_write_csv_refuses_columns_of_different_lengths(tmp_path):
+    with pytest.raises(ValueError, match="different lengths.*a: 2, b: 3"):
+        sim_run.write_csv({"a": [1, 2], "b": [1.0, 2.0, 3.0]}, tmp_path / "x.csv")

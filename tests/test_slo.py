@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from varlen.cli import SettingError, check_slo
-from varlen.metrics import _latencies, request_table, summarize
+from varlen.metrics import request_latencies, request_table, summarize
 from varlen.request import FinishReason, Request, Status
 
 
@@ -35,7 +35,7 @@ def test_longest_gap_per_request_matches_a_plain_loop(gap_lists):
         times = list(np.cumsum([t, *gaps])) if gaps or i % 2 else []  # some requests with no token
         t = (times[-1] if times else t) + 0.5
         reqs.append(finished(f"r{i}", times))
-    got = _latencies(reqs)["max_tbt"]
+    got = request_latencies(reqs)["max_tbt"]
     for r, g in zip(reqs, got):
         want = max(np.diff(r.token_times)) if len(r.token_times) > 1 else np.nan
         assert (np.isnan(g) and np.isnan(want)) or g == pytest.approx(want, abs=1e-12)

@@ -4,6 +4,7 @@ synthetic workloads and deterministic prompt content."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import gzip
 import json
 import time
@@ -441,3 +442,66 @@ def test_full_azure_code_and_mooncake_traces_load() -> None:
         total += len(r.hash_ids)
         seen.update(r.hash_ids)
     assert reused / total == pytest.approx(0.366, abs=0.001)
+
+
+# ---------------------------------------------------------------------------------------------
+# The decoded-trace cache
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _own_trace_cache(tmp_path_factory):
+    """This module's CSVs are cached in a folder of its own, not the user's cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VARLEN_TRACE_CACHE", str(tmp_path_factory.mktemp("trace_cache")))
+        yield
+
+
+def _as_tuple(t):
+    return [tuple(dataclasses.astuple(r)) for r in t.requests], t.stats.as_dict()
+
+
+def test_cached_trace_loads_as_a_fresh_read_and_skips_the_parse(tmp_path, monkeypatch):
+    import varlen.traces as traces
+    from varlen.traces import named_trace_path
+
+    monkeypatch.setenv("VARLEN_TRACE_CACHE", str(tmp_path / "cache"))
+    options = [{}, {"limit": 500, "max_model_len": 2048}, {"target_rate": 3.0, "max_model_len": 4096,
+                                                             "over_length": "drop"}]
+    for n, (source, options) in enumerate(((AZURE_CODE, options), (named_trace_path("azure_conv"), options[1:2]))):
+        monkeypatch.setenv("VARLEN_TRACE_CACHE", "off")
+        fresh = [_as_tuple(load_trace(source, **o)) for o in options]
+        assert len(list((tmp_path / "cache").glob("*"))) == n  # "off" wrote nothing
+        monkeypatch.setenv("VARLEN_TRACE_CACHE", str(tmp_path / "cache"))
+        assert [_as_tuple(load_trace(source, **o)) for o in options] == fresh  # the first writes the entry
+        with monkeypatch.context() as m:
+            m.setattr(traces, "_read_azure_csv", lambda path: pytest.fail("parsed again"))
+            assert [_as_tuple(load_trace(source, **o)) for o in options] == fresh
+    assert len(list((tmp_path / "cache").glob("azure-*.npz"))) == 2
+
+
+def test_a_damaged_or_stale_cache_entry_is_never_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("VARLEN_TRACE_CACHE", str(tmp_path / "cache"))
+    p = tmp_path / "t.csv"
+    p.write_text(AZ_HEADER + AZ_OK + "2023-11-16 18:15:48.0,20,4\n")
+    first = _as_tuple(load_trace(p))
+    (entry,) = (tmp_path / "cache").glob("azure-*.npz")
+    entry.write_bytes(b"PK\x03\x04 not a whole archive")
+    assert _as_tuple(load_trace(p)) == first
+    p.write_text(AZ_HEADER + AZ_OK + "2023-11-16 18:15:48.0,21,4\n")  # the same size, another length
+    assert load_trace(p).requests[1].prompt_len == 21
+    p.write_text(AZ_HEADER + AZ_OK + "2023-11-16 18:15:48.0,-21,4\n")  # errors are never cached
+    for _ in range(2):
+        with pytest.raises(TraceFormatError, match="line 3: negative prompt length -21"):
+            load_trace(p)
+    assert len(list((tmp_path / "cache").glob("azure-*.npz"))) == 2
+
+
+def test_a_cached_gzip_trace_under_a_plain_name_is_still_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("VARLEN_TRACE_CACHE", str(tmp_path / "cache"))
+    gz = tmp_path / "t.csv.gz"
+    gz.write_bytes(gzip.compress((AZ_HEADER + AZ_OK).encode()))
+    assert len(load_trace(gz)) == 1  # cached now
+    plain = tmp_path / "t.csv"
+    plain.write_bytes(gz.read_bytes())
+    with pytest.raises(TraceFormatError, match="gzip-compressed data in a file named .csv"):
+        load_trace(plain)

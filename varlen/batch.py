@@ -88,7 +88,7 @@ def layout(
     # One cheap pass over the whole slice; the per-request mask only when something is off
     # (entries past a request's last needed block are unspecified and may be stale).
     if tables.size and (tables.min() < 0 or (num_blocks is not None and tables.max() >= num_blocks)):
-        used = np.arange(W)[None, :] < need[:, None]
+        used = np.arange(tables.shape[1])[None, :] < need[:, None]  # a short table is narrower than W
         bad |= (((tables < 0) | (tables >= (num_blocks if num_blocks is not None else np.inf))) & used).any(1)
     bad = np.flatnonzero(bad)
     if bad.size:
@@ -165,10 +165,46 @@ class BatchBuffers:
     def build(self, rows: np.ndarray, num_cached: np.ndarray, num_new: np.ndarray, needs_logits: np.ndarray,
               block_size: int, num_blocks: int | None = None,
               req_ids: Sequence[object] | None = None) -> ForwardBatch:
+        """The step's ForwardBatch from buffer rows (what layout makes of the same requests)."""
         q = num_new.astype(np.int64, copy=False)
+        if block_size >= 1 and len(q) and needs_logits.dtype == bool and q.min() == 1 == q.max():
+            fast = self._decode(rows, num_cached.astype(np.int64, copy=False), needs_logits, block_size, num_blocks)
+            if fast is not None:
+                return fast
         starts = np.cumsum(q) - q
         cols = np.arange(int(q.sum())) - np.repeat(starts - num_cached, q)
         input_ids = self.tokens[np.repeat(rows, q), cols]
         width = max(1, -(-int((num_cached + q).max()) // block_size))
         return layout(input_ids, num_cached, q, self.block_tables[rows, :width], needs_logits, block_size,
                       table_lens=self.num_blocks[rows], num_blocks=num_blocks, req_ids=req_ids)
+
+    def _decode(self, rows: np.ndarray, k: np.ndarray, needs_logits: np.ndarray, block_size: int,
+                num_blocks: int | None) -> ForwardBatch | None:
+        """build() of a pure-decode step (one new token each: most steps of a serving loop) in a
+        third of layout's array operations: each token is its request's, at position k. The
+        same ForwardBatch as layout's (tests/test_batch.py); None when a check fails, so that
+        layout names the bad request."""
+        B = len(k)
+        blk = k // block_size  # each token's block, within its request
+        kmax = int(k.max())
+        W = kmax // block_size + 1
+        # Every check layout makes, in as few array operations: k >= 0 (blk >= 0), each table long
+        # enough, and the slice's ids in the pool (negative ids wrap to huge unsigned ones).
+        if blk.min() < 0 or (self.num_blocks[rows] <= blk).any():
+            return None
+        tables = self.block_tables[rows, :W]
+        ids = tables.view(np.uint32)
+        if tables.size and ids.max() >= (2**31 if num_blocks is None else min(num_blocks, 2**31)):
+            return None  # a stale entry past a request's last block may be out of the pool: layout looks closer
+        return ForwardBatch(
+            input_ids=self.tokens[rows, k],
+            positions=k.copy(),
+            query_start_loc=np.arange(B + 1, dtype=np.int32),
+            seq_lens=np.add(k, 1, dtype=np.int32, casting="unsafe"),
+            slot_mapping=self.block_tables[rows, blk].astype(np.int64) * block_size + k % block_size,
+            block_tables=tables,
+            logits_indices=np.flatnonzero(needs_logits),
+            max_query_len=1,
+            max_seq_len=kmax + 1,
+            block_size=block_size,
+        )

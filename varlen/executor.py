@@ -27,7 +27,10 @@ class ModelExecutor(Executor):
         self.buffers = BatchBuffers(max_num_seqs, max_model_len + 1, -(-(max_model_len + 1) // bs))
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
-        self.tokens_written = np.zeros(max_num_seqs, dtype=np.int64)
+        # Per row, as Python ints (a numpy scalar costs more to read than the rest of a decode's
+        # bookkeeping): tokens written to the buffer, and blocks of the table copied to it.
+        self.tokens_written = [0] * max_num_seqs
+        self.blocks_written = [0] * max_num_seqs
         self.timings: dict[str, float] = defaultdict(float)  # wall seconds per phase
         self._checked_kv: KVAllocator | None = None
 
@@ -36,16 +39,22 @@ class ModelExecutor(Executor):
         if row is None:
             row = self.rows[req.req_id] = self.free_rows.pop()
             self.tokens_written[row] = 0
+            self.blocks_written[row] = 0
             self.buffers.num_blocks[row] = 0
-        written = int(self.tokens_written[row])
-        if written < req.num_tokens:
-            self.buffers.set_tokens(row, written, req.token_ids(written))
-            self.tokens_written[row] = req.num_tokens
+        written = self.tokens_written[row]
+        num_tokens = req.num_tokens
+        if written < num_tokens:
+            p = req.num_prompt_tokens
+            if num_tokens - written == 1 and written >= p:  # a decode: the token sampled last step
+                self.buffers.tokens[row, written] = req.output_token_ids[written - p]
+            else:
+                self.buffers.set_tokens(row, written, req.token_ids(written))
+            self.tokens_written[row] = num_tokens
         table = kv.block_table(req)
-        have = int(self.buffers.num_blocks[row])
+        have = self.blocks_written[row]
         if len(table) != have:  # blocks are only ever appended while a request holds its row
             self.buffers.block_tables[row, have:len(table)] = table[have:]
-            self.buffers.num_blocks[row] = len(table)
+            self.buffers.num_blocks[row] = self.blocks_written[row] = len(table)
         return row
 
     def execute(self, scheduled: Sequence[tuple[Request, int]], kv: KVAllocator) -> list[int | None]:
@@ -53,19 +62,30 @@ class ModelExecutor(Executor):
             self.runner.check_kv_allocator(kv)
             self._checked_kv = kv
         t0 = time.perf_counter()
-        rows = np.fromiter((self._row(r, kv) for r, _ in scheduled), dtype=np.int64, count=len(scheduled))
-        cached = np.fromiter((r.num_computed_tokens for r, _ in scheduled), dtype=np.int64, count=len(scheduled))
-        new = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=len(scheduled))
-        wants = cached + new == np.fromiter((r.num_tokens for r, _ in scheduled), dtype=np.int64,
-                                            count=len(scheduled))
-        batch = self.buffers.build(rows, cached, new, wants, self.runner.block_size, self.runner.num_blocks,
-                                   req_ids=[r.req_id for r, _ in scheduled])
+        # One pass over the requests, plain lists, one array each: the per-step Python is most
+        # of a small model's step overhead.
+        rows, cached, new, wants, sampled_reqs = [], [], [], [], []
+        for r, n in scheduled:
+            rows.append(self._row(r, kv))
+            c = r.num_computed_tokens
+            cached.append(c)
+            new.append(n)
+            w = c + n == r.num_tokens
+            wants.append(w)
+            if w:
+                sampled_reqs.append(r)
+        ints = np.array((rows, cached, new), np.int64)  # one conversion for the three
+        batch = self.buffers.build(ints[0], ints[1], ints[2], np.array(wants, bool), self.runner.block_size,
+                                   self.runner.num_blocks, req_ids=[r.req_id for r, _ in scheduled])
         t1 = time.perf_counter()
         logits = self.runner.execute(batch)
         t2 = time.perf_counter()
-        sampled_reqs = [r for (r, _), w in zip(scheduled, wants) if w]
-        tokens = iter(self.sampler.sample(logits, sampled_reqs))
-        out = [next(tokens) if w else None for w in wants]
+        sampled = self.sampler.sample(logits, sampled_reqs)
+        if len(sampled) == len(wants):  # every request sampled (a decode step)
+            out: list[int | None] = list(sampled)
+        else:
+            tokens = iter(sampled)
+            out = [next(tokens) if w else None for w in wants]
         t3 = time.perf_counter()
         self.timings["batch_build"] += t1 - t0
         self.timings["forward"] += t2 - t1

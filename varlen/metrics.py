@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -39,15 +39,15 @@ class RequestMetrics:
             num_preemptions=r.num_preemptions, num_prefix_hit_tokens=r.num_prefix_hit_tokens)
 
 
-def request_table(requests: Iterable[Request]):
-    import pandas as pd
-
-    requests = list(requests)
-    lat = _latencies(requests)
+def request_columns(requests: Sequence[Request], latencies: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """request_table's columns (numpy arrays and lists), without pandas. `latencies`:
+    request_latencies(requests), when the caller has it already (it is the costly part)."""
+    lat = request_latencies(requests) if latencies is None else latencies
     out_tokens = np.array([r.num_output_tokens for r in requests], np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         normalized = np.where(out_tokens > 0, lat["e2e"] / out_tokens, np.nan)
-    return pd.DataFrame(dict(
+    # Lists where the table has always had them (pandas types them), arrays where computed.
+    return dict(
         req_id=[r.req_id for r in requests], prompt_tokens=[r.num_prompt_tokens for r in requests],
         output_tokens=[r.num_output_tokens for r in requests],
         finish_reason=[r.finish_reason.value if r.finish_reason else None for r in requests],
@@ -55,7 +55,14 @@ def request_table(requests: Iterable[Request]):
         first_scheduled=[np.nan if r.first_scheduled is None else r.first_scheduled for r in requests],
         first_token=lat["first_token"], finish=lat["finish"], ttft=lat["ttft"], tpot=lat["tpot"], e2e=lat["e2e"],
         normalized_latency=normalized, max_tbt=lat["max_tbt"], num_preemptions=[r.num_preemptions for r in requests],
-        prefix_hit_tokens=[r.num_prefix_hit_tokens for r in requests], priority=[r.priority for r in requests]))
+        prefix_hit_tokens=[r.num_prefix_hit_tokens for r in requests], priority=[r.priority for r in requests])
+
+
+def request_table(requests: Iterable[Request], latencies: dict[str, np.ndarray] | None = None):
+    """One row per request: lengths, how it ended, its times and latencies (see request_columns)."""
+    import pandas as pd
+
+    return pd.DataFrame(request_columns(list(requests), latencies))
 
 
 def step_table(steps: Sequence, detail: bool = True) -> "pd.DataFrame":  # noqa: F821
@@ -77,24 +84,30 @@ def step_table(steps: Sequence, detail: bool = True) -> "pd.DataFrame":  # noqa:
     return pd.DataFrame(rows)
 
 
-def kv_usage_table(steps: Sequence, total_slots: int, max_points: int | None = 2000) -> "pd.DataFrame":  # noqa: F821
+def kv_usage_columns(steps: Sequence, total_slots: int, max_points: int | None = 2000) -> dict[str, np.ndarray]:
     """KV utilisation over time: at each step's end, reserved slots (held by some request) and
     live tokens as fractions of the pool, with the queue lengths. max_points thins a long run
     by keeping every k-th step plus the peak, enough for a plot and small as a CSV."""
-    import pandas as pd
-
     c = step_columns(steps, tokens=False)
-    df = pd.DataFrame({
+    cols = {
         "time": c["start"] + c["duration"],
         "kv_usage": c["kv_reserved_slots"] / total_slots,
         "kv_live": c["kv_live_tokens"] / total_slots,
         "batch_size": c["num_seqs"],
         "num_waiting": c["num_waiting"],
-    })
-    if max_points and len(df) > max_points:
-        keep = set(range(0, len(df), -(-len(df) // max_points))) | {int(df["kv_usage"].to_numpy().argmax())}
-        df = df.iloc[sorted(keep)].reset_index(drop=True)
-    return df
+    }
+    n = len(cols["time"])
+    if max_points and n > max_points:
+        keep = np.unique(np.append(np.arange(0, n, -(-n // max_points)), cols["kv_usage"].argmax()))
+        cols = {k: v[keep] for k, v in cols.items()}
+    return cols
+
+
+def kv_usage_table(steps: Sequence, total_slots: int, max_points: int | None = 2000) -> "pd.DataFrame":  # noqa: F821
+    """kv_usage_columns as a table."""
+    import pandas as pd
+
+    return pd.DataFrame(kv_usage_columns(steps, total_slots, max_points))
 
 
 def _pcts(x: np.ndarray, qs: Sequence[float]) -> list[float]:
@@ -110,11 +123,12 @@ def _time_weighted_kv(c: dict[str, np.ndarray], total_slots: int) -> float:
     return float(np.dot(c["kv_reserved_slots"], c["duration"])) / busy / total_slots
 
 
-def _latencies(reqs: Sequence[Request]) -> dict[str, np.ndarray]:
+def request_latencies(reqs: Sequence[Request]) -> dict[str, np.ndarray]:
     """Per request: arrival, first_token, finish, ttft, tpot, e2e, max_tbt (its longest gap between
     consecutive output tokens; NaN where undefined), and every request's inter-token gaps as one
     array (itl). All token times go into one array: a long simulation has millions, too many to
-    handle one by one."""
+    handle one by one (flattening them is most of the cost: compute this once per run and pass it
+    to summarize and request_columns)."""
     times = [r.token_times for r in reqs]
     lens = np.fromiter(map(len, times), np.int64, len(times))
     flat = np.fromiter(itertools.chain.from_iterable(times), np.float64, int(lens.sum()))
@@ -129,27 +143,33 @@ def _latencies(reqs: Sequence[Request]) -> dict[str, np.ndarray]:
     gaps = np.diff(flat)
     between = np.ones(len(gaps), bool)  # False where a gap spans two requests
     between[first[has & (first > 0)] - 1] = False
-    # Each request's longest gap: one reduceat from each multi-token request's first gap to the
-    # next one's; the gaps spanning two requests, which fall in between, are masked out.
+    itl = gaps[between]
+    del gaps  # tens of MB on a long run: freed before the next array takes its place
+    # Each request's longest gap: its gaps lie end to end in itl (a request with one token or
+    # none has none), so one reduceat from each multi-token request's first gap to the next's.
     max_tbt = np.full(len(reqs), np.nan)
     if many.any():
-        max_tbt[many] = np.maximum.reduceat(np.where(between, gaps, -np.inf), first[many])
+        ngaps = np.where(many, lens - 1, 0)
+        max_tbt[many] = np.maximum.reduceat(itl, (np.cumsum(ngaps) - ngaps)[many])
     return dict(arrival=arrival, first_token=first_token, finish=finish, ttft=first_token - arrival, tpot=tpot,
-                e2e=finish - arrival, itl=gaps[between], max_tbt=max_tbt)
+                e2e=finish - arrival, itl=itl, max_tbt=max_tbt)
 
 
 def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
               ttft_slo: float | None = None, tpot_slo: float | None = None,
-              tbt_slo: float | None = None) -> dict[str, float]:
+              tbt_slo: float | None = None, latencies: dict[str, np.ndarray] | None = None) -> dict[str, float]:
     """One row of headline figures: throughput, latency percentiles, preemptions, KV usage, goodput.
 
     SLOs (seconds; None: not set): TTFT, TPOT (the mean gap), and TBT, met when no gap between
     two consecutive output tokens of the request exceeds it (a stall, as from a prefill step, fails
     it even when the mean is low). A request counts toward goodput when it meets every SLO set;
-    `slo_attainment` is that count over all requests, `tbt_attainment` the TBT SLO's alone."""
+    `slo_attainment` is that count over all requests, `tbt_attainment` the TBT SLO's alone.
+    latencies: request_latencies(requests), when the caller has it already; used as it is when
+    every request finished (the usual case), else computed anew for the finished ones."""
     c = step_columns(steps, tokens=False)
-    done = [r for r in requests if r.finish_reason is not None and r.finish_reason.value in ("length", "stop")]
-    lat = _latencies(done)
+    reasons = [None if r.finish_reason is None else r.finish_reason.value for r in requests]
+    done = [r for r, why in zip(requests, reasons) if why in ("length", "stop")]
+    lat = latencies if latencies is not None and len(done) == len(requests) else request_latencies(done)
     finish, ttft_all, tpot_all = lat["finish"], lat["ttft"], lat["tpot"]
     has, many = ~np.isnan(ttft_all), ~np.isnan(tpot_all)
     ttft, tpot, itl = ttft_all[has], tpot_all[many], lat["itl"]
@@ -159,8 +179,7 @@ def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
     span = max(end - start, 1e-9)
     out_tokens = sum(r.num_output_tokens for r in done)
     row = dict(requests=len(requests), finished=len(done),
-               rejected=sum(r.finish_reason is not None and r.finish_reason.value == "rejected" for r in requests),
-               aborted=sum(r.finish_reason is not None and r.finish_reason.value == "aborted" for r in requests),
+               rejected=reasons.count("rejected"), aborted=reasons.count("aborted"),
                duration_s=span, requests_per_s=len(done) / span, output_tokens_per_s=out_tokens / span,
                preemptions=sum(r.num_preemptions for r in requests),
                peak_kv_usage=int(c["kv_reserved_slots"].max(initial=0)) / max(total_slots, 1),
@@ -169,7 +188,9 @@ def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         for q, v in zip((50, 90, 99), _pcts(xs, (50, 90, 99))):
             row[f"{name}_p{q}"] = v
-    row["tbt_p99"] = _pcts(itl, (99,))[0]  # over all inter-token gaps, as Sarathi-Serve reports it
+    # Over all inter-token gaps, as Sarathi-Serve reports it: itl_p99 itself (the same sorted
+    # position and interpolation, bit for bit), not a second partition of millions of gaps.
+    row["tbt_p99"] = row["itl_p99"]
     if ttft_slo is not None or tpot_slo is not None or tbt_slo is not None:
         ok_ttft = np.ones(len(done), bool) if ttft_slo is None else has & (np.nan_to_num(ttft_all, nan=np.inf) <= ttft_slo)
         ok_tpot = np.ones(len(done), bool) if tpot_slo is None else ~many | (np.nan_to_num(tpot_all) <= tpot_slo)

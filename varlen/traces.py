@@ -39,6 +39,7 @@ import json
 import math
 import os
 import re
+import zipfile
 from dataclasses import dataclass, fields
 from importlib.resources import files
 from pathlib import Path
@@ -264,6 +265,73 @@ def _read_azure_csv(path: Path) -> _Columns:
             _fail(path, int(labels[i]) + 2, what)
         arrival = (ts - ts.min()).dt.total_seconds().to_numpy(np.float64)
     return _check_lengths(_Columns(arrival, prompt, output, np.arange(len(prompt))), labels + 2, path)
+
+
+#: Decoded traces kept in the cache (each a few hundred KB for a public trace's size).
+TRACE_CACHE_KEEP = 16
+
+
+def trace_cache_dir() -> Path | None:
+    """Where decoded CSV traces are kept: $VARLEN_TRACE_CACHE (a folder; "0" or "off": no cache),
+    else `traces/` in the compiled core's cache folder (VARLEN_CACHE_DIR, ~/.cache/varlen)."""
+    env = os.environ.get("VARLEN_TRACE_CACHE")
+    if env is not None and env.strip().lower() in ("0", "off", "false", "no", ""):
+        return None
+    if env:
+        return Path(env)
+    from varlen.compiled import cache_dir
+
+    return cache_dir() / "traces"
+
+
+@functools.lru_cache(maxsize=1)
+def _reader_key() -> bytes:
+    # Any edit to this module may change what a file decodes to: a cache entry names its source.
+    return hashlib.blake2b(Path(__file__).read_bytes(), digest_size=16).digest()
+
+
+def _read_azure_cached(path: Path) -> _Columns:
+    """_read_azure_csv, through a cache of the decoded columns keyed by the file's bytes and this
+    reader's source: a whole trace loads in milliseconds instead of a pandas parse (~0.2 s, plus
+    pandas' import). Only a file that decoded without error is cached, so every error still
+    comes from the reader with its line; the options (sort, clip, limit, rate) apply after, as
+    for a fresh read. A missing, unreadable or unwritable cache only costs the parse."""
+    folder = trace_cache_dir()
+    if folder is None:
+        return _read_azure_csv(path)
+    try:
+        _check_compression(path)  # gzip bytes under a plain name are an error however they were cached
+        data = path.read_bytes()
+        # The name says how the bytes are read (gzip or not): part of the key, with the content.
+        key = hashlib.blake2b(data + (b".gz" if _is_gz(path) else b""), digest_size=20, key=_reader_key()).hexdigest()
+    except OSError:
+        return _read_azure_csv(path)  # the reader says why, naming the file
+    entry = folder / f"azure-{key}.npz"
+    try:
+        with np.load(entry, allow_pickle=False) as z:
+            arrival, prompt, output = z["arrival"], z["prompt"], z["output"]
+        if (arrival.dtype == np.float64 and prompt.dtype == output.dtype == np.int64
+                and arrival.ndim == prompt.ndim == output.ndim == 1 and len(arrival) == len(prompt) == len(output)):
+            try:
+                os.utime(entry)  # recently used: the last to be pruned
+            except OSError:
+                pass
+            return _Columns(arrival, prompt, output, np.arange(len(prompt)))
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        pass  # not there yet, or damaged: read the file and write it anew
+    cols = _read_azure_csv(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{entry.name}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            np.savez(f, arrival=cols.arrival, prompt=cols.prompt, output=cols.output)
+        os.replace(tmp, entry)  # atomic: a reader sees no entry or a whole one
+        old = sorted(folder.glob("azure-*.npz"), key=lambda p: p.stat().st_mtime, reverse=True)[TRACE_CACHE_KEEP:]
+        for p in old:
+            p.unlink(missing_ok=True)
+    except OSError:
+        pass
+    return cols
 
 
 def _read_mooncake_jsonl(path: Path) -> _Columns:
@@ -553,7 +621,7 @@ def load_trace(
     if kind == "synthetic":
         cols = _synthesize(num_requests, rate, arrival, cv, prompt_len, output_len, seed)
     elif kind == "azure":
-        cols = _read_azure_csv(path)
+        cols = _read_azure_cached(path)
     else:
         cols = _read_mooncake_jsonl(path)
     stats = TraceStats(source=str(path or "synthetic"), kind=kind, num_read=len(cols.prompt))
