@@ -159,8 +159,8 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
 
     from sim.cost.hardware import HardwareSpec
     from sim.executor import CostModelExecutor
+    from sim.fast_forward import FastForwardEngine
     from sim.simulator import simulate
-    from varlen.engine import Engine
     from varlen.metrics import summarize
 
     check_settings(cfg)
@@ -207,7 +207,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
         kv = instantiate(cfg.allocator, **alloc_kw)(num_blocks=num_blocks, block_size=e["block_size"],
                                                     max_model_len=max_model_len)
         executor = CostModelExecutor(build_cost_model(c["cost"], model_config, hardware, c.get("parallel")), clock)
-        engine = Engine(instantiate(cfg.scheduler), kv, executor, clock=clock, max_model_len=max_model_len)
+        engine = FastForwardEngine(instantiate(cfg.scheduler), kv, executor, clock=clock, max_model_len=max_model_len)
         return engine, executor
 
     res = simulate(reqs, make_engine, c["cluster"]["replicas"] * par.pipeline, c["cluster"]["router"],

@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from schedulers import POLICIES, ChunkedPolicy
+from sim.fast_forward import FastForwardEngine, FastForwardExecutor
 from varlen import LLM, SamplingParams
 from varlen.clock import SimClock, WallClock
 from varlen.engine import Engine, Executor
@@ -135,11 +136,11 @@ bad_field_values = st.one_of(
 )
 
 
-def stub_engine(policy="chunked", allocator="paged", clock=None, executor=None):
+def stub_engine(policy="chunked", allocator="paged", clock=None, executor=None, engine=Engine):
     pol = POLICIES[policy](max_num_seqs=4, max_num_batched_tokens=16 if POLICIES[policy].chunked_prefill else 64)
     kv = PagedAllocator(40, 4, 64) if allocator == "paged" else ContiguousAllocator(40, 4, 64)
     clock = SimClock() if clock is None else clock
-    return Engine(pol, kv, executor or StubExecutor(clock), clock=clock, max_model_len=64, eos_token_id=1,
+    return engine(pol, kv, executor or StubExecutor(clock), clock=clock, max_model_len=64, eos_token_id=1,
                   vocab_size=VOCAB)
 
 
@@ -466,11 +467,14 @@ def test_a_failing_policy_aborts_every_unfinished_request():
 
 
 def test_a_failing_decode_run_aborts_the_running_requests():
-    class NoDecodeRun(StubExecutor):
+    class NoDecodeRun(FastForwardExecutor):
+        clock = None
+        execute = StubExecutor.execute
+
         def decode_run(self, batch, max_steps, until):
             raise RuntimeError("cost model bug")
 
-    eng = stub_engine(executor=NoDecodeRun())
+    eng = stub_engine(executor=NoDecodeRun(), engine=FastForwardEngine)
     reqs = [Request(str(i), [5] * 4, SamplingParams(max_tokens=6)) for i in range(2)]
     for r in reqs:
         eng.add_request(r)

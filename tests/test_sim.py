@@ -17,10 +17,10 @@ from schedulers import ChunkedPolicy, ContinuousPolicy
 from sim.capacity import bisect_rate
 from sim.cost_models import ProfiledCostModel, RooflineCostModel, StepSums, profile_rows
 from sim.executor import CostModelExecutor
+from sim.fast_forward import FastForwardEngine
 from sim.simulator import simulate
 from sim.validate import batch_sequence, first_difference, fresh_copies
 from varlen.clock import SimClock
-from varlen.engine import Engine
 from varlen.kv import PagedAllocator
 from varlen.metrics import kv_usage_table
 from varlen.sampling_params import SamplingParams
@@ -42,7 +42,7 @@ def engine_factory(num_blocks=200, policy=ChunkedPolicy, budget=256):
     def make(clock):
         ex = CostModelExecutor(cost, clock)
         pol = policy(max_num_seqs=16, max_num_batched_tokens=budget)
-        return Engine(pol, PagedAllocator(num_blocks, 16, 1024), ex, clock=clock, max_model_len=1024), ex
+        return FastForwardEngine(pol, PagedAllocator(num_blocks, 16, 1024), ex, clock=clock, max_model_len=1024), ex
 
     return make
 

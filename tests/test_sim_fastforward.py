@@ -1,4 +1,4 @@
-"""Proof that the decode fast-forward (Engine.step with `until`, simulate(fast_forward=True)) changes
+"""Proof that the decode fast-forward (FastForwardEngine.step with `until`, simulate(fast_forward=True)) changes
 nothing: for every policy and allocator, the same requests (tokens, token times, finishes), the
 same step records, the same summary and the same allocator state as stepping one by one."""
 
@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from schedulers import POLICIES
 from sim.cost_models import ProfiledCostModel, RooflineCostModel, StepSums
 from sim.executor import SIM_TOKEN, CostModelExecutor
+from sim.fast_forward import FastForwardEngine
 from sim.simulator import simulate
 from sim.validate import fresh_copies
-from varlen.engine import Engine
 from varlen.kv import ContiguousAllocator, PagedAllocator
 from varlen.metrics import step_table, summarize
 from varlen.request import Request
@@ -58,7 +58,7 @@ def factory(policy: str, allocator: str, num_blocks: int, block_size: int = 16, 
         ex = CostModelExecutor(cost, clock)
         kv = ALLOCATORS[allocator](num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len)
         pol = POLICIES[policy](max_num_seqs=seats, max_num_batched_tokens=budget)
-        return Engine(pol, kv, ex, clock=clock, max_model_len=max_model_len, eos_token_id=eos), ex
+        return FastForwardEngine(pol, kv, ex, clock=clock, max_model_len=max_model_len, eos_token_id=eos), ex
 
     return make
 

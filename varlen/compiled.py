@@ -37,7 +37,7 @@ MODULES = (
     "varlen/kv/base.py", "varlen/kv/paged.py", "varlen/kv/contiguous.py",
     "schedulers/base.py", "schedulers/chunked.py", "schedulers/continuous.py", "schedulers/static.py",
     "schedulers/priority.py", "schedulers/vllm_v0.py", "schedulers/sarathi.py",
-    "sim/executor.py", "sim/simulator.py",
+    "sim/fast_forward.py", "sim/executor.py", "sim/simulator.py",
     "sim/cost/base.py", "sim/cost/hardware.py", "sim/cost/roofline.py", "sim/cost/fitted.py", "sim/cost/replay.py",
     "sim/cost/measured.py", "sim/cost/communication.py",
 )
