@@ -36,7 +36,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from backends.base import AttentionBackend, AttentionMetadata, BackendUnavailable, LayerAttention, write_kv
+from backends.base import write_kv
+from varlen.attention_api import AttentionBackend, AttentionMetadata, BackendUnavailable, LayerAttention
 from varlen.batch import ForwardBatch
 
 INSTALL_HINT = 'pip install -e ".[flash-attn]"'

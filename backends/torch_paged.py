@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from backends.base import AttentionBackend, AttentionMetadata
+from varlen.attention_api import AttentionBackend, AttentionMetadata
 from varlen.batch import ForwardBatch
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from backends.base import FEATURES, AttentionBackend, AttentionMetadata, LayerAttention, write_kv
+from backends.base import write_kv
+from varlen.attention_api import FEATURES, AttentionBackend, AttentionMetadata, LayerAttention
 
 
 class TorchRefBackend(AttentionBackend):

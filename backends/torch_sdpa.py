@@ -23,7 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from backends.base import AttentionBackend, AttentionMetadata, LayerAttention, write_kv
+from backends.base import write_kv
+from varlen.attention_api import AttentionBackend, AttentionMetadata, LayerAttention
 from varlen.batch import ForwardBatch
 
 

@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from backends.base import AttentionBackend, AttentionMetadata, BackendUnavailable, write_kv
+from backends.base import write_kv
+from varlen.attention_api import AttentionBackend, AttentionMetadata, BackendUnavailable
 from varlen.batch import ForwardBatch
 
 INSTALL_HINT = 'pip install -e ".[triton]"'

@@ -19,11 +19,11 @@ from typing import Sequence
 
 from mypy_extensions import mypyc_attr
 
-from schedulers.base import SchedulerPolicy
 from varlen.engine import Engine, Executor
 from varlen.kv.base import ALLOCATION_PROMISE_BEHAVIOUR, KVAllocator
 from varlen.promises import keeps_promise
 from varlen.request import Request
+from varlen.scheduler_api import SchedulerPolicy
 from varlen.steplog import DecodeRun
 
 

@@ -47,15 +47,6 @@ def engine_factory(num_blocks=200, policy=ChunkedPolicy, budget=256):
     return make
 
 
-def test_scheduling_core_and_simulator_import_no_torch():
-    mods = ["sim.run", "sim.simulator", "sim.executor", "sim.cost_models", "sim.capacity", "sim.validate",
-            "sim.report", "schedulers", "varlen.engine", "varlen.kv", "varlen.request", "varlen.metrics",
-            "varlen.workload", "varlen.traces", "varlen.clock"]
-    code = f"import sys\nfor m in {mods!r}: __import__(m)\nprint(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout
-
-
 @pytest.mark.parametrize("policy,budget", [(ChunkedPolicy, 128), (ContinuousPolicy, 1024)])
 def test_one_replica_is_engine_run(policy, budget):
     """The event loop with one replica makes exactly Engine.run's decisions on a SimClock

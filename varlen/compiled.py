@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]  # the folder holding the varlen, sch
 MODULES = (
     "varlen/request.py", "varlen/sampling_params.py", "varlen/clock.py", "varlen/steplog.py", "varlen/engine.py",
     "varlen/kv/base.py", "varlen/kv/paged.py", "varlen/kv/contiguous.py",
-    "schedulers/base.py", "schedulers/chunked.py", "schedulers/continuous.py", "schedulers/static.py",
+    "varlen/scheduler_api.py", "schedulers/chunked.py", "schedulers/continuous.py", "schedulers/static.py",
     "schedulers/priority.py", "schedulers/vllm_v0.py", "schedulers/sarathi.py",
     "sim/fast_forward.py", "sim/executor.py", "sim/simulator.py",
     "sim/cost/base.py", "sim/cost/hardware.py", "sim/cost/roofline.py", "sim/cost/fitted.py", "sim/cost/replay.py",

@@ -14,10 +14,10 @@ from typing import Callable, Iterable, Sequence
 
 from mypy_extensions import mypyc_attr
 
-from schedulers.base import SchedulerPolicy
 from varlen.clock import WallClock
 from varlen.kv.base import KVAllocator
 from varlen.request import FinishReason, Request, Status, prompt_problem
+from varlen.scheduler_api import SchedulerPolicy
 from varlen.steplog import StepLog, StepRecord
 
 

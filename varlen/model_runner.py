@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from backends.base import AttentionBackend, LayerAttention
+from varlen.attention_api import AttentionBackend, LayerAttention
 from varlen.batch import ForwardBatch
 from varlen.model_attention import (ACTIVE_PROBE, AttentionProbe, UnsupportedModel, kv_window, read_model_attention,
                                     spec_from_call)

@@ -143,7 +143,7 @@ def write_results(cfg: DictConfig, llm: Any, reqs: list, trace: Any, out: Path, 
 
 @hydra.main(config_path=CONF, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from backends.base import BackendUnavailable
+    from varlen.attention_api import BackendUnavailable
 
     try:
         serve(cfg)
