@@ -10,7 +10,14 @@ import torch
 from varlen.attention_api import (FEATURES, AttentionBackend, AttentionMetadata, BackendUnavailable,
                                   LayerAttention)
 
-__all__ = ["FEATURES", "AttentionBackend", "AttentionMetadata", "BackendUnavailable", "LayerAttention", "write_kv"]
+__all__ = ["FEATURES", "AttentionBackend", "AttentionMetadata", "BackendUnavailable", "LayerAttention", "first_line",
+           "write_kv"]
+
+
+def first_line(exc: BaseException) -> str:
+    """An import error in one line, for BackendUnavailable messages (a broken install's can run long)."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

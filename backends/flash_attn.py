@@ -36,7 +36,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from backends.base import write_kv
+from backends.base import first_line, write_kv
 from varlen.attention_api import AttentionBackend, AttentionMetadata, BackendUnavailable, LayerAttention
 from varlen.batch import ForwardBatch
 
@@ -98,10 +98,6 @@ class _Kernels:
     with_kvcache: Callable[..., Any] | None  # flash-attn 2 only
 
 
-def _first_line(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
 
 def _load_kernels(version: str) -> _Kernels:
     """Import the kernel library; BackendUnavailable (one line) when neither is importable."""
@@ -113,13 +109,13 @@ def _load_kernels(version: str) -> _Kernels:
             from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
             return _Kernels("2", flash_attn_varlen_func, flash_attn_with_kvcache)
         except Exception as exc:  # noqa: BLE001
-            errors.append(f"flash-attn 2 ({_first_line(exc)})")
+            errors.append(f"flash-attn 2 ({first_line(exc)})")
     if version in ("auto", "4"):
         try:
             from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
             return _Kernels("4", fa4_varlen, None)
         except Exception as exc:  # noqa: BLE001
-            errors.append(f"flash-attn 4 ({_first_line(exc)})")
+            errors.append(f"flash-attn 4 ({first_line(exc)})")
     raise BackendUnavailable(
         f"backend 'flash_attn' needs the flash-attn package, which is not importable: "
         f"{'; '.join(errors)}; install it with {INSTALL_HINT} (or pip install flash-attn-4)")
@@ -132,9 +128,10 @@ class FlashAttnBackend(AttentionBackend):
     block_size_multiple = 256  # flash-attn 2.x paged KV refuses other page sizes
     features = frozenset({"sliding_window", "softcap"})
 
-    def __init__(self, version: str = "auto", decode_with_kvcache: bool = True) -> None:
+    def __init__(self, version: str = "auto", decode_with_kvcache: bool = True, batch_invariant: bool = False) -> None:
         """`version`: "auto" (2.x if importable, else 4), "2" or "4". `decode_with_kvcache`:
         send pure-decode steps to `flash_attn_with_kvcache` (flash-attn 2 only)."""
+        super().__init__(batch_invariant)  # True is refused: no batch-invariant mode
         if version not in ("auto", "2", "4"):
             raise ValueError(f"flash_attn version must be 'auto', '2' or '4', got {version!r}")
         self.version = version
@@ -161,7 +158,7 @@ class FlashAttnBackend(AttentionBackend):
             return torch.from_numpy(host[name]).to(device, non_blocking=True)
 
         return FlashAttnMetadata(
-            slot_mapping=torch.from_numpy(batch.slot_mapping).to(device, non_blocking=True),
+            slot_mapping=self.upload_slot_mapping(batch, device),
             batch=batch,
             cu_seqlens_q=dev("cu_seqlens_q"),
             cu_seqlens_k=dev("cu_seqlens_k"),

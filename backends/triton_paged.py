@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from backends.base import write_kv
+from backends.base import first_line, write_kv
 from varlen.attention_api import AttentionBackend, AttentionMetadata, BackendUnavailable
 from varlen.batch import ForwardBatch
 
@@ -99,10 +99,6 @@ class TritonMetadata(AttentionMetadata):
     plans: dict[tuple[Any, ...], LaunchPlan] = field(default_factory=dict)  # per head layout, for the step
 
 
-def _first_line(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
 
 @dataclass(frozen=True)
 class Kernels:
@@ -120,7 +116,7 @@ def load_kernels() -> Kernels:
         from backends import triton_paged_kernels as kernels
     except Exception as exc:  # noqa: BLE001 - a broken install is "unavailable" too
         raise BackendUnavailable(f"backend 'triton' needs the triton package, which is not importable "
-                                 f"({_first_line(exc)}); install it with {INSTALL_HINT}") from None
+                                 f"({first_line(exc)}); install it with {INSTALL_HINT}") from None
     # Triton's own library (tl.zeros is a @triton.jit function) took its mode when triton was
     # imported, and our kernels can only call functions of their own kind.
     interpreted = isinstance(tl.zeros, InterpretedFunction)
@@ -143,9 +139,11 @@ def _in_mode(kernel: Any, interpreted: bool) -> Any:
 class TritonPagedBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, num_splits: int | None = None, kv_split_size: int = 256, max_splits: int = 32) -> None:
+    def __init__(self, num_splits: int | None = None, kv_split_size: int = 256, max_splits: int = 32,
+                 batch_invariant: bool = False) -> None:
         """`num_splits`: force the KV split count (None: split when the grid would not fill the GPU).
         `kv_split_size`, `max_splits`: the automatic split's smallest range and largest count."""
+        super().__init__(batch_invariant)  # True is refused: no batch-invariant mode
         self.num_splits = num_splits
         self.kv_split_size = kv_split_size
         self.max_splits = max_splits
@@ -180,7 +178,7 @@ class TritonPagedBackend(AttentionBackend):
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device, non_blocking=True)
 
         return TritonMetadata(
-            slot_mapping=torch.from_numpy(batch.slot_mapping).to(device, non_blocking=True), batch=batch,
+            slot_mapping=self.upload_slot_mapping(batch, device), batch=batch,
             query_start_loc=dev(batch.query_start_loc), seq_lens=dev(batch.seq_lens),
             block_tables=dev(batch.block_tables))
 

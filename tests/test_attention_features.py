@@ -22,6 +22,7 @@ from backends.base import AttentionBackend, LayerAttention
 from backends.flash_attn import FlashAttnBackend
 from backends.flashinfer import FlashInferBackend
 from backends.torch_ref import TorchRefBackend
+from backends.torch_sdpa import TorchSdpaBackend
 from test_backend_metadata import ATOL, problems
 from varlen.batch import SeqSlice, build_batch
 from varlen.model_attention import UnsupportedModel, spec_from_call
@@ -88,8 +89,7 @@ def test_torch_sdpa_windows_match_torch_ref(p, window, batch_invariant):
     ref = TorchRefBackend()
     want = ref.forward(p["q"], p["k"], p["v"], p["cache"].clone(), ref.prepare(p["batch"], "cpu"), p["scale"],
                        layer=spec)
-    sdpa = make_backend("torch_sdpa")
-    sdpa.batch_invariant = batch_invariant
+    sdpa = TorchSdpaBackend(batch_invariant=batch_invariant)
     hkv, d = p["k"].shape[1:]
     # Two kinds of layer, as alternating models have: the metadata carries a mask for each.
     sdpa.bind(p["q"].shape[1], hkv, d, torch.float32, p["batch"].block_size, "cpu", [spec, LayerAttention(p["scale"])])

@@ -376,7 +376,6 @@ BAD_SETTINGS = [
     (dict(max_model_len=0), "max_model_len=0: must be an integer >= 1"),
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens=0: must be an integer >= 1"),
     (dict(max_model_len=5000), "max_model_len=5000: is more than the model's max_position_embeddings .4096."),
-    (dict(batch_invariant="yes"), "batch_invariant='yes': must be true or false"),
     (dict(max_num_seq=8), "max_num_seq=8: not a setting of LLM nor an option of the paged allocator"),
     (dict(allocator="contiguous", reservaton="oracle"), "reservaton='oracle': not a setting of LLM nor an option"),
     (dict(allocator=PagedAllocator, enable_prefix_caching=False), "enable_prefix_caching: allocator options go with"),

@@ -36,6 +36,11 @@ class AttentionMetadata:
 # every backend computes, at whatever scale the model asks: e.g. Gemma's query_pre_attn_scalar).
 FEATURES = ("sliding_window", "softcap", "sinks")
 
+#: A capability a backend may declare in `features` beside those: its `batch_invariant=True`
+#: constructor option computes each request's attention bitwise as it would alone, whatever else
+#: is in the batch (the model runner then also makes the model's GEMMs batch-invariant).
+BATCH_INVARIANT = "batch_invariant"
+
 
 @dataclass(frozen=True)
 class LayerAttention:
@@ -63,10 +68,18 @@ class AttentionBackend(ABC):
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
     block_size_multiple: ClassVar[int] = 1  # e.g. 256 for PyPI flash-attn 2.x paged KV
-    # Which of FEATURES this backend implements. The default is none: a backend that does not
-    # declare a feature refuses, at bind time, every model that uses it.
+    # Which of FEATURES this backend implements, and whether it offers BATCH_INVARIANT. The
+    # default is none: a backend that does not declare a feature refuses, at bind time, every
+    # model that uses it, and refuses batch_invariant=True at construction.
     features: ClassVar[frozenset[str]] = frozenset()
     layers: tuple[LayerAttention, ...] = ()  # set by bind
+    batch_invariant: bool = False  # the constructor option (only a backend declaring BATCH_INVARIANT takes True)
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        if batch_invariant and BATCH_INVARIANT not in self.features:
+            raise ValueError(f"backend {self.name!r} has no batch-invariant mode (its features do not declare "
+                             f"{BATCH_INVARIANT!r}); use torch_ref, torch_sdpa or torch_paged, or batch_invariant=false")
+        self.batch_invariant = batch_invariant
 
     def bind(self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
              device: torch.device | str, layers: Sequence[LayerAttention] = (), model_name: str = "model") -> None:
@@ -80,7 +93,7 @@ class AttentionBackend(ABC):
                 continue
             using = [i for i, spec in enumerate(layers) if feature in spec.features]
             if using:
-                have = ", ".join(sorted(self.features)) or "none of the optional features"
+                have = ", ".join(f for f in FEATURES if f in self.features) or "none of the optional features"
                 raise ValueError(
                     f"{model_name}: layer(s) {_ranges(using)} use {feature}, which backend {self.name!r} does "
                     f"not implement (it supports: {have}); use backend=torch_ref or a backend that declares it")
@@ -118,9 +131,13 @@ class AttentionBackend(ABC):
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def prepare(self, batch: ForwardBatch, device: torch.device | str) -> Any:
-        """Once per step: move/plan the metadata the layers need."""
-        return AttentionMetadata(
-            slot_mapping=torch.from_numpy(batch.slot_mapping).to(device, non_blocking=True), batch=batch)
+        """Once per step: move/plan the metadata the layers need (after bind: the shapes are known)."""
+        return AttentionMetadata(slot_mapping=self.upload_slot_mapping(batch, device), batch=batch)
+
+    @staticmethod
+    def upload_slot_mapping(batch: ForwardBatch, device: torch.device | str) -> torch.Tensor:
+        """The step's slot mapping [N] int64 on `device` (every backend's metadata carries it)."""
+        return torch.from_numpy(batch.slot_mapping).to(device, non_blocking=True)
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

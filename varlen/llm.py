@@ -74,7 +74,6 @@ class LLM:
         dtype: str | torch.dtype = "float32",
         device: str = "cpu",
         seed: int = 0,
-        batch_invariant: bool = False,
         verbose: bool = False,
         setting_names: Mapping[str, str] | None = None,
         **allocator_options,
@@ -86,7 +85,7 @@ class LLM:
         s = self.settings = check_engine_settings(
             names=setting_names, block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            dtype=dtype, device=device, seed=seed, batch_invariant=batch_invariant)
+            dtype=dtype, device=device, seed=seed)
         self.device, self.dtype = s.device, s.dtype
         if isinstance(scheduler, str):
             if scheduler not in POLICIES:
@@ -137,8 +136,7 @@ class LLM:
         if isinstance(allocator, str):
             allocator = partial(ALLOCATORS[allocator], **allocator_options)
         kv = allocator(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len)
-        self.runner = ModelRunner(hf, self.backend, block_size, num_blocks, self.dtype, self.device,
-                                  batch_invariant=s.batch_invariant)
+        self.runner = ModelRunner(hf, self.backend, block_size, num_blocks, self.dtype, self.device)
         self.executor = ModelExecutor(self.runner, scheduler.max_num_seqs, max_model_len, Sampler(s.seed))
         self.engine = Engine(scheduler, kv, self.executor, max_model_len=max_model_len,
                              eos_token_id=eos_token_ids(hf),
