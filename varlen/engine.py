@@ -2,6 +2,8 @@
 
 Only the executor (a real forward and sampler, or a cost model) and the clock (wall or simulated)
 differ, so the simulator's scheduling decisions are the engine's by construction. No torch here.
+The simulator's shortcut through stretches of pure-decode steps is its own subclass
+(sim/fast_forward.py), so this loop is only what a real run does.
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ class SchedulerPolicy(ABC):
     def next_decode_batch(self) -> list[Request] | None:
         """The batch my next `schedule` returns if it is certain to be a pure decode of every
         running request (the promise of `repeats_decode_batches`), else None. The engine then
-        runs such steps without asking me each one (`Engine.step` with `until`)."""
+        runs such steps without asking me each one (`FastForwardEngine.step` with `until`, sim/fast_forward.py)."""
         running = self.running
         if self._repeats < 0:  # checked on first use: a real run, which never asks, says nothing
             self._repeats = int(self.repeats_decode_batches and keeps_promise(
