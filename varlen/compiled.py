@@ -44,9 +44,11 @@ MODULES = (
     "varlen/kv/base.py", "varlen/kv/paged.py", "varlen/kv/contiguous.py",
     # the simulator's event loop, its executor and the decode fast-forward
     "sim/simulator.py", "sim/executor.py", "sim/fast_forward.py",
-    # the cost models' step-time code
+    # the cost models' step-time code, and the shapes it reads (compiled, its arithmetic stays on
+    # native floats and ints: read from an uncompiled class, each value is an object, and the
+    # whole formula boxed)
     "sim/cost/base.py", "sim/cost/roofline.py", "sim/cost/fitted.py", "sim/cost/replay.py", "sim/cost/measured.py",
-    "sim/cost/communication.py",
+    "sim/cost/communication.py", "sim/cost/hardware.py",
 )
 #: The packages holding them (each calls `package_path` from its __init__), derived from MODULES.
 PACKAGES = tuple(sorted({".".join(Path(rel).parent.parts) for rel in MODULES}))
