@@ -212,3 +212,20 @@ def test_fast_forward_never_changes_anything(w):
                    w["budget"], w["seats"])
     a, b = run_both(w["reqs"], make, num_replicas=w["replicas"], router="least_outstanding")
     assert_same(a, b)
+
+
+def test_fast_forward_needs_the_simulators_engine():
+    """simulate(fast_forward=True) refuses a plain Engine (the core loop has no fast-forward)
+    rather than quietly stepping one by one; fast_forward=False runs it."""
+    from varlen.engine import Engine
+
+    def make(clock):
+        ex = CostModelExecutor(RooflineCostModel("tiny", "cpu_2core"), clock)
+        return Engine(POLICIES["chunked"](max_num_seqs=4, max_num_batched_tokens=64), PagedAllocator(64, 16, 256),
+                      ex, clock=clock, max_model_len=256), ex
+
+    reqs = shared_prefix_requests(5, rate=30.0, seed=3, max_len=100)
+    with pytest.raises(ValueError, match="needs make_engine to build a sim.fast_forward.FastForwardEngine, got Engine"):
+        simulate(fresh_copies(reqs), make)
+    res = simulate(fresh_copies(reqs), make, fast_forward=False)
+    assert all(r.finish_reason is not None and r.finish_reason.value == "length" for r in res.requests)
