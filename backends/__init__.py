@@ -4,13 +4,7 @@ on machines that do not use them."""
 
 from __future__ import annotations
 
-from backends.base import AttentionBackend, BackendUnavailable
-
-
-def first_line(exc: BaseException) -> str:
-    """'Type: message', its first line: why an optional library failed to import, for a one-line error."""
-    text = f"{type(exc).__name__}: {exc}".strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+from backends.base import AttentionBackend, BackendUnavailable, first_line
 
 
 def usable_backends(device: str, dtype: "torch.dtype", block_size: int = 16) -> list[str]:  # noqa: F821

@@ -36,8 +36,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from backends import first_line
-from backends.base import AttentionBackend, AttentionMetadata, BackendUnavailable, LayerAttention, write_kv
+from backends.base import first_line, write_kv
+from varlen.attention_api import AttentionBackend, AttentionMetadata, BackendUnavailable, LayerAttention
 from varlen.batch import ForwardBatch
 
 INSTALL_HINT = 'pip install -e ".[flash-attn]"'
@@ -98,6 +98,7 @@ class _Kernels:
     with_kvcache: Callable[..., Any] | None  # flash-attn 2 only
 
 
+
 def _load_kernels(version: str) -> _Kernels:
     """Import the kernel library; BackendUnavailable (one line) when neither is importable."""
     errors: list[str] = []
@@ -127,9 +128,10 @@ class FlashAttnBackend(AttentionBackend):
     block_size_multiple = 256  # flash-attn 2.x paged KV refuses other page sizes
     features = frozenset({"sliding_window", "softcap"})
 
-    def __init__(self, version: str = "auto", decode_with_kvcache: bool = True) -> None:
+    def __init__(self, version: str = "auto", decode_with_kvcache: bool = True, batch_invariant: bool = False) -> None:
         """`version`: "auto" (2.x if importable, else 4), "2" or "4". `decode_with_kvcache`:
         send pure-decode steps to `flash_attn_with_kvcache` (flash-attn 2 only)."""
+        super().__init__(batch_invariant)  # True is refused: no batch-invariant mode
         if version not in ("auto", "2", "4"):
             raise ValueError(f"flash_attn version must be 'auto', '2' or '4', got {version!r}")
         self.version = version
@@ -156,7 +158,7 @@ class FlashAttnBackend(AttentionBackend):
             return torch.from_numpy(host[name]).to(device, non_blocking=True)
 
         return FlashAttnMetadata(
-            slot_mapping=torch.from_numpy(batch.slot_mapping).to(device, non_blocking=True),
+            slot_mapping=self.upload_slot_mapping(batch, device),
             batch=batch,
             cu_seqlens_q=dev("cu_seqlens_q"),
             cu_seqlens_k=dev("cu_seqlens_k"),

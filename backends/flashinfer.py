@@ -11,37 +11,34 @@ every request, end to end) and `paged_kv_last_page_len` [B] (tokens in each last
 from which it derives each request's length as (pages - 1) * page_size + last_page_len.
 `flashinfer_plan_inputs` builds them with numpy on the host.
 
-Planning: `plan()` needs the head counts, head dim, dtypes and softmax scale, and the backend
-first learns those in `forward`, so the plan happens at the first layer of each step and is
-reused by the others (the wrappers remember which step they were planned for). Mixed steps use
+Planning: `plan()` needs the head counts, head dim, dtypes and softmax scale, which `bind` gives
+once (with each layer's spec), so `prepare` plans every wrapper the step needs, on the host, and
+the layers only run (`flashinfer_plans` builds the plan() arguments, tested on CPU). Mixed steps use
 `BatchPrefillWithPagedKVCacheWrapper` with `causal=True` (its default is False!), whose causal mask
 is bottom-right aligned like the project's; pure-decode steps use
 `BatchDecodeWithPagedKVCacheWrapper`. FlashInfer kernels take fp16/bf16 (fp8 KV aside), not fp32.
 
 Optional features are plan() arguments (`flashinfer_feature_args`): a sliding window of W keys is
 `window_left=W - 1` (inclusive: query i sees keys i - window_left .. i), soft-capping is
-`logits_soft_cap`. A plan fixes them, so each distinct kind of layer (e.g. windowed and full, in
-alternating models) has its own wrapper, planned once per step; they share the workspace, as
-the layers run one after another. Sinks are not declared.
+`logits_soft_cap`. A plan fixes them and the softmax scale, so each distinct kind of layer (e.g.
+windowed and full, in alternating models) has its own wrapper, planned once per step; they share
+the workspace, as the layers run one after another. Sinks are not declared.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from backends import first_line
-from backends.base import AttentionBackend, AttentionMetadata, BackendUnavailable, LayerAttention, write_kv
+from backends.base import first_line, write_kv
+from varlen.attention_api import AttentionBackend, AttentionMetadata, BackendUnavailable, LayerAttention
 from varlen.batch import ForwardBatch
 
 INSTALL_HINT = 'pip install -e ".[flashinfer]"'
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's documented default for its split-KV scratch
-
-_step_ids = itertools.count()
 
 
 def flashinfer_plan_inputs(batch: ForwardBatch) -> dict[str, np.ndarray]:
@@ -79,14 +76,37 @@ def flashinfer_feature_args(layer: LayerAttention | None) -> dict[str, Any]:
     return args
 
 
+#: What a plan fixes about a layer besides the step's shapes: its feature arguments and softmax scale.
+LayerKind = tuple[tuple[tuple[str, Any], ...], float]
+
+
+def layer_kind(layer: LayerAttention | None, scale: float) -> LayerKind:
+    return tuple(sorted(flashinfer_feature_args(layer).items())), float(scale)
+
+
+def flashinfer_plans(batch: ForwardBatch, kinds: set[LayerKind] | frozenset[LayerKind], num_q_heads: int,
+                     num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                     decode: bool) -> dict[LayerKind, tuple[tuple[Any, ...], dict[str, Any]]]:
+    """The plan() call (positional and keyword arguments) of each kind of layer for this step:
+    the decode wrapper's when `decode`, else the prefill wrapper's (causal=True: its default is
+    False). Host tensors only: plan() reads them on the host."""
+    host = {k: torch.from_numpy(a) for k, a in flashinfer_plan_inputs(batch).items()}
+    pages = (host["paged_kv_indptr"], host["paged_kv_indices"], host["paged_kv_last_page_len"])
+    shape = (num_q_heads, num_kv_heads, head_dim, batch.block_size)
+    plans = {}
+    for kind in sorted(kinds):
+        features, scale = kind
+        kwargs: dict[str, Any] = dict(q_data_type=dtype, kv_data_type=dtype, sm_scale=scale, **dict(features))
+        if decode:
+            plans[kind] = ((*pages, *shape), kwargs)
+        else:
+            plans[kind] = ((host["qo_indptr"], *pages, *shape), {"causal": True, **kwargs})
+    return plans
+
+
 @dataclass
 class FlashInferMetadata(AttentionMetadata):
-    # Host (CPU) tensors: plan() reads them on the host and copies what the kernels need.
-    qo_indptr: torch.Tensor
-    paged_kv_indptr: torch.Tensor
-    paged_kv_indices: torch.Tensor
-    paged_kv_last_page_len: torch.Tensor
-    step_id: int = field(default_factory=lambda: next(_step_ids))
+    wrappers: dict[LayerKind, Any] = field(default_factory=dict)  # each kind of layer's wrapper, planned
 
 
 def _import_flashinfer() -> Any:
@@ -106,46 +126,64 @@ class FlashInferBackend(AttentionBackend):
     features = frozenset({"sliding_window", "softcap"})
 
     def __init__(self, use_decode_wrapper: bool = True, decode_tensor_cores: bool | None = None,
-                 prefill_backend: str = "auto", workspace_bytes: int = WORKSPACE_BYTES) -> None:
+                 prefill_backend: str = "auto", workspace_bytes: int = WORKSPACE_BYTES,
+                 batch_invariant: bool = False) -> None:
         """`use_decode_wrapper`: pure-decode steps use the decode wrapper (else the prefill one).
         `decode_tensor_cores`: None chooses by GQA group size (>= 4 uses the tensor-core kernels).
         `prefill_backend`: FlashInfer's prefill implementation, "auto", "fa2" or "fa3"."""
+        super().__init__(batch_invariant)  # True is refused: no batch-invariant mode
         self.use_decode_wrapper = use_decode_wrapper
         self.decode_tensor_cores = decode_tensor_cores
         self.prefill_backend = prefill_backend
         self.workspace_bytes = workspace_bytes
         self._fi: Any = None
         self._workspace: torch.Tensor | None = None
-        self._wrappers: dict[tuple[Any, ...], Any] = {}  # (decode, tensor cores, features) -> wrapper
-        self._planned: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # wrapper key -> (step_id, shapes, ...)
+        self._wrappers: dict[tuple[Any, ...], Any] = {}  # (decode, layer kind) -> wrapper
+        self._kinds: frozenset[LayerKind] = frozenset()
 
     def check(self, device: torch.device | str, dtype: torch.dtype, block_size: int) -> None:
         super().check(device, dtype, block_size)
         self.require_cuda(INSTALL_HINT)
         self._fi = _import_flashinfer()
 
-    def prepare(self, batch: ForwardBatch, device: torch.device | str) -> FlashInferMetadata:
-        host = flashinfer_plan_inputs(batch)
-        return FlashInferMetadata(
-            slot_mapping=torch.from_numpy(batch.slot_mapping).to(device, non_blocking=True),
-            batch=batch,
-            qo_indptr=torch.from_numpy(host["qo_indptr"]),
-            paged_kv_indptr=torch.from_numpy(host["paged_kv_indptr"]),
-            paged_kv_indices=torch.from_numpy(host["paged_kv_indices"]),
-            paged_kv_last_page_len=torch.from_numpy(host["paged_kv_last_page_len"]),
-        )
+    def bind(self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
+             device: torch.device | str, layers: Sequence[LayerAttention] = (), model_name: str = "model") -> None:
+        """As the base, and the kinds of layer each step plans for (no layers given: every layer
+        plain, at the default scale 1/sqrt(head_dim))."""
+        super().bind(num_q_heads, num_kv_heads, head_dim, dtype, block_size, device, layers, model_name)
+        self._kinds = frozenset(layer_kind(spec, spec.scale) for spec in self.layers) or \
+            frozenset({layer_kind(None, head_dim ** -0.5)})
 
-    def _wrapper(self, decode: bool, tensor_cores: bool, features: tuple[Any, ...], device: torch.device) -> Any:
+    @property
+    def tensor_cores(self) -> bool:
+        """Whether the decode wrapper uses the tensor-core kernels (by GQA group size unless set)."""
+        if self.decode_tensor_cores is not None:
+            return self.decode_tensor_cores
+        return self.num_q_heads // self.num_kv_heads >= 4
+
+    def prepare(self, batch: ForwardBatch, device: torch.device | str) -> FlashInferMetadata:
+        if not self._kinds:
+            raise RuntimeError("backend 'flashinfer': bind(...) the model's shapes before prepare (the model runner does)")
+        decode = self.use_decode_wrapper and batch.is_pure_decode
+        plans = flashinfer_plans(batch, self._kinds, self.num_q_heads, self.num_kv_heads, self.head_dim,
+                                 self.dtype, decode)
+        wrappers = {}
+        for kind, (args, kwargs) in plans.items():
+            wrappers[kind] = wrapper = self._wrapper(decode, kind, torch.device(device))
+            wrapper.plan(*args, **kwargs)
+        return FlashInferMetadata(slot_mapping=self.upload_slot_mapping(batch, device), batch=batch, wrappers=wrappers)
+
+    def _wrapper(self, decode: bool, kind: LayerKind, device: torch.device) -> Any:
         if self._fi is None:
             self._fi = _import_flashinfer()
         if self._workspace is None or self._workspace.device != device:
             # Zeroed: FlashInfer requires the float workspace to start at 0 on its first use.
             self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
-            self._wrappers, self._planned = {}, {}
-        key = (decode, tensor_cores, features)
+            self._wrappers = {}
+        key = (decode, kind)
         if key not in self._wrappers:
             self._wrappers[key] = (
-                self._fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD", use_tensor_cores=tensor_cores)
+                self._fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD", use_tensor_cores=self.tensor_cores)
                 if decode else
                 self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend=self.prefill_backend))
         return self._wrappers[key]
@@ -153,23 +191,9 @@ class FlashInferBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: FlashInferMetadata, scale: float, layer: LayerAttention | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        num_qo_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads, page_size = kv_cache.shape[3], kv_cache.shape[2]
-        decode = self.use_decode_wrapper and meta.batch.is_pure_decode
-        tensor_cores = (self.decode_tensor_cores if self.decode_tensor_cores is not None
-                        else num_qo_heads // num_kv_heads >= 4)
-        features = flashinfer_feature_args(layer)
-        wkey = (decode, tensor_cores, tuple(sorted(features.items())))
-        wrapper = self._wrapper(decode, tensor_cores, wkey[2], q.device)
-        plan = (meta.step_id, num_qo_heads, num_kv_heads, head_dim, page_size, q.dtype, kv_cache.dtype, float(scale))
-        if self._planned.get(wkey) != plan:
-            common = dict(q_data_type=q.dtype, kv_data_type=kv_cache.dtype, sm_scale=float(scale), **features)
-            if decode:
-                wrapper.plan(meta.paged_kv_indptr, meta.paged_kv_indices, meta.paged_kv_last_page_len,
-                             num_qo_heads, num_kv_heads, head_dim, page_size, **common)
-            else:
-                wrapper.plan(meta.qo_indptr, meta.paged_kv_indptr, meta.paged_kv_indices,
-                             meta.paged_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-                             causal=True, **common)
-            self._planned[wkey] = plan
+        wrapper = meta.wrappers.get(layer_kind(layer, scale))
+        if wrapper is None:
+            raise ValueError(f"backend 'flashinfer': a layer with scale {scale} and features "
+                             f"{dict(layer_kind(layer, scale)[0]) or 'none'} that bind(...) was not told of "
+                             f"(it plans for: {sorted(meta.wrappers)})")
         return wrapper.run(q.contiguous(), (kv_cache[0], kv_cache[1]))

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from backends.base import AttentionBackend, AttentionMetadata
+from varlen.attention_api import BATCH_INVARIANT, AttentionBackend, AttentionMetadata
 from varlen.batch import ForwardBatch
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
@@ -194,17 +194,18 @@ class PagedMetadata(AttentionMetadata):
 class TorchPagedBackend(AttentionBackend):
     name = "torch_paged"
     devices = ("cpu",)
+    # The kernel computes each request on its own; the fallback has torch_sdpa's invariant mode.
+    features = frozenset({BATCH_INVARIANT})
 
     def __init__(self, batch_invariant: bool = False):
-        self.batch_invariant = batch_invariant
+        super().__init__(batch_invariant)
         self._sdpa: Any = None
 
     def _fallback(self) -> Any:
         from backends.torch_sdpa import TorchSdpaBackend
 
         if self._sdpa is None:
-            self._sdpa = TorchSdpaBackend()
-        self._sdpa.batch_invariant = self.batch_invariant
+            self._sdpa = TorchSdpaBackend(batch_invariant=self.batch_invariant)
         return self._sdpa
 
     def _kernel_for(self, dtype: torch.dtype) -> Any:
@@ -225,7 +226,7 @@ class TorchPagedBackend(AttentionBackend):
         return load_kernel() is not None
 
     def prepare(self, batch: ForwardBatch, device: torch.device | str) -> PagedMetadata:
-        slots = torch.from_numpy(batch.slot_mapping).to(device)
+        slots = self.upload_slot_mapping(batch, device)
         lib = load_kernel()
         if lib is None:
             return PagedMetadata(slot_mapping=slots, batch=batch, fallback=self._fallback().prepare(batch, device))

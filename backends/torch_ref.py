@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from backends.base import FEATURES, AttentionBackend, AttentionMetadata, LayerAttention, write_kv
+from backends.base import write_kv
+from varlen.attention_api import BATCH_INVARIANT, FEATURES, AttentionBackend, AttentionMetadata, LayerAttention
 
 
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
-    features = frozenset(FEATURES)
-    batch_invariant = True  # one request at a time: nothing else in the batch touches its numbers
+    # One request at a time: nothing else in the batch touches its numbers, whatever the option
+    # (batch_invariant=True makes the model runner tile the model's GEMMs too).
+    features = frozenset({*FEATURES, BATCH_INVARIANT})
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, layer: LayerAttention | None = None) -> torch.Tensor:

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from backends.base import AttentionBackend, AttentionMetadata, LayerAttention, write_kv
+from backends.base import write_kv
+from varlen.attention_api import BATCH_INVARIANT, AttentionBackend, AttentionMetadata, LayerAttention
 from varlen.batch import ForwardBatch
 
 
@@ -61,17 +62,14 @@ def _length_groups(rows: np.ndarray, seq_lens: np.ndarray, max_waste: float = 1.
 
 class TorchSdpaBackend(AttentionBackend):
     name = "torch_sdpa"
-    features = frozenset({"sliding_window"})
-
-    def __init__(self, batch_invariant: bool = False):
-        self.batch_invariant = batch_invariant
+    features = frozenset({"sliding_window", BATCH_INVARIANT})
 
     def prepare(self, batch: ForwardBatch, device: torch.device | str) -> SdpaMetadata:
         q_lens, seq_lens = batch.query_lens, batch.seq_lens.astype(np.int64)
         qsl = batch.query_start_loc
         is_decode = (q_lens == 1) & (not self.batch_invariant)
         windows = {spec.sliding_window for spec in self.layers} or {None}
-        meta = SdpaMetadata(slot_mapping=torch.from_numpy(batch.slot_mapping).to(device), batch=batch,
+        meta = SdpaMetadata(slot_mapping=self.upload_slot_mapping(batch, device), batch=batch,
                             decodes=[], prefills=[])
         bs, tables = batch.block_size, batch.block_tables
 

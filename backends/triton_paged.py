@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from backends import first_line
-from backends.base import AttentionBackend, AttentionMetadata, BackendUnavailable, write_kv
+from backends.base import first_line, write_kv
+from varlen.attention_api import AttentionBackend, AttentionMetadata, BackendUnavailable
 from varlen.batch import ForwardBatch
 
 INSTALL_HINT = 'pip install -e ".[triton]"'
@@ -99,6 +99,7 @@ class TritonMetadata(AttentionMetadata):
     plans: dict[tuple[Any, ...], LaunchPlan] = field(default_factory=dict)  # per head layout, for the step
 
 
+
 @dataclass(frozen=True)
 class Kernels:
     attention: Any  # paged_attention_kernel
@@ -138,9 +139,11 @@ def _in_mode(kernel: Any, interpreted: bool) -> Any:
 class TritonPagedBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, num_splits: int | None = None, kv_split_size: int = 256, max_splits: int = 32) -> None:
+    def __init__(self, num_splits: int | None = None, kv_split_size: int = 256, max_splits: int = 32,
+                 batch_invariant: bool = False) -> None:
         """`num_splits`: force the KV split count (None: split when the grid would not fill the GPU).
         `kv_split_size`, `max_splits`: the automatic split's smallest range and largest count."""
+        super().__init__(batch_invariant)  # True is refused: no batch-invariant mode
         self.num_splits = num_splits
         self.kv_split_size = kv_split_size
         self.max_splits = max_splits
@@ -175,7 +178,7 @@ class TritonPagedBackend(AttentionBackend):
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device, non_blocking=True)
 
         return TritonMetadata(
-            slot_mapping=torch.from_numpy(batch.slot_mapping).to(device, non_blocking=True), batch=batch,
+            slot_mapping=self.upload_slot_mapping(batch, device), batch=batch,
             query_start_loc=dev(batch.query_start_loc), seq_lens=dev(batch.seq_lens),
             block_tables=dev(batch.block_tables))
 

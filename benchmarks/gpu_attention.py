@@ -14,7 +14,7 @@ time per layer, the achieved bandwidth and the fraction of the roofline, against
 bandwidth of a device-to-device copy measured here and the datasheet's 4.8 TB/s (H200). Enough
 layers (separate caches) are cycled that the data read per step is several times the 60 MB L2,
 so the numbers are HBM numbers. `step_overhead_us` is the host cost a step adds once, before
-its layers: `prepare` plus the first layer's plan (FlashInfer plans there).
+its layers: `prepare` (FlashInfer plans there) plus the first layer.
 
 Prefill: whole prompts and a chunk after a cached prefix; tokens/s and TFLOP/s per layer, where
 causal attention costs 4 * Hq * D * sum(new * cached + new * (new + 1) / 2) FLOPs.
@@ -116,6 +116,7 @@ def make_step(lengths: list[tuple[int, int]], block_size: int, seed: int = 0) ->
 def time_layers(backend: AttentionBackend, batch: ForwardBatch, pool: int, dtype: torch.dtype, layers: int,
                 iters: int) -> dict[str, float]:
     dev = DEVICE
+    backend.bind(HQ, HKV, D, dtype, batch.block_size, dev)  # as the model runner does, once
     caches = backend.allocate_kv_cache(layers, pool, batch.block_size, HKV, D, dtype, dev)
     for c in caches:
         c.normal_()
@@ -132,7 +133,7 @@ def time_layers(backend: AttentionBackend, batch: ForwardBatch, pool: int, dtype
 
     step()  # JIT compilation and planning caches happen here, outside the timings
     torch.cuda.synchronize()
-    # Host overhead once per step: prepare + the first layer (which plans), synchronised.
+    # Host overhead once per step: prepare (which plans) + the first layer, synchronised.
     overhead = []
     for _ in range(3):
         torch.cuda.synchronize()
@@ -142,7 +143,7 @@ def time_layers(backend: AttentionBackend, batch: ForwardBatch, pool: int, dtype
         torch.cuda.synchronize()
         overhead.append(time.perf_counter() - t0)
     meta = backend.prepare(batch, dev)
-    backend.forward(q, k, v, caches[0], meta, scale)  # planned: the loop below times the layers alone
+    backend.forward(q, k, v, caches[0], meta, scale)  # warm: the loop below times the layers alone
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
@@ -151,7 +152,7 @@ def time_layers(backend: AttentionBackend, batch: ForwardBatch, pool: int, dtype
     end.record()
     torch.cuda.synchronize()
     layer_s = start.elapsed_time(end) / 1e3 / (iters * layers)
-    # A whole step, as an engine runs it: prepare, plan at the first layer, all layers.
+    # A whole step, as an engine runs it: prepare (plans), all layers.
     t0 = time.perf_counter()
     for _ in range(max(1, iters // 4)):
         step()

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout thi
 from schedulers import ChunkedPolicy, ContinuousPolicy
 from sim.cost_models import RooflineCostModel
 from sim.executor import CostModelExecutor
+from sim.fast_forward import FastForwardEngine
 from sim.simulator import simulate
-from varlen.engine import Engine
 from varlen.kv import PagedAllocator
 from varlen.sampling_params import SamplingParams
 from varlen.traces import load_trace
@@ -54,7 +54,7 @@ POLICIES = {"chunked, V1 chunk admission": (V1ChunkAdmission, 512), "chunked (va
 def run(policy_cls, budget: int, num_blocks: int, reqs, cost) -> tuple[dict, list[int]]:
     def make(clock):
         ex = CostModelExecutor(cost, clock)
-        return Engine(policy_cls(max_num_seqs=256, max_num_batched_tokens=budget),
+        return FastForwardEngine(policy_cls(max_num_seqs=256, max_num_batched_tokens=budget),
                       PagedAllocator(num_blocks, 16, MAX_LEN, enable_prefix_caching=False), ex, clock,
                       max_model_len=MAX_LEN), ex
 

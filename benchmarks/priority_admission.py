@@ -28,9 +28,9 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # the re
 from schedulers import ChunkedPolicy, PriorityPolicy
 from sim.cost_models import RooflineCostModel
 from sim.executor import CostModelExecutor
+from sim.fast_forward import FastForwardEngine
 from sim.simulator import simulate
 from varlen.compiled import status
-from varlen.engine import Engine
 from varlen.kv import PagedAllocator
 from varlen.sampling_params import SamplingParams
 from varlen.traces import load_trace
@@ -51,7 +51,7 @@ def run(policy_cls, tr, priorities, cost):
 
     def make(clock):
         ex = CostModelExecutor(cost, clock)
-        return Engine(policy_cls(max_num_seqs=256, max_num_batched_tokens=512),
+        return FastForwardEngine(policy_cls(max_num_seqs=256, max_num_batched_tokens=512),
                       PagedAllocator(27000, 16, MAX_LEN, enable_prefix_caching=False), ex, clock,
                       max_model_len=MAX_LEN), ex
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from roofline import Shape, host_peaks, minimum_time, print_decode_table  # noqa: E402
-from varlen import LLM, SamplingParams  # noqa: E402
+from varlen import LLM, SamplingParams, registry  # noqa: E402
 from varlen.model_runner import load_model  # noqa: E402
 from varlen.tiny_model import ensure_tiny_model, write_tiny_model  # noqa: E402
 
@@ -87,7 +87,8 @@ def workload(n: int, max_prompt: int, max_output: int, vocab: int, seed: int = 0
 
 
 def run_varlen(path, prompts, outputs, scheduler, backend, block_size=16, max_batched=512, batch_invariant=False):
-    llm = LLM(str(path), backend=backend, scheduler=scheduler, block_size=block_size, batch_invariant=batch_invariant,
+    llm = LLM(str(path), backend=registry.build("backend", backend, batch_invariant=batch_invariant),
+              scheduler=scheduler, block_size=block_size,
               max_num_seqs=len(prompts), max_model_len=2048,
               max_num_batched_tokens=max_batched if scheduler == "chunked" else 2048 * 4,
               kv_cache_memory="1GiB")

@@ -59,9 +59,9 @@ def real(window: int, n_req: int, max_tokens: int, block_size: int = 16) -> list
 def sim(n_req: int = 32, prompt: int = 1024, output: int = 16384, window: int = 4096, block_size: int = 16) -> list[dict]:
     from sim.cost_models import HardwareSpec, RooflineCostModel
     from sim.executor import CostModelExecutor
+    from sim.fast_forward import FastForwardEngine
     from sim.simulator import simulate
     from schedulers import ChunkedPolicy
-    from varlen.engine import Engine
     from varlen.kv import PagedAllocator
     from varlen.kv.windowed import WindowedPagedAllocator
     from varlen.request import Request
@@ -80,7 +80,7 @@ def sim(n_req: int = 32, prompt: int = 1024, output: int = 16384, window: int = 
             kv = alloc(num_blocks=n_req * -(-max_len // block_size), block_size=block_size, max_model_len=max_len)
             pol = ChunkedPolicy(max_num_seqs=n_req, max_num_batched_tokens=2048)
             ex = CostModelExecutor(cost, clock)
-            return Engine(pol, kv, ex, clock=clock, max_model_len=max_len), ex
+            return FastForwardEngine(pol, kv, ex, clock=clock, max_model_len=max_len), ex
 
         reqs = [Request(str(i), [i % 500 + 1] * prompt, SamplingParams(max_tokens=output, ignore_eos=True))
                 for i in range(n_req)]

@@ -4,7 +4,7 @@ a prompt longer than what is left of the budget is split across steps."""
 
 from mypy_extensions import mypyc_attr
 
-from schedulers.base import SchedulerPolicy
+from varlen.scheduler_api import SchedulerPolicy
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

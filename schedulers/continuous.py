@@ -3,7 +3,7 @@ are admitted beside them while seats, the token budget and KV memory allow."""
 
 from mypy_extensions import mypyc_attr
 
-from schedulers.base import SchedulerPolicy
+from varlen.scheduler_api import SchedulerPolicy
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

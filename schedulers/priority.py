@@ -14,9 +14,9 @@ from typing import Iterator
 
 from mypy_extensions import mypyc_attr
 
-from schedulers.base import SchedulerOutput, SchedulerPolicy
 from varlen.kv.base import KVAllocator
 from varlen.request import Request
+from varlen.scheduler_api import SchedulerOutput, SchedulerPolicy
 
 
 def _rank(r: Request) -> tuple[int, float]:

@@ -6,9 +6,9 @@ partial prefills alike, in admission order; see chunked.py)."""
 
 from mypy_extensions import mypyc_attr
 
-from schedulers.base import SchedulerOutput, SchedulerPolicy
 from varlen.kv.base import KVAllocator
 from varlen.request import Request
+from varlen.scheduler_api import SchedulerOutput, SchedulerPolicy
 
 
 def _prefilling(r: Request) -> bool:

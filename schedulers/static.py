@@ -3,8 +3,8 @@ finished; until then only its members run. The baseline continuous batching was 
 
 from mypy_extensions import mypyc_attr
 
-from schedulers.base import SchedulerOutput, SchedulerPolicy
 from varlen.kv.base import KVAllocator
+from varlen.scheduler_api import SchedulerOutput, SchedulerPolicy
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

@@ -7,8 +7,8 @@ the stall Sarathi-Serve's chunked prefill removes."""
 
 from mypy_extensions import mypyc_attr
 
-from schedulers.base import SchedulerOutput, SchedulerPolicy
 from varlen.kv.base import KVAllocator
+from varlen.scheduler_api import SchedulerOutput, SchedulerPolicy
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

@@ -1,6 +1,7 @@
 """The simulator's executor: a cost model instead of a forward pass, a simulated clock instead of
-the wall. Plugged into the unmodified `varlen.engine.Engine`, so every scheduling decision in a
-simulation is the engine's own."""
+the wall. Plugged into the engine loop (`varlen.engine.Engine`, or `sim.fast_forward.FastForwardEngine`,
+which times stretches of pure-decode steps through `decode_run`), so every scheduling decision in
+a simulation is the engine's own."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Callable, Sequence
 from mypy_extensions import mypyc_attr
 
 from sim.cost.base import FORMULA, CostModel, StepSums
+from sim.fast_forward import FastForwardExecutor
 from varlen.clock import SimClock
-from varlen.engine import Executor
 from varlen.kv.base import KVAllocator
 from varlen.promises import keeps_promise
 from varlen.request import Request
@@ -21,7 +22,7 @@ SIM_TOKEN = 0
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
-class CostModelExecutor(Executor):
+class CostModelExecutor(FastForwardExecutor):
     """Advances the clock by the cost model's time for the batch and samples SIM_TOKEN wherever
     the real executor would sample (a request whose step reaches the end of its known tokens)."""
 

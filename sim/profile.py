@@ -153,6 +153,7 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
     backend = registry.build("backend", backend_name)
     tdtype = getattr(torch, dtype)
+    backend.bind(hq, hkv, d, tdtype, block_size, device)  # as the model runner does, before any step
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     cases = [("decode", b, 1, c) for b, c in DECODE_GRID] + [("prefill", b, n, c) for b, n, c in PREFILL_GRID]
     rows = []

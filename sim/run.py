@@ -169,9 +169,9 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
                      announce: bool) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     from sim.cost.hardware import HardwareSpec
     from sim.executor import CostModelExecutor
+    from sim.fast_forward import FastForwardEngine
     from sim.simulator import simulate
     from varlen import registry
-    from varlen.engine import Engine
     from varlen.metrics import request_latencies, summarize
     from varlen.steplog import StepLog
 
@@ -232,7 +232,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
         policy = registry.build("scheduler", OmegaConf.to_container(cfg.scheduler, resolve=False),
                                 context={"engine": {**e, "max_model_len": longest, "num_blocks": num_blocks}})
         executor = CostModelExecutor(build_cost_model(c["cost"], model_config, hardware, c.get("parallel")), clock)
-        engine = Engine(policy, kv, executor, clock=clock, max_model_len=longest)
+        engine = FastForwardEngine(policy, kv, executor, clock=clock, max_model_len=longest)
         return engine, executor
 
     cluster_row: dict[str, Any] = {}

@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Sequence
 
 from sim.executor import CostModelExecutor
 from sim.routers import Router, make_router
+from sim.fast_forward import FastForwardEngine
 from varlen.clock import SimClock
 from varlen.engine import Engine
 from varlen.interrupt import poll
@@ -93,8 +94,9 @@ def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tupl
     (sim/routers.py).
 
     fast_forward: tell each step when the next arrival comes, so that an engine runs a stretch
-    of repeating pure-decode steps in one go (Engine.step's `until`). The result is the same,
-    request for request and step for step (tests/test_sim_fastforward.py); False steps one by one.
+    of repeating pure-decode steps in one go (sim/fast_forward.py); make_engine must then build a
+    FastForwardEngine. The result is the same, request for request and step for step
+    (tests/test_sim_fastforward.py); False steps one by one, on any Engine.
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
@@ -105,6 +107,10 @@ def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tupl
         engine, executor = make_engine(clock)
         if engine.clock is not clock or executor.clock is not clock:
             raise ValueError("make_engine must put the engine and its executor on the clock it is given")
+        if fast_forward and not isinstance(engine, FastForwardEngine):
+            raise ValueError(f"simulate(fast_forward=True) needs make_engine to build a sim.fast_forward.FastForwardEngine, "
+                             f"got {type(engine).__name__}: build one (it takes Engine's arguments), or pass "
+                             f"fast_forward=False")
         replicas.append(Replica(i, engine, clock, executor))
     pending = sorted(requests, key=lambda r: r.arrival)
     routed: dict[str, int] = {}
@@ -148,7 +154,11 @@ def _event_loop(pending: list[Request], replicas: list[Replica], route: Router, 
         before = len(eng.steps)
         # Replicas interact only through the router, at arrivals: a replica may run ahead of the
         # others until the next arrival, never past it.
-        eng.step(t, (pending[i].arrival if i < n else inf) if fast_forward else None)
+        if fast_forward:
+            assert isinstance(eng, FastForwardEngine)  # simulate checked it
+            eng.step(t, pending[i].arrival if i < n else inf)
+        else:
+            eng.step(t)
         if len(eng.steps) == before and rep.clock.now() == t and eng.policy.running:
             # Engine.run would spin here too; a simulation must not hang silently.
             raise RuntimeError(f"replica {k}: the policy scheduled nothing at t={t} with requests running")

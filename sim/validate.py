@@ -6,8 +6,8 @@ from typing import Any, Callable, Sequence
 
 from sim.cost_models import CostModel
 from sim.executor import CostModelExecutor
+from sim.fast_forward import FastForwardEngine
 from sim.simulator import SimResult, simulate
-from varlen.engine import Engine
 from varlen.request import Request
 
 Batch = tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]
@@ -41,6 +41,6 @@ def simulate_like(requests: Sequence[Request], make_policy: Callable[[], Any], m
 
     def make_engine(clock):
         executor = CostModelExecutor(cost() if callable(cost) else cost, clock)
-        return Engine(make_policy(), make_kv(), executor, clock=clock, max_model_len=max_model_len), executor
+        return FastForwardEngine(make_policy(), make_kv(), executor, clock=clock, max_model_len=max_model_len), executor
 
     return simulate(requests, make_engine)

@@ -88,8 +88,7 @@ def test_torch_sdpa_windows_match_torch_ref(p, window, batch_invariant):
     ref = TorchRefBackend()
     want = ref.forward(p["q"], p["k"], p["v"], p["cache"].clone(), ref.prepare(p["batch"], "cpu"), p["scale"],
                        layer=spec)
-    sdpa = registry.build("backend", "torch_sdpa")
-    sdpa.batch_invariant = batch_invariant
+    sdpa = registry.build("backend", "torch_sdpa", batch_invariant=batch_invariant)
     hkv, d = p["k"].shape[1:]
     # Two kinds of layer, as alternating models have: the metadata carries a mask for each.
     sdpa.bind(p["q"].shape[1], hkv, d, torch.float32, p["batch"].block_size, "cpu", [spec, LayerAttention(p["scale"])])

@@ -19,7 +19,7 @@ never share code with the backends:
 
 Then the backends' own `prepare`/`forward` run on CPU against fake kernel modules built from the
 same emulators, which checks the glue (argument order, causal=True, plan once per step, the
-decode path), and the error messages for a machine without CUDA or without the package.
+decode path, FlashInfer planning in prepare), and the error messages for a machine without CUDA or without the package.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from hypothesis import given, strategies as st
 from varlen import registry
 from backends.base import BackendUnavailable, LayerAttention, write_kv
 from backends.flash_attn import FlashAttnBackend, flash_attn_feature_args, flash_attn_inputs
-from backends.flashinfer import FlashInferBackend, flashinfer_feature_args, flashinfer_plan_inputs
+from backends.flashinfer import (FlashInferBackend, flashinfer_feature_args, flashinfer_plan_inputs, flashinfer_plans,
+                                 layer_kind)
 from backends.torch_ref import TorchRefBackend
 from varlen.batch import ForwardBatch, SeqSlice, build_batch
 
@@ -471,6 +472,16 @@ def install_fake_flash_attn(mp: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
+def bound_flashinfer(mp: pytest.MonkeyPatch, p: dict, layers=()) -> FlashInferBackend:
+    """A FlashInferBackend bound to the problem's shapes, here on the CPU: its device and dtype
+    check (CUDA, fp16/bf16) is set aside, as the fake kernels run anywhere."""
+    mp.setattr(FlashInferBackend, "check", lambda self, device, dtype, block_size: None)
+    backend = FlashInferBackend(workspace_bytes=64)
+    backend.bind(p["q"].shape[1], p["k"].shape[1], p["q"].shape[2], p["q"].dtype, p["batch"].block_size, "cpu",
+                 layers)
+    return backend
+
+
 def _run_layers(backend, p: dict, layers: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """prepare once, then forward through `layers` layers, each with its own cache (as the runner does)."""
     meta = backend.prepare(p["batch"], "cpu")
@@ -486,7 +497,7 @@ def _run_layers(backend, p: dict, layers: int = 3) -> list[tuple[torch.Tensor, t
 def test_flashinfer_backend_glue(p):
     with pytest.MonkeyPatch.context() as mp:
         install_fake_flashinfer(mp)
-        backend = FlashInferBackend(workspace_bytes=64)
+        backend = bound_flashinfer(mp, p)
         ref = TorchRefBackend()
         for layer, (out, cache) in enumerate(_run_layers(backend, p)):
             ref_cache = p["cache"].clone()
@@ -553,7 +564,7 @@ def test_gpu_backends_glue_with_features(p, window, softcap):
     with pytest.MonkeyPatch.context() as mp:
         install_fake_flashinfer(mp)
         install_fake_flash_attn(mp)
-        for backend in (FlashInferBackend(workspace_bytes=64), FlashAttnBackend(version="2"),
+        for backend in (bound_flashinfer(mp, p, [spec]), FlashAttnBackend(version="2"),
                         FlashAttnBackend(version="4")):
             cache = p["cache"].clone()
             out = backend.forward(p["q"], p["k"], p["v"], cache, backend.prepare(p["batch"], "cpu"), p["scale"],
@@ -576,8 +587,9 @@ def test_flashinfer_plans_once_per_kind_of_layer(p):
     kinds = [LayerAttention(p["scale"], sliding_window=3), LayerAttention(p["scale"])]
     with pytest.MonkeyPatch.context() as mp:
         install_fake_flashinfer(mp)
-        backend, ref = FlashInferBackend(workspace_bytes=64), TorchRefBackend()
+        backend, ref = bound_flashinfer(mp, p, kinds * 2), TorchRefBackend()
         meta, ref_meta = backend.prepare(p["batch"], "cpu"), ref.prepare(p["batch"], "cpu")
+        assert FakeDecodeWrapper.plans + FakePrefillWrapper.plans == 2, "prepare plans each kind of layer"
         for layer in range(4):
             spec = kinds[layer % 2]
             args = (p["q"] * (layer + 1), p["k"], p["v"])
@@ -585,6 +597,42 @@ def test_flashinfer_plans_once_per_kind_of_layer(p):
             want = ref.forward(*args, p["cache"].clone(), ref_meta, p["scale"], layer=spec)
             torch.testing.assert_close(out, want, atol=ATOL, rtol=0)
         assert FakeDecodeWrapper.plans + FakePrefillWrapper.plans == 2
+
+
+@given(batch_pool=mixed_batches(), decode=st.booleans())
+def test_flashinfer_plan_arguments(batch_pool, decode):
+    """What prepare hands each wrapper's plan(), built on the host without FlashInfer: the page
+    table, the shapes bind gave, the layer kind's scale and features, causal=True for prefill."""
+    batch, _ = batch_pool
+    kinds = {layer_kind(None, 0.25), layer_kind(LayerAttention(0.5, sliding_window=4, softcap=30.0), 0.5)}
+    plans = flashinfer_plans(batch, kinds, 8, 2, 16, torch.bfloat16, decode)
+    assert set(plans) == kinds
+    fi = flashinfer_plan_inputs(batch)
+    pages = [fi["paged_kv_indptr"], fi["paged_kv_indices"], fi["paged_kv_last_page_len"]]
+    for (features, scale), (args, kwargs) in plans.items():
+        host = ([] if decode else [fi["qo_indptr"]]) + pages
+        assert all(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args[:len(host)])
+        assert [a.numpy().tolist() for a in args[:len(host)]] == [a.tolist() for a in host]
+        assert args[len(host):] == (8, 2, 16, batch.block_size)
+        want = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=scale, **dict(features))
+        assert kwargs == (want if decode else {"causal": True, **want})
+    assert plans[layer_kind(LayerAttention(0.5, sliding_window=4, softcap=30.0), 0.5)][1]["window_left"] == 3
+
+
+@given(p=problems())
+def test_flashinfer_plans_in_prepare_for_the_layers_bind_named(p):
+    with pytest.MonkeyPatch.context() as mp:
+        install_fake_flashinfer(mp)
+        with pytest.raises(RuntimeError, match="bind"):
+            FlashInferBackend().prepare(p["batch"], "cpu")
+        backend = bound_flashinfer(mp, p, [LayerAttention(p["scale"])] * 3)
+        meta = backend.prepare(p["batch"], "cpu")
+        assert FakeDecodeWrapper.plans + FakePrefillWrapper.plans == 1  # before any layer runs
+        with pytest.raises(ValueError, match="bind.* was not told of"):  # never planned at a layer
+            backend.forward(p["q"], p["k"], p["v"], p["cache"].clone(), meta, p["scale"],
+                            layer=LayerAttention(p["scale"], softcap=5.0))
+        backend.forward(p["q"], p["k"], p["v"], p["cache"].clone(), meta, p["scale"])
+        assert FakeDecodeWrapper.plans + FakePrefillWrapper.plans == 1
 
 
 # ----------------------------------------------------------- settings and availability errors

@@ -26,11 +26,11 @@ DATA = REPO / "tests" / "data"
 SCRIPT = r"""
 import json, sys
 from hydra import compose, initialize_config_dir
-import varlen.compiled, varlen.engine, schedulers.base, sim.simulator
+import varlen.compiled, varlen.engine, varlen.scheduler_api, sim.simulator
 from sim.run import CONF, simulate_config
 
 out = {"status": varlen.compiled.status(),
-       "files": [m.__file__ for m in (varlen.engine, schedulers.base, sim.simulator)], "runs": []}
+       "files": [m.__file__ for m in (varlen.engine, varlen.scheduler_api, sim.simulator)], "runs": []}
 for overrides in json.loads(sys.argv[1]):
     with initialize_config_dir(CONF, version_base="1.3"):
         cfg = compose("sim", overrides=overrides)
@@ -72,9 +72,9 @@ def test_user_classes_subclass_every_shipped_plug_in():
     from varlen import registry
     from sim.cost_models import ProfiledCostModel, ReplayCostModel, RooflineCostModel
     from sim.executor import CostModelExecutor
+    from sim.fast_forward import FastForwardEngine
     from sim.simulator import simulate
     from varlen.clock import SimClock
-    from varlen.engine import Engine
     from varlen.kv import ContiguousAllocator, PagedAllocator
     from varlen.sampling_params import SamplingParams
     from varlen.traces import load_trace
@@ -102,7 +102,7 @@ def test_user_classes_subclass_every_shipped_plug_in():
             type(self).frees += 1
             super().free(req)
 
-    class MyEngine(Engine):
+    class MyEngine(FastForwardEngine):  # the simulator's engine, subclassed as the real one may be
         pass
 
     class MyExecutor(CostModelExecutor):
@@ -122,6 +122,53 @@ def test_user_classes_subclass_every_shipped_plug_in():
     assert all(r.finish_reason is not None and r.finish_reason.value == "length" for r in res.requests)
     assert max(seen) > 1  # the override decided among several waiting requests
     assert CountingPaged.frees >= len(reqs)
+
+
+def test_every_core_package_looks_in_the_build_first():
+    """PACKAGES comes from MODULES; each one's __init__ must put the build's folder on its path, or
+    its compiled modules would never be imported (silently pure)."""
+    assert set(compiled.PACKAGES) == {".".join(Path(m).parent.parts) for m in compiled.MODULES}
+    for rel in compiled.MODULES:
+        assert (REPO / rel).is_file(), rel
+    for pkg in compiled.PACKAGES:
+        init = (REPO.joinpath(*pkg.split(".")) / "__init__.py").read_text()
+        assert "__path__ = package_path(__name__, __path__)" in init, pkg
+
+
+# Request's constructor takes numpy scalars where ints and floats go (traces and user code hold
+# them) and refuses the rest with one line; compiled, a field would otherwise raise TypeError.
+BOUNDARY = r"""
+import json, numpy as np
+import varlen.compiled, varlen.request
+from varlen.request import Request
+r = Request("a", np.arange(3), priority=np.int64(2), arrival=np.float32(0.5), expected_output_len=np.int32(7))
+errors = []
+for kw in (dict(priority=1.5), dict(priority=np.bool_(True)), dict(arrival="soon"), dict(expected_output_len=-1)):
+    try:
+        Request("b", [1], **kw)
+    except ValueError as e:
+        errors.append(str(e))
+print(json.dumps({"status": varlen.compiled.status(), "file": varlen.request.__file__,
+                  "values": [r.priority, r.arrival, r.expected_output_len],
+                  "types": [type(x).__name__ for x in (r.priority, r.arrival, r.expected_output_len)],
+                  "errors": errors}))
+"""
+
+
+@pytest.mark.parametrize("core", ["compiled", "pure"])
+def test_numpy_numbers_are_converted_at_the_request_boundary(core):
+    if core == "compiled" and not compiled.is_compiled():
+        pytest.skip(f"no compiled core: {compiled.status()}")
+    proc = subprocess.run([sys.executable, "-c", BOUNDARY], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "VARLEN_PURE": "1" if core == "pure" else ""}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["status"].startswith(core) and out["file"].endswith(".so" if core == "compiled" else ".py"), out
+    assert out["values"] == [2, 0.5, 7] and out["types"] == ["int", "float", "int"]
+    assert out["errors"] == ["request 'b': priority=1.5: must be an integer (lower runs first)",
+                             "request 'b': priority=np.True_: must be an integer (lower runs first)",
+                             "request 'b': arrival='soon': must be a time in seconds (0 = now)",
+                             "request 'b': expected_output_len=-1: must be None or an integer >= 0"]
 
 
 def test_build_key_follows_the_sources(tmp_path, monkeypatch):

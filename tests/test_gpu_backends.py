@@ -86,7 +86,7 @@ def _compare_one_step(name: str, dtype: torch.dtype, batch: ForwardBatch, pool: 
     k = torch.randn(n, HKV, D, generator=gen, device=dev).to(dtype)
     v = torch.randn(n, HKV, D, generator=gen, device=dev).to(dtype)
     backend, ref = registry.build("backend", name), TorchRefBackend()
-    backend.check(dev, dtype, batch.block_size)
+    backend.bind(HQ, HKV, D, dtype, batch.block_size, dev)  # checks, and FlashInfer learns what to plan
     got_cache, ref_cache = cache.clone(), cache.clone()
     got = backend.forward(q, k, v, got_cache, backend.prepare(batch, dev), D ** -0.5)
     want = ref.forward(q, k, v, ref_cache, ref.prepare(batch, dev), D ** -0.5)
@@ -132,7 +132,7 @@ def test_request_lifecycles_match_torch_ref(name, dtype):
         [(3, 1), (0, 1), (1, 1), (2, 1)],  # pure decode again, with the late request
     ]
     backend, ref = registry.build("backend", name), TorchRefBackend()
-    backend.check(dev, dtype, bs)
+    backend.bind(HQ, HKV, D, dtype, bs, dev)
     cache = torch.zeros(2, pool, bs, HKV, D, dtype=dtype, device=dev)
     got_cache, ref_cache = cache.clone(), cache.clone()
     done = [0] * len(lengths)

@@ -20,9 +20,9 @@ from schedulers import ChunkedPolicy
 from schedulers.base import SchedulerPolicy
 from sim.cost_models import CostModel, ProfiledCostModel, ReplayCostModel, RooflineCostModel, StepSums
 from sim.executor import CostModelExecutor
+from sim.fast_forward import FastForwardEngine
 from sim.simulator import simulate
 from sim.validate import fresh_copies
-from varlen.engine import Engine
 from varlen.kv import ContiguousAllocator, KVAllocator, PagedAllocator
 from varlen.promises import PromiseWarning, broken_by
 
@@ -46,7 +46,7 @@ def make_factory(policy_cls, kv_factory, cost_factory=cost_roofline, executor_cl
     def make(clock):
         ex = executor_cls(cost_factory(), clock)
         pol = policy_cls(max_num_seqs=seats, max_num_batched_tokens=budget)
-        return Engine(pol, kv_factory(), ex, clock=clock, max_model_len=max_model_len), ex
+        return FastForwardEngine(pol, kv_factory(), ex, clock=clock, max_model_len=max_model_len), ex
 
     return make
 

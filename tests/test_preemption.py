@@ -11,6 +11,7 @@ from schedulers import ChunkedPolicy, ContinuousPolicy
 from varlen import registry
 from sim.cost_models import RooflineCostModel
 from sim.executor import CostModelExecutor
+from sim.fast_forward import FastForwardEngine
 from sim.simulator import simulate
 from sim.validate import fresh_copies
 from varlen.clock import SimClock
@@ -36,7 +37,7 @@ def simulate_pool(reqs, policy_cls, num_blocks: int, caching: bool):
 
     def make(clock):
         ex = CostModelExecutor(RooflineCostModel("tiny", "cpu_2core"), clock)
-        return Engine(policy_cls(max_num_seqs=32, max_num_batched_tokens=budget),
+        return FastForwardEngine(policy_cls(max_num_seqs=32, max_num_batched_tokens=budget),
                       PagedAllocator(num_blocks, 16, MAX_LEN, enable_prefix_caching=caching), ex, clock,
                       max_model_len=MAX_LEN), ex
 

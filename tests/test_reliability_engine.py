@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from schedulers import ChunkedPolicy
+from sim.fast_forward import FastForwardEngine, FastForwardExecutor
 from varlen import LLM, SamplingParams, registry
 from varlen.clock import SimClock, WallClock
 from varlen.engine import Engine, Executor
@@ -135,12 +136,12 @@ bad_field_values = st.one_of(
 )
 
 
-def stub_engine(policy="chunked", allocator="paged", clock=None, executor=None):
+def stub_engine(policy="chunked", allocator="paged", clock=None, executor=None, engine=Engine):
     cls = registry.target("scheduler", policy)
     pol = cls(max_num_seqs=4, max_num_batched_tokens=16 if cls.chunked_prefill else 64)
     kv = PagedAllocator(40, 4, 64) if allocator == "paged" else ContiguousAllocator(40, 4, 64)
     clock = SimClock() if clock is None else clock
-    return Engine(pol, kv, executor or StubExecutor(clock), clock=clock, max_model_len=64, eos_token_id=1,
+    return engine(pol, kv, executor or StubExecutor(clock), clock=clock, max_model_len=64, eos_token_id=1,
                   vocab_size=VOCAB)
 
 
@@ -376,7 +377,6 @@ BAD_SETTINGS = [
     (dict(max_model_len=0), "max_model_len=0: must be an integer >= 1"),
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens=0: must be an integer >= 1"),
     (dict(max_model_len=5000), "max_model_len=5000: is more than the model's max_position_embeddings .4096."),
-    (dict(batch_invariant="yes"), "batch_invariant='yes': must be true or false"),
     (dict(max_num_seq=8), "max_num_seq=8: not a setting of LLM nor an option of the paged allocator"),
     (dict(allocator="contiguous", reservaton="oracle"), "reservaton='oracle': not a setting of LLM nor an option"),
     (dict(allocator=PagedAllocator, enable_prefix_caching=False), "enable_prefix_caching: allocator options go with"),
@@ -467,11 +467,14 @@ def test_a_failing_policy_aborts_every_unfinished_request():
 
 
 def test_a_failing_decode_run_aborts_the_running_requests():
-    class NoDecodeRun(StubExecutor):
+    class NoDecodeRun(FastForwardExecutor):
+        clock = None
+        execute = StubExecutor.execute
+
         def decode_run(self, batch, max_steps, until):
             raise RuntimeError("cost model bug")
 
-    eng = stub_engine(executor=NoDecodeRun())
+    eng = stub_engine(executor=NoDecodeRun(), engine=FastForwardEngine)
     reqs = [Request(str(i), [5] * 4, SamplingParams(max_tokens=6)) for i in range(2)]
     for r in reqs:
         eng.add_request(r)

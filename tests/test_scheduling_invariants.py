@@ -18,6 +18,7 @@ from schedulers import PriorityPolicy
 from schedulers.base import SchedulerPolicy
 from sim.cost_models import RooflineCostModel
 from sim.executor import CostModelExecutor
+from sim.fast_forward import FastForwardEngine
 from sim.simulator import simulate
 from sim.validate import fresh_copies
 from test_sim_fastforward import ALLOCATORS, POLICIES, assert_same, policy_class, workloads
@@ -210,7 +211,7 @@ def test_priority_decides_as_the_sorting_reference(w, fast_forward):
             ex = CostModelExecutor(RooflineCostModel("tiny", "cpu_2core"), clock)
             kv = ALLOCATORS[w["allocator"]](num_blocks=w["num_blocks"], block_size=w["block_size"],
                                             max_model_len=w["max_model_len"])
-            return Engine(policy_cls(max_num_seqs=w["seats"], max_num_batched_tokens=w["budget"]), kv, ex,
+            return FastForwardEngine(policy_cls(max_num_seqs=w["seats"], max_num_batched_tokens=w["budget"]), kv, ex,
                           clock=clock, max_model_len=w["max_model_len"]), ex
         return build
 

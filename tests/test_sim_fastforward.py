@@ -1,4 +1,4 @@
-"""Proof that the decode fast-forward (Engine.step with `until`, simulate(fast_forward=True)) changes
+"""Proof that the decode fast-forward (FastForwardEngine.step with `until`, simulate(fast_forward=True)) changes
 nothing: for every policy and allocator, the same requests (tokens, token times, finishes), the
 same step records, the same summary and the same allocator state as stepping one by one."""
 
@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 
 from sim.cost_models import ProfiledCostModel, RooflineCostModel, StepSums
 from sim.executor import SIM_TOKEN, CostModelExecutor
+from sim.fast_forward import FastForwardEngine
 from sim.simulator import simulate
 from sim.validate import fresh_copies
 from varlen import registry
-from varlen.engine import Engine
+from varlen.kv import PagedAllocator
 from varlen.metrics import step_table, summarize
 from varlen.request import Request
 from varlen.sampling_params import SamplingParams
@@ -73,7 +74,7 @@ def factory(policy: str, allocator: str, num_blocks: int, block_size: int = 16, 
         ex = CostModelExecutor(cost, clock)
         kv = ALLOCATORS[allocator](num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len)
         pol = policy_class(policy)(max_num_seqs=seats, max_num_batched_tokens=budget)
-        return Engine(pol, kv, ex, clock=clock, max_model_len=max_model_len, eos_token_id=eos), ex
+        return FastForwardEngine(pol, kv, ex, clock=clock, max_model_len=max_model_len, eos_token_id=eos), ex
 
     return make
 
@@ -227,3 +228,20 @@ def test_fast_forward_never_changes_anything(w):
                    w["budget"], w["seats"])
     a, b = run_both(w["reqs"], make, num_replicas=w["replicas"], router="least_outstanding")
     assert_same(a, b)
+
+
+def test_fast_forward_needs_the_simulators_engine():
+    """simulate(fast_forward=True) refuses a plain Engine (the core loop has no fast-forward)
+    rather than quietly stepping one by one; fast_forward=False runs it."""
+    from varlen.engine import Engine
+
+    def make(clock):
+        ex = CostModelExecutor(RooflineCostModel("tiny", "cpu_2core"), clock)
+        return Engine(POLICIES["chunked"](max_num_seqs=4, max_num_batched_tokens=64), PagedAllocator(64, 16, 256),
+                      ex, clock=clock, max_model_len=256), ex
+
+    reqs = shared_prefix_requests(5, rate=30.0, seed=3, max_len=100)
+    with pytest.raises(ValueError, match="needs make_engine to build a sim.fast_forward.FastForwardEngine, got Engine"):
+        simulate(fresh_copies(reqs), make)
+    res = simulate(fresh_copies(reqs), make, fast_forward=False)
+    assert all(r.finish_reason is not None and r.finish_reason.value == "length" for r in res.requests)

@@ -18,8 +18,8 @@ from hypothesis import given
 from sim.cost_models import RooflineCostModel
 from sim.executor import CostModelExecutor
 from test_sim_fastforward import POLICIES, assert_same, factory, policy_class, run_both, shared_prefix_requests, workloads
+from sim.fast_forward import FastForwardEngine
 from varlen import LLM, SamplingParams
-from varlen.engine import Engine
 from varlen.kv import PagedAllocator
 from varlen.kv.windowed import WindowedPagedAllocator
 from varlen.tiny_model import WINDOW, write_tiny_model
@@ -88,7 +88,7 @@ def window_factory(policy: str, num_blocks: int, block_size: int = 16, max_model
     def make(clock):
         ex = CostModelExecutor(RooflineCostModel("tiny", "cpu_2core"), clock)
         kv = WindowedPagedAllocator(num_blocks, block_size, max_model_len, caching, sliding_window=window)
-        return Engine(policy_class(policy)(max_num_seqs=seats, max_num_batched_tokens=budget), kv, ex, clock=clock,
+        return FastForwardEngine(policy_class(policy)(max_num_seqs=seats, max_num_batched_tokens=budget), kv, ex, clock=clock,
                       max_model_len=max_model_len), ex
 
     return make

@@ -14,8 +14,8 @@ editing any core module makes the build unused (never stale) until it is rebuilt
 VARLEN_PURE=1 forces the pure-Python core; VARLEN_CACHE_DIR moves the cache (default
 $XDG_CACHE_HOME/varlen or ~/.cache/varlen).
 
-Each package of the core (varlen, varlen.kv, schedulers, sim, sim.cost) calls `package_path` from its
-__init__ so that its modules are looked up in the build folder first. Either every core module
+Each package of the core (PACKAGES, from MODULES) calls `package_path` from its __init__ so that
+its modules are looked up in the build folder first. Either every core module
 is compiled or none is: compiled modules call each other's classes natively, and would reject
 pure-Python instances of them.
 """
@@ -30,18 +30,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]  # the folder holding the varlen, schedulers and sim packages
 
-#: The compiled modules: everything a simulation step runs. Classes meant to be subclassed
-#: (policies, allocators, executors) allow interpreted subclasses, so user code plugs in as before.
+#: The compiled modules: the hot ones, which a simulation step runs (everything else, such as
+#: configuration, trace loading and reports, stays Python). Classes meant to be subclassed
+#: (policies, allocators, executors, cost models) allow interpreted subclasses, so user code plugs
+#: in as before.
 MODULES = (
+    # the engine loop and the types it touches every step
     "varlen/request.py", "varlen/sampling_params.py", "varlen/clock.py", "varlen/steplog.py", "varlen/engine.py",
-    "varlen/kv/base.py", "varlen/kv/paged.py", "varlen/kv/contiguous.py",
-    "schedulers/base.py", "schedulers/chunked.py", "schedulers/continuous.py", "schedulers/static.py",
+    # the policies
+    "varlen/scheduler_api.py", "schedulers/chunked.py", "schedulers/continuous.py", "schedulers/static.py",
     "schedulers/priority.py", "schedulers/vllm_v0.py", "schedulers/sarathi.py",
-    "sim/executor.py", "sim/simulator.py",
-    "sim/cost/base.py", "sim/cost/hardware.py", "sim/cost/roofline.py", "sim/cost/fitted.py", "sim/cost/replay.py",
-    "sim/cost/measured.py", "sim/cost/communication.py",
+    # the allocators
+    "varlen/kv/base.py", "varlen/kv/paged.py", "varlen/kv/contiguous.py",
+    # the simulator's event loop, its executor and the decode fast-forward
+    "sim/simulator.py", "sim/executor.py", "sim/fast_forward.py",
+    # the cost models' step-time code, and the shapes it reads (compiled, its arithmetic stays on
+    # native floats and ints: read from an uncompiled class, each value is an object, and the
+    # whole formula boxed)
+    "sim/cost/base.py", "sim/cost/roofline.py", "sim/cost/fitted.py", "sim/cost/replay.py", "sim/cost/measured.py",
+    "sim/cost/communication.py", "sim/cost/hardware.py",
 )
-PACKAGES = ("varlen", "varlen.kv", "schedulers", "sim", "sim.cost")
+#: The packages holding them (each calls `package_path` from its __init__), derived from MODULES.
+PACKAGES = tuple(sorted({".".join(Path(rel).parent.parts) for rel in MODULES}))
 
 
 def build_key() -> str:

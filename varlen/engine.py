@@ -2,11 +2,12 @@
 
 Only the executor (a real forward and sampler, or a cost model) and the clock (wall or simulated)
 differ, so the simulator's scheduling decisions are the engine's by construction. No torch here.
+The simulator's shortcut through stretches of pure-decode steps is its own subclass
+(sim/fast_forward.py), so this loop is only what a real run does.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
 from abc import ABC, abstractmethod
@@ -15,12 +16,11 @@ from typing import Callable, Iterable, Sequence
 
 from mypy_extensions import mypyc_attr
 
-from schedulers.base import SchedulerPolicy
 from varlen.clock import WallClock
-from varlen.kv.base import ALLOCATION_PROMISE_BEHAVIOUR, KVAllocator
-from varlen.promises import keeps_promise
+from varlen.kv.base import KVAllocator
 from varlen.request import FinishReason, Request, Status, prompt_problem
-from varlen.steplog import DecodeRun, StepLog, StepRecord
+from varlen.scheduler_api import SchedulerPolicy
+from varlen.steplog import StepLog, StepRecord
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -33,17 +33,6 @@ class Executor(ABC):
 
     def release(self, req: Request) -> None:
         """Forget per-request state: the request finished, was aborted or was preempted."""
-
-    def decode_run(self, batch: Sequence[Request], max_steps: int, until: float) -> tuple[int, list[float]] | None:
-        """Time up to `max_steps` pure-decode steps of `batch` (one token per request per step,
-        each step's caches one token longer), starting on the clock's now, keeping only steps that
-        start before `until`: (the token every request samples each step, each step's end time).
-
-        The clock is not moved (the engine does, once it knows how many steps it keeps). None:
-        this executor steps one at a time (a real forward), the default. A subclass that overrides
-        `execute` does not inherit its parent's decode_run (varlen/promises.py).
-        """
-        return None
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -74,12 +63,10 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.steps = StepLog()  # reads as a list of StepRecords
         self.num_preemptions = 0
-        self.num_fast_forwarded_steps = 0  # steps run by _decode_run rather than one by one
         # Wall seconds spent in each phase of step() (profiling, whatever the clock is).
         self.timings: dict[str, float] = defaultdict(float)
-        # The step under way, for _fail: its batch once decided, and whether it is in a decode run.
+        # The step under way, for step()'s failure handling: its batch once decided.
         self._scheduled: list[tuple[Request, int]] | None = None
-        self._decoding = False
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, req: Request, now: float | None = None) -> None:
@@ -142,7 +129,7 @@ class Engine:
         return self.policy.has_work()
 
     # -- one step --------------------------------------------------------------------------
-    def step(self, start: float | None = None, until: float | None = None) -> list[Request]:
+    def step(self, start: float | None = None) -> list[Request]:
         """Run one step; return the requests that finished in it.
 
         If anything in it raises (the executor, the policy, an interrupt), the step's requests
@@ -154,25 +141,16 @@ class Engine:
         `start`: the time arrivals were last polled (Engine.run passes it), so a step's recorded
         start is exactly the instant that decided which requests it could see. A simulator
         replaying recorded start times then sees the same arrivals.
-
-        `until`: the next time anything outside the engine happens (the next arrival; inf for
-        none), which the simulator knows and a real run does not. Given it, when the policy
-        promises that its next steps are pure decodes of every running request
-        (`SchedulerPolicy.next_decode_batch`), they follow at once, finishes leaving the batch,
-        up to an allocation failure or a step starting at `until` (`_decode_run`), when the
-        executor can time them.
         """
         if start is None:
             start = self.clock.now()
         # _scheduled is None on entry (the finally resets it); assigning it here would let mypy
         # narrow it to None in `except`, and mypyc would then check that it is.
         try:
-            return self._step(start, until)
+            return self._step(start)
         except BaseException as err:
             scheduled = self._scheduled
-            if self._decoding:
-                self._fail(list(self.policy.running), err, f"step {len(self.steps)} failed")
-            elif scheduled is not None:
+            if scheduled is not None:
                 self._fail([r for r, _ in scheduled], err, f"step {len(self.steps)} failed")
             else:
                 self._fail(list(self.requests.values()), err,
@@ -180,7 +158,6 @@ class Engine:
             raise
         finally:
             self._scheduled = None
-            self._decoding = False
 
     def _fail(self, reqs: list[Request], err: BaseException, what: str) -> None:
         """End the unfinished ones of `reqs` aborted, saying `what` happened and the error."""
@@ -189,7 +166,7 @@ class Engine:
             if not r.is_finished:
                 self._finish(r, FinishReason.ABORTED, message, failed=True)
 
-    def _step(self, start: float, until: float | None) -> list[Request]:
+    def _step(self, start: float) -> list[Request]:
         t0 = time.perf_counter()
         out = self.policy.schedule(self.kv)
         for r in out.preempted:
@@ -233,156 +210,7 @@ class Engine:
         timings["schedule"] += t1 - t0
         timings["execute"] += t2 - t1
         timings["update"] += time.perf_counter() - t2
-        if until is not None and not out.preempted:
-            batch = self.policy.next_decode_batch()
-            if batch and self._promises_kept():
-                t3 = time.perf_counter()
-                self._decoding = True  # a failure aborts every running request
-                finished += self._decode_run(batch, until)
-                timings["decode_run"] += time.perf_counter() - t3
         return finished
-
-    # -- decode fast-forward ---------------------------------------------------------------
-    _decode_promises = -1  # whether the allocator's and executor's promises are their own (-1: not checked yet)
-
-    def _promises_kept(self) -> bool:
-        """The allocator's and the executor's decode promises are made by their own classes
-        (varlen/promises.py; the policy checks its own in next_decode_batch). Checked once."""
-        if self._decode_promises < 0:
-            kv, ex = self.kv, self.executor
-            kept = [keeps_promise(kv, ("next_allocation_event", "grow_decodes"), ALLOCATION_PROMISE_BEHAVIOUR,
-                                  KVAllocator),
-                    keeps_promise(ex, "decode_run", ("execute",), Executor)]
-            self._decode_promises = int(all(kept))
-        return self._decode_promises > 0
-
-    def _decode_run(self, batch: list[Request] | None, until: float) -> list[Request]:
-        """Run the pure-decode steps the policy promises (`next_decode_batch`) in one go, exactly
-        as step() would one at a time, until a step would start at `until` (the next arrival)
-        or an allocation fails; a request that finishes leaves and the rest go on."""
-        finished: list[Request] = []
-        while batch:
-            done, go_on = self._decode_segment(batch, until)
-            finished += done
-            if not go_on:
-                break
-            batch = self.policy.next_decode_batch()
-        return finished
-
-    def _decode_segment(self, batch: list[Request], until: float) -> tuple[list[Request], bool]:
-        """Steps of `batch` up to its first finish: (the finished requests, whether a next step
-        of the remaining batch still starts before `until` with every allocation so far made).
-
-        The allocator calls the steps would make go in one bulk call when the allocator offers
-        one (`grow_decodes`); else only those it names as events (`next_allocation_event`) are
-        made, in step and batch order, each with the request as that step finds it, and the
-        others only record a count, which one call per request at the end records too. A call
-        that fails ends the segment before that step, whose allocations the policy then asks
-        again (allocate is idempotent) and preempts for.
-        """
-        max_len = self.max_model_len
-        base = [r.num_computed_tokens for r in batch]  # = each one's count at the allocator
-        n_out = [len(r.output_token_ids) for r in batch]
-        # Steps until _stop_reason ends each by length (the last included).
-        stop_at = [min(r.sampling.max_tokens - n, max_len - r.num_prompt_tokens - n) for r, n in zip(batch, n_out)]
-        run = self.executor.decode_run(batch, min(stop_at), until)
-        if run is None:
-            return [], False
-        tok, ends = run
-        k = len(ends)
-        if k > 1 and any(self._is_stop_token(r, tok) for r in batch):
-            k = 1
-        if k == 0:
-            return [], False
-        kv = self.kv
-        usage = kv.usage()
-        reserved, live_before = usage.reserved_slots, usage.live_tokens
-        changed: dict[int, int] = {}  # run step -> reserved slots after its allocations
-        failed = False
-        bulk = kv.grow_decodes(batch, base, k)
-        asked = base[:]  # each one's last count asked of the allocator
-        if bulk is not None:
-            ok, changed = bulk
-            if ok < k:
-                k, failed = ok, True
-        else:
-            k, failed = self._decode_allocations(batch, base, n_out, tok, k, changed, asked)
-        if k == 0:
-            return [], False
-        times = ends[:k] if k < len(ends) else ends
-        if bulk is not None:  # every request as it was: k more tokens, and their times
-            toks = [tok] * k
-            for r in batch:
-                r.num_computed_tokens += k
-                r.output_token_ids += toks
-                r.token_times += times
-        else:
-            for p, r in enumerate(batch):
-                r.num_computed_tokens = base[p] + k
-                missing = n_out[p] + k - len(r.output_token_ids)  # events may have added some
-                if missing > 0:
-                    r.output_token_ids.extend([tok] * missing)
-                r.token_times += times
-                # Records the count, unless an event asked it (or more): a step-by-step run asks once.
-                if asked[p] < base[p] + k and not kv.allocate(r, base[p] + k):
-                    raise AssertionError(f"{type(kv).__name__}.next_allocation_event missed an event for {r.req_id!r}")
-        start = self.clock.now()
-        self.clock.sleep_until(times[-1])
-        finished = []
-        # Only those at their length limit or sampling a stop token can stop (_stop_reason).
-        for r in (batch if k == 1 else [r for r, s in zip(batch, stop_at) if s == k]):
-            reason = self._stop_reason(r, tok)
-            if reason is not None:
-                self._finish(r, reason)
-                finished.append(r)
-        reserved_after: list[int] = []  # each step's value: the last change at or before it
-        done = 0
-        for j in sorted(changed):
-            if j < k:
-                reserved_after += [reserved] * (j - done)
-                reserved, done = changed[j], j
-        reserved_after += [reserved] * (k - done)
-        live_last = live_before + len(batch) * k
-        if not failed:
-            # After the finishes freed their blocks. (A failed event leaves no finish in the run,
-            # but allocations of the step it failed in, which are not the run's to record.)
-            usage = kv.usage()
-            reserved_after[-1], live_last = usage.reserved_slots, usage.live_tokens
-        self.steps.append(DecodeRun(
-            len(self.steps), start, times, [r.req_id for r in batch], base, reserved_after, live_before,
-            live_last, len(self.policy.waiting), len(self.policy.running)))
-        self.num_fast_forwarded_steps += k
-        return finished, bool(finished) and not failed and times[-1] < until
-
-    def _decode_allocations(self, batch: list[Request], base: list[int], n_out: list[int], tok: int, k: int,
-                            changed: dict[int, int], asked: list[int]) -> tuple[int, bool]:
-        """The allocator calls of k decode steps that it names as events, each with the request
-        as that step finds it; fills `changed` (step -> reserved slots after its allocations) and
-        `asked` (each one's last count that succeeded). Returns (steps whose calls all succeeded,
-        whether one failed)."""
-        kv = self.kv
-        events = []  # (run step asking for the count, batch position, count)
-        for p, r in enumerate(batch):
-            m = kv.next_allocation_event(r, base[p])
-            if m - base[p] - 1 < k:
-                events.append((m - base[p] - 1, p, m))
-        heapq.heapify(events)
-        while events and events[0][0] < k:
-            j, p, m = heapq.heappop(events)
-            r = batch[p]
-            r.num_computed_tokens = base[p] + j
-            missing = n_out[p] + j - len(r.output_token_ids)
-            if missing > 0:
-                r.output_token_ids.extend([tok] * missing)
-            if not kv.allocate(r, m):
-                return j, True  # step j is the policy's to decide (it preempts)
-            asked[p] = m
-            m = kv.next_allocation_event(r, m)
-            if m - base[p] - 1 < k:
-                heapq.heappush(events, (m - base[p] - 1, p, m))
-            if not events or events[0][0] != j:  # step j's last allocation
-                changed[j] = kv.usage().reserved_slots
-        return k, False
 
     def _is_stop_token(self, r: Request, tok: int) -> bool:
         return tok in r.sampling.stop_token_ids or (not r.sampling.ignore_eos and tok in self.eos_token_ids)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from backends.base import LayerAttention
+from varlen.attention_api import LayerAttention
 
 # Keywords the varlen function implements (they become the layer's LayerAttention).
 IMPLEMENTED = frozenset({"scaling", "sliding_window", "softcap", "s_aux"})

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from backends.base import AttentionBackend, LayerAttention
+from varlen.attention_api import AttentionBackend, LayerAttention
 from varlen.batch import ForwardBatch
 from varlen.model_attention import (ACTIVE_PROBE, AttentionProbe, UnsupportedModel, kv_window, read_model_attention,
                                     spec_from_call)
@@ -169,12 +169,13 @@ class ModelRunner:
     """Model + attention backend + paged KV cache: `execute(batch)` returns logits [M, vocab]."""
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module, backend: AttentionBackend, block_size: int,
-                 num_blocks: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 batch_invariant: bool = False):
+                 num_blocks: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         """`model` is a local HF folder, or a model already loaded by `load_model` (shared, e.g. by tests).
 
-        batch_invariant: each request's logits are bitwise identical whatever else is in the batch
-        (fixed-shape GEMMs, per-request attention), at a cost that benchmarks/ measures.
+        A backend built with batch_invariant=True (its one option for it; the backends that have
+        the mode declare it in `features`) computes attention per request, and the model's GEMMs
+        get fixed shapes here: each request's logits are bitwise identical whatever else is in the
+        batch, at a cost that benchmarks/ measures.
         """
         self.device = torch.device(device)
         self.dtype = dtype
@@ -188,10 +189,7 @@ class ModelRunner:
             self.model = model
         else:
             self.model = load_model(model, dtype, self.device)
-        if batch_invariant:
-            if not hasattr(backend, "batch_invariant"):
-                raise ValueError(f"backend {backend.name!r} has no batch-invariant mode; use torch_ref or torch_sdpa")
-            backend.batch_invariant = True
+        if backend.batch_invariant:
             make_batch_invariant(self.model)
         model_path = getattr(self.model.config, "_name_or_path", "model")
         cfg = self.model.config

@@ -6,12 +6,13 @@ Plain data, no torch: the simulator runs the same objects.
 from __future__ import annotations
 
 import enum
+import numbers
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-from varlen.sampling_params import SamplingParams
+from varlen.sampling_params import SamplingParams, _integer
 
 
 class Status(enum.Enum):
@@ -27,7 +28,10 @@ class FinishReason(str, enum.Enum):
     REJECTED = "rejected"
 
 
-@dataclass(slots=True, eq=False)
+# init=False and an explicit __init__: the constructor is where a caller's values become the field
+# types (a numpy int priority an int, a numpy float arrival a float). Compiled (varlen/compiled.py),
+# a field refuses any other type on assignment, which the pure core would let through.
+@dataclass(init=False, slots=True, eq=False)
 class Request:
     req_id: str
     prompt_token_ids: list[int] | np.ndarray  # an int array is fine (traces), never mutated
@@ -53,8 +57,46 @@ class Request:
     # and len() of an array prompt is a slow generic call (compiled, this is a native field).
     num_prompt_tokens: int = field(init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self.num_prompt_tokens = len(self.prompt_token_ids)
+    def __init__(self, req_id: object, prompt_token_ids: list[int] | np.ndarray, sampling: object = None,
+                 arrival: object = 0.0, priority: object = 0, prompt: str | None = None,
+                 expected_output_len: object = None) -> None:
+        """Raises ValueError (one line naming the request, the field and the value) for a field of
+        the wrong kind; integers and reals may be numpy's. The prompt's ids are checked by the
+        engine, which rejects the request rather than raising. (The parameters are `object`:
+        compiled, a typed parameter would refuse a numpy int before it could be converted.)"""
+        if not isinstance(req_id, str):
+            raise ValueError(f"request id {req_id!r}: must be a string")
+        p = _integer(priority)
+        if p is None:
+            raise ValueError(f"request {req_id!r}: priority={priority!r}: must be an integer (lower runs first)")
+        n = None if expected_output_len is None else _integer(expected_output_len)
+        if expected_output_len is not None and (n is None or n < 0):
+            raise ValueError(f"request {req_id!r}: expected_output_len={expected_output_len!r}: must be None or an "
+                             f"integer >= 0")
+        if type(arrival) is float:  # nan and inf pass: the engine rejects them, with the reason
+            t = arrival
+        elif isinstance(arrival, (bool, np.bool_)) or not isinstance(arrival, numbers.Real):
+            raise ValueError(f"request {req_id!r}: arrival={arrival!r}: must be a time in seconds (0 = now)")
+        else:
+            t = float(arrival)
+        if sampling is None:
+            sp = SamplingParams()
+        elif isinstance(sampling, SamplingParams):
+            sp = sampling
+        else:
+            raise ValueError(f"request {req_id!r}: sampling={sampling!r}: must be a SamplingParams")
+        self.req_id, self.prompt_token_ids, self.sampling = req_id, prompt_token_ids, sp
+        self.arrival, self.priority, self.prompt, self.expected_output_len = t, p, prompt, n
+        self.output_token_ids = []
+        self.status = Status.WAITING
+        self.finish_reason = None
+        self.finish_message = ""
+        self.num_computed_tokens = self.num_prefix_hit_tokens = self.num_preemptions = 0
+        self.first_scheduled = None
+        self.token_times = []
+        self.finish_time = None
+        self._hashes = []
+        self.num_prompt_tokens = len(prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -89,7 +89,7 @@ def serve(cfg: DictConfig) -> dict:
     llm = LLM(model=cfg.model.path, backend=_group(cfg, "backend"), scheduler=_group(cfg, "scheduler"),
               allocator=_group(cfg, "allocator"), block_size=e.block_size, num_blocks=e.num_blocks,
               kv_cache_memory=e.kv_cache_memory, max_model_len=e.max_model_len, dtype=e.dtype,
-              device=e.device, seed=e.seed, batch_invariant=e.batch_invariant, setting_names=CLI_NAMES)
+              device=e.device, seed=e.seed, setting_names=CLI_NAMES)
     print(f"model {llm.model_path} | backend {llm.backend.name} | scheduler {llm.engine.policy.name} | "
           f"allocator {type(llm.engine.kv).__name__}\n{llm.sizing}")
     s = cfg.sampling
@@ -148,7 +148,7 @@ def write_results(cfg: DictConfig, llm: Any, reqs: list, trace: Any, out: Path, 
 
 @hydra.main(config_path=CONF, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from backends.base import BackendUnavailable
+    from varlen.attention_api import BackendUnavailable
 
     try:
         serve(cfg)

@@ -23,7 +23,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
 
 #: How `python -m varlen.run` spells each setting (the scheduler's own two live in its group).
 CLI_NAMES = {k: f"engine.{k}" for k in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "dtype",
-                                          "device", "seed", "threads", "batch_invariant")}
+                                          "device", "seed", "threads")}
 CLI_NAMES.update(max_num_seqs="scheduler.max_num_seqs", max_num_batched_tokens="scheduler.max_num_batched_tokens")
 
 DEFAULT_MAX_NUM_SEQS = 64
@@ -44,7 +44,6 @@ class EngineSettings:
     device: torch.device
     seed: int
     threads: int | None  # torch CPU threads; None leaves torch's setting alone
-    batch_invariant: bool
     names: Mapping[str, str] = field(default_factory=dict)
     given: Mapping[str, Any] = field(default_factory=dict)  # the values as given, for messages
 
@@ -125,7 +124,7 @@ def _device(names: Mapping[str, str], value: Any) -> torch.device:
 def check_engine_settings(*, names: Mapping[str, str] | None = None, block_size: Any = 16, num_blocks: Any = None,
                           kv_cache_memory: Any = None, max_num_seqs: Any = None, max_num_batched_tokens: Any = None,
                           max_model_len: Any = None, dtype: Any = "float32", device: Any = "cpu", seed: Any = 0,
-                          threads: Any = None, batch_invariant: Any = False) -> EngineSettings:
+                          threads: Any = None) -> EngineSettings:
     """Every engine setting checked; the first bad one raises its one-line ValueError."""
     names = dict(names or {})
     memory = None
@@ -134,8 +133,6 @@ def check_engine_settings(*, names: Mapping[str, str] | None = None, block_size:
         if memory < 1:
             raise setting_error(names, "kv_cache_memory", kv_cache_memory,
                                 "holds no KV block; give a size such as 256MiB")
-    if not isinstance(batch_invariant, bool):
-        raise setting_error(names, "batch_invariant", batch_invariant, "must be true or false")
     return EngineSettings(
         block_size=_int(names, "block_size", block_size, 1, fix="e.g. 16"),  # type: ignore[arg-type]
         num_blocks=_int(names, "num_blocks", num_blocks, 1, optional=True),
@@ -146,7 +143,7 @@ def check_engine_settings(*, names: Mapping[str, str] | None = None, block_size:
         dtype=_dtype(names, dtype), device=_device(names, device),
         seed=_int(names, "seed", seed, 0, high=2**64),  # type: ignore[arg-type]
         threads=_int(names, "threads", threads, 1, optional=True, fix="the number of CPU threads torch may use"),
-        batch_invariant=batch_invariant, names=names,
+        names=names,
         given=dict(kv_cache_memory=kv_cache_memory, num_blocks=num_blocks, max_model_len=max_model_len))
 
 
@@ -157,8 +154,7 @@ def check_cli_settings(cfg: Any) -> EngineSettings:
     return check_engine_settings(
         names=CLI_NAMES, block_size=e.block_size, num_blocks=e.num_blocks, kv_cache_memory=e.kv_cache_memory,
         max_num_seqs=sched.get("max_num_seqs"), max_num_batched_tokens=sched.get("max_num_batched_tokens"),
-        max_model_len=e.max_model_len, dtype=e.dtype, device=e.device, seed=e.seed, threads=e.threads,
-        batch_invariant=e.batch_invariant)
+        max_model_len=e.max_model_len, dtype=e.dtype, device=e.device, seed=e.seed, threads=e.threads)
 
 
 def available_memory(device: torch.device) -> int | None:

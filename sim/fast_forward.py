@@ -1,0 +1,223 @@
+"""The simulator's decode fast-forward: a stretch of repeating pure-decode steps run in one go.
+
+Between two arrivals, a policy that promises it (`SchedulerPolicy.next_decode_batch`) schedules
+every running request for one token, step after step, until one finishes or an allocation fails.
+The simulator knows when the next arrival comes, so `FastForwardEngine` runs such a stretch at
+once: the executor times all its steps in one call (`FastForwardExecutor.decode_run`), the
+allocator is asked only the calls that matter (`KVAllocator.next_allocation_event`, or all at once
+with `grow_decodes`), and one `DecodeRun` record stands for the steps. The result is the same,
+request for request and step for step, as stepping one at a time (tests/test_sim_fastforward.py).
+
+A real run never knows the next arrival, so none of this is in the core loop (varlen/engine.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from typing import Sequence
+
+from mypy_extensions import mypyc_attr
+
+from varlen.engine import Engine, Executor
+from varlen.kv.base import ALLOCATION_PROMISE_BEHAVIOUR, KVAllocator
+from varlen.promises import keeps_promise
+from varlen.request import Request
+from varlen.scheduler_api import SchedulerPolicy
+from varlen.steplog import DecodeRun
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class FastForwardExecutor(Executor):
+    """An executor that may time many pure-decode steps in one call (the simulator's cost model)."""
+
+    def decode_run(self, batch: Sequence[Request], max_steps: int, until: float) -> tuple[int, list[float]] | None:
+        """Time up to `max_steps` pure-decode steps of `batch` (one token per request per step,
+        each step's caches one token longer), starting on the clock's now, keeping only steps that
+        start before `until`: (the token every request samples each step, each step's end time).
+
+        The clock is not moved (the engine does, once it knows how many steps it keeps). None:
+        this executor steps one at a time, the default. A subclass that overrides `execute` does
+        not inherit its parent's decode_run (varlen/promises.py).
+        """
+        return None
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class FastForwardEngine(Engine):
+    """The engine loop, plus: `step(start, until)` follows a step with the pure-decode steps the
+    policy promises, up to `until`, when the allocator's and executor's promises hold."""
+
+    def __init__(self, policy: SchedulerPolicy, kv: KVAllocator, executor: Executor, clock=None, max_model_len: int | None = None,
+                 eos_token_id: int | Sequence[int] | None = None, vocab_size: int | None = None):
+        super().__init__(policy, kv, executor, clock, max_model_len, eos_token_id, vocab_size)
+        self.num_fast_forwarded_steps = 0  # steps run by _decode_run rather than one by one
+        self._decode_promises = -1  # whether the allocator's and executor's promises are their own (-1: not checked)
+
+    def step(self, start: float | None = None, until: float | None = None) -> list[Request]:
+        """One step, then, given `until` (the next time anything outside the engine happens: the
+        next arrival, inf for none), the pure-decode steps the policy promises
+        (`SchedulerPolicy.next_decode_batch`), finishes leaving the batch, up to an allocation
+        failure or a step starting at `until` (`_decode_run`), when the executor can time them.
+        None for `until`: exactly Engine.step.
+
+        A failure in the decode run ends every running request aborted, then propagates.
+        """
+        before, preemptions = len(self.steps), self.num_preemptions
+        finished = super().step(start)
+        if until is None or len(self.steps) == before or self.num_preemptions != preemptions:
+            return finished  # no step recorded (nothing schedulable), or it preempted: no promise
+        batch = self.policy.next_decode_batch()
+        if not batch or not self._promises_kept():
+            return finished
+        t0 = time.perf_counter()
+        try:
+            finished += self._decode_run(batch, until)
+        except BaseException as err:
+            self._fail(list(self.policy.running), err, f"step {len(self.steps)} failed")
+            raise
+        self.timings["decode_run"] += time.perf_counter() - t0
+        return finished
+
+    def _promises_kept(self) -> bool:
+        """The allocator's and the executor's decode promises are made by their own classes
+        (varlen/promises.py; the policy checks its own in next_decode_batch). Checked once."""
+        if self._decode_promises < 0:
+            kv, ex = self.kv, self.executor
+            # Both asked, so that each broken promise is said (a PromiseWarning), not only the first.
+            kept = [keeps_promise(kv, ("next_allocation_event", "grow_decodes"), ALLOCATION_PROMISE_BEHAVIOUR,
+                                  KVAllocator),
+                    isinstance(ex, FastForwardExecutor)
+                    and keeps_promise(ex, "decode_run", ("execute",), FastForwardExecutor)]
+            self._decode_promises = int(all(kept))
+        return self._decode_promises > 0
+
+    def _decode_run(self, batch: list[Request] | None, until: float) -> list[Request]:
+        """Run the pure-decode steps the policy promises (`next_decode_batch`) in one go, exactly
+        as step() would one at a time, until a step would start at `until` (the next arrival)
+        or an allocation fails; a request that finishes leaves and the rest go on."""
+        finished: list[Request] = []
+        while batch:
+            done, go_on = self._decode_segment(batch, until)
+            finished += done
+            if not go_on:
+                break
+            batch = self.policy.next_decode_batch()
+        return finished
+
+    def _decode_segment(self, batch: list[Request], until: float) -> tuple[list[Request], bool]:
+        """Steps of `batch` up to its first finish: (the finished requests, whether a next step
+        of the remaining batch still starts before `until` with every allocation so far made).
+
+        The allocator calls the steps would make go in one bulk call when the allocator offers
+        one (`grow_decodes`); else only those it names as events (`next_allocation_event`) are
+        made, in step and batch order, each with the request as that step finds it, and the
+        others only record a count, which one call per request at the end records too. A call
+        that fails ends the segment before that step, whose allocations the policy then asks
+        again (allocate is idempotent) and preempts for.
+        """
+        max_len = self.max_model_len
+        base = [r.num_computed_tokens for r in batch]  # = each one's count at the allocator
+        n_out = [len(r.output_token_ids) for r in batch]
+        # Steps until _stop_reason ends each by length (the last included).
+        stop_at = [min(r.sampling.max_tokens - n, max_len - r.num_prompt_tokens - n) for r, n in zip(batch, n_out)]
+        ex = self.executor
+        assert isinstance(ex, FastForwardExecutor)  # _promises_kept checked it
+        run = ex.decode_run(batch, min(stop_at), until)
+        if run is None:
+            return [], False
+        tok, ends = run
+        k = len(ends)
+        if k > 1 and any(self._is_stop_token(r, tok) for r in batch):
+            k = 1
+        if k == 0:
+            return [], False
+        kv = self.kv
+        usage = kv.usage()
+        reserved, live_before = usage.reserved_slots, usage.live_tokens
+        changed: dict[int, int] = {}  # run step -> reserved slots after its allocations
+        failed = False
+        bulk = kv.grow_decodes(batch, base, k)
+        asked = base[:]  # each one's last count asked of the allocator
+        if bulk is not None:
+            ok, changed = bulk
+            if ok < k:
+                k, failed = ok, True
+        else:
+            k, failed = self._decode_allocations(batch, base, n_out, tok, k, changed, asked)
+        if k == 0:
+            return [], False
+        times = ends[:k] if k < len(ends) else ends
+        if bulk is not None:  # every request as it was: k more tokens, and their times
+            toks = [tok] * k
+            for r in batch:
+                r.num_computed_tokens += k
+                r.output_token_ids += toks
+                r.token_times += times
+        else:
+            for p, r in enumerate(batch):
+                r.num_computed_tokens = base[p] + k
+                missing = n_out[p] + k - len(r.output_token_ids)  # events may have added some
+                if missing > 0:
+                    r.output_token_ids.extend([tok] * missing)
+                r.token_times += times
+                # Records the count, unless an event asked it (or more): a step-by-step run asks once.
+                if asked[p] < base[p] + k and not kv.allocate(r, base[p] + k):
+                    raise AssertionError(f"{type(kv).__name__}.next_allocation_event missed an event for {r.req_id!r}")
+        start = self.clock.now()
+        self.clock.sleep_until(times[-1])
+        finished = []
+        # Only those at their length limit or sampling a stop token can stop (_stop_reason).
+        for r in (batch if k == 1 else [r for r, s in zip(batch, stop_at) if s == k]):
+            reason = self._stop_reason(r, tok)
+            if reason is not None:
+                self._finish(r, reason)
+                finished.append(r)
+        reserved_after: list[int] = []  # each step's value: the last change at or before it
+        done = 0
+        for j in sorted(changed):
+            if j < k:
+                reserved_after += [reserved] * (j - done)
+                reserved, done = changed[j], j
+        reserved_after += [reserved] * (k - done)
+        live_last = live_before + len(batch) * k
+        if not failed:
+            # After the finishes freed their blocks. (A failed event leaves no finish in the run,
+            # but allocations of the step it failed in, which are not the run's to record.)
+            usage = kv.usage()
+            reserved_after[-1], live_last = usage.reserved_slots, usage.live_tokens
+        self.steps.append(DecodeRun(
+            len(self.steps), start, times, [r.req_id for r in batch], base, reserved_after, live_before,
+            live_last, len(self.policy.waiting), len(self.policy.running)))
+        self.num_fast_forwarded_steps += k
+        return finished, bool(finished) and not failed and times[-1] < until
+
+    def _decode_allocations(self, batch: list[Request], base: list[int], n_out: list[int], tok: int, k: int,
+                            changed: dict[int, int], asked: list[int]) -> tuple[int, bool]:
+        """The allocator calls of k decode steps that it names as events, each with the request
+        as that step finds it; fills `changed` (step -> reserved slots after its allocations) and
+        `asked` (each one's last count that succeeded). Returns (steps whose calls all succeeded,
+        whether one failed)."""
+        kv = self.kv
+        events = []  # (run step asking for the count, batch position, count)
+        for p, r in enumerate(batch):
+            m = kv.next_allocation_event(r, base[p])
+            if m - base[p] - 1 < k:
+                events.append((m - base[p] - 1, p, m))
+        heapq.heapify(events)
+        while events and events[0][0] < k:
+            j, p, m = heapq.heappop(events)
+            r = batch[p]
+            r.num_computed_tokens = base[p] + j
+            missing = n_out[p] + j - len(r.output_token_ids)
+            if missing > 0:
+                r.output_token_ids.extend([tok] * missing)
+            if not kv.allocate(r, m):
+                return j, True  # step j is the policy's to decide (it preempts)
+            asked[p] = m
+            m = kv.next_allocation_event(r, m)
+            if m - base[p] - 1 < k:
+                heapq.heappush(events, (m - base[p] - 1, p, m))
+            if not events or events[0][0] != j:  # step j's last allocation
+                changed[j] = kv.usage().reserved_slots
+        return k, False

@@ -1,0 +1,253 @@
+"""The scheduling plug point: each step, which requests run and how many new tokens each gets.
+
+This is the interface (and the shared mechanics every policy inherits); the policies themselves
+live in `schedulers/` and are named by `conf/scheduler/*.yaml`. It sits below both the engine
+and the policies (README: layers), so neither imports the other.
+
+Policies are pure: no wall clock, no model, no tensors, so the simulator runs them as they are.
+A policy owns the waiting and running queues and asks the KV allocator for room. When the
+allocator has none for a running request, the policy preempts by recompute: the victim's blocks
+are freed and it goes back to the front of the waiting queue, to be computed again from scratch
+(the prefix cache usually gives much of it back).
+
+Victim choice (documented, policy-overridable via `victim_order`): the running request admitted
+last goes first (LIFO, as in vLLM): it has made the least progress, so recomputing it wastes the
+least work, and the oldest requests keep their latency.
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+from collections import deque
+from dataclasses import dataclass
+from itertools import islice
+from typing import ClassVar, Iterator, Protocol
+
+from mypy_extensions import mypyc_attr
+
+from varlen.kv.base import KVAllocator
+from varlen.promises import keeps_promise
+from varlen.request import Request, Status
+
+#: What `repeats_decode_batches` promises about: a subclass that overrides any of these below the
+#: class declaring the promise does not inherit it (varlen/promises.py) unless it declares it too.
+DECODE_PROMISE_BEHAVIOUR = ("schedule", "_schedule_running", "_admit_waiting", "_grant", "_preempt", "waiting_order",
+                            "victim_order", "_may_admit", "_rest_fits", "next_decode_batch", "add", "remove",
+                            "has_work")
+
+
+class WaitingQueue(Protocol):
+    """What a policy's waiting queue offers: a deque (FCFS) or one kept in another order
+    (schedulers/priority.py). Iteration order is admission order; [0] is the next to admit."""
+
+    def append(self, req: Request) -> None: ...
+
+    def appendleft(self, req: Request) -> None: ...
+
+    def remove(self, req: Request) -> None: ...
+
+    def popleft(self) -> Request: ...
+
+    def clear(self) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Request]: ...
+
+    def __getitem__(self, i: int) -> Request: ...
+
+    def __contains__(self, req: object) -> bool: ...
+
+
+# init=False and an explicit __init__: compiled (varlen/compiled.py), a dataclass's generated
+# __init__ would still run as interpreted Python, and this is built in the hot loop.
+@dataclass(init=False, slots=True)
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]]  # (request, new tokens), batch order
+    preempted: list[Request]
+
+    def __init__(self, scheduled: list[tuple[Request, int]] | None = None, preempted: list[Request] | None = None) -> None:
+        self.scheduled = [] if scheduled is None else scheduled
+        self.preempted = [] if preempted is None else preempted
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class SchedulerPolicy(ABC):
+    """Base with the shared mechanics; a policy decides *order* and *admission* only."""
+
+    #: False: a prompt is computed in one step (so it must fit the token budget whole).
+    chunked_prefill: ClassVar[bool] = False
+
+    #: Opt-in promise that lets the simulator fast-forward (see next_decode_batch): with no
+    #: admission possible (`_may_admit`) and every running request needing exactly one token, my decision is
+    #: every running request for one token, in `running` order, and stays so (less the requests
+    #: that finish) while no request arrives and every allocation succeeds. True for the shipped
+    #: policies; a policy that looks at anything else (time, step counts, randomness, state
+    #: outside the queues) must leave it False. Held only by the class that declares it: a
+    #: subclass overriding a method of DECODE_PROMISE_BEHAVIOUR must declare it again to keep it.
+    repeats_decode_batches: ClassVar[bool] = False
+
+    def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, got "
+                             f"{max_num_seqs} and {max_num_batched_tokens}")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: WaitingQueue = deque()
+        self.running: list[Request] = []
+        self._repeats = -1  # whether repeats_decode_batches is my class's own promise (-1: not checked yet)
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    # -- queue bookkeeping, called by the engine -------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """The request finished or was aborted; forget it (the engine frees its blocks)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the decision ----------------------------------------------------------------------
+    def schedule(self, kv: KVAllocator) -> SchedulerOutput:
+        """Choose this step's batch: running requests first, then admissions from the waiting queue.
+
+        A whole-prompt policy (no chunked prefill) gives its admissions the full token budget,
+        not what the running decodes left of it: were it shared, a prompt near the budget (the
+        budget is max_model_len by default) could start only once the batch had drained, and the
+        whole FCFS queue would wait behind it while the KV pool sat mostly empty. A chunked
+        policy shares one budget, as its prompts take whatever the decodes leave."""
+        out = SchedulerOutput()
+        budget = self._schedule_running(kv, out, self.max_num_batched_tokens)
+        self._admit_waiting(kv, out, budget if self.chunked_prefill else self.max_num_batched_tokens)
+        return out
+
+    def next_decode_batch(self) -> list[Request] | None:
+        """The batch my next `schedule` returns if it is certain to be a pure decode of every
+        running request (the promise of `repeats_decode_batches`), else None. The engine then
+        runs such steps without asking me each one (`FastForwardEngine.step` with `until`, sim/fast_forward.py)."""
+        running = self.running
+        if self._repeats < 0:  # checked on first use: a real run, which never asks, says nothing
+            self._repeats = int(self.repeats_decode_batches and keeps_promise(
+                self, "repeats_decode_batches", DECODE_PROMISE_BEHAVIOUR, SchedulerPolicy))
+        if (not self._repeats or self._may_admit() or not running
+                or len(running) > self.max_num_batched_tokens):
+            return None
+        for r in running:
+            if r.num_prompt_tokens + len(r.output_token_ids) - r.num_computed_tokens != 1:
+                return None
+        return list(running)
+
+    def _may_admit(self) -> bool:
+        """Whether my next schedule may admit a waiting request (then no decode run is promised)."""
+        return bool(self.waiting)
+
+    def waiting_order(self) -> list[Request]:
+        """Order in which waiting requests are considered (FCFS unless overridden)."""
+        return list(self.waiting)
+
+    def victim_order(self) -> list[Request]:
+        """Running requests, most preemptible first."""
+        return self.running[::-1]
+
+    # -- shared mechanics ------------------------------------------------------------------
+    def _grant(self, req: Request, budget: int) -> int:
+        # req.num_pending, inlined: this runs for every request in every step.
+        pending = req.num_prompt_tokens + len(req.output_token_ids) - req.num_computed_tokens
+        return min(pending, budget) if self.chunked_prefill else (pending if pending <= budget else 0)
+
+    def _schedule_running(self, kv: KVAllocator, out: SchedulerOutput, budget: int) -> int:
+        """Give every running request its next tokens, preempting when the pool is full."""
+        for req in list(self.running):
+            # Preempted as a victim earlier in this loop (only _preempt takes a request out of
+            # `running` here, and it lists it in out.preempted: a short list, unlike `running`).
+            if out.preempted and req in out.preempted:
+                continue
+            n = self._grant(req, budget)
+            if n == 0:
+                continue
+            while not kv.allocate(req, req.num_computed_tokens + n):
+                victim = next(v for v in self.victim_order() if v not in (r for r, _ in out.scheduled))
+                self._preempt(victim, kv, out)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append((req, n))
+                budget -= n
+        return budget
+
+    def _preempt(self, victim: Request, kv: KVAllocator, out: SchedulerOutput) -> None:
+        kv.free(victim)
+        self.running.remove(victim)
+        victim.reset_for_recompute()
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+
+    def _rest_fits(self, kv: KVAllocator, req: Request, hit: int) -> bool:
+        """Whether the free KV blocks hold all of `req`'s tokens past its `hit` cached ones.
+
+        Asked before admitting a request whose step gets only a chunk of its prompt. Admitting it
+        on the strength of its first chunk when the rest cannot fit thrashes under KV pressure:
+        its next chunk finds no room, it is the newest running request, so it preempts itself and
+        loses every chunk it computed, then comes back with a first chunk, again and again
+        (measured on the Azure conversation trace at 600 blocks: one request preempted 79 times,
+        493% of the needed tokens computed again). So a chunked admission needs room for the whole
+        rest, as a whole-prompt admission does (vLLM V0's admission rule; vLLM V1 admits by chunk
+        but keeps a self-preempted prompt's chunks in its prefix cache, which has much the same
+        effect when prefix caching is on).
+        """
+        bs = kv.block_size
+        return -(-(req.num_prompt_tokens + len(req.output_token_ids)) // bs) - hit // bs <= kv.usage().free_slots // bs
+
+    def _admit_waiting(self, kv: KVAllocator, out: SchedulerOutput, budget: int,
+                       limit: int | None = None) -> int:
+        """Admit waiting requests in `waiting_order` while seats, budget and memory last.
+
+        Stops at the first request that does not fit (no overtaking), so a long prompt is not
+        starved by a stream of short ones. A request given only a chunk of its prompt must have
+        room for all of it (`_rest_fits`).
+        """
+        seats = self.max_num_seqs - len(self.running)
+        if limit is not None:
+            seats = min(seats, limit)
+        if seats <= 0 or budget <= 0 or not self.waiting:
+            return budget
+        preempted = set(map(id, out.preempted))
+        if type(self).waiting_order is SchedulerPolicy.waiting_order:
+            # FCFS: at most `seats` requests can be looked at (each admission takes a seat, the
+            # first refusal stops), so copy only those rather than a long queue every step.
+            order: list[Request] = list(islice(self.waiting, seats))
+        else:
+            order = self.waiting_order()
+        for req in order:
+            if seats <= 0 or budget <= 0 or id(req) in preempted:
+                break
+            hit = kv.match_prefix(req)
+            req.num_computed_tokens = hit
+            n = self._grant(req, budget)
+            if n == 0 or (n < req.num_prompt_tokens + len(req.output_token_ids) - hit
+                          and not self._rest_fits(kv, req, hit)) or not kv.allocate(req, hit + n):
+                req.num_computed_tokens = 0
+                break
+            req.num_prefix_hit_tokens = hit
+            self.waiting.remove(req)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+            seats -= 1
+        return budget
