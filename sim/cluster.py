@@ -116,7 +116,7 @@ class Pools:
     def factory(self, pool: str) -> Any:
         from sim.disagg import DisaggEngine, receiving
         from sim.executor import CostModelExecutor
-        from sim.run import build_cost_model
+        from sim.cost.registry import build_cost_model
         from varlen import registry
 
         p, c, alloc = self.pools[pool], self.c, self.alloc

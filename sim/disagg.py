@@ -43,7 +43,7 @@ from sim.executor import CostModelExecutor
 from sim.routers import Router, make_router
 from sim.simulator import Replica, gc_paused
 from varlen.clock import SimClock
-from varlen.engine import Engine
+from sim.fast_forward import FastForwardEngine
 from varlen.interrupt import poll
 from varlen.kv.base import KVAllocator
 from varlen.request import FinishReason, Request
@@ -67,7 +67,7 @@ class Link:
         return self.latency_s + nbytes / (self.bandwidth_gbs * 1e9)
 
 
-class DisaggEngine(Engine):
+class DisaggEngine(FastForwardEngine):
     """The engine of one instance of a disaggregated pool; changes only what a pool needs.
 
     Prefill role (`keep_finished_kv`): a request that ends normally keeps its KV blocks

@@ -10,14 +10,23 @@ index of the replica to send it to. It may keep state of its own between calls.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from varlen.request import Request
 
-if TYPE_CHECKING:
-    from sim.simulator import Replica
 
-Router = Callable[[Sequence["Replica"], Request], int]
+class Replica(Protocol):
+    """What a router reads of a replica (sim.simulator.Replica is one; routers do not import the
+    simulator that calls them)."""
+
+    @property
+    def engine(self) -> Any: ...  # the replica's varlen.engine.Engine: its policy, its allocator
+
+    @property
+    def outstanding(self) -> int: ...  # requests routed there and not finished
+
+
+Router = Callable[[Sequence[Replica], Request], int]
 
 
 class RoundRobinRouter:

@@ -171,6 +171,45 @@ def test_numpy_numbers_are_converted_at_the_request_boundary(core):
                              "request 'b': expected_output_len=-1: must be None or an integer >= 0"]
 
 
+ABC_CACHES = """
+import importlib, json, sys
+importlib.import_module(sys.argv[1])  # what is imported first decides which modules load which
+import varlen.compiled
+from schedulers import ChunkedPolicy
+from varlen.kv import ContiguousAllocator, KVAllocator, PagedAllocator
+from varlen.scheduler_api import SchedulerPolicy
+
+shared = []
+for name in sorted(varlen.compiled.MODULE_NAMES):
+    for obj in vars(importlib.import_module(name)).values():
+        if isinstance(obj, type) and hasattr(obj, "_abc_impl") and obj.__module__ == name:
+            shared += [f"{name}.{obj.__name__}" for b in obj.__mro__[1:] if getattr(b, "_abc_impl", None) is obj._abc_impl]
+# Answers that leaked between classes when the caches were shared, in the order that showed it.
+answers = [issubclass(PagedAllocator, KVAllocator), issubclass(PagedAllocator, SchedulerPolicy),
+           issubclass(ContiguousAllocator, KVAllocator), isinstance(ContiguousAllocator(10, 4, 40), PagedAllocator),
+           issubclass(ChunkedPolicy, SchedulerPolicy), issubclass(ChunkedPolicy, KVAllocator)]
+print(json.dumps({"status": varlen.compiled.status(), "file": sys.modules["varlen.kv.paged"].__file__,
+                  "shared": shared, "answers": answers}))
+"""
+
+
+@pytest.mark.parametrize("first", ["varlen.kv", "sim.fast_forward", "sim.simulator"])
+@pytest.mark.parametrize("core", ["compiled", "pure"])
+def test_isinstance_and_issubclass_answer_alike_on_both_cores(core, first):
+    """mypyc builds classes without ABCMeta.__new__: each compiled class shared abc.ABC's caches,
+    and issubclass(PagedAllocator, SchedulerPolicy) became True after issubclass(PagedAllocator,
+    KVAllocator). varlen.compiled gives each its own; every class of the core has its own caches."""
+    if core == "compiled" and not compiled.is_compiled():
+        pytest.skip(f"no compiled core: {compiled.status()}")
+    proc = subprocess.run([sys.executable, "-c", ABC_CACHES, first], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "VARLEN_PURE": "1" if core == "pure" else ""}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["status"].startswith(core) and out["file"].endswith(".so" if core == "compiled" else ".py"), out
+    assert out["shared"] == []
+    assert out["answers"] == [True, False, True, False, True, False]
+
+
 def test_build_key_follows_the_sources(tmp_path, monkeypatch):
     # Any edit of a compiled module names another build, so a build never runs stale code.
     for rel in compiled.MODULES:

@@ -34,7 +34,7 @@ FLOORS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
         "schedulers": ("schedulers", "schedulers.*"),
         "backends": ("backends", "backends.*"),
         "allocators": ("varlen.kv", "varlen.kv.*"),
-        "cost models": ("sim.cost", "sim.cost.*"),
+        "cost models": ("sim.cost", "sim.cost.*", "sim.parallel"),  # parallel: TP/PP timing and memory
         "engine": ("varlen.engine", "varlen.executor", "varlen.model_runner", "varlen.model_attention",
                    "varlen.sampler"),
     }),

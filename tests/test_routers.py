@@ -16,7 +16,7 @@ from sim.simulator import simulate
 from varlen import registry
 from varlen.cli import SettingError
 from varlen.clock import SimClock
-from varlen.engine import Engine
+from sim.fast_forward import FastForwardEngine
 from varlen.kv import PagedAllocator
 from varlen.request import Request
 from varlen.sampling_params import SamplingParams
@@ -30,7 +30,7 @@ def engine_factory(num_blocks=400):
     def make(clock):
         ex = CostModelExecutor(cost, clock)
         pol = ChunkedPolicy(max_num_seqs=16, max_num_batched_tokens=256)
-        return Engine(pol, PagedAllocator(num_blocks, 16, 2048), ex, clock=clock, max_model_len=2048), ex
+        return FastForwardEngine(pol, PagedAllocator(num_blocks, 16, 2048), ex, clock=clock, max_model_len=2048), ex
 
     return make
 

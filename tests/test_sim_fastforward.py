@@ -237,7 +237,7 @@ def test_fast_forward_needs_the_simulators_engine():
 
     def make(clock):
         ex = CostModelExecutor(RooflineCostModel("tiny", "cpu_2core"), clock)
-        return Engine(POLICIES["chunked"](max_num_seqs=4, max_num_batched_tokens=64), PagedAllocator(64, 16, 256),
+        return Engine(policy_class("chunked")(max_num_seqs=4, max_num_batched_tokens=64), PagedAllocator(64, 16, 256),
                       ex, clock=clock, max_model_len=256), ex
 
     reqs = shared_prefix_requests(5, rate=30.0, seed=3, max_len=100)

@@ -16,7 +16,7 @@ from sim.cost_models import RooflineCostModel
 from sim.executor import CostModelExecutor
 from sim.simulator import simulate
 from varlen import LLM, SamplingParams, registry
-from varlen.engine import Engine
+from sim.fast_forward import FastForwardEngine
 from varlen.kv import PagedAllocator
 from varlen.request import Request
 
@@ -27,7 +27,7 @@ def run(reqs: list[Request], aging_rate: float, seats: int = 1) -> None:
     def make(clock):
         ex = CostModelExecutor(RooflineCostModel("tiny", "cpu_2core"), clock)
         pol = SJFPolicy(max_num_seqs=seats, max_num_batched_tokens=1024, aging_rate=aging_rate)
-        return Engine(pol, PagedAllocator(512, 16, 1024), ex, clock=clock, max_model_len=1024), ex
+        return FastForwardEngine(pol, PagedAllocator(512, 16, 1024), ex, clock=clock, max_model_len=1024), ex
 
     simulate(reqs, make)
     assert all(r.finish_reason.value == "length" for r in reqs)
@@ -72,7 +72,7 @@ def test_preempted_request_keeps_its_rank_and_every_request_finishes():
     def make(clock):
         ex = CostModelExecutor(RooflineCostModel("tiny", "cpu_2core"), clock)
         pol = SJFPolicy(max_num_seqs=6, max_num_batched_tokens=32, aging_rate=50.0)
-        return Engine(pol, PagedAllocator(24, 4, 96), ex, clock=clock, max_model_len=96), ex
+        return FastForwardEngine(pol, PagedAllocator(24, 4, 96), ex, clock=clock, max_model_len=96), ex
 
     res = simulate(reqs, make)
     assert sum(r.num_preemptions for r in reqs) > 0  # the small pool made it preempt

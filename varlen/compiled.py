@@ -22,11 +22,15 @@ pure-Python instances of them.
 
 from __future__ import annotations
 
+import abc
 import hashlib
+import importlib.abc
+import importlib.machinery
 import os
 import platform
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]  # the folder holding the varlen, schedulers and sim packages
 
@@ -88,11 +92,51 @@ def _decide() -> tuple[Path | None, str]:
             else:
                 if (d / "COMPLETE").is_file():
                     sys.path.append(str(d / "lib"))  # the modules' shared runtime library (top level)
+                    sys.meta_path.insert(0, _OwnAbcCaches())
                     _state = (d, f"compiled ({d})")
                 else:
                     _state = (None, "pure Python (no compiled build of these sources: "
                                     "`python -m varlen.compile` makes one)")
     return _state
+
+
+#: The compiled modules' dotted names.
+MODULE_NAMES = frozenset(".".join(Path(rel).with_suffix("").parts) for rel in MODULES)
+
+
+class _OwnAbcCaches:
+    """Gives each class of a compiled module its own ABC caches. mypyc builds a class without
+    ABCMeta.__new__, so a compiled class inherits its base's `_abc_impl` (ultimately abc.ABC's):
+    the caches of isinstance/issubclass are then shared, and one answer leaks into another (after
+    issubclass(PagedAllocator, KVAllocator), issubclass(PagedAllocator, SchedulerPolicy) was True).
+    A meta-path finder wraps the compiled modules' loader and, once a module has run, initialises
+    each class as ABCMeta would have (abc._abc_init)."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in MODULE_NAMES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and isinstance(spec.loader, importlib.machinery.ExtensionFileLoader):
+            spec.loader = _AbcInitLoader(spec.loader)
+        return spec
+
+
+class _AbcInitLoader(importlib.abc.Loader):
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def create_module(self, spec: Any) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.inner.exec_module(module)
+        # Every compiled module loaded so far: a compiled module imports others of its build
+        # without the finders, so they are seen here, after the import that loaded them.
+        for name in MODULE_NAMES & sys.modules.keys():
+            for obj in list(vars(sys.modules[name]).values()):
+                if isinstance(obj, abc.ABCMeta) and obj.__module__ == name and any(
+                        getattr(base, "_abc_impl", None) is obj._abc_impl for base in obj.__mro__[1:]):
+                    abc._abc_init(obj)  # type: ignore[attr-defined]
 
 
 def package_path(package: str, path: list[str]) -> list[str]:

@@ -19,6 +19,7 @@ A model that cannot be written this way (replay) overrides `step_time` alone.
 
 from __future__ import annotations
 
+import inspect
 import math
 from abc import ABC
 from dataclasses import dataclass
@@ -110,8 +111,6 @@ class CostModel(ABC):
         HF config dict; `hardware`: a HardwareSpec; `parallel`: a sim.parallel.Parallelism.
         This default serves a one-GPU model whose constructor takes the options as keyword
         arguments, and model_config / hardware where it names them."""
-        from sim.cost.registry import construct
-
         built: CostModel = construct(cls, options, model_config, hardware, parallel)
         return built
 
@@ -232,3 +231,30 @@ def attention_pairs(n: np.ndarray, c: np.ndarray) -> float:
     """Query-key pairs of causal, bottom-right aligned attention: new token j of a request
     (0-based) sees its c cached tokens and the j + 1 new ones up to itself."""
     return float(np.dot(n, c) + np.dot(n, n + 1.0) / 2.0)
+
+
+def construct(cls: Any, options: Mapping[str, Any], model_config: Any, hardware: Any,
+              parallel: Any) -> CostModel:
+    """CostModel.from_config's default: one GPU, the options as constructor keywords (an option
+    the constructor does not take is an error, never dropped), plus model_config and hardware
+    where the constructor names them."""
+    label = f"{cls.__module__}.{cls.__qualname__}"
+    if parallel.gpus > 1:
+        raise ValueError(f"cost.model={label} times one GPU; parallel.tensor={parallel.tensor} parallel.pipeline="
+                         f"{parallel.pipeline} needs a cost model with a from_config that models parallelism "
+                         f"(roofline, measured)")
+    try:
+        params = dict(inspect.signature(cls).parameters)
+    except (TypeError, ValueError):  # a compiled constructor without a signature
+        params = {}
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        for k, v in options.items():
+            if k not in params:
+                known = [n for n in params if n not in ("model_config", "hardware")]
+                raise ValueError(f"cost.{k}={v!r} is not a setting of cost.model={label} (its settings: "
+                                 f"{', '.join('cost.' + n for n in known) or 'none'}); remove it")
+    kw = dict(options)
+    for k, v in (("model_config", model_config), ("hardware", hardware)):
+        if k in params:
+            kw.setdefault(k, v)
+    return cls(**kw)

@@ -9,7 +9,6 @@ are the yaml's keys with the user's `cost.*` over them (unset ones left out).
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Mapping
 
 from omegaconf import OmegaConf
@@ -42,33 +41,6 @@ def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Any,
     cfg = load_model_config(model_config)
     par.check(ModelShape.from_config(cfg))
     return cls.from_config(options, cfg, HardwareSpec.coerce(hardware), par)
-
-
-def construct(cls: type[CostModel], options: Mapping[str, Any], model_config: Any, hardware: Any,
-              parallel: Any) -> CostModel:
-    """CostModel.from_config's default: one GPU, the options as constructor keywords (an option
-    the constructor does not take is an error, never dropped), plus model_config and hardware
-    where the constructor names them."""
-    label = f"{cls.__module__}.{cls.__qualname__}"
-    if parallel.gpus > 1:
-        raise ValueError(f"cost.model={label} times one GPU; parallel.tensor={parallel.tensor} parallel.pipeline="
-                         f"{parallel.pipeline} needs a cost model with a from_config that models parallelism "
-                         f"(roofline, measured)")
-    try:
-        params = dict(inspect.signature(cls).parameters)
-    except (TypeError, ValueError):  # a compiled constructor without a signature
-        params = {}
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        for k, v in options.items():
-            if k not in params:
-                known = [n for n in params if n not in ("model_config", "hardware")]
-                raise ValueError(f"cost.{k}={v!r} is not a setting of cost.model={label} (its settings: "
-                                 f"{', '.join('cost.' + n for n in known) or 'none'}); remove it")
-    kw = dict(options)
-    for k, v in (("model_config", model_config), ("hardware", hardware)):
-        if k in params:
-            kw.setdefault(k, v)
-    return cls(**kw)
 
 
 def make_cost_model(name: str, **kwargs: Any) -> CostModel:
