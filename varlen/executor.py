@@ -33,6 +33,7 @@ class ModelExecutor(Executor):
         self.blocks_written = [0] * max_num_seqs
         self.timings: dict[str, float] = defaultdict(float)  # wall seconds per phase
         self._checked_kv: KVAllocator | None = None
+        self._pending: tuple[list[int], list[int], list[int]] = ([], [], [])  # decode tokens to write: rows, columns, ids
 
     def _row(self, req: Request, kv: KVAllocator) -> int:
         row = self.rows.get(req.req_id)
@@ -45,8 +46,11 @@ class ModelExecutor(Executor):
         num_tokens = req.num_tokens
         if written < num_tokens:
             p = req.num_prompt_tokens
-            if num_tokens - written == 1 and written >= p:  # a decode: the token sampled last step
-                self.buffers.tokens[row, written] = req.output_token_ids[written - p]
+            if num_tokens - written == 1 and written >= p:  # a decode: the token sampled last step,
+                pending = self._pending  # written with the step's others in one assignment
+                pending[0].append(row)
+                pending[1].append(written)
+                pending[2].append(req.output_token_ids[written - p])
             else:
                 self.buffers.set_tokens(row, written, req.token_ids(written))
             self.tokens_written[row] = num_tokens
@@ -65,15 +69,21 @@ class ModelExecutor(Executor):
         # One pass over the requests, plain lists, one array each: the per-step Python is most
         # of a small model's step overhead.
         rows, cached, new, wants, sampled_reqs = [], [], [], [], []
-        for r, n in scheduled:
-            rows.append(self._row(r, kv))
-            c = r.num_computed_tokens
-            cached.append(c)
-            new.append(n)
-            w = c + n == r.num_tokens
-            wants.append(w)
-            if w:
-                sampled_reqs.append(r)
+        self._pending = ([], [], [])
+        try:
+            for r, n in scheduled:
+                rows.append(self._row(r, kv))
+                c = r.num_computed_tokens
+                cached.append(c)
+                new.append(n)
+                w = c + n == r.num_tokens
+                wants.append(w)
+                if w:
+                    sampled_reqs.append(r)
+        finally:  # what _row counted as written is written, whatever happens to the step
+            pr, pc, pv = self._pending
+            if pr:
+                self.buffers.tokens[pr, pc] = pv
         ints = np.array((rows, cached, new), np.int64)  # one conversion for the three
         batch = self.buffers.build(ints[0], ints[1], ints[2], np.array(wants, bool), self.runner.block_size,
                                    self.runner.num_blocks, req_ids=[r.req_id for r, _ in scheduled])
