@@ -246,8 +246,11 @@ def check_search_settings(cfg: DictConfig, task_overrides: Iterable[str] = ()) -
         _mode_overrides(m)
     if len(set(modes)) < len(modes):
         raise SettingError(f"search.cluster_mode={modes}: give each mode once")
-    if "disaggregated" in modes:
-        pd_splits(cfg)
+    pd_splits(cfg)
+    if "disaggregated" not in modes and any(o.split("=", 1)[0].lstrip("+~") == "search.pd_splits"
+                                            for o in task_overrides):
+        raise SettingError(f"search.pd_splits is given but search.cluster_mode={modes} searches no P/D split; "
+                           "add disaggregated: search.cluster_mode=[colocated,disaggregated]")
     from varlen import registry
 
     for s in _names(cfg, "search.scheduler"):

@@ -241,6 +241,7 @@ BAD = [
     (["search.cluster_mode=[disaggregated]", "search.pd_splits=[1,1]"], "search.pd_splits holds 1"),
     (["search.cluster_mode=[disaggregated]", "search.pd_splits=[]"], "search.pd_splits"),
     (["search.cluster_mode=[disaggregated]", "search.pd_splits=[[1,1],[1,1]]"], "twice"),
+    (["search.pd_splits=[[2,1]]"], "searches no P/D split"),  # given, but no disaggregated mode to use it
     (["cluster.mode=disaggregated"], "search.cluster_mode"),  # the search sets the mode per point
     (["cluster.prefill_replicas=2"], "search.pd_splits"),
     (["cluster.decode.tensor=2"], "search.tensor"),  # the unit's price assumes the point's TP in both pools
