@@ -19,8 +19,12 @@ Prints the Pareto set (no other deployment is as cheap with as much capacity) an
 search.csv (every point, with why it was left out), search.json (the settings, the choice, its
 check, the Pareto set), pareto.png and the checked run's tables (verified/) to the run directory.
 
-Disaggregated prefill/decode (a P/D split instead of replicas) is a `search.cluster_mode` option
-for when sim.run has cluster.mode=disaggregated; until then only `colocated` is searched.
+Disaggregated prefill/decode: with `search.cluster_mode=[colocated,disaggregated]` each design is
+also searched as P/D splits (`search.pd_splits`, a list of [P, D]): the unit is P prefill and D
+decode instances of the point's hardware, TP and policy (cluster.mode=disaggregated), its capacity
+bisected as one replica's is, and the deployment k units, k = ceil(target / unit capacity), so
+GPUs = k x (P + D) x TP. Pipeline parallelism is not modelled there: those points are skipped, with
+the reason, in search.csv.
 """
 
 from __future__ import annotations
@@ -41,8 +45,16 @@ from varlen.cli import SettingError, number
 # What a grid point sets; set on the command line, it would be silently replaced by the grid.
 SWEPT = {"hardware": "search.hardware", "parallel.tensor": "search.tensor", "parallel.pipeline": "search.pipeline",
          "scheduler": "search.scheduler", "scheduler.max_num_batched_tokens": "search.max_num_batched_tokens",
-         "cluster.replicas": "(derived from the target rate)", "workload.rate": "search.target_rate"}
-MODES = ("colocated",)  # + "disaggregated" once sim.run has cluster.mode (see _mode_overrides)
+         "cluster.replicas": "(derived from the target rate)", "workload.rate": "search.target_rate",
+         "cluster.mode": "search.cluster_mode", "cluster.prefill_replicas": "search.pd_splits (scaled to the target)",
+         "cluster.decode_replicas": "search.pd_splits (scaled to the target)"}
+# Per-pool settings a P/D point sets through the run's own (both pools: the point's hardware, TP,
+# policy and budget); one given per pool would make the point's label and its price wrong.
+for _pool in ("prefill", "decode"):
+    SWEPT.update({f"cluster.{_pool}.hardware": "search.hardware", f"cluster.{_pool}.tensor": "search.tensor",
+                  f"cluster.{_pool}.scheduler": "search.scheduler",
+                  f"cluster.{_pool}.max_num_batched_tokens": "search.max_num_batched_tokens"})
+MODES = ("colocated", "disaggregated")
 
 
 @dataclass
@@ -56,19 +68,21 @@ class Point:
     budget: int | None  # scheduler.max_num_batched_tokens; None: the policy's default
     mode: str = "colocated"
     cost_per_gpu_hour: float = math.nan
-    status: str = "pending"  # ok | does not fit | misses SLOs | over max_gpus | error
+    split: tuple[int, int] | None = None  # disaggregated: (P, D) instances of one unit; colocated: None
+    status: str = "pending"  # ok | does not fit | misses SLOs | over max_gpus | skipped | error
     reason: str = ""
     replica_capacity: float | None = None  # req/s one replica sustains within the SLOs
     capacity_at_top: bool = False  # the bisection's top (capacity.high) met the SLOs: a lower bound
     probes: int = 0
-    replicas: int | None = None
+    replicas: int | None = None  # colocated: replicas; disaggregated: units of the P:D split
     verified: bool | None = None  # None: not checked; True / False: the check's verdict
     verified_attainment: float | None = None
     checks: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def gpus_per_replica(self) -> int:
-        return self.tensor * self.pipeline
+        """GPUs of one replica, or of one P:D unit (P + D instances of TP GPUs each)."""
+        return self.tensor * self.pipeline * (1 if self.split is None else sum(self.split))
 
     @property
     def gpus(self) -> int:
@@ -90,12 +104,33 @@ class Point:
             o.append(f"scheduler.max_num_batched_tokens={self.budget}")
         return o + _mode_overrides(self.mode)
 
+    def size_overrides(self, units: int) -> list[str]:
+        """The sim.run settings of `units` replicas, or of `units` P:D units."""
+        if self.split is None:
+            return [f"cluster.replicas={units}"]
+        return [f"cluster.prefill_replicas={units * self.split[0]}", f"cluster.decode_replicas={units * self.split[1]}"]
+
+    @property
+    def split_text(self) -> str:
+        return "" if self.split is None else f"{self.split[0]}:{self.split[1]}"
+
     def label(self) -> str:
         b = "default" if self.budget is None else self.budget
-        return f"{self.hardware} TP{self.tensor} PP{self.pipeline} {self.scheduler}/{b}"
+        pd_ = "" if self.split is None else f" P:D {self.split_text}"
+        return f"{self.hardware} TP{self.tensor} PP{self.pipeline} {self.scheduler}/{b}{pd_}"
+
+    def size_text(self, units: int | None = None) -> str:
+        n = self.replicas if units is None else units
+        if self.split is None:
+            return f"x{n} replicas"
+        return f"x{n} units ({n * self.split[0]} prefill + {n * self.split[1]} decode)"
 
     def row(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "checks"}
+        n = self.replicas
+        d.update(split=self.split_text,
+                 prefill_replicas=n * self.split[0] if n and self.split else None,
+                 decode_replicas=n * self.split[1] if n and self.split else None)
         d.update(gpus_per_replica=self.gpus_per_replica, gpus=self.gpus if self.replicas else None,
                  cost_per_hour=self.cost_per_hour if self.replicas else None,
                  capacity=self.capacity if self.replicas else None)
@@ -103,13 +138,10 @@ class Point:
 
 
 def _mode_overrides(mode: str) -> list[str]:
-    """The sim.run settings of a cluster mode. The hook for a P/D split: a disaggregated point
-    would carry its prefill and decode pools (cluster.prefill_replicas / decode_replicas) here,
-    and be sized per pool rather than by whole replicas."""
-    if mode == "colocated":
-        return []
-    raise SettingError(f"search.cluster_mode={mode!r}: only {', '.join(MODES)} is searched yet (a disaggregated "
-                       f"P/D split needs sim.run's cluster.mode=disaggregated first)")
+    """The sim.run settings of a cluster mode (a P/D point's pool sizes: Point.size_overrides)."""
+    if mode in MODES:
+        return [f"cluster.mode={mode}"]
+    raise SettingError(f"search.cluster_mode holds {mode!r}: choose from {', '.join(MODES)}")
 
 
 def pareto_front(points: Sequence[Point]) -> list[Point]:
@@ -121,6 +153,21 @@ def pareto_front(points: Sequence[Point]) -> list[Point]:
 
     front = [p for p in points if not any(dominates(q, p) for q in points if q is not p)]
     return sorted(front, key=lambda p: (p.cost_per_hour, -p.capacity))
+
+
+def pd_splits(cfg: DictConfig) -> list[tuple[int, int]]:
+    """search.pd_splits as (P, D) pairs (one-line errors)."""
+    out: list[tuple[int, int]] = []
+    for x in _names(cfg, "search.pd_splits"):
+        ok = (isinstance(x, list) and len(x) == 2
+              and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in x))
+        if not ok:
+            raise SettingError(f"search.pd_splits holds {x!r}: give [P, D] pairs of whole numbers >= 1 (prefill and "
+                               f"decode instances of one unit), e.g. search.pd_splits=[[1,1],[2,1]]")
+        if tuple(x) in out:
+            raise SettingError(f"search.pd_splits holds {x!r} twice: give each split once")
+        out.append((x[0], x[1]))
+    return out
 
 
 def replicas_for(target: float, replica_capacity: float) -> int:
@@ -194,8 +241,16 @@ def check_search_settings(cfg: DictConfig, task_overrides: Iterable[str] = ()) -
         key = o.split("=", 1)[0].lstrip("+~")
         if key in SWEPT:
             raise SettingError(f"{o}: the search sets {key} itself; give its options with {SWEPT[key]}")
-    for m in _names(cfg, "search.cluster_mode"):
-        _mode_overrides(str(m))
+    modes = [str(m) for m in _names(cfg, "search.cluster_mode")]
+    for m in modes:
+        _mode_overrides(m)
+    if len(set(modes)) < len(modes):
+        raise SettingError(f"search.cluster_mode={modes}: give each mode once")
+    pd_splits(cfg)
+    if "disaggregated" not in modes and any(o.split("=", 1)[0].lstrip("+~") == "search.pd_splits"
+                                            for o in task_overrides):
+        raise SettingError(f"search.pd_splits is given but search.cluster_mode={modes} searches no P/D split; "
+                           "add disaggregated: search.cluster_mode=[colocated,disaggregated]")
     from varlen import registry
 
     for s in _names(cfg, "search.scheduler"):
@@ -209,10 +264,14 @@ def check_search_settings(cfg: DictConfig, task_overrides: Iterable[str] = ()) -
 
 
 def grid(cfg: DictConfig, prices: Mapping[str, float]) -> list[Point]:
-    return [Point(hw, tp, pp, str(s), b, str(m), prices[hw])
+    modes = [str(m) for m in _names(cfg, "search.cluster_mode")]
+    shapes: list[tuple[str, tuple[int, int] | None]] = [(m, None) for m in modes if m == "colocated"]
+    if "disaggregated" in modes:
+        shapes += [("disaggregated", s) for s in pd_splits(cfg)]
+    return [Point(hw, tp, pp, str(s), b, m, prices[hw], split)
             for hw in prices for tp in _ints(cfg, "search.tensor") for pp in _ints(cfg, "search.pipeline")
             for s in _names(cfg, "search.scheduler") for b in _ints(cfg, "search.max_num_batched_tokens", True)
-            for m in _names(cfg, "search.cluster_mode")]
+            for m, split in shapes]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +288,7 @@ class Search:
         self.attainment = float(cfg.capacity.attainment)
 
     def config(self, p: Point, replicas: int = 1, rate: float | None = None) -> DictConfig:
-        c = self.compose([*p.overrides(), f"cluster.replicas={replicas}"])
+        c = self.compose([*p.overrides(), *p.size_overrides(replicas)])
         if rate is not None:
             with open_dict(c):
                 c.workload.rate = rate
@@ -261,8 +320,13 @@ class Search:
         from sim.capacity import bisect_rate
         from sim.run import simulate_config
 
+        if p.split is not None and p.pipeline != 1:
+            p.status, p.reason = "skipped", (f"cluster.mode=disaggregated does not model pipeline parallelism "
+                                             f"(PP{p.pipeline}); P/D splits are searched at PP1")
+            return
+        unit = "one replica" if p.split is None else f"one P:D {p.split_text} unit"
         if p.gpus_per_replica > int(self.cfg.search.max_gpus):
-            p.status, p.reason = "over max_gpus", f"one replica needs {p.gpus_per_replica} GPUs > search.max_gpus"
+            p.status, p.reason = "over max_gpus", f"{unit} needs {p.gpus_per_replica} GPUs > search.max_gpus"
             return
         c = self.config(p)
         why = self.fits(p, c)
@@ -278,7 +342,7 @@ class Search:
 
         try:
             best, probes = bisect_rate(meets, float(c.capacity.low), float(c.capacity.high), float(c.capacity.rel_tol))
-        except (ValueError, KeyError) as e:  # a setting of this point the simulation refuses
+        except (ValueError, KeyError) as e:  # a setting of this point the simulation refuses (SettingError too)
             p.status, p.reason = "error", " ".join(str(e).split())[:300]
             return
         p.probes = len(probes)
@@ -293,7 +357,7 @@ class Search:
         p.status = "ok"
 
     def verify(self, p: Point) -> tuple[bool, Any, dict[str, Any], DictConfig]:
-        """Simulate the deployment (p.replicas replicas) at the target rate."""
+        """Simulate the deployment (p.replicas replicas or P:D units) at the target rate."""
         from sim.run import simulate_config
 
         assert p.replicas is not None
@@ -315,12 +379,12 @@ class Search:
             p = points[i]
             budget -= 1
             ok, res, row, c = self.verify(p)
-            self.log(f"check {p.label()} x{p.replicas} at {self.target:g} req/s: SLO attainment "
+            self.log(f"check {p.label()} {p.size_text()} at {self.target:g} req/s: SLO attainment "
                      f"{row['slo_attainment']:.1%} -> {'meets' if ok else 'misses'} the SLOs")
             if ok:
                 return p, res, row, c
             if (p.replicas + 1) * p.gpus_per_replica > max_gpus:
-                p.status, p.reason = "over max_gpus", (f"missed the SLOs at the target with {p.replicas} replicas; "
+                p.status, p.reason = "over max_gpus", (f"missed the SLOs at the target {p.size_text()}; "
                                                        f"one more exceeds search.max_gpus={max_gpus}")
                 continue
             p.replicas += 1
@@ -333,8 +397,9 @@ class Search:
             self.replica_capacity(p)
             if p.status == "ok":
                 bound = ">=" if p.capacity_at_top else ""
-                self.log(f"[{k}/{len(points)}] {p.label()}: one replica {bound}{p.replica_capacity:.3g} req/s -> "
-                         f"{p.replicas} replica(s), {p.gpus} GPUs, ${p.cost_per_hour:.2f}/h")
+                unit = "one replica" if p.split is None else "one unit"
+                self.log(f"[{k}/{len(points)}] {p.label()}: {unit} {bound}{p.replica_capacity:.3g} req/s -> "
+                         f"{p.size_text()}, {p.gpus} GPUs, ${p.cost_per_hour:.2f}/h")
             else:
                 self.log(f"[{k}/{len(points)}] {p.label()}: {p.status}: {p.reason}")
         return self.cheapest_verified(points)
@@ -344,7 +409,8 @@ class Search:
 # Output
 
 TABLE = [("hardware", "hardware"), ("tensor", "TP"), ("pipeline", "PP"), ("scheduler", "policy"),
-         ("budget", "budget"), ("replica_capacity", "replica req/s"), ("replicas", "replicas"), ("gpus", "GPUs"),
+         ("budget", "budget"), ("split", "P:D"), ("replica_capacity", "replica req/s"), ("replicas", "replicas"),
+         ("gpus", "GPUs"),
          ("cost_per_hour", "$/h"), ("capacity", "capacity req/s"), ("verified", "verified")]
 
 
@@ -356,6 +422,7 @@ def pareto_table(front: Sequence[Point], chosen: Point | None) -> str:
         r = p.row()
         rows.append({head: r[k] for k, head in TABLE})
         rows[-1]["budget"] = "default" if p.budget is None else p.budget
+        rows[-1]["P:D"] = p.split_text or "-"  # replicas of a split: units of P prefill + D decode instances
         bound = ">=" if p.capacity_at_top else ""  # the bisection's top met the SLOs
         rows[-1]["replica req/s"] = f"{bound}{p.replica_capacity:.3g}"
         rows[-1]["capacity req/s"] = f"{bound}{p.capacity:.3g}"
@@ -381,7 +448,7 @@ def plot_pareto(points: Sequence[Point], front: Sequence[Point], chosen: Point |
     same: dict[tuple[float, float], list[str]] = {}  # ties (e.g. two policies alike) share one label
     for p in front:
         same.setdefault((p.cost_per_hour, p.capacity), []).append(
-            f"{'>=' if p.capacity_at_top else ''}{p.label()} x{p.replicas}")
+            f"{'>=' if p.capacity_at_top else ''}{p.label()} {p.size_text()}")
     for xy, labels in same.items():
         ax.annotate("\n".join(labels), xy, fontsize=7, xytext=(4, -4), textcoords="offset points", va="top")
     if chosen is not None:
@@ -404,7 +471,7 @@ def sim_run_args(task: Sequence[str], cfg: DictConfig, p: Point) -> list[str]:
     args = [o for o in task if not o.split("=", 1)[0].lstrip("+~").startswith("search.")]
     if not any(o.split("=", 1)[0] == "workload.limit" for o in args):
         args.append(f"workload.limit={cfg.workload.limit}")
-    return [*args, *p.overrides(), f"cluster.replicas={p.replicas}", f"workload.rate={cfg.search.target_rate}"]
+    return [*args, *p.overrides(), *p.size_overrides(p.replicas), f"workload.rate={cfg.search.target_rate}"]
 
 
 @hydra.main(config_path=CONF, config_name="search", version_base="1.3")
@@ -432,7 +499,7 @@ def main(cfg: DictConfig) -> None:
         for line in left_out:
             print(f"note: {line}")
         points = grid(cfg, prices)
-        print(f"deployment search: {len(points)} replica designs for {cfg.search.target_rate:g} req/s, SLO "
+        print(f"deployment search: {len(points)} designs for {cfg.search.target_rate:g} req/s, SLO "
               f"{slo_text(cfg)} for {cfg.capacity.attainment:.0%} of requests, {cfg.sim_model.name}, "
               f"{cfg.workload.source} (limit {cfg.workload.limit})", flush=True)
         search = Search(cfg, lambda o: compose(config_name="search", overrides=[*task, *o]), hydra_labels(),
@@ -453,18 +520,20 @@ def main(cfg: DictConfig) -> None:
               "slo_tbt_s": cfg.slo.get("tbt_s"), "attainment": search.attainment, "model": cfg.sim_model.name,
               "trace": cfg.workload.source, "limit": cfg.workload.limit, "left_out": left_out,
               "cluster_modes_searched": list(_names(cfg, "search.cluster_mode")),
+              "pd_splits": [list(s) for s in pd_splits(cfg)] if "disaggregated" in _names(cfg, "search.cluster_mode")
+              else None,
               "chosen": None if chosen is None else {**chosen.row(), "checks": chosen.checks,
                                                      "sim_run": " ".join(sim_run_args(task, cfg, chosen))},
               "pareto": [p.row() for p in front]}
     (out / "search.json").write_text(json.dumps(result, indent=2, default=str))
-    print(f"\nPareto set (cost vs capacity; capacity = replicas x one replica's, estimated; "
+    print(f"\nPareto set (cost vs capacity; capacity = replicas x one replica's (P:D: units x one unit's), estimated; "
           f"{len(front)} of {sum(p.status == 'ok' for p in points)} deployments):")
     print(pareto_table(front, chosen))
     if chosen is None:
         print(f"\nno deployment was checked to meet the SLOs at {search.target:g} req/s "
               f"(search.max_verify={cfg.search.max_verify}, search.max_gpus={cfg.search.max_gpus}); see search.csv")
     else:
-        print(f"\ncheapest: {chosen.label()} x{chosen.replicas} replicas = {chosen.gpus} GPUs, "
+        print(f"\ncheapest: {chosen.label()} {chosen.size_text()} = {chosen.gpus} GPUs, "
               f"${chosen.cost_per_hour:.2f}/h; at {search.target:g} req/s SLO attainment "
               f"{chosen.verified_attainment:.1%} (simulated)")
         print(f"  python -m sim.run {result['chosen']['sim_run']}")

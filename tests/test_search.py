@@ -127,6 +127,80 @@ def test_a_replica_larger_than_max_gpus_is_left_out_unsimulated() -> None:
     assert p.status == "over max_gpus" and "8 GPUs" in p.reason and p.replicas is None
 
 
+# The P/D split: a100 alone, tight SLOs (prefill interference matters), PP1 and PP2 (PP2 is refused
+# by a disaggregated cluster). ~10 s.
+PD = ["workload.limit=200", "capacity.rel_tol=0.3", "search.hardware=[a100_80gb_sxm]", "search.tensor=[1]",
+      "search.scheduler=[chunked]", "search.max_num_batched_tokens=[512]", "slo.ttft_s=0.5", "slo.tpot_s=0.03"]
+
+
+def test_a_search_over_pd_splits_sizes_them_by_units_and_keeps_the_split(tmp_path) -> None:
+    out, target = tmp_path / "run", 5.0
+    res = run("sim.search", out, *PD, f"search.target_rate={target}", "search.pipeline=[1,2]",
+              "search.cluster_mode=[colocated,disaggregated]", "search.pd_splits=[[1,1],[2,1]]")
+    assert res.returncode == 0, res.stderr[-3000:]
+    table = pd.read_csv(out / "search.csv", keep_default_na=False, na_values=[""])
+    result = json.loads((out / "search.json").read_text())
+    assert sorted(zip(table["mode"], table.split.fillna(""), table.pipeline)) == sorted(
+        [("colocated", "", 1), ("colocated", "", 2), ("disaggregated", "1:1", 1), ("disaggregated", "2:1", 1),
+         ("disaggregated", "1:1", 2), ("disaggregated", "2:1", 2)])
+    skipped = table[table.status == "skipped"]
+    assert set(zip(skipped["mode"], skipped.pipeline)) == {("disaggregated", 2)} and len(skipped) == 2
+    assert skipped.reason.str.contains("pipeline parallelism").all() and skipped.replicas.isna().all()
+    pd_ok = table[(table["mode"] == "disaggregated") & (table.status == "ok")]
+    assert len(pd_ok) == 2, table[["split", "status", "reason"]]
+    # k units of P prefill + D decode instances, each TP GPUs; k = ceil(target / unit capacity).
+    P, D = zip(*(map(int, s.split(":")) for s in pd_ok.split))
+    k = pd_ok.replicas.to_numpy()
+    assert (k == [replicas_for(target, c) for c in pd_ok.replica_capacity]).all()
+    assert (pd_ok.prefill_replicas == k * P).all() and (pd_ok.decode_replicas == k * D).all()
+    assert (pd_ok.gpus == k * (pd.Series(P).to_numpy() + D) * pd_ok.tensor).all()
+    assert pd_ok.cost_per_hour.tolist() == pytest.approx((pd_ok.gpus * pd_ok.cost_per_gpu_hour).tolist())
+    assert pd_ok.capacity.tolist() == pytest.approx((k * pd_ok.replica_capacity).tolist())
+    # The Pareto set is over both modes; its rows and table carry the split.
+    front = pd.DataFrame(result["pareto"])
+    ok = table[table.status == "ok"]
+    for _, p in front.iterrows():
+        assert not dominated(p, ok), p.to_dict()
+    assert result["pd_splits"] == [[1, 1], [2, 1]] and "P:D" in res.stdout
+    # At 5 req/s the 2:1 unit (3 GPUs) has the most capacity short of the next colocated size: on the front.
+    assert (front["mode"] == "disaggregated").any(), front
+    for _, p in front[front["mode"] == "disaggregated"].iterrows():
+        assert p.split in ("1:1", "2:1") and p.prefill_replicas == p.replicas * int(p.split[0])
+
+
+def test_a_checked_pd_split_meets_the_slos_when_sim_run_replays_it(tmp_path) -> None:
+    out = tmp_path / "run"
+    res = run("sim.search", out, *PD, "search.target_rate=12", "search.cluster_mode=[disaggregated]",
+              "search.pd_splits=[[1,1],[2,1]]")
+    assert res.returncode == 0, res.stderr[-3000:]
+    chosen = json.loads((out / "search.json").read_text())["chosen"]
+    assert chosen["mode"] == "disaggregated" and chosen["verified"] is True and chosen["split"] in ("1:1", "2:1")
+    P, D = map(int, chosen["split"].split(":"))
+    cmd = chosen["sim_run"].split()
+    assert {"cluster.mode=disaggregated", f"cluster.prefill_replicas={chosen['replicas'] * P}",
+            f"cluster.decode_replicas={chosen['replicas'] * D}"} <= set(cmd)
+    assert f"python -m sim.run {chosen['sim_run']}" in res.stdout
+    verified = json.loads((out / "verified" / "summary.json").read_text())
+    again = run("sim.run", tmp_path / "again", *cmd)
+    assert again.returncode == 0, again.stderr[-2000:]
+    summary = json.loads((tmp_path / "again" / "summary.json").read_text())
+    assert summary["mode"] == "disaggregated" and summary["gpus"] == chosen["gpus"]
+    assert (summary["prefill_replicas"], summary["decode_replicas"]) == (chosen["prefill_replicas"],
+                                                                         chosen["decode_replicas"])
+    assert summary["slo_attainment"] >= 0.9 and summary["slo_attainment"] == verified["slo_attainment"]
+    assert summary["trace_num_returned"] == 200
+
+
+def test_a_pd_point_counts_its_units_gpus_and_settings() -> None:
+    p = Point("h100_sxm", 2, 1, "chunked", 512, "disaggregated", cost_per_gpu_hour=3.0, split=(3, 1))
+    p.replicas, p.replica_capacity = 2, 5.0
+    assert p.gpus_per_replica == 8 and p.gpus == 16 and p.cost_per_hour == 48.0 and p.capacity == 10.0
+    assert p.size_overrides(2) == ["cluster.prefill_replicas=6", "cluster.decode_replicas=2"]
+    assert "cluster.mode=disaggregated" in p.overrides() and "P:D 3:1" in p.label()
+    r = p.row()
+    assert (r["split"], r["prefill_replicas"], r["decode_replicas"], r["gpus"]) == ("3:1", 6, 2, 16)
+
+
 @given(st.lists(st.tuples(st.integers(1, 6), st.floats(0.5, 50)), min_size=1, max_size=25))
 def test_pareto_front_is_exactly_the_non_dominated_points(specs) -> None:
     points = []
@@ -160,7 +234,17 @@ BAD = [
     (["search.tensor=[0]"], "search.tensor"),
     (["search.max_num_batched_tokens=[]"], "search.max_num_batched_tokens"),
     (["search.target_rate=0"], "search.target_rate"),
-    (["search.cluster_mode=[disaggregated]"], "cluster.mode=disaggregated"),
+    (["search.cluster_mode=[shared]"], "search.cluster_mode holds 'shared'"),
+    (["search.cluster_mode=[colocated,colocated]"], "give each mode once"),
+    (["search.cluster_mode=[disaggregated]", "search.pd_splits=[[0,1]]"], "search.pd_splits holds [0, 1]"),
+    (["search.cluster_mode=[disaggregated]", "search.pd_splits=[[2]]"], "search.pd_splits holds [2]"),
+    (["search.cluster_mode=[disaggregated]", "search.pd_splits=[1,1]"], "search.pd_splits holds 1"),
+    (["search.cluster_mode=[disaggregated]", "search.pd_splits=[]"], "search.pd_splits"),
+    (["search.cluster_mode=[disaggregated]", "search.pd_splits=[[1,1],[1,1]]"], "twice"),
+    (["search.pd_splits=[[2,1]]"], "searches no P/D split"),  # given, but no disaggregated mode to use it
+    (["cluster.mode=disaggregated"], "search.cluster_mode"),  # the search sets the mode per point
+    (["cluster.prefill_replicas=2"], "search.pd_splits"),
+    (["cluster.decode.tensor=2"], "search.tensor"),  # the unit's price assumes the point's TP in both pools
     (["search.cost_per_gpu_hour={a40: -1}"], "cost_per_gpu_hour of a40"),
     (["slo.ttft_s=null", "slo.tpot_s=null"], "needs an SLO"),
 ]
