@@ -24,20 +24,26 @@ def _rank(r: Request) -> tuple[int, float]:
     return r.priority, r.arrival
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class RankedQueue:
-    """Waiting requests in (priority, arrival) order, ties in the order a deque would hold them
-    (appended at the back, preempted ones put back at the front): the order a stable sort of
-    that deque gives, kept sorted instead of sorted every step. O(log n) comparisons per
-    insertion or removal (bisection; the list move is a memmove)."""
+    """Waiting requests in rank order (here (priority, arrival); a subclass overrides `rank`),
+    ties in the order a deque would hold them (appended at the back, preempted ones put back at
+    the front): the order a stable sort of that deque gives, kept sorted instead of sorted every
+    step. O(log n) comparisons per insertion or removal (bisection; the list move is a memmove)."""
 
     def __init__(self) -> None:
-        self._keys: list[tuple[int, float, int]] = []
+        self._keys: list[tuple[float, float, int]] = []
         self._reqs: list[Request] = []
-        self._key_of: dict[int, tuple[int, float, int]] = {}
+        self._key_of: dict[int, tuple[float, float, int]] = {}
         self._seq = 0
 
+    def rank(self, req: Request) -> tuple[float, float]:
+        """Lower goes first; fixed while the request waits (it is read once, at insertion)."""
+        return float(req.priority), req.arrival
+
     def _insert(self, req: Request, seq: int) -> None:
-        key = (req.priority, req.arrival, seq)
+        r = self.rank(req)
+        key = (r[0], r[1], seq)
         i = bisect_right(self._keys, key)
         self._keys.insert(i, key)
         self._reqs.insert(i, req)

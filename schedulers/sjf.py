@@ -18,24 +18,17 @@ which can starve a long prompt under load.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, bisect_right
-from typing import Iterator
-
 from schedulers.chunked import ChunkedPolicy
+from schedulers.priority import RankedQueue
 from varlen.request import Request
 
 
-class ShortestFirstQueue:
-    """The waiting queue (schedulers.base.WaitingQueue) in rank order, kept sorted as requests
-    come and go; ties in the order a deque would hold them (a preempted request put back goes
-    before its equals)."""
+class ShortestFirstQueue(RankedQueue):
+    """The waiting queue (the priority policy's RankedQueue) in shortest-first order with aging."""
 
     def __init__(self, aging_rate: float) -> None:
+        super().__init__()
         self.aging_rate = aging_rate
-        self._keys: list[tuple[float, float, int]] = []
-        self._reqs: list[Request] = []
-        self._key_of: dict[int, tuple[float, float, int]] = {}
-        self._seq = 0
 
     def rank(self, req: Request) -> tuple[float, float]:
         """Lower goes first: arrival + prompt_len / aging_rate (seconds: the order of prompt_len -
@@ -43,55 +36,6 @@ class ShortestFirstQueue:
         if self.aging_rate > 0:
             return req.arrival + req.num_prompt_tokens / self.aging_rate, 0.0
         return float(req.num_prompt_tokens), req.arrival
-
-    def _insert(self, req: Request, seq: int) -> None:
-        key = (*self.rank(req), seq)
-        i = bisect_right(self._keys, key)
-        self._keys.insert(i, key)
-        self._reqs.insert(i, req)
-        self._key_of[id(req)] = key
-
-    def append(self, req: Request) -> None:
-        self._seq += 1
-        self._insert(req, self._seq)
-
-    def appendleft(self, req: Request) -> None:
-        self._seq += 1
-        self._insert(req, -self._seq)
-
-    def remove(self, req: Request) -> None:
-        key = self._key_of.pop(id(req), None)
-        if key is None:
-            raise ValueError(f"request {req.req_id!r} is not waiting")
-        i = bisect_left(self._keys, key)
-        del self._keys[i]
-        del self._reqs[i]
-
-    def popleft(self) -> Request:
-        req = self._reqs.pop(0)
-        del self._keys[0]
-        del self._key_of[id(req)]
-        return req
-
-    def clear(self) -> None:
-        self._keys.clear()
-        self._reqs.clear()
-        self._key_of.clear()
-
-    def __len__(self) -> int:
-        return len(self._reqs)
-
-    def __bool__(self) -> bool:
-        return bool(self._reqs)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._reqs)
-
-    def __getitem__(self, i: int) -> Request:
-        return self._reqs[i]
-
-    def __contains__(self, req: object) -> bool:
-        return id(req) in self._key_of
 
 
 class SJFPolicy(ChunkedPolicy):
