@@ -72,7 +72,7 @@ def test_batch_invariance_is_a_declared_capability(name):
 
 def test_the_model_gemms_follow_the_backends_option(tiny_model_dirs):
     """The model runner tiles the GEMMs when, and only when, the backend was built invariant."""
-    from varlen.model_runner import _tiled_linear
+    from varlen.linear_kernels import _tiled_linear
 
     def tiled(m):
         return any(getattr(lin.forward, "func", None) is _tiled_linear for lin in m.modules()

@@ -58,6 +58,7 @@ CASES = {
     "run-workload-path-missing": ("varlen.run", ["workload=prompts"], "workload.path"),
     "run-model-local-without-path": ("varlen.run", ["model=local"], "model.path"),
     "run-dir-under-a-file": ("varlen.run", ["hydra.run.dir={file}/out"], "hydra.run.dir"),
+    "run-linear-kernel-unknown": ("varlen.run", ["engine.linear_kernel=fast"], "engine.linear_kernel=fast"),
     "run-slo-not-a-number": ("varlen.run", ["slo.ttft_s=abc"], "slo.ttft_s"),
     "run-slo-negative": ("varlen.run", ["slo.tpot_s=-0.1"], "slo.tpot_s"),
     "run-empty-prompt-file": ("varlen.run", ["workload=prompts", "workload.path={empty}"], "no requests"),

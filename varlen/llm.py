@@ -73,6 +73,7 @@ class LLM:
         dtype: str | torch.dtype = "float32",
         device: str = "cpu",
         seed: int = 0,
+        linear_kernel: str = "auto",
         verbose: bool = False,
         setting_names: Mapping[str, str] | None = None,
         **allocator_options,
@@ -90,7 +91,7 @@ class LLM:
         s = self.settings = check_engine_settings(
             names=setting_names, block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            dtype=dtype, device=device, seed=seed)
+            dtype=dtype, device=device, seed=seed, linear_kernel=linear_kernel)
         self.device, self.dtype = s.device, s.dtype
         policy_spec = None
         if _subclass(type(scheduler), SchedulerPolicy):
@@ -160,7 +161,8 @@ class LLM:
             sizes = {k: getattr(s, k) for k in ("max_num_seqs", "max_num_batched_tokens") if getattr(s, k) is not None}
             engine = {"max_model_len": max_model_len, "block_size": block_size, "num_blocks": num_blocks}
             scheduler = registry.build("scheduler", policy_spec, context={"engine": engine}, **sizes)
-        self.runner = ModelRunner(hf, self.backend, block_size, num_blocks, self.dtype, self.device)
+        self.runner = ModelRunner(hf, self.backend, block_size, num_blocks, self.dtype, self.device,
+                                  linear_kernel=s.linear_kernel)
         self.executor = ModelExecutor(self.runner, scheduler.max_num_seqs, max_model_len, Sampler(s.seed))
         self.engine = Engine(scheduler, kv, self.executor, max_model_len=max_model_len,
                              eos_token_id=eos_token_ids(hf),

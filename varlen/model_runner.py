@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from varlen.attention_api import AttentionBackend, LayerAttention
 from varlen.batch import ForwardBatch
+from varlen.linear_kernels import ONEDNN, describe_linears, make_batch_invariant, pack_linears
 from varlen.model_attention import (ACTIVE_PROBE, AttentionProbe, UnsupportedModel, kv_window, read_model_attention,
                                     spec_from_call)
 
@@ -80,30 +79,6 @@ _QUIET = frozenset({"varlen_ctx", "position_ids", "cache_position", "use_cache",
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
     return None
-
-
-def _tiled_linear(layer: torch.nn.Linear, tile: int, x: torch.Tensor) -> torch.Tensor:
-    """A linear layer computed in GEMMs of exactly `tile` rows (the last one zero-padded).
-
-    GEMM libraries pick kernels and blockings by the matrix shape, so a row's result can change
-    with the number of rows beside it. With every call the same shape, each row goes through the
-    same kernel whatever the batch holds: this is what makes batch-invariant mode bitwise exact.
-    """
-    flat = x.reshape(-1, x.shape[-1])
-    n = flat.shape[0]
-    if n == 0:
-        return F.linear(x, layer.weight, layer.bias)
-    pad = -n % tile
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
-    out = torch.cat([F.linear(chunk, layer.weight, layer.bias) for chunk in flat.split(tile)])
-    return out[:n].reshape(*x.shape[:-1], -1)
-
-
-def make_batch_invariant(model: torch.nn.Module, tile: int = 16) -> None:
-    for m in model.modules():
-        if isinstance(m, torch.nn.Linear):
-            m.forward = partial(_tiled_linear, m, tile)
 
 
 def precomputed_masks(model: torch.nn.Module) -> dict[str, None] | None:
@@ -169,13 +144,19 @@ class ModelRunner:
     """Model + attention backend + paged KV cache: `execute(batch)` returns logits [M, vocab]."""
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module, backend: AttentionBackend, block_size: int,
-                 num_blocks: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 num_blocks: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 linear_kernel: str = "auto"):
         """`model` is a local HF folder, or a model already loaded by `load_model` (shared, e.g. by tests).
 
         A backend built with batch_invariant=True (its one option for it; the backends that have
         the mode declare it in `features`) computes attention per request, and the model's GEMMs
         get fixed shapes here: each request's logits are bitwise identical whatever else is in the
         batch, at a cost that benchmarks/ measures.
+
+        `linear_kernel` (varlen/linear_kernels.py): `auto` packs the linear layers' weights for
+        oneDNN where it serves this device and dtype and matches F.linear to rounding, else keeps
+        F.linear; `onednn` requires it (ValueError saying why not); `torch` keeps F.linear.
+        `self.linear_kernel` says what the model's linear layers run on.
         """
         self.device = torch.device(device)
         self.dtype = dtype
@@ -190,7 +171,17 @@ class ModelRunner:
         else:
             self.model = load_model(model, dtype, self.device)
         if backend.batch_invariant:
+            if linear_kernel == "onednn":
+                raise ValueError("linear_kernel=onednn: a batch-invariant backend computes the linear layers in "
+                                 "fixed 16-row tiles with F.linear; use linear_kernel=auto or torch")
             make_batch_invariant(self.model)
+        elif linear_kernel in ("auto", "onednn"):
+            got = pack_linears(self.model, self.device, dtype)
+            if linear_kernel == "onednn" and got != ONEDNN:
+                raise ValueError(f"linear_kernel=onednn: the linear layers run on {got}; "
+                                 f"use linear_kernel=auto or torch")
+        elif linear_kernel != "torch":
+            raise ValueError(f"linear_kernel={linear_kernel!r}: must be auto, onednn or torch")
         model_path = getattr(self.model.config, "_name_or_path", "model")
         cfg = self.model.config
         self.config = cfg
@@ -206,6 +197,11 @@ class ModelRunner:
         self.forward_kwargs: dict[str, Any] = {"attention_mask": masks} if masks is not None else {}
         self.kv_caches = backend.allocate_kv_cache(self.num_layers, num_blocks, block_size, self.num_kv_heads,
                                                    self.head_dim, dtype, self.device)
+
+    @property
+    def linear_kernel(self) -> str:
+        """What computes the model's linear layers (read from the model: see describe_linears)."""
+        return describe_linears(self.model)
 
     @property
     def kv_window(self) -> int | None:

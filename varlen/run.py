@@ -89,9 +89,9 @@ def serve(cfg: DictConfig) -> dict:
     llm = LLM(model=cfg.model.path, backend=_group(cfg, "backend"), scheduler=_group(cfg, "scheduler"),
               allocator=_group(cfg, "allocator"), block_size=e.block_size, num_blocks=e.num_blocks,
               kv_cache_memory=e.kv_cache_memory, max_model_len=e.max_model_len, dtype=e.dtype,
-              device=e.device, seed=e.seed, setting_names=CLI_NAMES)
+              device=e.device, seed=e.seed, linear_kernel=settings.linear_kernel, setting_names=CLI_NAMES)
     print(f"model {llm.model_path} | backend {llm.backend.name} | scheduler {llm.engine.policy.name} | "
-          f"allocator {type(llm.engine.kv).__name__}\n{llm.sizing}")
+          f"allocator {type(llm.engine.kv).__name__} | linear layers {llm.runner.linear_kernel}\n{llm.sizing}")
     s = cfg.sampling
     sampling = SamplingParams(max_tokens=opts.get("max_tokens", 16), temperature=s.temperature, top_k=s.top_k,
                               top_p=s.top_p, ignore_eos=s.ignore_eos)

@@ -23,7 +23,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
 
 #: How `python -m varlen.run` spells each setting (the scheduler's own two live in its group).
 CLI_NAMES = {k: f"engine.{k}" for k in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "dtype",
-                                          "device", "seed", "threads")}
+                                          "device", "seed", "threads", "linear_kernel")}
 CLI_NAMES.update(max_num_seqs="scheduler.max_num_seqs", max_num_batched_tokens="scheduler.max_num_batched_tokens")
 
 DEFAULT_MAX_NUM_SEQS = 64
@@ -44,6 +44,7 @@ class EngineSettings:
     device: torch.device
     seed: int
     threads: int | None  # torch CPU threads; None leaves torch's setting alone
+    linear_kernel: str  # auto | onednn | torch: what computes the model's linear layers (varlen/linear_kernels.py)
     names: Mapping[str, str] = field(default_factory=dict)
     given: Mapping[str, Any] = field(default_factory=dict)  # the values as given, for messages
 
@@ -90,6 +91,17 @@ def parse_memory(value: int | str, names: Mapping[str, str] | None = None) -> in
     return int(float(m.group(1)) * base ** " KMGTP".index(m.group(2).upper() or " "))
 
 
+#: auto: oneDNN with packed weights where it serves the device and dtype, else torch's F.linear (the
+#: run says which); onednn: that or an error; torch: F.linear always.
+LINEAR_KERNELS = ("auto", "onednn", "torch")
+
+
+def _choice(names: Mapping[str, str], key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise setting_error(names, key, value, f"must be one of {', '.join(choices)}")
+    return value
+
+
 def _dtype(names: Mapping[str, str], value: Any) -> torch.dtype:
     if isinstance(value, torch.dtype) and value.is_floating_point:
         return value
@@ -124,7 +136,7 @@ def _device(names: Mapping[str, str], value: Any) -> torch.device:
 def check_engine_settings(*, names: Mapping[str, str] | None = None, block_size: Any = 16, num_blocks: Any = None,
                           kv_cache_memory: Any = None, max_num_seqs: Any = None, max_num_batched_tokens: Any = None,
                           max_model_len: Any = None, dtype: Any = "float32", device: Any = "cpu", seed: Any = 0,
-                          threads: Any = None) -> EngineSettings:
+                          threads: Any = None, linear_kernel: Any = "auto") -> EngineSettings:
     """Every engine setting checked; the first bad one raises its one-line ValueError."""
     names = dict(names or {})
     memory = None
@@ -143,6 +155,7 @@ def check_engine_settings(*, names: Mapping[str, str] | None = None, block_size:
         dtype=_dtype(names, dtype), device=_device(names, device),
         seed=_int(names, "seed", seed, 0, high=2**64),  # type: ignore[arg-type]
         threads=_int(names, "threads", threads, 1, optional=True, fix="the number of CPU threads torch may use"),
+        linear_kernel=_choice(names, "linear_kernel", linear_kernel, LINEAR_KERNELS),
         names=names,
         given=dict(kv_cache_memory=kv_cache_memory, num_blocks=num_blocks, max_model_len=max_model_len))
 
@@ -154,7 +167,8 @@ def check_cli_settings(cfg: Any) -> EngineSettings:
     return check_engine_settings(
         names=CLI_NAMES, block_size=e.block_size, num_blocks=e.num_blocks, kv_cache_memory=e.kv_cache_memory,
         max_num_seqs=sched.get("max_num_seqs"), max_num_batched_tokens=sched.get("max_num_batched_tokens"),
-        max_model_len=e.max_model_len, dtype=e.dtype, device=e.device, seed=e.seed, threads=e.threads)
+        max_model_len=e.max_model_len, dtype=e.dtype, device=e.device, seed=e.seed, threads=e.threads,
+        linear_kernel=e.linear_kernel)
 
 
 def available_memory(device: torch.device) -> int | None:
