@@ -327,9 +327,10 @@ class GpuOperatorModel:
 
     GEMMs: at each number of rows M, the achieved FLOP/s of every profiled GEMM (each model's
     four layer GEMMs at each TP degree: N x K from ~1k x 1k to ~57k x 8k); a new (N, K) gets a
-    kernel-weighted local linear fit of their log FLOP/s in (log2 N, log2 K). Small M is
-    weight-read bound, large M compute bound; the curve carries both, per GPU. A shape profiled
-    at other TP degrees also carries their departure from that fit (`layer_gemm_ms`).
+    blend of a kernel-weighted local linear fit of their log FLOP/s in (log2 N, log2 K) and a
+    fixed cost plus a throughput in N x K (`affine_weight`). Small M is weight-read bound, large
+    M compute bound; the curves carry both, per GPU. A shape profiled at other TP degrees also
+    carries their departure from that fit (`layer_gemm_ms`).
     Element-wise operators: the same shape's own at other TP degrees where the row is as wide,
     else the profiled times at the same number of elements (M x width), weighted by distance in
     log2 width.
@@ -366,7 +367,13 @@ class GpuOperatorModel:
         self._res: dict[tuple[ModelKey, str], tuple[np.ndarray, np.ndarray]] = {}
 
     def _fit_logeff(self, n: int, k: int) -> np.ndarray:
-        """log FLOP/s of an N x K GEMM on the grid of rows, from every profiled GEMM on this GPU."""
+        """log FLOP/s of an N x K GEMM on the grid of rows, from every profiled GEMM on this GPU:
+        the local fit and the affine one, weighted by `affine_weight`."""
+        lam = self.affine_weight
+        local = self._local_logeff(n, k)
+        return local if lam == 0.0 else lam * self._affine_logeff(n, k) + (1.0 - lam) * local
+
+    def _local_logeff(self, n: int, k: int) -> np.ndarray:
         # Kernel-weighted local linear fit of log FLOP/s in (log2 N, log2 K) at every M of the grid
         # (a ridge keeps the slopes sane where few shapes are near): unlike a weighted mean it
         # follows the trend when asked for a larger GEMM than any profiled (70B on a GPU where
@@ -376,6 +383,54 @@ class GpuOperatorModel:
         X = np.c_[np.ones(len(x)), x]
         A = X.T @ (w[:, None] * X) + GEMM_RIDGE * w.sum() * np.diag([0.0, 1.0, 1.0])
         return np.linalg.solve(A, X.T @ (w[:, None] * self._g_logeff))[0]
+
+    @functools.cached_property
+    def _affine(self) -> tuple[np.ndarray, np.ndarray]:
+        """At each M of the grid, time = (c0 + c1 x N K) x M: a fixed cost and a throughput,
+        least squares in relative error over every profiled GEMM (c0, c1 >= 0)."""
+        nk = np.array([n * k for n, k in self._g_dims], dtype=np.float64)
+        t = nk[:, None] / np.exp(self._g_logeff)  # time / (2 M), per GEMM and M
+        u, v = 1.0 / t, nk[:, None] / t  # each column scaled to ~1 before the 2 x 2 solve
+        su, sv = u.mean(axis=0), v.mean(axis=0)
+        u, v = u / su, v / sv
+        uu, uv, vv = (u * u).sum(0), (u * v).sum(0), (v * v).sum(0)
+        ru, rv = u.sum(0), v.sum(0)
+        det = uu * vv - uv * uv
+        ok = det > 1e-9 * uu * vv
+        c0 = np.where(ok, (ru * vv - rv * uv) / np.where(ok, det, 1.0), 0.0)
+        c1 = np.where(ok, (rv * uu - ru * uv) / np.where(ok, det, 1.0), rv / vv)
+        c1 = np.where(c0 < 0, rv / vv, c1)  # no fixed cost fits better than a negative one
+        c0 = np.maximum(c0, 0.0)
+        c0 = np.where(c1 < 0, ru / uu, c0)
+        c1 = np.maximum(c1, 0.0)
+        return c0 / su, c1 / sv
+
+    def _affine_logeff(self, n: int, k: int) -> np.ndarray:
+        c0, c1 = self._affine
+        return np.log(n * k / (c0 + c1 * (n * k)))
+
+    @functools.cached_property
+    def affine_weight(self) -> float:
+        """How much of the affine fit to blend into the local one: the local fit extrapolates a
+        trend in log FLOP/s (too slow for a GEMM larger than any profiled, too fast for a tiny
+        one), the affine one saturates; each is off where the other holds. Fitted leaving each
+        profiled shape out in turn and predicting its GEMMs from the others (least squares in log
+        FLOP/s, within [0, 1]); 0 (the local fit) with fewer than two shapes to do so."""
+        keys = {t.key for t in self.tables}
+        num = den = 0.0
+        for key in keys if len(keys) > 1 else ():
+            rest = GpuOperatorModel(self.gpu, [t for t in self.tables if t.key != key])
+            for t in self.tables:
+                if t.key != key:
+                    continue
+                for tp, (tok, times) in t.by_tp.items():
+                    for op, (n, k) in gemm_dims(key, key.head_dim, tp).items():
+                        got = np.interp(np.log(rest._g_grid), np.log(tok), np.log(2.0 * tok * n * k / (times[op] * 1e-3)))
+                        local = rest._local_logeff(n, k)
+                        d = rest._affine_logeff(n, k) - local
+                        num += float((got - local) @ d)
+                        den += float(d @ d)
+        return min(max(num / den, 0.0), 1.0) if den > 0 else 0.0
 
     def _ms(self, m: ArrayLike, n: int, k: int, logeff: np.ndarray) -> np.ndarray:
         m = np.maximum(np.asarray(m, dtype=np.float64), 1.0)
