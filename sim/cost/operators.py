@@ -386,7 +386,7 @@ class GpuOperatorModel:
 
     @functools.cached_property
     def _affine(self) -> tuple[np.ndarray, np.ndarray]:
-        """At each M of the grid, time = (c0 + c1 x N K) x M: a fixed cost and a throughput,
+        """At each M of the grid, time / (2 M) = c0 + c1 x N K: a fixed cost and a throughput,
         least squares in relative error over every profiled GEMM (c0, c1 >= 0)."""
         nk = np.array([n * k for n, k in self._g_dims], dtype=np.float64)
         t = nk[:, None] / np.exp(self._g_logeff)  # time / (2 M), per GEMM and M
