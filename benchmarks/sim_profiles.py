@@ -1,12 +1,17 @@
 """Leave-one-out validation of the measured cost model over the shipped operator tables.
 
-Each model shape on each GPU is held out (every TP degree of it, and any other model of the same
-shape: Llama-2-70B and Llama-3-70B share theirs) and predicted from the other models profiled on
-that GPU, the way `cost.model=measured` predicts a model it has no table for. Errors are
-|predicted / measured - 1| per operator group and token range, next to the roofline's error on
-the same points (the roofline of the sharded shape at the hardware spec's efficiencies).
-All-reduce: each node's measured all-reduce curve is predicted as a ring over the node's
-send/recv table (what the model does for a worker count or node without an all-reduce table).
+Two scenarios, each over every table (model, GPU, TP degree):
+- held-out table (the issue's leave-one-out): that one table hidden (with any other model of the
+  same shape at that TP degree: Llama-2-70B and Llama-3-70B share theirs), predicted from every
+  other table on that GPU, the same shape's other TP degrees included -- what `cost.model=measured`
+  does for a TP degree not profiled on that GPU (TP 16, or TP 2 where only 1, 4, 8 were);
+- held-out model shape (stricter): the shape hidden at every TP degree, predicted from the other
+  models profiled on that GPU -- what it does for a model not profiled there.
+Errors are |predicted / measured - 1| per operator group and token range, next to the roofline's
+error on the same points (the roofline of the sharded shape at the hardware spec's efficiencies).
+All-reduce: each profiled size of each node's curves interpolated from the others, and each
+worker count's whole curve predicted as for a count without a table (another count's curve
+scaled, else a ring over the node's send/recv).
 
     python benchmarks/sim_profiles.py            # prints the tables; --json PATH also writes them
     python benchmarks/sim_profiles.py --parallel # TP/PP sanity table of the 70B models (simulates the trace)
@@ -64,9 +69,18 @@ def roofline_layer_ms(hw: HardwareSpec, key, tp: int, m: np.ndarray) -> np.ndarr
     return np.maximum(2.0 * params * m / hw.flops, ((params + 2 * key.hidden) * d + act * m) / hw.bandwidth) * 1e3
 
 
-def operator_errors(cases: list[dict] | None = None) -> dict[tuple[str, int], dict[str, list[np.ndarray]]]:
-    """|error| per (operator group, token range) and predictor; `cases` (if given) gets one row
-    per (GPU, held-out table, TP) with the whole layer's signed error where it is largest."""
+SCENARIOS = {
+    "held_out_table": "Tables held out one at a time (one model shape at one TP degree on one GPU), predicted from "
+                      "every other table on that GPU, the same shape's other TP degrees included",
+    "held_out_shape": "Model shapes held out (every TP degree 1, 2, 4, 8 of it), predicted from the GEMM shapes of "
+                      "the other models profiled on the same GPU",
+}
+
+
+def operator_errors(scenario: str, cases: list[dict] | None = None) -> dict[tuple[str, int], dict[str, list[np.ndarray]]]:
+    """|error| per (operator group, token range) and predictor, each table predicted with
+    `scenario`'s tables hidden (SCENARIOS); `cases` (if given) gets one row per (GPU, held-out
+    table, TP) with the whole layer's signed error where it is largest."""
     prof = load_profiles()
     errs: dict[tuple[str, int], dict[str, list[np.ndarray]]] = defaultdict(lambda: defaultdict(list))
     for gpu in prof.gpus:
@@ -74,7 +88,9 @@ def operator_errors(cases: list[dict] | None = None) -> dict[tuple[str, int], di
         for t in prof.compute(gpu):
             hd = t.key.head_dim
             for tp, (tok, times) in t.by_tp.items():
-                pred, _ = layer_op_ms(prof, gpu, t.key, hd, tp, tok, exclude=(t.key,))
+                # Llama-2-70B and Llama-3-70B share one shape: hiding one hides both.
+                held = (t.key, tp) if scenario == "held_out_table" else t.key
+                pred, _ = layer_op_ms(prof, gpu, t.key, hd, tp, tok, exclude=(held,))
                 dims = gemm_dims(t.key, hd, tp)
                 for g, ops in GROUPS.items():
                     ops = [o for o in ops if o in times]
@@ -88,7 +104,7 @@ def operator_errors(cases: list[dict] | None = None) -> dict[tuple[str, int], di
                     if cases is not None and g.startswith("layer"):
                         e = p / meas - 1
                         i = int(np.abs(e).argmax())
-                        cases.append({"gpu": gpu, "model": t.name, "tp": tp, "median_pct": float(np.median(np.abs(e))) * 100,
+                        cases.append({"scenario": scenario, "gpu": gpu, "model": t.name, "tp": tp, "median_pct": float(np.median(np.abs(e))) * 100,
                                       "max_pct": float(e[i]) * 100, "at_tokens": int(tok[i])})
                     for lo, hi in RANGES:
                         sel = (tok >= lo) & (tok <= hi)
@@ -139,18 +155,19 @@ def main() -> None:
         parallel_table(args.limit)
         return
     rows = []
-    rows += operator_table()
+    for scenario in SCENARIOS:
+        rows += operator_table(scenario)
+        print()
     all_reduce(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
 
 
-def operator_table() -> list[dict]:
+def operator_table(scenario: str) -> list[dict]:
     cases: list[dict] = []
-    errs = operator_errors(cases)
+    errs = operator_errors(scenario, cases)
     rows: list[dict] = []
-    print("Model shapes held out (every TP degree 1, 2, 4, 8 of it), predicted from the GEMM shapes of the "
-          "other models profiled on the same GPU (a100, h100, a40); |error| in %")
+    print(f"{SCENARIOS[scenario]} (a100, h100, a40); |error| in %")
     print(f"{'operator group':<26}{'tokens':>11}{'points':>8}{'measured med':>14}{'p95':>6}{'max':>7}"
           f"{'roofline med':>14}{'p95':>6}{'max':>7}")
     for g in GROUPS:
@@ -165,7 +182,7 @@ def operator_table() -> list[dict]:
                     continue
             n, med, p95, mx = _stats(e["measured"])
             r = _stats(e["roofline"]) if e.get("roofline") else None
-            rows.append({"scenario": "held_out_shape", "group": g, "tokens": label, "points": n,
+            rows.append({"scenario": scenario, "group": g, "tokens": label, "points": n,
                          "measured_median_pct": med, "measured_p95_pct": p95, "measured_max_pct": mx,
                          "roofline_median_pct": r[1] if r else None, "roofline_p95_pct": r[2] if r else None,
                          "roofline_max_pct": r[3] if r else None})
@@ -176,12 +193,12 @@ def operator_table() -> list[dict]:
     print(f"{'gpu':<6}{'held-out table':<30}{'TP':>4}{'median %':>10}{'worst %':>9}{'at tokens':>11}")
     for c in sorted(cases, key=lambda c: -abs(c["max_pct"]))[:12]:
         print(f"{c['gpu']:<6}{c['model']:<30}{c['tp']:>4}{c['median_pct']:>10.1f}{c['max_pct']:>+9.1f}{c['at_tokens']:>11}")
-        rows.append({"scenario": "worst_case", **c})
+        rows.append({"worst_case": True, **c})
     return rows
 
 
 def all_reduce(rows: list[dict]) -> None:
-    print("\nAll-reduce (TP groups inside a node): |error| in %; 'size': each profiled size left out and "
+    print("All-reduce (TP groups inside a node): |error| in %; 'size': each profiled size left out and "
           "interpolated (a held-out model's case); 'workers': the worker count's whole table left out")
     print(f"{'node':<22}{'workers':>8}{'points':>8}{'size med':>10}{'max':>8}{'workers med':>13}{'max':>8}")
     by: dict[tuple[str, int], dict[str, np.ndarray]] = defaultdict(dict)

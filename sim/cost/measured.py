@@ -5,9 +5,10 @@ What is measured and what is predicted, per GPU:
 - the layer's non-attention operators (QKV / output / MLP GEMMs, norms, rotary, activation,
   residual adds, embedding): read from the table of a profiled model with the same shape at that
   TP degree, interpolated in tokens; for a shape or TP degree not profiled on that GPU, predicted
-  from the profiled operators of other models on the same GPU (GEMMs by their achieved FLOP/s
-  at the same number of rows, interpolated over the weight shape N x K; element-wise operators
-  at the same number of elements, over the row width). Flagged `predicted`.
+  from every table on the same GPU (GEMMs by their achieved FLOP/s at the same number of rows,
+  interpolated over the weight shape N x K, plus the steps of the same shape's tables at other
+  TP degrees where there are some; element-wise operators at the same number of elements, over
+  the row width). Flagged `predicted`, naming the TP degrees of the shape it used.
 - the LM head: always a GEMM predicted from its shape (the tables do not time it).
 - attention: the roofline (FLOPs and KV bytes at the hardware's efficiencies) -- ESTIMATED, no
   attention timings exist for the shipped GPUs; where sim.profile timed the project's attention
@@ -56,7 +57,9 @@ class MeasuredCostModel(CostModel):
                  hardware: str | os.PathLike | Mapping[str, Any] | HardwareSpec = "h100_sxm",
                  profiles: str | os.PathLike | None = None, tensor: int = 1, pipeline: int = 1,
                  dtype_bytes: int | None = None, overhead_s: float | None = None,
-                 exclude: tuple[ModelKey, ...] = (), engine_overhead: bool = True):
+                 exclude: tuple[Any, ...] = (), engine_overhead: bool = True):
+        # exclude: tables hidden from the prediction (validation): a ModelKey (the shape at every TP
+        # degree) or (ModelKey, tp).
         cfg = load_model_config(model_config)
         self.shape = m = ModelShape.from_config(cfg)
         self.hardware = hw = HardwareSpec.coerce(hardware)
