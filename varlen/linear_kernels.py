@@ -9,7 +9,8 @@ for every linear layer) is 1.5-3.8x faster at decode-sized batches (8-128 rows) 
 The swap replaces each linear module's `forward`, never the model's code or its weights (the dense
 weight stays: tied embeddings and batch-invariant mode read it). It is checked before it is used:
 a layer whose packed result differs from `F.linear` beyond rounding keeps `F.linear`, and the
-runner reports which kernel each run used (`ModelRunner.linear_kernel`).
+runner reports which kernel each run used (`ModelRunner.linear_kernel`). The packed copy is one
+more copy of the linear weights in memory; `linear_kernel=torch` avoids it.
 """
 
 from __future__ import annotations
