@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import defaultdict
 from typing import Sequence
 
 import numpy as np
 
-from varlen.batch import BatchBuffers
+from varlen.batch import BatchBuffers, ForwardBatch
 from varlen.engine import Executor
 from varlen.kv.base import KVAllocator
 from varlen.model_runner import ModelRunner
@@ -31,6 +32,8 @@ class ModelExecutor(Executor):
         # bookkeeping): tokens written to the buffer, and blocks of the table copied to it.
         self.tokens_written = [0] * max_num_seqs
         self.blocks_written = [0] * max_num_seqs
+        # Per row: the positions whose block ids are in the buffer (blocks_written * block_size).
+        self.slots_covered = [0] * max_num_seqs
         self.timings: dict[str, float] = defaultdict(float)  # wall seconds per phase
         self._checked_kv: KVAllocator | None = None
         self._pending: tuple[list[int], list[int], list[int]] = ([], [], [])  # decode tokens to write: rows, columns, ids
@@ -40,7 +43,7 @@ class ModelExecutor(Executor):
         if row is None:
             row = self.rows[req.req_id] = self.free_rows.pop()
             self.tokens_written[row] = 0
-            self.blocks_written[row] = 0
+            self.blocks_written[row] = self.slots_covered[row] = 0
             self.buffers.num_blocks[row] = 0
         written = self.tokens_written[row]
         num_tokens = req.num_tokens
@@ -54,18 +57,42 @@ class ModelExecutor(Executor):
             else:
                 self.buffers.set_tokens(row, written, req.token_ids(written))
             self.tokens_written[row] = num_tokens
+        self._copy_blocks(req, row, kv)
+        return row
+
+    def _copy_blocks(self, req: Request, row: int, kv: KVAllocator) -> None:
+        """Bring the buffer's copy of `req`'s block table up to date."""
         table = kv.block_table(req)
         have = self.blocks_written[row]
-        if len(table) != have:  # blocks are only ever appended while a request holds its row
-            self.buffers.block_tables[row, have:len(table)] = table[have:]
-            self.buffers.num_blocks[row] = self.blocks_written[row] = len(table)
-        return row
+        n = len(table)
+        if n != have:  # blocks are only ever appended while a request holds its row
+            added = table[have:]
+            pool = self.runner.num_blocks
+            if min(added) < 0 or max(added) >= pool:  # so every id in the buffer, stale or not, is in the pool
+                raise ValueError(f"request {req.req_id!r} has block ids outside the pool [0, {pool}): "
+                                 f"{[int(b) for b in table]} (a bug of the KV allocator)")
+            self.buffers.block_tables[row, have:n] = added
+            self.buffers.num_blocks[row] = self.blocks_written[row] = n
+            self.slots_covered[row] = n * self.runner.block_size
 
     def execute(self, scheduled: Sequence[tuple[Request, int]], kv: KVAllocator) -> list[int | None]:
         if kv is not self._checked_kv:  # an allocator that frees K/V early must match the model
             self.runner.check_kv_allocator(kv)
             self._checked_kv = kv
         t0 = time.perf_counter()
+        decode = self._decode_step(scheduled, kv)
+        if decode is not None:
+            batch, sampled_reqs = decode
+            t1 = time.perf_counter()
+            logits = self.runner.execute(batch)
+            t2 = time.perf_counter()
+            out: list[int | None] = list(self.sampler.sample(logits, sampled_reqs))
+            t3 = time.perf_counter()
+            timings = self.timings
+            timings["batch_build"] += t1 - t0
+            timings["forward"] += t2 - t1
+            timings["sample"] += t3 - t2
+            return out
         # One pass over the requests, plain lists, one array each: the per-step Python is most
         # of a small model's step overhead.
         rows, cached, new, wants, sampled_reqs = [], [], [], [], []
@@ -92,7 +119,7 @@ class ModelExecutor(Executor):
         t2 = time.perf_counter()
         sampled = self.sampler.sample(logits, sampled_reqs)
         if len(sampled) == len(wants):  # every request sampled (a decode step)
-            out: list[int | None] = list(sampled)
+            out = list(sampled)
         else:
             tokens = iter(sampled)
             out = [next(tokens) if w else None for w in wants]
@@ -101,6 +128,41 @@ class ModelExecutor(Executor):
         self.timings["forward"] += t2 - t1
         self.timings["sample"] += t3 - t2
         return out
+
+    def _decode_step(self, scheduled: Sequence[tuple[Request, int]],
+                     kv: KVAllocator) -> tuple[ForwardBatch, list[Request]] | None:
+        """The batch of a pure-decode step (most steps of a serving loop), or None if this is not
+        one: every request brings one new token, its last known one (so its logits are wanted),
+        on a buffer row it already holds, whose table covers that token's position.
+
+        No Python call per request and a dozen array operations in all: each list below is one
+        comprehension. A decode's token is not written to the buffer (tokens_written stays
+        behind; the next step of that row that is not a decode writes from there), the block
+        table is copied only for rows whose new token starts a block not yet copied, and block
+        ids are checked as they are copied (so every id in the buffer is in the pool). The batch is BatchBuffers.build's for the same
+        step (tests/test_incremental_batch.py replays random serving runs against a rebuild).
+        """
+        n = len(scheduled)
+        if [m for _, m in scheduled].count(1) != n:
+            return None
+        reqs = [r for r, _ in scheduled]
+        rows = list(map(self.rows.get, [r.req_id for r in reqs]))
+        if None in rows:
+            return None
+        ks = [r.num_computed_tokens for r in reqs]
+        if list(map(operator.sub, [r.num_tokens for r in reqs], ks)).count(1) != n:
+            return None  # some request's token is not its last one: a prompt's chunk of one
+        covered = self.slots_covered
+        lack = list(map(operator.ge, ks, [covered[row] for row in rows]))
+        if True in lack:  # a new token starts a block: every block_size steps per request
+            for i in [i for i, x in enumerate(lack) if x]:
+                row = rows[i]
+                self._copy_blocks(reqs[i], row, kv)
+                if ks[i] >= covered[row]:
+                    return None  # the table is short: the checked path says so
+        # The token at position num_tokens - 1: the last output token, or the prompt's last.
+        ints = np.array((rows, ks, [(r.output_token_ids or r.prompt_token_ids)[-1] for r in reqs]), np.int64)
+        return self.buffers.decode_batch(ints[0], ints[1], ints[2], self.runner.block_size), reqs
 
     def release(self, req: Request) -> None:
         row = self.rows.pop(req.req_id, None)
