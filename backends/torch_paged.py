@@ -154,6 +154,15 @@ def work_units(batch: ForwardBatch, tile: int, skip: np.ndarray | None = None) -
     return np.ascontiguousarray(units[np.argsort(-(end - first) * keys, kind="stable")])
 
 
+def decode_units(seq_lens: np.ndarray) -> np.ndarray:
+    """work_units of a pure-decode step (one query row per request), in four array operations:
+    the same units in the same order (tests/test_torch_paged.py)."""
+    units = np.zeros((len(seq_lens), 3), dtype=np.int32)
+    units[:, 0] = np.argsort(-seq_lens.astype(np.int64), kind="stable")
+    units[:, 2] = 1
+    return units
+
+
 def to_nhd(cache: torch.Tensor) -> torch.Tensor:
     """This backend's cache as the default [2, num_blocks, block_size, Hkv, D] layout (a copy)."""
     _, nb, hkv, bs, d = cache.shape
@@ -233,11 +242,17 @@ class TorchPagedBackend(AttentionBackend):
         qsl = np.ascontiguousarray(batch.query_start_loc, dtype=np.int32)
         lens = np.ascontiguousarray(batch.seq_lens, dtype=np.int32)
         tables = np.ascontiguousarray(batch.block_tables, dtype=np.int32)
+        long: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = []
+        if batch.max_query_len == 1:  # a pure decode step (most steps): no request for SDPA
+            units = decode_units(lens)
+            return PagedMetadata(slot_mapping=slots, batch=batch, arrays=(qsl, lens, tables, units), long=long,
+                                 pointers=(qsl.ctypes.data, lens.ctypes.data, tables.ctypes.data, units.ctypes.data),
+                                 bt_stride=tables.shape[1], num_units=units.shape[0],
+                                 blocks=slots // batch.block_size, offsets=slots % batch.block_size)
         q_lens = np.diff(qsl)
         is_long = q_lens >= LONG_SDPA_MIN
         units = work_units(batch, lib.varlen_paged_attention_tile(), skip=is_long)
         arrays = (qsl, lens, tables, units)
-        long = []
         for i in np.flatnonzero(is_long):
             start, end, L = int(qsl[i]), int(qsl[i + 1]), int(lens[i])
             if end - start == L:
