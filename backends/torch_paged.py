@@ -200,6 +200,12 @@ class PagedMetadata(AttentionMetadata):
     offsets: torch.Tensor | None = None  # [N] its offset in that block
 
 
+def _blocks_and_offsets(batch: ForwardBatch, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each new token's cache block and offset in it (one numpy divmod: a third of two torch ops)."""
+    blocks, offsets = np.divmod(batch.slot_mapping, batch.block_size)
+    return torch.from_numpy(blocks).to(device), torch.from_numpy(offsets).to(device)
+
+
 class TorchPagedBackend(AttentionBackend):
     name = "torch_paged"
     devices = ("cpu",)
@@ -245,26 +251,26 @@ class TorchPagedBackend(AttentionBackend):
         long: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = []
         if batch.max_query_len == 1:  # a pure decode step (most steps): no request for SDPA
             units = decode_units(lens)
+            blocks, offsets = _blocks_and_offsets(batch, device)
             return PagedMetadata(slot_mapping=slots, batch=batch, arrays=(qsl, lens, tables, units), long=long,
                                  pointers=(qsl.ctypes.data, lens.ctypes.data, tables.ctypes.data, units.ctypes.data),
-                                 bt_stride=tables.shape[1], num_units=units.shape[0],
-                                 blocks=slots // batch.block_size, offsets=slots % batch.block_size)
+                                 bt_stride=tables.shape[1], num_units=units.shape[0], blocks=blocks, offsets=offsets)
         q_lens = np.diff(qsl)
         is_long = q_lens >= LONG_SDPA_MIN
         units = work_units(batch, lib.varlen_paged_attention_tile(), skip=is_long)
         arrays = (qsl, lens, tables, units)
+        blocks, offsets = _blocks_and_offsets(batch, device)
         for i in np.flatnonzero(is_long):
             start, end, L = int(qsl[i]), int(qsl[i + 1]), int(lens[i])
             if end - start == L:
                 long.append((start, end, L, None, None))
             else:
                 visible = np.arange(L)[None, :] <= np.arange(L - (end - start), L)[:, None]
-                blocks = torch.from_numpy(tables[i, : -(-L // batch.block_size)].astype(np.int64))
-                long.append((start, end, L, blocks.to(device), torch.from_numpy(visible).to(device)))
+                context = torch.from_numpy(tables[i, : -(-L // batch.block_size)].astype(np.int64))
+                long.append((start, end, L, context.to(device), torch.from_numpy(visible).to(device)))
         return PagedMetadata(slot_mapping=slots, batch=batch, arrays=arrays, long=long,
                              pointers=tuple(a.ctypes.data for a in arrays), bt_stride=tables.shape[1],
-                             num_units=units.shape[0], blocks=slots // batch.block_size,
-                             offsets=slots % batch.block_size)
+                             num_units=units.shape[0], blocks=blocks, offsets=offsets)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: PagedMetadata, scale: float) -> torch.Tensor:

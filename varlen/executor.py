@@ -162,7 +162,7 @@ class ModelExecutor(Executor):
                     return None  # the table is short: the checked path says so
         # The token at position num_tokens - 1: the last output token, or the prompt's last.
         ints = np.array((rows, ks, [(r.output_token_ids or r.prompt_token_ids)[-1] for r in reqs]), np.int64)
-        return self.buffers.decode_batch(ints[0], ints[1], ints[2], self.runner.block_size), reqs
+        return self.buffers.decode_batch(ints[0], ints[1], ints[2], self.runner.block_size, max(ks)), reqs
 
     def release(self, req: Request) -> None:
         row = self.rows.pop(req.req_id, None)
