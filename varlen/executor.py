@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 import time
 from collections import defaultdict
 from typing import Sequence
@@ -10,7 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from varlen.batch import BatchBuffers, ForwardBatch
-from varlen.engine import Executor
+from varlen.engine import Executor, decode_inputs
 from varlen.kv.base import KVAllocator
 from varlen.model_runner import ModelRunner
 from varlen.request import Request
@@ -68,7 +67,7 @@ class ModelExecutor(Executor):
         if n != have:  # blocks are only ever appended while a request holds its row
             added = table[have:]
             pool = self.runner.num_blocks
-            if min(added) < 0 or max(added) >= pool:  # so every id in the buffer, stale or not, is in the pool
+            if n > have and (min(added) < 0 or max(added) >= pool):  # so every id in the buffer is in the pool
                 raise ValueError(f"request {req.req_id!r} has block ids outside the pool [0, {pool}): "
                                  f"{[int(b) for b in table]} (a bug of the KV allocator)")
             self.buffers.block_tables[row, have:n] = added
@@ -135,33 +134,25 @@ class ModelExecutor(Executor):
         one: every request brings one new token, its last known one (so its logits are wanted),
         on a buffer row it already holds, whose table covers that token's position.
 
-        No Python call per request and a dozen array operations in all: each list below is one
-        comprehension. A decode's token is not written to the buffer (tokens_written stays
-        behind; the next step of that row that is not a decode writes from there), the block
-        table is copied only for rows whose new token starts a block not yet copied, and block
-        ids are checked as they are copied (so every id in the buffer is in the pool). The batch is BatchBuffers.build's for the same
-        step (tests/test_incremental_batch.py replays random serving runs against a rebuild).
+        No Python call per request (the requests are read in one compiled pass, decode_inputs)
+        and a dozen array operations in all. A decode's token is not written to the buffer
+        (tokens_written stays behind; the row's next step that is not a decode writes from
+        there), a block table is copied only when a new token starts a block not yet copied, and
+        block ids are checked as they are copied (so every id in the buffer is in the pool). The
+        batch is BatchBuffers.build's for the same step (tests/test_incremental_batch.py replays
+        random serving runs against a rebuild).
         """
-        n = len(scheduled)
-        if [m for _, m in scheduled].count(1) != n:
+        got = decode_inputs(scheduled, self.rows, self.slots_covered)
+        if got is None:
             return None
-        reqs = [r for r, _ in scheduled]
-        rows = list(map(self.rows.get, [r.req_id for r in reqs]))
-        if None in rows:
-            return None
-        ks = [r.num_computed_tokens for r in reqs]
-        if list(map(operator.sub, [r.num_tokens for r in reqs], ks)).count(1) != n:
-            return None  # some request's token is not its last one: a prompt's chunk of one
+        reqs, rows, ks, toks, lacking = got
         covered = self.slots_covered
-        lack = list(map(operator.ge, ks, [covered[row] for row in rows]))
-        if True in lack:  # a new token starts a block: every block_size steps per request
-            for i in [i for i, x in enumerate(lack) if x]:
-                row = rows[i]
-                self._copy_blocks(reqs[i], row, kv)
-                if ks[i] >= covered[row]:
-                    return None  # the table is short: the checked path says so
-        # The token at position num_tokens - 1: the last output token, or the prompt's last.
-        ints = np.array((rows, ks, [(r.output_token_ids or r.prompt_token_ids)[-1] for r in reqs]), np.int64)
+        for i in lacking:  # a new token starts a block: every block_size steps per request
+            row = rows[i]
+            self._copy_blocks(reqs[i], row, kv)
+            if ks[i] >= covered[row]:
+                return None  # the table is short: the checked path says so
+        ints = np.array((rows, ks, toks), np.int64)
         return self.buffers.decode_batch(ints[0], ints[1], ints[2], self.runner.block_size, max(ks)), reqs
 
     def release(self, req: Request) -> None:
