@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from varlen.batch import BatchBuffers, ForwardBatch
-from varlen.engine import Executor, decode_inputs
+from varlen.engine import Executor, decode_inputs, step_inputs
 from varlen.kv.base import KVAllocator
 from varlen.model_runner import ModelRunner
 from varlen.request import Request
@@ -92,24 +92,23 @@ class ModelExecutor(Executor):
             timings["forward"] += t2 - t1
             timings["sample"] += t3 - t2
             return out
-        # One pass over the requests, plain lists, one array each: the per-step Python is most
-        # of a small model's step overhead.
-        rows, cached, new, wants, sampled_reqs = [], [], [], [], []
-        self._pending = ([], [], [])
-        try:
-            for r, n in scheduled:
-                rows.append(self._row(r, kv))
-                c = r.num_computed_tokens
-                cached.append(c)
-                new.append(n)
-                w = c + n == r.num_tokens
-                wants.append(w)
-                if w:
-                    sampled_reqs.append(r)
-        finally:  # what _row counted as written is written, whatever happens to the step
-            pr, pc, pv = self._pending
-            if pr:
-                self.buffers.tokens[pr, pc] = pv
+        # One pass of the compiled core over the requests; Python only for the rows to set up.
+        rows, cached, new, wants, sampled_reqs, todo, wr, wc, wv = step_inputs(
+            scheduled, self.rows, self.tokens_written, self.slots_covered)
+        if wr:  # decode tokens, and the output tokens of decode steps since the row's last write
+            self.buffers.tokens[wr, wc] = wv
+            written = self.tokens_written
+            for row, col in zip(wr, wc):
+                written[row] = col + 1
+        if todo:
+            self._pending = ([], [], [])
+            try:
+                for i in todo:
+                    rows[i] = self._row(scheduled[i][0], kv)
+            finally:  # what _row counted as written is written, whatever happens to the step
+                pr, pc, pv = self._pending
+                if pr:
+                    self.buffers.tokens[pr, pc] = pv
         ints = np.array((rows, cached, new), np.int64)  # one conversion for the three
         batch = self.buffers.build(ints[0], ints[1], ints[2], np.array(wants, bool), self.runner.block_size,
                                    self.runner.num_blocks, req_ids=[r.req_id for r, _ in scheduled])
