@@ -72,7 +72,7 @@ class CheckedExecutor(ModelExecutor):
 def _run(data, policy: str, allocator: str) -> CheckedExecutor:
     bs = data.draw(st.sampled_from([1, 2, 4, 16]), label="block_size")
     max_len = 40
-    num_blocks = -(-max_len // bs) * data.draw(st.integers(1, 3), label="pool in full-length requests")
+    num_blocks = -(-max_len // bs) * data.draw(st.sampled_from([1, 1, 2, 3]), label="pool in full-length requests")
     seats = data.draw(st.integers(1, 6), label="max_num_seqs")
     cls = policy_class(policy)
     budget = data.draw(st.sampled_from([3, 8, 64]), label="budget") if cls.chunked_prefill else max_len
@@ -85,7 +85,7 @@ def _run(data, policy: str, allocator: str) -> CheckedExecutor:
     for i in range(data.draw(st.integers(1, 8), label="requests")):
         prompt = data.draw(st.lists(st.integers(2, VOCAB - 1), min_size=1, max_size=24), label=f"prompt {i}")
         sp = SamplingParams(max_tokens=data.draw(st.integers(1, 24)), temperature=0,
-                            ignore_eos=data.draw(st.booleans()))
+                            ignore_eos=data.draw(st.sampled_from([True, True, False])))  # long runs preempt
         reqs.append((data.draw(st.integers(0, 12), label=f"arrival step {i}"), Request(f"r{i}", prompt, sp)))
     for step in range(400):
         for at, r in reqs:
@@ -120,6 +120,21 @@ def test_decode_steps_take_the_incremental_path():
     while eng.has_unfinished():
         eng.step()
     assert ex.steps == 10 and ex.fast_steps == 9  # one prefill step, then 9 decode steps
+
+
+def test_preempted_requests_get_fresh_rows():
+    """Four requests outgrow a pool of ten blocks: preempted ones come back on new rows, their
+    prompts and outputs recomputed, every step equal to a rebuild."""
+    kv = ALLOCATORS["paged"](num_blocks=10, block_size=4, max_model_len=40)
+    ex = CheckedExecutor(StandInRunner(4, 10, 0), 4, 40)
+    eng = Engine(policy_class("chunked")(max_num_seqs=4, max_num_batched_tokens=8), kv, ex, SimClock(), 40,
+                 eos_token_id=EOS, vocab_size=VOCAB)
+    reqs = [Request(f"r{i}", [3] * 10, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)) for i in range(4)]
+    for r in reqs:
+        eng.add_request(r)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.num_preemptions > 0 and ex.fast_steps > 0 and all(len(r.output_token_ids) == 20 for r in reqs)
 
 
 class BadIdAllocator(PagedAllocator):
