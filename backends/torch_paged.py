@@ -154,6 +154,15 @@ def work_units(batch: ForwardBatch, tile: int, skip: np.ndarray | None = None) -
     return np.ascontiguousarray(units[np.argsort(-(end - first) * keys, kind="stable")])
 
 
+def decode_units(seq_lens: np.ndarray) -> np.ndarray:
+    """work_units of a pure-decode step (one query row per request), in five array operations:
+    the same units in the same order (tests/test_torch_paged.py)."""
+    units = np.zeros((len(seq_lens), 3), dtype=np.int32)
+    units[:, 0] = np.argsort(-seq_lens, kind="stable")  # lengths are positive: no overflow
+    units[:, 2] = 1
+    return units
+
+
 def to_nhd(cache: torch.Tensor) -> torch.Tensor:
     """This backend's cache as the default [2, num_blocks, block_size, Hkv, D] layout (a copy)."""
     _, nb, hkv, bs, d = cache.shape
@@ -189,6 +198,12 @@ class PagedMetadata(AttentionMetadata):
     long: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
     blocks: torch.Tensor | None = None  # [N] block of each new token's slot
     offsets: torch.Tensor | None = None  # [N] its offset in that block
+
+
+def _blocks_and_offsets(batch: ForwardBatch, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each new token's cache block and offset in it (one numpy divmod: a third of two torch ops)."""
+    blocks, offsets = np.divmod(batch.slot_mapping, batch.block_size)
+    return torch.from_numpy(blocks).to(device), torch.from_numpy(offsets).to(device)
 
 
 class TorchPagedBackend(AttentionBackend):
@@ -233,23 +248,29 @@ class TorchPagedBackend(AttentionBackend):
         qsl = np.ascontiguousarray(batch.query_start_loc, dtype=np.int32)
         lens = np.ascontiguousarray(batch.seq_lens, dtype=np.int32)
         tables = np.ascontiguousarray(batch.block_tables, dtype=np.int32)
+        long: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = []
+        if batch.max_query_len == 1:  # a pure decode step (most steps): no request for SDPA
+            units = decode_units(lens)
+            blocks, offsets = _blocks_and_offsets(batch, device)
+            return PagedMetadata(slot_mapping=slots, batch=batch, arrays=(qsl, lens, tables, units), long=long,
+                                 pointers=(qsl.ctypes.data, lens.ctypes.data, tables.ctypes.data, units.ctypes.data),
+                                 bt_stride=tables.shape[1], num_units=units.shape[0], blocks=blocks, offsets=offsets)
         q_lens = np.diff(qsl)
         is_long = q_lens >= LONG_SDPA_MIN
         units = work_units(batch, lib.varlen_paged_attention_tile(), skip=is_long)
         arrays = (qsl, lens, tables, units)
-        long = []
+        blocks, offsets = _blocks_and_offsets(batch, device)
         for i in np.flatnonzero(is_long):
             start, end, L = int(qsl[i]), int(qsl[i + 1]), int(lens[i])
             if end - start == L:
                 long.append((start, end, L, None, None))
             else:
                 visible = np.arange(L)[None, :] <= np.arange(L - (end - start), L)[:, None]
-                blocks = torch.from_numpy(tables[i, : -(-L // batch.block_size)].astype(np.int64))
-                long.append((start, end, L, blocks.to(device), torch.from_numpy(visible).to(device)))
+                context = torch.from_numpy(tables[i, : -(-L // batch.block_size)].astype(np.int64))
+                long.append((start, end, L, context.to(device), torch.from_numpy(visible).to(device)))
         return PagedMetadata(slot_mapping=slots, batch=batch, arrays=arrays, long=long,
                              pointers=tuple(a.ctypes.data for a in arrays), bt_stride=tables.shape[1],
-                             num_units=units.shape[0], blocks=slots // batch.block_size,
-                             offsets=slots % batch.block_size)
+                             num_units=units.shape[0], blocks=blocks, offsets=offsets)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: PagedMetadata, scale: float) -> torch.Tensor:

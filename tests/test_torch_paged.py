@@ -129,6 +129,17 @@ def test_work_units_tile_every_query_row_once(drawn):
     assert (rows == 1).all()
 
 
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=40))
+def test_decode_units_are_work_units_of_a_decode_step(seq_lens):
+    """prepare's pure-decode shortcut gives the kernel the units work_units would, in the same order
+    (ties included), whatever the tile."""
+    from varlen.batch import build_batch, SeqSlice
+
+    batch = build_batch([SeqSlice([1], n - 1, list(range(n))) for n in seq_lens], 1)
+    for tile in (1, 4):
+        assert tp.decode_units(batch.seq_lens).tolist() == tp.work_units(batch, tile).tolist()
+
+
 @pytest.fixture
 def no_kernel(monkeypatch):
     """A machine whose C compiler fails: the module's cached state is reset around the test."""

@@ -196,14 +196,30 @@ class BatchBuffers:
         ids = tables.view(np.uint32)
         if tables.size and ids.max() >= (2**31 if num_blocks is None else min(num_blocks, 2**31)):
             return None  # a stale entry past a request's last block may be out of the pool: layout looks closer
+        return self.decode_batch(rows, k.copy(), self.tokens[rows, k], block_size, kmax,
+                                 logits_indices=np.flatnonzero(needs_logits), tables=tables)
+
+    def decode_batch(self, rows: np.ndarray, k: np.ndarray, input_ids: np.ndarray, block_size: int, kmax: int, *,
+                     logits_indices: np.ndarray | None = None, tables: np.ndarray | None = None) -> ForwardBatch:
+        """A pure-decode step's ForwardBatch, unchecked: request i's one new token `input_ids[i]` sits
+        at position `k[i]` (int64; `kmax` their largest) of buffer row `rows[i]`, whose table holds
+        that position's block with every id of the row in the pool (the caller made sure; `_decode`
+        checks it). Logits of every token unless `logits_indices` says otherwise. `k` becomes the
+        batch's positions."""
+        B = len(k)
+        blk, offset = np.divmod(k, block_size)
+        if tables is None:
+            tables = self.block_tables[rows, :kmax // block_size + 1]
+        slot_mapping = np.multiply(self.block_tables[rows, blk], block_size, dtype=np.int64)
+        slot_mapping += offset
         return ForwardBatch(
-            input_ids=self.tokens[rows, k],
-            positions=k.copy(),
+            input_ids=input_ids,
+            positions=k,
             query_start_loc=np.arange(B + 1, dtype=np.int32),
             seq_lens=np.add(k, 1, dtype=np.int32, casting="unsafe"),
-            slot_mapping=self.block_tables[rows, blk].astype(np.int64) * block_size + k % block_size,
+            slot_mapping=slot_mapping,
             block_tables=tables,
-            logits_indices=np.flatnonzero(needs_logits),
+            logits_indices=np.arange(B, dtype=np.int64) if logits_indices is None else logits_indices,
             max_query_len=1,
             max_seq_len=kmax + 1,
             block_size=block_size,

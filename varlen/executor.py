@@ -8,8 +8,8 @@ from typing import Sequence
 
 import numpy as np
 
-from varlen.batch import BatchBuffers
-from varlen.engine import Executor
+from varlen.batch import BatchBuffers, ForwardBatch
+from varlen.engine import Executor, decode_inputs, step_inputs
 from varlen.kv.base import KVAllocator
 from varlen.model_runner import ModelRunner
 from varlen.request import Request
@@ -31,6 +31,8 @@ class ModelExecutor(Executor):
         # bookkeeping): tokens written to the buffer, and blocks of the table copied to it.
         self.tokens_written = [0] * max_num_seqs
         self.blocks_written = [0] * max_num_seqs
+        # Per row: the positions whose block ids are in the buffer (blocks_written * block_size).
+        self.slots_covered = [0] * max_num_seqs
         self.timings: dict[str, float] = defaultdict(float)  # wall seconds per phase
         self._checked_kv: KVAllocator | None = None
         self._pending: tuple[list[int], list[int], list[int]] = ([], [], [])  # decode tokens to write: rows, columns, ids
@@ -40,7 +42,7 @@ class ModelExecutor(Executor):
         if row is None:
             row = self.rows[req.req_id] = self.free_rows.pop()
             self.tokens_written[row] = 0
-            self.blocks_written[row] = 0
+            self.blocks_written[row] = self.slots_covered[row] = 0
             self.buffers.num_blocks[row] = 0
         written = self.tokens_written[row]
         num_tokens = req.num_tokens
@@ -54,36 +56,59 @@ class ModelExecutor(Executor):
             else:
                 self.buffers.set_tokens(row, written, req.token_ids(written))
             self.tokens_written[row] = num_tokens
+        self._copy_blocks(req, row, kv)
+        return row
+
+    def _copy_blocks(self, req: Request, row: int, kv: KVAllocator) -> None:
+        """Bring the buffer's copy of `req`'s block table up to date."""
         table = kv.block_table(req)
         have = self.blocks_written[row]
-        if len(table) != have:  # blocks are only ever appended while a request holds its row
-            self.buffers.block_tables[row, have:len(table)] = table[have:]
-            self.buffers.num_blocks[row] = self.blocks_written[row] = len(table)
-        return row
+        n = len(table)
+        if n != have:  # blocks are only ever appended while a request holds its row
+            added = table[have:]
+            pool = self.runner.num_blocks
+            if n > have and (min(added) < 0 or max(added) >= pool):  # so every id in the buffer is in the pool
+                raise ValueError(f"request {req.req_id!r} has block ids outside the pool [0, {pool}): "
+                                 f"{[int(b) for b in table]} (a bug of the KV allocator)")
+            self.buffers.block_tables[row, have:n] = added
+            self.buffers.num_blocks[row] = self.blocks_written[row] = n
+            self.slots_covered[row] = n * self.runner.block_size
 
     def execute(self, scheduled: Sequence[tuple[Request, int]], kv: KVAllocator) -> list[int | None]:
         if kv is not self._checked_kv:  # an allocator that frees K/V early must match the model
             self.runner.check_kv_allocator(kv)
             self._checked_kv = kv
         t0 = time.perf_counter()
-        # One pass over the requests, plain lists, one array each: the per-step Python is most
-        # of a small model's step overhead.
-        rows, cached, new, wants, sampled_reqs = [], [], [], [], []
-        self._pending = ([], [], [])
-        try:
-            for r, n in scheduled:
-                rows.append(self._row(r, kv))
-                c = r.num_computed_tokens
-                cached.append(c)
-                new.append(n)
-                w = c + n == r.num_tokens
-                wants.append(w)
-                if w:
-                    sampled_reqs.append(r)
-        finally:  # what _row counted as written is written, whatever happens to the step
-            pr, pc, pv = self._pending
-            if pr:
-                self.buffers.tokens[pr, pc] = pv
+        decode = self._decode_step(scheduled, kv)
+        if decode is not None:
+            batch, sampled_reqs = decode
+            t1 = time.perf_counter()
+            logits = self.runner.execute(batch)
+            t2 = time.perf_counter()
+            out: list[int | None] = list(self.sampler.sample(logits, sampled_reqs))
+            t3 = time.perf_counter()
+            timings = self.timings
+            timings["batch_build"] += t1 - t0
+            timings["forward"] += t2 - t1
+            timings["sample"] += t3 - t2
+            return out
+        # One pass of the compiled core over the requests; Python only for the rows to set up.
+        rows, cached, new, wants, sampled_reqs, todo, wr, wc, wv = step_inputs(
+            scheduled, self.rows, self.tokens_written, self.slots_covered)
+        if wr:  # decode tokens, and the output tokens of decode steps since the row's last write
+            self.buffers.tokens[wr, wc] = wv
+            written = self.tokens_written
+            for row, col in zip(wr, wc):
+                written[row] = col + 1
+        if todo:
+            self._pending = ([], [], [])
+            try:
+                for i in todo:
+                    rows[i] = self._row(scheduled[i][0], kv)
+            finally:  # what _row counted as written is written, whatever happens to the step
+                pr, pc, pv = self._pending
+                if pr:
+                    self.buffers.tokens[pr, pc] = pv
         ints = np.array((rows, cached, new), np.int64)  # one conversion for the three
         batch = self.buffers.build(ints[0], ints[1], ints[2], np.array(wants, bool), self.runner.block_size,
                                    self.runner.num_blocks, req_ids=[r.req_id for r, _ in scheduled])
@@ -92,7 +117,7 @@ class ModelExecutor(Executor):
         t2 = time.perf_counter()
         sampled = self.sampler.sample(logits, sampled_reqs)
         if len(sampled) == len(wants):  # every request sampled (a decode step)
-            out: list[int | None] = list(sampled)
+            out = list(sampled)
         else:
             tokens = iter(sampled)
             out = [next(tokens) if w else None for w in wants]
@@ -101,6 +126,33 @@ class ModelExecutor(Executor):
         self.timings["forward"] += t2 - t1
         self.timings["sample"] += t3 - t2
         return out
+
+    def _decode_step(self, scheduled: Sequence[tuple[Request, int]],
+                     kv: KVAllocator) -> tuple[ForwardBatch, list[Request]] | None:
+        """The batch of a pure-decode step (most steps of a serving loop), or None if this is not
+        one: every request brings one new token, its last known one (so its logits are wanted),
+        on a buffer row it already holds, whose table covers that token's position.
+
+        No Python call per request (the requests are read in one compiled pass, decode_inputs)
+        and a dozen array operations in all. A decode's token is not written to the buffer
+        (tokens_written stays behind; the row's next step that is not a decode writes from
+        there), a block table is copied only when a new token starts a block not yet copied, and
+        block ids are checked as they are copied (so every id in the buffer is in the pool). The
+        batch is BatchBuffers.build's for the same step (tests/test_incremental_batch.py replays
+        random serving runs against a rebuild).
+        """
+        got = decode_inputs(scheduled, self.rows, self.slots_covered)
+        if got is None:
+            return None
+        reqs, rows, ks, toks, lacking = got
+        covered = self.slots_covered
+        for i in lacking:  # a new token starts a block: every block_size steps per request
+            row = rows[i]
+            self._copy_blocks(reqs[i], row, kv)
+            if ks[i] >= covered[row]:
+                return None  # the table is short: the checked path says so
+        ints = np.array((rows, ks, toks), np.int64)
+        return self.buffers.decode_batch(ints[0], ints[1], ints[2], self.runner.block_size, max(ks)), reqs
 
     def release(self, req: Request) -> None:
         row = self.rows.pop(req.req_id, None)
