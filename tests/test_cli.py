@@ -25,7 +25,7 @@ def test_run_writes_tables_and_summary(tmp_path, combo):
     res = run_cli(tmp_path, *combo)
     assert res.returncode == 0, res.stderr
     assert "output tokens/s" in res.stdout and "TTFT" in res.stdout and "KV cache:" in res.stdout
-    assert "linear layers onednn_packed" in res.stdout  # CPU fp32: the packed oneDNN kernel (test_linear_kernels.py)
+    assert "linear layers torch\n" in res.stdout  # the tiny model's layers are below auto's size (test_linear_kernels.py)
     out = tmp_path / "out"
     reqs = pd.read_csv(out / "requests.csv")
     steps = pd.read_csv(out / "steps.csv")

@@ -16,10 +16,10 @@ def _linears(model):
     return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
-def test_cpu_fp32_packs_every_linear_layer_and_matches_f_linear(tiny_model_dirs):
+def test_onednn_packs_every_linear_layer_and_matches_f_linear(tiny_model_dirs):
     assert lk.onednn_unavailable(torch.device("cpu"), torch.float32) is None, "this torch build should have oneDNN"
     model = load_model(tiny_model_dirs["qwen3"], torch.float32, "cpu")
-    runner = ModelRunner(model, registry.build("backend", "torch_sdpa"), 4, 8)
+    runner = ModelRunner(model, registry.build("backend", "torch_sdpa"), 4, 8, linear_kernel="onednn")
     assert runner.linear_kernel == lk.ONEDNN
     x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
     for m in _linears(model):
@@ -32,17 +32,28 @@ def test_greedy_tokens_are_the_same_with_either_kernel():
     prompts = [[5, 6, 7, 8, 9] * 9, [3, 4] * 7, [11] * 30]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     out = {}
-    for kernel in ("auto", "torch"):
+    for kernel in ("onednn", "torch"):
         llm = LLM("tiny", linear_kernel=kernel)
         out[kernel] = ([o.token_ids for o in llm.generate(prompts, sp)], llm.runner.linear_kernel)
-    assert out["auto"][1] == lk.ONEDNN and out["torch"][1] == lk.TORCH
-    assert out["auto"][0] == out["torch"][0]
+    assert out["onednn"][1] == lk.ONEDNN and out["torch"][1] == lk.TORCH
+    assert out["onednn"][0] == out["torch"][0]
+
+
+def test_auto_packs_only_layers_large_enough_to_gain():
+    """The tiny model's layers (at most 512x64) lose to oneDNN's per-call cost: auto keeps F.linear
+    for them; a layer of MIN_PACKED_ELEMENTS weights is packed, and the description counts both."""
+    assert LLM("tiny").runner.linear_kernel == lk.TORCH
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512, bias=False), torch.nn.Linear(64, 64))
+    assert model[0].weight.numel() == lk.MIN_PACKED_ELEMENTS
+    got = lk.pack_linears(model, torch.device("cpu"), torch.float32)
+    assert got == f"{lk.ONEDNN}: 1 layers, {lk.TORCH}: 1 layers"
+    assert "forward" in model[0].__dict__ and "forward" not in model[1].__dict__
 
 
 def test_a_layer_that_does_not_match_keeps_f_linear(tiny_model_dirs, monkeypatch):
     model = load_model(tiny_model_dirs["qwen3"], torch.float32, "cpu")
     monkeypatch.setattr(lk, "_onednn_linear", lambda packed, bias, x: torch.zeros(x.shape[0], packed.size(0)))
-    assert lk.pack_linears(model, torch.device("cpu"), torch.float32) == lk.TORCH
+    assert lk.pack_linears(model, torch.device("cpu"), torch.float32, min_elements=0) == lk.TORCH
     assert all("forward" not in m.__dict__ for m in _linears(model))
 
 
@@ -68,7 +79,7 @@ def test_bad_or_impossible_choice_is_an_error(tiny_model_dirs):
 def test_a_shared_model_reports_what_it_runs_now(tiny_model_dirs):
     """Two runners over one model: the kernel reported is the model's, not what one runner asked for."""
     model = load_model(tiny_model_dirs["qwen3"], torch.float32, "cpu")
-    first = ModelRunner(model, registry.build("backend", "torch_sdpa"), 4, 8)
+    first = ModelRunner(model, registry.build("backend", "torch_sdpa"), 4, 8, linear_kernel="onednn")
     assert first.linear_kernel == lk.ONEDNN
     ModelRunner(model, registry.build("backend", "torch_sdpa", batch_invariant=True), 4, 8)
     assert first.linear_kernel == lk.TILED  # the invariant runner tiled the shared layers

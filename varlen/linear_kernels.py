@@ -4,7 +4,9 @@ torch's `F.linear` on a CPU fp32 tensor goes to MKL's sgemm, which re-reads the 
 row-major layout on every call. oneDNN's matmul with the weight reordered once into its blocked
 layout (what torch's own inductor does for low-precision weights, and what vLLM's CPU build does
 for every linear layer) is 1.5-3.8x faster at decode-sized batches (8-128 rows) on this project's
-50M benchmark shapes and 1.1-1.5x at prefill sizes: `python benchmarks/linear_kernels.py`.
+50M benchmark shapes and 1.1-1.5x at prefill sizes: `python benchmarks/linear_kernels.py`. On small
+layers its per-call cost loses, so `auto` packs only layers of MIN_PACKED_ELEMENTS weights or more;
+`onednn` packs every layer.
 
 The swap replaces each linear module's `forward`, never the model's code or its weights (the dense
 weight stays: tied embeddings and batch-invariant mode read it). It is checked before it is used:
@@ -23,6 +25,10 @@ import torch.nn.functional as F
 ONEDNN = "onednn_packed"
 TORCH = "torch"
 TILED = "torch_tiled"  # batch-invariant mode's fixed-shape GEMMs
+#: `auto` packs a layer only from this many weight elements (1 MiB in fp32): below it oneDNN's
+#: per-call cost outweighs its faster inner loop (benchmarks/linear_kernels.py: 0.2-0.9x of F.linear
+#: on the tiny model's 32x64..512x64 layers; 1.0-1.6x from 512x512 up at 8-64 rows).
+MIN_PACKED_ELEMENTS = 1 << 18
 #: the row count oneDNN lays the packed weight out for; one layout serves every row count
 #: (benchmarks/linear_kernels.py measured 64 against the step's own row count: no difference).
 _PACK_ROWS = 64
@@ -69,9 +75,11 @@ def onednn_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def pack_linears(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
-    """Route the model's `nn.Linear` layers through oneDNN with packed weights where that is
-    possible and exact to rounding; return the kernel used, with the reason when it is `torch`."""
+def pack_linears(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                 min_elements: int = MIN_PACKED_ELEMENTS) -> str:
+    """Route the model's `nn.Linear` layers of at least `min_elements` weights through oneDNN with
+    packed weights where that is possible and exact to rounding; return what the layers run on (see
+    describe_linears), with the reason when oneDNN cannot serve at all."""
     why = onednn_unavailable(device, dtype)
     if why is not None:
         return f"{TORCH} ({why})"
@@ -82,6 +90,8 @@ def pack_linears(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
                 # hook): left as it is, and describe_linears says what it is.
                 continue
             w = m.weight.detach()
+            if w.numel() < min_elements:
+                continue
             packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
             bias = None if m.bias is None else m.bias.detach()
             probe = torch.randn(3, w.shape[1], dtype=w.dtype, generator=torch.Generator().manual_seed(0))

@@ -153,9 +153,10 @@ class ModelRunner:
         get fixed shapes here: each request's logits are bitwise identical whatever else is in the
         batch, at a cost that benchmarks/ measures.
 
-        `linear_kernel` (varlen/linear_kernels.py): `auto` packs the linear layers' weights for
-        oneDNN where it serves this device and dtype and matches F.linear to rounding, else keeps
-        F.linear; `onednn` requires it (ValueError saying why not); `torch` keeps F.linear.
+        `linear_kernel` (varlen/linear_kernels.py): `auto` packs the weights of the linear layers
+        large enough to gain for oneDNN where it serves this device and dtype and matches F.linear
+        to rounding, else keeps F.linear; `onednn` packs every layer or raises a ValueError saying
+        why not; `torch` keeps F.linear.
         `self.linear_kernel` says what the model's linear layers run on.
         """
         self.device = torch.device(device)
@@ -176,7 +177,7 @@ class ModelRunner:
                                  "fixed 16-row tiles with F.linear; use linear_kernel=auto or torch")
             make_batch_invariant(self.model)
         elif linear_kernel in ("auto", "onednn"):
-            got = pack_linears(self.model, self.device, dtype)
+            got = pack_linears(self.model, self.device, dtype, **({"min_elements": 0} if linear_kernel == "onednn" else {}))
             if linear_kernel == "onednn" and got != ONEDNN:
                 raise ValueError(f"linear_kernel=onednn: the linear layers run on {got}; "
                                  f"use linear_kernel=auto or torch")
