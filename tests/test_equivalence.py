@@ -196,3 +196,23 @@ def test_error_is_detected(models):
     with torch.inference_mode():
         alone = oracle(torch.tensor([tokens])).logits[0, -1]
     assert (logits[0] - alone).abs().max().item() > TOL
+
+
+@pytest.fixture(scope="module")
+def packed_models(tiny_model_dirs):
+    """Its own copy of the model (packing changes the modules' forward, and `models` is shared)."""
+    path = tiny_model_dirs["qwen3"]
+    return load_model(path, torch.float32, "cpu"), load_model(path, torch.float32, "cpu", "sdpa")
+
+
+@pytest.mark.parametrize("backend", ["torch_paged", "torch_sdpa"])
+@given(data=st.data())
+def test_mixed_batches_match_each_request_alone_on_packed_linear_layers(packed_models, backend, data):
+    """The same property with every linear layer on oneDNN's packed kernel (`linear_kernel=onednn`;
+    `auto` leaves the tiny model's small layers on F.linear, so the suites above do not reach it)."""
+    model, oracle = packed_models
+    block_size, pool, reqs = data.draw(workloads(max_requests=6))
+    rounds = data.draw(groupings([len(r.steps) for r in reqs]), label="rounds")
+    runner = ModelRunner(model, registry.build("backend", backend), block_size, pool, linear_kernel="onednn")
+    assert runner.linear_kernel == "onednn_packed"
+    assert_each_matches_alone(run_grouping(runner, reqs, rounds), reqs, oracle)
