@@ -24,7 +24,7 @@ import torch
 
 from varlen.attention_api import AttentionBackend, LayerAttention
 from varlen.batch import ForwardBatch
-from varlen.linear_kernels import ONEDNN, describe_linears, make_batch_invariant, pack_linears
+from varlen.linear_kernels import MIN_PACKED_ELEMENTS, ONEDNN, describe_linears, make_batch_invariant, pack_linears
 from varlen.model_attention import (ACTIVE_PROBE, AttentionProbe, UnsupportedModel, kv_window, read_model_attention,
                                     spec_from_call)
 
@@ -177,7 +177,8 @@ class ModelRunner:
                                  "fixed 16-row tiles with F.linear; use linear_kernel=auto or torch")
             make_batch_invariant(self.model)
         elif linear_kernel in ("auto", "onednn"):
-            got = pack_linears(self.model, self.device, dtype, **({"min_elements": 0} if linear_kernel == "onednn" else {}))
+            got = pack_linears(self.model, self.device, dtype,
+                               min_elements=0 if linear_kernel == "onednn" else MIN_PACKED_ELEMENTS)
             if linear_kernel == "onednn" and got != ONEDNN:
                 raise ValueError(f"linear_kernel=onednn: the linear layers run on {got}; "
                                  f"use linear_kernel=auto or torch")
