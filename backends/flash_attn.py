@@ -1,31 +1,10 @@
 """flash-attn backend: `flash_attn_varlen_func` over the paged cache through a block table.
 
-The cache keeps the base layout, one [2, num_blocks, block_size, Hkv, D] tensor per layer, so
-`cache[0]` / `cache[1]` are exactly flash-attn's paged `k_cache` / `v_cache`
-([num_blocks, page_block_size, nheads_k, headdim]) and the base `write_kv` stores new tokens.
-
-Two kernel libraries are understood, imported lazily (never when this module is imported):
-
-- flash-attn 2.x (`pip install flash-attn`, module `flash_attn`): paged KV through
-  `block_table`, with `cu_seqlens_k` the running sum of each request's *whole* length (cached +
-  new), since with a block table the keys of request b are its logical positions
-  0..cu_seqlens_k[b+1]-cu_seqlens_k[b]-1 read through `block_table[b]`. Its kernels require page
-  sizes that are multiples of 256. Pure-decode steps go to `flash_attn_with_kvcache`, whose
-  split-KV path keeps the GPU busy when few long sequences decode.
-- flash-attn 4 (`pip install flash-attn-4`, module `flash_attn.cute`, CuTe DSL kernels for
-  Hopper and Blackwell): the same call with `page_table` and per-request `seqused_k` (it
-  refuses `cu_seqlens_k` together with a page table). Used when 2.x is not importable, or when
-  asked for with `FlashAttnBackend(version="4")`. PyPI ships 2.x only as a source package that
-  compiles for hours, while FA4 is pure Python plus the `nvidia-cutlass-dsl` wheels, so on a
-  machine without network FA4 is often the one that can be installed.
-
-Both are called with `causal=True`, which flash-attn aligns to the bottom-right corner: new token
-j of a request with n new and L total tokens sees keys 0..L-n+j, the project's convention.
-
-Optional features (declared in `features`, mapped by `flash_attn_feature_args`): a sliding window
-of W keys is `window_size=(W - 1, 0)` (flash-attn's left bound is inclusive: query i sees keys
-i - left .. i), logit soft-capping is `softcap`. Attention sinks are not declared (flash-attn 2
-has none; FA4's `learnable_sink` could carry them, untested here).
+The base cache layout's `cache[0]` / `cache[1]` are flash-attn's paged `k_cache` / `v_cache`.
+flash-attn 2.x (page sizes multiple of 256; pure decodes go to `flash_attn_with_kvcache`) takes
+`cu_seqlens_k` over whole lengths; flash-attn 4 (`flash_attn.cute`, used when 2.x is missing or
+`version="4"`) takes `page_table` and `seqused_k`. Both are imported lazily and called with
+`causal=True`, bottom-right aligned like the project. Sinks are not declared.
 """
 
 from __future__ import annotations
@@ -44,13 +23,7 @@ INSTALL_HINT = 'pip install -e ".[flash-attn]"'
 
 
 def flash_attn_inputs(batch: ForwardBatch) -> dict[str, Any]:
-    """The step's arguments for flash-attn's paged varlen call, as host (numpy int32) arrays.
-
-    Pure numpy so that tests can check them on any machine: `cu_seqlens_q` [B+1] (= query_start_loc),
-    `cu_seqlens_k` [B+1] (running sum of whole lengths, flash-attn 2), `seqused_k` [B] (whole
-    lengths, flash-attn 4 and `flash_attn_with_kvcache`), `block_table` [B, W] (contiguous), and
-    the two Python ints `max_seqlen_q`, `max_seqlen_k`.
-    """
+    """The step's arguments for flash-attn's paged varlen call, as numpy int32 arrays (tested on CPU)."""
     seq_lens = np.ascontiguousarray(batch.seq_lens, dtype=np.int32)
     cu_seqlens_k = np.zeros(seq_lens.shape[0] + 1, dtype=np.int32)
     np.cumsum(seq_lens, out=cu_seqlens_k[1:])
@@ -65,10 +38,8 @@ def flash_attn_inputs(batch: ForwardBatch) -> dict[str, Any]:
 
 
 def flash_attn_feature_args(layer: LayerAttention | None, version: str = "2") -> dict[str, Any]:
-    """The keyword arguments that give one layer its optional features in flash-attn's calls.
-
-    Empty for a plain layer, so plain calls stay exactly as before.
-    """
+    """Keyword arguments for one layer's optional features (empty for a plain layer).
+    flash-attn's left window bound is inclusive, hence W - 1."""
     args: dict[str, Any] = {}
     if layer is None:
         return args
@@ -104,8 +75,7 @@ def _load_kernels(version: str) -> _Kernels:
     errors: list[str] = []
     if version in ("auto", "2"):
         try:
-            # A broad except: a wheel built for another CUDA/torch fails with OSError or
-            # RuntimeError while loading its extension, and that is "unavailable" too.
+            # A wheel built for another CUDA/torch fails with OSError or RuntimeError: unavailable too.
             from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
             return _Kernels("2", flash_attn_varlen_func, flash_attn_with_kvcache)
         except Exception as exc:  # noqa: BLE001
@@ -129,8 +99,7 @@ class FlashAttnBackend(AttentionBackend):
     features = frozenset({"sliding_window", "softcap"})
 
     def __init__(self, version: str = "auto", decode_with_kvcache: bool = True, batch_invariant: bool = False) -> None:
-        """`version`: "auto" (2.x if importable, else 4), "2" or "4". `decode_with_kvcache`:
-        send pure-decode steps to `flash_attn_with_kvcache` (flash-attn 2 only)."""
+        """`version`: "auto" (2.x if importable, else 4), "2" or "4"."""
         super().__init__(batch_invariant)  # True is refused: no batch-invariant mode
         if version not in ("auto", "2", "4"):
             raise ValueError(f"flash_attn version must be 'auto', '2' or '4', got {version!r}")
@@ -139,7 +108,6 @@ class FlashAttnBackend(AttentionBackend):
         self._kernels: _Kernels | None = None
 
     def check(self, device: torch.device | str, dtype: torch.dtype, block_size: int) -> None:
-        # Settings first: a wrong block size is wrong on every machine, so say so even here.
         super().check(device, dtype, block_size)
         self.require_cuda(INSTALL_HINT)
         self._kernels = _load_kernels(self.version)
@@ -180,7 +148,7 @@ class FlashAttnBackend(AttentionBackend):
         q = q.contiguous()
         if fa.version == "2":
             if meta.batch.is_pure_decode and self.decode_with_kvcache and fa.with_kvcache is not None:
-                # K/V are already in the cache (k=v=None), so cache_seqlens are the whole lengths.
+                # K/V are already in the cache: cache_seqlens are the whole lengths.
                 out = fa.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seqused_k,
                                       block_table=meta.block_table, softmax_scale=scale, causal=True, **extra)
                 return out.squeeze(1)

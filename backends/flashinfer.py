@@ -1,28 +1,9 @@
 """FlashInfer backend: paged prefill/append attention planned once per step, run once per layer.
 
-Layout: FlashInfer's NHD paged cache accepts a `(k_cache, v_cache)` tuple of
-[num_pages, page_size, Hkv, D] tensors, which is exactly `cache[0], cache[1]` of the base
-[2, num_blocks, block_size, Hkv, D] layout. So this backend keeps the base `kv_cache_shape` and the
-base `write_kv`, and any block size works (FlashInfer has no page-size restriction).
-
-Page table: FlashInfer describes each request's pages in CSR form instead of a padded block
-table: `paged_kv_indptr` [B+1] (running sum of page counts), `paged_kv_indices` (the used pages of
-every request, end to end) and `paged_kv_last_page_len` [B] (tokens in each last page, 1..page_size),
-from which it derives each request's length as (pages - 1) * page_size + last_page_len.
-`flashinfer_plan_inputs` builds them with numpy on the host.
-
-Planning: `plan()` needs the head counts, head dim, dtypes and softmax scale, which `bind` gives
-once (with each layer's spec), so `prepare` plans every wrapper the step needs, on the host, and
-the layers only run (`flashinfer_plans` builds the plan() arguments, tested on CPU). Mixed steps use
-`BatchPrefillWithPagedKVCacheWrapper` with `causal=True` (its default is False!), whose causal mask
-is bottom-right aligned like the project's; pure-decode steps use
-`BatchDecodeWithPagedKVCacheWrapper`. FlashInfer kernels take fp16/bf16 (fp8 KV aside), not fp32.
-
-Optional features are plan() arguments (`flashinfer_feature_args`): a sliding window of W keys is
-`window_left=W - 1` (inclusive: query i sees keys i - window_left .. i), soft-capping is
-`logits_soft_cap`. A plan fixes them and the softmax scale, so each distinct kind of layer (e.g.
-windowed and full, in alternating models) has its own wrapper, planned once per step; they share
-the workspace, as the layers run one after another. Sinks are not declared.
+The base cache's `cache[0], cache[1]` are FlashInfer's NHD (k_cache, v_cache) pages; the block
+tables become its CSR page table (`flashinfer_plan_inputs`). A plan fixes the feature arguments
+and softmax scale, so `prepare` plans one wrapper per kind of layer (windowed, full, ...) per
+step, sharing one workspace; the layers only run. Sinks are not declared.
 """
 
 from __future__ import annotations
@@ -42,17 +23,13 @@ WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's documented default for its s
 
 
 def flashinfer_plan_inputs(batch: ForwardBatch) -> dict[str, np.ndarray]:
-    """FlashInfer's page-table description of this step, as host int32 arrays (numpy only).
-
-    Returns `qo_indptr` [B+1], `paged_kv_indptr` [B+1], `paged_kv_indices` [total pages] and
-    `paged_kv_last_page_len` [B].
-    """
+    """This step's CSR page table (`qo_indptr`, `paged_kv_indptr`, `paged_kv_indices`,
+    `paged_kv_last_page_len`) as numpy int32 arrays."""
     bs = batch.block_size
     seq_lens = batch.seq_lens.astype(np.int64)
     num_pages = -(-seq_lens // bs)  # every request has >= 1 token, hence >= 1 page
     indptr = np.zeros(seq_lens.shape[0] + 1, dtype=np.int32)
     np.cumsum(num_pages, out=indptr[1:])
-    # Row-major boolean indexing keeps each request's pages in order and the requests in order.
     used = np.arange(batch.block_tables.shape[1])[None, :] < num_pages[:, None]
     return {
         "qo_indptr": np.ascontiguousarray(batch.query_start_loc, dtype=np.int32),
@@ -87,9 +64,8 @@ def layer_kind(layer: LayerAttention | None, scale: float) -> LayerKind:
 def flashinfer_plans(batch: ForwardBatch, kinds: set[LayerKind] | frozenset[LayerKind], num_q_heads: int,
                      num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                      decode: bool) -> dict[LayerKind, tuple[tuple[Any, ...], dict[str, Any]]]:
-    """The plan() call (positional and keyword arguments) of each kind of layer for this step:
-    the decode wrapper's when `decode`, else the prefill wrapper's (causal=True: its default is
-    False). Host tensors only: plan() reads them on the host."""
+    """Each kind of layer's plan() arguments for this step, decode or prefill wrapper (host tensors).
+    causal=True is explicit: the prefill wrapper's default is False."""
     host = {k: torch.from_numpy(a) for k, a in flashinfer_plan_inputs(batch).items()}
     pages = (host["paged_kv_indptr"], host["paged_kv_indices"], host["paged_kv_last_page_len"])
     shape = (num_q_heads, num_kv_heads, head_dim, batch.block_size)
@@ -128,9 +104,7 @@ class FlashInferBackend(AttentionBackend):
     def __init__(self, use_decode_wrapper: bool = True, decode_tensor_cores: bool | None = None,
                  prefill_backend: str = "auto", workspace_bytes: int = WORKSPACE_BYTES,
                  batch_invariant: bool = False) -> None:
-        """`use_decode_wrapper`: pure-decode steps use the decode wrapper (else the prefill one).
-        `decode_tensor_cores`: None chooses by GQA group size (>= 4 uses the tensor-core kernels).
-        `prefill_backend`: FlashInfer's prefill implementation, "auto", "fa2" or "fa3"."""
+        """`decode_tensor_cores`: None chooses by GQA group size. `prefill_backend`: "auto", "fa2" or "fa3"."""
         super().__init__(batch_invariant)  # True is refused: no batch-invariant mode
         self.use_decode_wrapper = use_decode_wrapper
         self.decode_tensor_cores = decode_tensor_cores
@@ -148,8 +122,7 @@ class FlashInferBackend(AttentionBackend):
 
     def bind(self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
              device: torch.device | str, layers: Sequence[LayerAttention] = (), model_name: str = "model") -> None:
-        """As the base, and the kinds of layer each step plans for (no layers given: every layer
-        plain, at the default scale 1/sqrt(head_dim))."""
+        """As the base, and the kinds of layer each step plans for (none given: plain, 1/sqrt(head_dim))."""
         super().bind(num_q_heads, num_kv_heads, head_dim, dtype, block_size, device, layers, model_name)
         self._kinds = frozenset(layer_kind(spec, spec.scale) for spec in self.layers) or \
             frozenset({layer_kind(None, head_dim ** -0.5)})

@@ -1,32 +1,11 @@
-"""A CPU backend that attends over the paged KV cache in place: decodes and short chunks read
-their K/V blocks where they lie, with no per-step copy of their contexts.
+"""A CPU backend that attends over the paged KV cache in place, with no per-step copy of contexts.
 
-One kernel call per layer covers the varlen batch (prefills, chunks, decodes; causal, bottom-right
-aligned; GQA): a small C kernel (backends/csrc/paged_attention.c: OpenMP over (request, query
-tile) units, online softmax chunk by chunk of keys) reads each request's blocks through its block
-table. Requests with >= LONG_SDPA_MIN new tokens go to torch's SDPA flash kernel instead, which is
-faster on long blocks of queries: a fresh prefill on its own new K/V, a chunk on its context
-gathered once per layer (a copy amortised over its many queries). fp32 and bf16 run the kernel;
-fp16 runs the fallback.
-
-The kernel is plain C loaded with ctypes, not a torch extension: it builds in about a second with
-the system C compiler (a torch extension needs ~30 s of C++ against torch's headers, plus ninja).
-It is built at first use, not at import, into the varlen cache (VARLEN_CACHE_DIR or
-~/.cache/varlen, `paged-attn-<hash>`), the hash covering its source, the compiler and its flags,
-the CPU's instruction sets (it is built for this CPU) and the torch/Python build, so a build is
-never used stale. `python -m backends.torch_paged` builds it ahead (scripts/setup.sh does).
-Without a C compiler, or if the build fails, a warning says why and the backend runs
-`torch_sdpa`'s code instead: correct, with its copies. VARLEN_PAGED_KERNEL=0 forces that fallback.
-
-The cache layout is the backend's own: [2, num_blocks, Hkv, block_size, D], where each block's K
-tile of a head holds its data transposed ([D, block_size]: a chunk of keys' scores is then one
-vector of FMAs) and V tiles are row-major. `to_nhd` / `from_nhd` convert from/to the default
-[2, num_blocks, block_size, Hkv, D] (tests, debugging). On the fallback the default layout is used.
-
-Batch invariance: every query row is computed by one thread, in a fixed order, from its own
-request's data only, and the SDPA path runs one request per call, so the backend is
-batch-invariant as it stands; the fallback is torch_sdpa's invariant mode. `batch_invariant=True`
-therefore costs nothing here beyond the model's tiled GEMMs.
+One call per layer of a C kernel (backends/csrc/paged_attention.c, loaded with ctypes: seconds to
+build, no torch headers) covers the batch; requests with >= LONG_SDPA_MIN new tokens go to SDPA.
+It is built at first use into the varlen cache under a hash of source, compiler, flags, CPU and
+torch/Python; without a compiler, for fp16, or with VARLEN_PAGED_KERNEL=0, torch_sdpa's code runs.
+Cache layout [2, num_blocks, Hkv, block_size, D] with K tiles transposed (one FMA vector per key
+chunk). One thread per query row in a fixed order: batch-invariant as is.
 """
 
 from __future__ import annotations
@@ -130,11 +109,8 @@ def load_kernel() -> Any:
     return _kernel or None
 
 
-#: Requests with at least this many new tokens (long prefills and chunks) attend through torch's
-#: SDPA flash kernel instead: it beats this kernel's per-row loops 1.4-2x on long causal blocks of
-#: queries. A fresh prefill uses its own new K/V (already contiguous: no cache read at all); a
-#: chunk after cached tokens gathers its context once per layer, a copy amortised over its >= 64
-#: queries (decodes, the per-step bulk, never copy).
+#: Requests with this many new tokens go to SDPA's flash kernel (faster on long query blocks): a
+#: fresh prefill on its own K/V, a chunk on its context gathered once per layer.
 LONG_SDPA_MIN = 64
 
 
@@ -155,8 +131,7 @@ def work_units(batch: ForwardBatch, tile: int, skip: np.ndarray | None = None) -
 
 
 def decode_units(seq_lens: np.ndarray) -> np.ndarray:
-    """work_units of a pure-decode step (one query row per request), in five array operations:
-    the same units in the same order (tests/test_torch_paged.py)."""
+    """work_units of a pure-decode step, cheaper: same units, same order (tests/test_torch_paged.py)."""
     units = np.zeros((len(seq_lens), 3), dtype=np.int32)
     units[:, 0] = np.argsort(-seq_lens, kind="stable")  # lengths are positive: no overflow
     units[:, 2] = 1
@@ -201,7 +176,7 @@ class PagedMetadata(AttentionMetadata):
 
 
 def _blocks_and_offsets(batch: ForwardBatch, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each new token's cache block and offset in it (one numpy divmod: a third of two torch ops)."""
+    """Each new token's cache block and offset in it."""
     blocks, offsets = np.divmod(batch.slot_mapping, batch.block_size)
     return torch.from_numpy(blocks).to(device), torch.from_numpy(offsets).to(device)
 
@@ -209,7 +184,6 @@ def _blocks_and_offsets(batch: ForwardBatch, device: torch.device | str) -> tupl
 class TorchPagedBackend(AttentionBackend):
     name = "torch_paged"
     devices = ("cpu",)
-    # The kernel computes each request on its own; the fallback has torch_sdpa's invariant mode.
     features = frozenset({BATCH_INVARIANT})
 
     def __init__(self, batch_invariant: bool = False):
@@ -228,8 +202,7 @@ class TorchPagedBackend(AttentionBackend):
 
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                           head_dim: int, dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
-        # The first use: the kernel is built (or found) here, and decides the layout (the kernel's
-        # own, or the default one for the fallback; forward makes the same choice, by dtype).
+        # The kernel is built here and decides the layout; forward makes the same choice by dtype.
         if self._kernel_for(dtype) is None:
             return super().allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         shape = (2, num_blocks, num_kv_heads, block_size, head_dim)

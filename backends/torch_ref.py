@@ -1,8 +1,5 @@
-"""The readable reference backend: plain torch, one request at a time. The oracle for every other backend.
-
-It implements every optional feature (sliding windows, logit soft-capping, attention sinks), each
-in one or two lines of `forward`, written as transformers' eager attention defines them.
-"""
+"""The readable reference backend and oracle: plain torch, one request at a time, every optional
+feature written as transformers' eager attention defines it."""
 
 from __future__ import annotations
 
@@ -14,8 +11,7 @@ from varlen.attention_api import BATCH_INVARIANT, FEATURES, AttentionBackend, At
 
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
-    # One request at a time: nothing else in the batch touches its numbers, whatever the option
-    # (batch_invariant=True makes the model runner tile the model's GEMMs too).
+    # One request at a time: batch-invariant whatever the option.
     features = frozenset({*FEATURES, BATCH_INVARIANT})
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -37,7 +33,6 @@ class TorchRefBackend(AttentionBackend):
             first_block = first // block_size
             blocks = torch.as_tensor(b.block_tables[i, first_block: -(-seq_len // block_size)], device=q.device,
                                      dtype=torch.long)
-            # Gather this request's context through its block table, then cut at its length.
             offset = first_block * block_size
             keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len - offset].repeat_interleave(group, dim=1)
             vals = kv_cache[1, blocks].flatten(0, 1)[:seq_len - offset].repeat_interleave(group, dim=1)

@@ -1,18 +1,9 @@
 """A fast CPU backend: torch `scaled_dot_product_attention` over contexts gathered once per step.
 
-`prepare` turns the block tables into flat slot indices and masks once per step, so each layer
-only gathers and calls SDPA. Decodes (one new token each) are batched into a single padded SDPA
-call; prefills and chunks run one SDPA each (there are few per step, and each is big). A prefill
-with nothing cached attends to its own new K/V directly, with no gather at all.
-
-With `batch_invariant=True` every request is computed on its own shapes (no padding to the
-batch's longest context), so its result does not depend on what else is in the batch.
-
-Sliding windows: `prepare` builds one gather plan (blocks and mask) per distinct window of the
-bound layers (alternating models have two: the window and full attention). A windowed layer
-gathers only the blocks its queries can see, so its cost follows the window, not the context,
-and it never reads a block the allocator freed behind the window. Soft-capping and sinks need
-the scores or the softmax's normaliser, which SDPA does not expose, so they are not declared.
+`prepare` builds one gather plan (blocks, mask) per distinct sliding window of the bound layers;
+decodes run as padded SDPA calls in groups of similar length, prefills and chunks one call each.
+`batch_invariant=True` computes every request on its own shapes. Soft-capping and sinks are not
+declared: SDPA exposes neither the scores nor the softmax's normaliser.
 """
 
 from __future__ import annotations
@@ -28,24 +19,21 @@ from varlen.attention_api import BATCH_INVARIANT, AttentionBackend, AttentionMet
 from varlen.batch import ForwardBatch
 
 
-# Per sliding window (None: full causal attention), what a layer with that window gathers:
-# (block ids [D, W] or [W] or None: the new K/V themselves, key mask or None: SDPA's is_causal)
+# window (None: full) -> (block ids, or None: the new K/V; key mask, or None: is_causal)
 Plans = dict
 
 
 @dataclass
 class SdpaMetadata(AttentionMetadata):
-    # Decodes in groups of similar context length, each one padded SDPA call per layer:
-    # (token index of each query [D], {window: (block ids [D, W], key mask [D, 1, 1, W * block_size])})
+    # (token index of each query [D], plans): one padded SDPA call per group and layer
     decodes: list[tuple[torch.Tensor, Plans]] | None = None
-    # Prefills and chunks, one SDPA call each: (start, end, {window: (block ids [W] or None, mask or None)})
+    # (start, end, plans): one SDPA call per prefill or chunk
     prefills: list[tuple[int, int, Plans]] | None = None
 
 
 def _length_groups(rows: np.ndarray, seq_lens: np.ndarray, max_waste: float = 1.5) -> list[np.ndarray]:
-    """Split decode rows into groups of similar context length, so that padding each group to its
-    longest context costs at most `max_waste` times the real work (one long context would
-    otherwise make every short one attend over its length)."""
+    """Decode rows in groups of similar context length: padding a group to its longest costs at
+    most `max_waste` times the real work."""
     if rows.size == 0:
         return []
     order = rows[np.argsort(seq_lens[rows], kind="stable")]
@@ -74,18 +62,17 @@ class TorchSdpaBackend(AttentionBackend):
         bs, tables = batch.block_size, batch.block_tables
 
         def gather(rows: np.ndarray, first_key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            """Decode rows' whole blocks (contiguous copies, far fewer than single slots) from each
-            row's block holding `first_key` to its last: (block ids, the position of each key)."""
+            """Rows' whole blocks from the one holding `first_key` to the last: (block ids, key positions)."""
             first = first_key // bs
             width = int((-(-seq_lens[rows] // bs) - first).max())
             if first.any():
                 key_pos = (first * bs)[:, None] + np.arange(width * bs)[None, :]
                 cols = np.minimum(first[:, None] + np.arange(width)[None, :], tables.shape[1] - 1)
                 blocks = tables[rows[:, None], cols]
-            else:  # whole contexts (the common case): plain slices
+            else:  # whole contexts: plain slices
                 key_pos = np.arange(width * bs)[None, :]
                 blocks = tables[rows, :width]
-            # Entries past a row's length point at block 0, masked: a table is never read past it.
+            # Past a row's length: block 0, masked (a table is never read past it).
             blocks = np.where(key_pos[:, ::bs] < seq_lens[rows, None], blocks, 0)
             return blocks.astype(np.int64), key_pos
 
@@ -113,7 +100,6 @@ class TorchSdpaBackend(AttentionBackend):
                 first = (0 if w is None else max(L - n - w + 1, 0)) // bs  # block of the first query's window start
                 blocks = tables[i, first: -(-L // bs)].astype(np.int64)
                 q_pos, k_pos = np.arange(L - n, L)[:, None], np.arange(first * bs, (first + len(blocks)) * bs)[None, :]
-                # Keys past the request's length (its last block's tail) are masked like the future.
                 visible = k_pos <= q_pos
                 if w is not None:
                     visible &= k_pos > q_pos - w

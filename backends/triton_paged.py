@@ -1,25 +1,11 @@
-"""Triton backend: one paged varlen attention launch per layer over the whole step.
+"""Triton backend: one paged varlen attention launch per layer over the whole step
+(`backends/triton_paged_kernels.py`), plus a log-sum-exp merge launch when the keys are split to
+fill the GPU (flash-decoding).
 
-Prefills, chunks and decodes go through the same kernel (`backends/triton_paged_kernels.py`),
-which reads K/V blocks in place from the base [2, num_blocks, block_size, Hkv, D] cache (any
-block size), causal within each request's new tokens, GQA by head groups. When a step has too
-few programs to fill the GPU and long contexts (a decode step of a few requests), the keys are
-split into ranges computed in parallel and merged by log-sum-exp (flash-decoding), a second
-small launch.
-
-Where it runs. On a GPU it needs only a CUDA build of torch, which brings Triton (elsewhere
-`pip install -e ".[triton]"`). On a CPU only in Triton's interpreter, which executes the kernels
-with numpy, slowly: that is how the test suite proves the kernel on CPU. The interpreter has no
-bfloat16, so on CPU the backend takes float32 and float16.
-
-Choosing the interpreter. Triton decides "interpret or compile" once per process, when it is
-imported: every `@triton.jit` function, its own library's (`tl.zeros`, `tl.sum`, ...) included,
-is made an interpreted or a compiled function according to TRITON_INTERPRET at that moment, and
-the two kinds cannot call each other. So TRITON_INTERPRET=1 must be in the environment before
-anything imports triton: set it in the shell (`TRITON_INTERPRET=1 python -m varlen.run
-backend=triton`), or, in a test module, in `os.environ` at its top (tests/test_equivalence.py
-does so on machines without CUDA). This module never imports triton at import time; `check()`
-does, and refuses in one line a CPU run when Triton was imported without the interpreter.
+On CPU it runs only in Triton's interpreter (numpy, slow, no bfloat16): that is how tests prove
+the kernel without a GPU. Triton picks interpret-or-compile once, at its import, so
+TRITON_INTERPRET=1 must be set before anything imports triton; this module imports it only in
+`check()`, which refuses a CPU run in one line when triton was imported without it.
 """
 
 from __future__ import annotations
@@ -45,7 +31,7 @@ HOW_TO_RUN = ("backend 'triton' compiles its kernels for a GPU: run it with engi
 
 
 def interpret_from_env() -> bool:
-    """Whether TRITON_INTERPRET asks for the interpreter; what counts is how triton was imported (load_kernels)."""
+    """Whether TRITON_INTERPRET asks for the interpreter (what counts is how triton was imported)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
@@ -62,19 +48,16 @@ class LaunchPlan:
 def plan_launch(query_lens: np.ndarray, max_seq_len: int, num_q_heads: int, num_kv_heads: int,
                 dtype: torch.dtype, num_sms: int, num_splits: int | None = None, kv_split_size: int = 256,
                 max_splits: int = 32, interpreted: bool = False) -> LaunchPlan:
-    """Choose tiles and splits (host-side, numpy only, so that it is tested on CPU).
-
-    Splits: when the programs of one pass (query tiles x KV heads) are fewer than two waves of
-    the device's `num_sms`, cut each context into up to `max_splits` ranges of at least
-    `kv_split_size` keys. `num_splits` forces a count (tests use it to reach the merge on tiny shapes).
-    """
+    """Tiles and splits (numpy only, tested on CPU): split each context into up to `max_splits`
+    ranges of >= `kv_split_size` keys when one pass has fewer than two waves of programs.
+    `num_splits` forces a count (tests reach the merge on tiny shapes)."""
     group = num_q_heads // num_kv_heads
     decode = int(query_lens.max()) == 1
     # One token x GROUP heads for decodes; 64 rows for prefills. tl.dot needs >= 16 rows.
     block_m = max(16, next_power_of_2(group)) if decode else max(64, next_power_of_2(group))
     block_n = 32 if dtype == torch.float32 else 64  # fp32 tiles are twice the bytes
     if interpreted:
-        block_n = 128  # the interpreter's cost is per operation, not per element: fewer, bigger tiles
+        block_n = 128  # the interpreter costs per operation: fewer, bigger tiles
     tokens = block_m // group
     if num_splits is None:
         programs = int((-(-query_lens // tokens)).sum()) * num_kv_heads
@@ -102,9 +85,9 @@ class TritonMetadata(AttentionMetadata):
 
 @dataclass(frozen=True)
 class Kernels:
-    attention: Any  # paged_attention_kernel
-    merge: Any  # merge_splits_kernel
-    interpreted: bool  # run by Triton's interpreter (TRITON_INTERPRET=1 when triton was imported)
+    attention: Any
+    merge: Any
+    interpreted: bool  # run by Triton's interpreter
 
 
 def load_kernels() -> Kernels:
@@ -117,8 +100,7 @@ def load_kernels() -> Kernels:
     except Exception as exc:  # noqa: BLE001 - a broken install is "unavailable" too
         raise BackendUnavailable(f"backend 'triton' needs the triton package, which is not importable "
                                  f"({first_line(exc)}); install it with {INSTALL_HINT}") from None
-    # Triton's own library (tl.zeros is a @triton.jit function) took its mode when triton was
-    # imported, and our kernels can only call functions of their own kind.
+    # Our kernels must match the mode triton's own library (tl.zeros) took at import.
     interpreted = isinstance(tl.zeros, InterpretedFunction)
     return Kernels(_in_mode(kernels.paged_attention_kernel, interpreted),
                    _in_mode(kernels.merge_splits_kernel, interpreted), interpreted)
@@ -126,8 +108,7 @@ def load_kernels() -> Kernels:
 
 @functools.cache
 def _in_mode(kernel: Any, interpreted: bool) -> Any:
-    """The kernel as Triton's library is, should TRITON_INTERPRET have changed between the import of
-    triton and of our kernels module. Cached: a compiled kernel keeps its compilations."""
+    """The kernel in the given mode (cached: a compiled kernel keeps its compilations)."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
@@ -141,8 +122,7 @@ class TritonPagedBackend(AttentionBackend):
 
     def __init__(self, num_splits: int | None = None, kv_split_size: int = 256, max_splits: int = 32,
                  batch_invariant: bool = False) -> None:
-        """`num_splits`: force the KV split count (None: split when the grid would not fill the GPU).
-        `kv_split_size`, `max_splits`: the automatic split's smallest range and largest count."""
+        """`num_splits` forces the KV split count; otherwise `plan_launch` decides."""
         super().__init__(batch_invariant)  # True is refused: no batch-invariant mode
         self.num_splits = num_splits
         self.kv_split_size = kv_split_size
@@ -191,7 +171,7 @@ class TritonPagedBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: TritonMetadata, scale: float) -> torch.Tensor:
-        if self._kernels is None:  # forward without check()
+        if self._kernels is None:
             self._kernels = load_kernels()
         attention, merge = self._kernels.attention, self._kernels.merge
         write_kv(kv_cache, k, v, meta.slot_mapping)
@@ -238,8 +218,7 @@ class TritonPagedBackend(AttentionBackend):
         )
         if split:
             block_s = next_power_of_2(plan.num_splits)
-            # Heads per merge program: all of them in the interpreter (its cost is per program),
-            # else as many as keep the [splits, heads, D] fp32 tile near 8k elements (registers).
+            # Heads per merge program: all in the interpreter, else a ~8k-element fp32 tile (registers).
             block_h = next_power_of_2(hq) if self._kernels.interpreted else \
                 min(next_power_of_2(hq), max(1, 8192 // (block_s * block_d)))
             merge[(n, -(-hq // block_h))](

@@ -1,28 +1,10 @@
 """The Triton kernels behind `backends/triton_paged.py`: paged varlen attention, and the merge of split-KV parts.
 
-This module imports Triton at the top, so only the backend imports it, lazily (`import backends`
-never does). Copy it to try an attention idea: the whole algorithm is `paged_attention_kernel`.
-
-Conventions (the project's, see backends/torch_ref.py for the same thing in plain torch):
-- q [N, Hq, D] holds the step's new tokens end to end; request b owns rows
-  `query_start_loc[b] : query_start_loc[b+1]` (its n_new tokens) and has `seq_lens[b]` tokens in
-  all (cached + new, the new K/V already written to the cache).
-- One layer's cache is [2, num_blocks, block_size, Hkv, D]; the kernel gets `cache[0]` (K) and
-  `cache[1]` (V), which share strides. Key j of request b lives in block
-  `block_tables[b, j // block_size]` at row `j % block_size`: read in place, any block size >= 1.
-- Causal, aligned bottom-right: new token i (0-based) of request b sits at position
-  `seq_len - n_new + i` and sees keys 0 .. that position.
-
-Work split: one program per (tile of a request's new tokens, request, KV head, KV split).
-GQA: the Hq // Hkv = GROUP query heads that share a KV head are computed together, as the rows
-of one [BLOCK_M, D] query tile (row r = token r // GROUP, head r % GROUP), so each K/V tile is read
-once for the whole group; a decode is one token x GROUP heads, padded to BLOCK_M >= 16 rows (the
-smallest `tl.dot`).
-
-Split-KV (flash-decoding): a decode step of few requests gives too few programs to fill a GPU.
-Then the keys are cut into NUM_SPLITS ranges of `split_len`; each program attends over its range
-only and writes a normalised partial output plus its log-sum-exp, and `merge_splits_kernel`
-combines the parts: out = sum_s exp(lse_s) * out_s / sum_s exp(lse_s).
+Imports triton at the top, so only the backend imports it, lazily. Same conventions as
+backends/torch_ref.py (bottom-right causal, keys read in place through block tables). One program
+per (query tile, request, KV head, KV split); a tile's rows are tokens x the GROUP query heads of
+one KV head (row r = token r // GROUP, head r % GROUP), so each K/V tile is read once per group.
+Split parts carry their log-sum-exp; `merge_splits_kernel` weights them by it.
 """
 
 from __future__ import annotations
@@ -31,9 +13,7 @@ import triton
 import triton.language as tl
 
 
-# Triton compiles a variant per value class of each int argument (== 1, multiple of 16, other).
-# The strides of q, K/V and out are multiples of D and worth specialising (vector loads); these
-# vary from step to step and are not, which keeps the number of compilations small.
+# Arguments that vary per step are not specialised, to keep compilations few.
 @triton.jit(do_not_specialize=["block_size", "split_len", "stride_table", "stride_o_split", "stride_lse_split",
                                "stride_lse_tok"])
 def paged_attention_kernel(
@@ -95,19 +75,16 @@ def paged_attention_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(j_ok[None, :] & (j[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        # A row that has seen no visible key yet has m_new = -inf; subtracting 0 instead keeps
-        # exp2(-inf - -inf) = NaN out (its p and alpha are then exactly 0).
+        # A row with no visible key yet subtracts 0, not -inf: no NaN, p and alpha exactly 0.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)  # rescales what was accumulated under the old max
         l = l * alpha + tl.sum(p, 1)
-        # P is rounded to V's dtype for the tensor cores (fp16/bf16); fp32 stays fp32.
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
     if SPLIT:
-        # A normalised part and its log-sum-exp (base 2). A row with no visible key in this split
-        # (its range starts past the row's position) gets lse = -inf: weight 0 in the merge.
+        # A row with no visible key in this split gets lse = -inf: weight 0 in the merge.
         seen = l > 0.0
         l_safe = tl.where(seen, l, 1.0)
         lse = tl.where(seen, m + tl.log2(l_safe), float("-inf"))
