@@ -1,10 +1,7 @@
 """Which decoder-only architectures of the installed transformers varlen runs, on which backends.
 
-Built from the tiny configs of `varlen.tiny_model` (supported: ARCHITECTURES; refused:
-REFUSED_ARCHITECTURES), by loading each in memory and reading its attention the way the model
-runner does; a backend column says whether the backend declares every feature the model's layers
-use. `tests/test_model_coverage.py` proves each supported row on the CPU backends (logits equal
-the HF model's per request on mixed batches) and checks that README.md carries this exact table:
+Read from `varlen.tiny_model`'s configs the way the model runner reads attention;
+tests/test_model_coverage.py proves each row and checks README.md carries this table:
 
     python -m varlen.architectures            # print the table
     python -m varlen.architectures --write    # rewrite it in README.md (between the markers)
@@ -17,7 +14,6 @@ import importlib
 from pathlib import Path
 
 BEGIN, END = "<!-- architectures table: python -m varlen.architectures --write -->", "<!-- end of architectures table -->"
-# The shipped backends, whose declared features fill the table's columns.
 BACKEND_CLASSES = {"torch_ref": "backends.torch_ref:TorchRefBackend", "torch_sdpa": "backends.torch_sdpa:TorchSdpaBackend",
                    "flash_attn": "backends.flash_attn:FlashAttnBackend",
                    "flashinfer": "backends.flashinfer:FlashInferBackend"}

@@ -1,8 +1,7 @@
 """The flat varlen batch: every request's new tokens end to end, plus the metadata that says who is who.
 
-Prefill, a chunk of a prefill and a decode are all "n new tokens after k cached ones", so one
-`build_batch` covers them all. Everything is vectorised over tokens with numpy; Python only loops
-over requests (to gather their inputs), never over tokens.
+Prefill, chunk and decode are all "n new tokens after k cached ones", so one `build_batch` covers
+them; numpy vectorises over tokens, Python never loops over them.
 """
 
 from __future__ import annotations
@@ -65,13 +64,8 @@ def layout(
     needs_logits: np.ndarray, block_size: int, *, table_lens: np.ndarray | None = None,
     num_blocks: int | None = None, req_ids: Sequence[object] | None = None,
 ) -> ForwardBatch:
-    """The vectorised core: metadata of B requests from per-request arrays.
-
-    `input_ids` [N] are the new tokens end to end, `num_cached`/`num_new`/`needs_logits` [B],
-    `block_tables` [B, W>=needed] (rows may be longer than needed: they are cut to the step's
-    widest request), `table_lens` [B] how many entries of each row are real (for validation).
-    Raises ValueError naming the offending request before anything is written anywhere.
-    """
+    """The vectorised core: metadata of B requests from per-request arrays (`block_tables` rows may
+    be wider than needed; `table_lens` counts their real entries). ValueError names a bad request."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     B = int(num_new.shape[0])
@@ -85,8 +79,7 @@ def layout(
     W = int(need.max())
     tables = block_tables[:, :W]
     bad = (q < 1) | (k < 0) | (lens < need)
-    # One cheap pass over the whole slice; the per-request mask only when something is off
-    # (entries past a request's last needed block are unspecified and may be stale).
+    # One cheap pass; the per-request mask only when something is off (stale entries may follow).
     if tables.size and (tables.min() < 0 or (num_blocks is not None and tables.max() >= num_blocks)):
         used = np.arange(tables.shape[1])[None, :] < need[:, None]  # a short table is narrower than W
         bad |= (((tables < 0) | (tables >= (num_blocks if num_blocks is not None else np.inf))) & used).any(1)
@@ -150,9 +143,8 @@ def build_batch(
 
 
 class BatchBuffers:
-    """Persistent per-request rows (token ids and block table) that a serving loop updates
-    incrementally, so a step's metadata is pure array gathers: O(B + N) work plus one B×W copy,
-    with no Python loop over requests, tokens or blocks."""
+    """Per-request rows (token ids, block table) a serving loop updates in place, so a step's
+    metadata is array gathers with no Python loop."""
 
     def __init__(self, max_rows: int, max_model_len: int, max_blocks_per_seq: int):
         self.tokens = np.zeros((max_rows, max_model_len), dtype=np.int64)
@@ -180,32 +172,26 @@ class BatchBuffers:
 
     def _decode(self, rows: np.ndarray, k: np.ndarray, needs_logits: np.ndarray, block_size: int,
                 num_blocks: int | None) -> ForwardBatch | None:
-        """build() of a pure-decode step (one new token each: most steps of a serving loop) in a
-        third of layout's array operations: each token is its request's, at position k. The
-        same ForwardBatch as layout's (tests/test_batch.py); None when a check fails, so that
-        layout names the bad request."""
+        """build() of a pure-decode step, cheaper, same result as layout's (tests/test_batch.py);
+        None when a check fails, so that layout names the bad request."""
         B = len(k)
         blk = k // block_size  # each token's block, within its request
         kmax = int(k.max())
         W = kmax // block_size + 1
-        # Every check layout makes, in as few array operations: k >= 0 (blk >= 0), each table long
-        # enough, and the slice's ids in the pool (negative ids wrap to huge unsigned ones).
+        # layout's checks; negative ids wrap to huge unsigned ones.
         if blk.min() < 0 or (self.num_blocks[rows] <= blk).any():
             return None
         tables = self.block_tables[rows, :W]
         ids = tables.view(np.uint32)
         if tables.size and ids.max() >= (2**31 if num_blocks is None else min(num_blocks, 2**31)):
-            return None  # a stale entry past a request's last block may be out of the pool: layout looks closer
+            return None  # maybe a stale entry past a request's last block: layout looks closer
         return self.decode_batch(rows, k.copy(), self.tokens[rows, k], block_size, kmax,
                                  logits_indices=np.flatnonzero(needs_logits), tables=tables)
 
     def decode_batch(self, rows: np.ndarray, k: np.ndarray, input_ids: np.ndarray, block_size: int, kmax: int, *,
                      logits_indices: np.ndarray | None = None, tables: np.ndarray | None = None) -> ForwardBatch:
-        """A pure-decode step's ForwardBatch, unchecked: request i's one new token `input_ids[i]` sits
-        at position `k[i]` (int64; `kmax` their largest) of buffer row `rows[i]`, whose table holds
-        that position's block with every id of the row in the pool (the caller made sure; `_decode`
-        checks it). Logits of every token unless `logits_indices` says otherwise. `k` becomes the
-        batch's positions."""
+        """A pure-decode step's ForwardBatch, unchecked (`_decode` checks): token `input_ids[i]` at
+        position `k[i]` of row `rows[i]`; `k` becomes the batch's positions."""
         B = len(k)
         blk, offset = np.divmod(k, block_size)
         if tables is None:

@@ -2,18 +2,10 @@
 directory of its own, settings checked before any work starts, one-line errors (exit 2) and
 Ctrl-C that says what was written (exit 130). No torch.
 
-Run directories. Hydra names them to the second, so two runs started in the same second would
-share one. `ClaimRunDir` (a Hydra callback listed first in each config's `hydra.callbacks`)
-claims the run's (or sweep's) directory before Hydra writes anything into it: a directory is
-taken only if it is empty and this process creates its claim file exclusively (O_EXCL, atomic
-on one file system), else the next free `<dir>-1`, `<dir>-2`, ... is taken and a line says so.
-Two runs can therefore never share a directory, whoever named it.
-
-The user's config folders. Each command's primary config sets `hydra.searchpath:
-${varlen_config_path:}`, the folders of `VARLEN_CONFIG_PATH` (varlen/registry.py), so that a
-user's `scheduler/mine.yaml` there is `scheduler=mine` on the command line as it is
-`LLM(scheduler="mine")`; `run_cli` refuses a folder that is missing or a name defined twice
-(Hydra would silently take the first) before Hydra starts.
+Hydra names run directories to the second, so `ClaimRunDir` (first in `hydra.callbacks`) claims
+an empty one with an exclusive claim file, else the next free `<dir>-1`, ...: two runs never
+share one. `VARLEN_CONFIG_PATH`'s folders join Hydra's search path; `run_cli` refuses a missing
+folder or a name defined twice (Hydra would silently take the first).
 """
 
 from __future__ import annotations
@@ -72,11 +64,8 @@ def interrupted(message: str) -> NoReturn:
 
 
 def run_cli(main: Callable[[], Any]) -> None:
-    """A command's `__main__`: after Ctrl-C has been handled (results written or said not to be),
-    leave at once. The interpreter's teardown takes seconds once torch is loaded, and an
-    interrupted command must stop within a second; files are closed, streams flushed here.
-    A Ctrl-C outside a run (Hydra starting, a sweep's launcher waiting for its jobs) gets its
-    one line here."""
+    """A command's `__main__`: after Ctrl-C, flush and leave at once (the interpreter's teardown takes
+    seconds once torch is loaded); a Ctrl-C outside a run gets its one line here."""
     check_config_path()
     try:
         main()
@@ -141,10 +130,8 @@ def _override_value(s: str) -> str:
 
 
 class ClaimRunDir(Callback):
-    """Claims `hydra.run.dir` (a run) or `hydra.sweep.dir` (a sweep; its jobs' subdirectories are
-    distinct by job number) before Hydra writes into it, and points the config at the claimed
-    directory. The claimed path also goes into the Hydra overrides, because a launcher recomposes
-    each job's config from them (joblib, submitit)."""
+    """Claims `hydra.run.dir` or `hydra.sweep.dir` before Hydra writes into it; the claimed path
+    also goes into the overrides, from which launchers (joblib, submitit) recompose each job."""
 
     def _claim(self, config: DictConfig, key: str) -> None:
         try:

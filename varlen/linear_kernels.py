@@ -1,18 +1,8 @@
 """Which kernel computes the model's linear layers (`nn.Linear`) on the CPU.
 
-torch's `F.linear` on a CPU fp32 tensor goes to MKL's sgemm, which re-reads the weight in its
-row-major layout on every call. oneDNN's matmul with the weight reordered once into its blocked
-layout (what torch's own inductor does for low-precision weights, and what vLLM's CPU build does
-for every linear layer) is 1.5-3.8x faster at decode-sized batches (8-128 rows) on this project's
-50M benchmark shapes and 1.1-1.5x at prefill sizes: `python benchmarks/linear_kernels.py`. On small
-layers its per-call cost loses, so `auto` packs only layers of MIN_PACKED_ELEMENTS weights or more;
-`onednn` packs every layer.
-
-The swap replaces each linear module's `forward`, never the model's code or its weights (the dense
-weight stays: tied embeddings and batch-invariant mode read it). It is checked before it is used:
-a layer whose packed result differs from `F.linear` beyond rounding keeps `F.linear`, and the
-runner reports which kernel each run used (`ModelRunner.linear_kernel`). The packed copy is one
-more copy of the linear weights in memory; `linear_kernel=torch` avoids it.
+oneDNN with the weight packed once into its blocked layout beats `F.linear` (which re-reads the
+row-major weight per call) on large layers (benchmarks/linear_kernels.py). The swap replaces each
+module's `forward` only, after checking it matches `F.linear` to rounding; the dense weight stays.
 """
 
 from __future__ import annotations
@@ -25,12 +15,9 @@ import torch.nn.functional as F
 ONEDNN = "onednn_packed"
 TORCH = "torch"
 TILED = "torch_tiled"  # batch-invariant mode's fixed-shape GEMMs
-#: `auto` packs a layer only from this many weight elements (1 MiB in fp32): below it oneDNN's
-#: per-call cost outweighs its faster inner loop (benchmarks/linear_kernels.py: 0.2-0.9x of F.linear
-#: on the tiny model's 32x64..512x64 layers; 1.0-1.6x from 512x512 up at 8-64 rows).
+#: `auto` packs only layers this large: below it oneDNN's per-call cost loses.
 MIN_PACKED_ELEMENTS = 1 << 18
-#: the row count oneDNN lays the packed weight out for; one layout serves every row count
-#: (benchmarks/linear_kernels.py measured 64 against the step's own row count: no difference).
+#: the row count oneDNN lays the packed weight out for; one layout serves every row count.
 _PACK_ROWS = 64
 
 
@@ -39,12 +26,8 @@ def _onednn_linear(packed: torch.Tensor, bias: torch.Tensor | None, x: torch.Ten
 
 
 def _tiled_linear(layer: torch.nn.Linear, tile: int, x: torch.Tensor) -> torch.Tensor:
-    """A linear layer computed in GEMMs of exactly `tile` rows (the last one zero-padded).
-
-    GEMM libraries pick kernels and blockings by the matrix shape, so a row's result can change
-    with the number of rows beside it. With every call the same shape, each row goes through the
-    same kernel whatever the batch holds: this is what makes batch-invariant mode bitwise exact.
-    """
+    """A linear layer in GEMMs of exactly `tile` rows (the last zero-padded): GEMM libraries pick
+    kernels by shape, so one shape makes every row's result independent of the batch."""
     flat = x.reshape(-1, x.shape[-1])
     n = flat.shape[0]
     if n == 0:
@@ -77,17 +60,15 @@ def onednn_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
 
 def pack_linears(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
                  min_elements: int = MIN_PACKED_ELEMENTS) -> str:
-    """Route the model's `nn.Linear` layers of at least `min_elements` weights through oneDNN with
-    packed weights where that is possible and exact to rounding; return what the layers run on (see
-    describe_linears), with the reason when oneDNN cannot serve at all."""
+    """Route `nn.Linear` layers of >= `min_elements` weights through packed oneDNN where it is exact
+    to rounding; return what the layers run on (describe_linears), or why oneDNN cannot serve."""
     why = onednn_unavailable(device, dtype)
     if why is not None:
         return f"{TORCH} ({why})"
     with torch.inference_mode():
         for m in model.modules():
             if not isinstance(m, torch.nn.Linear) or "forward" in m.__dict__:
-                # Already packed, or replaced by something else (batch-invariant tiling, a user's
-                # hook): left as it is, and describe_linears says what it is.
+                # Already replaced (packed, tiled, a user's hook): left as it is.
                 continue
             w = m.weight.detach()
             if w.numel() < min_elements:
@@ -110,9 +91,8 @@ def _kernel_of(m: torch.nn.Linear) -> str:
 
 
 def describe_linears(model: torch.nn.Module) -> str:
-    """What computes the model's linear layers now, read from the modules themselves (a model shared
-    by several runners reports its state, not what one runner asked for): one kernel name, or each
-    kernel with its number of layers."""
+    """What computes the model's linear layers now, read from the modules (a shared model reports its
+    state): one kernel name, or each kernel with its number of layers."""
     counts: dict[str, int] = {}
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):

@@ -46,7 +46,6 @@ def request_columns(requests: Sequence[Request], latencies: dict[str, np.ndarray
     out_tokens = np.array([r.num_output_tokens for r in requests], np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         normalized = np.where(out_tokens > 0, lat["e2e"] / out_tokens, np.nan)
-    # Lists where the table has always had them (pandas types them), arrays where computed.
     return dict(
         req_id=[r.req_id for r in requests], prompt_tokens=[r.num_prompt_tokens for r in requests],
         output_tokens=[r.num_output_tokens for r in requests],
@@ -66,8 +65,7 @@ def request_table(requests: Iterable[Request], latencies: dict[str, np.ndarray] 
 
 
 def step_table(steps: Sequence, detail: bool = True) -> "pd.DataFrame":  # noqa: F821
-    """One row per step; detail=False leaves out the per-request columns (ids, new and cached
-    tokens as space-separated lists), which dominate the size of a long simulation's table."""
+    """One row per step; detail=False leaves out the per-request columns, the bulk of a long run's table."""
     import pandas as pd
 
     rows = []
@@ -85,9 +83,8 @@ def step_table(steps: Sequence, detail: bool = True) -> "pd.DataFrame":  # noqa:
 
 
 def kv_usage_columns(steps: Sequence, total_slots: int, max_points: int | None = 2000) -> dict[str, np.ndarray]:
-    """KV utilisation over time: at each step's end, reserved slots (held by some request) and
-    live tokens as fractions of the pool, with the queue lengths. max_points thins a long run
-    by keeping every k-th step plus the peak, enough for a plot and small as a CSV."""
+    """KV utilisation at each step's end (reserved and live fractions of the pool, queue lengths);
+    max_points thins a long run to every k-th step plus the peak."""
     c = step_columns(steps, tokens=False)
     cols = {
         "time": c["start"] + c["duration"],
@@ -111,7 +108,7 @@ def kv_usage_table(steps: Sequence, total_slots: int, max_points: int | None = 2
 
 
 def _pcts(x: np.ndarray, qs: Sequence[float]) -> list[float]:
-    # One call for all: each np.percentile call partitions the (possibly millions of) values anew.
+    # One call for all: each call partitions the values anew.
     return [float(v) for v in np.percentile(x, qs)] if len(x) else [float("nan")] * len(qs)
 
 
@@ -124,11 +121,9 @@ def _time_weighted_kv(c: dict[str, np.ndarray], total_slots: int) -> float:
 
 
 def request_latencies(reqs: Sequence[Request]) -> dict[str, np.ndarray]:
-    """Per request: arrival, first_token, finish, ttft, tpot, e2e, max_tbt (its longest gap between
-    consecutive output tokens; NaN where undefined), and every request's inter-token gaps as one
-    array (itl). All token times go into one array: a long simulation has millions, too many to
-    handle one by one (flattening them is most of the cost: compute this once per run and pass it
-    to summarize and request_columns)."""
+    """Per request: arrival, first_token, finish, ttft, tpot, e2e, max_tbt (longest gap; NaN where
+    undefined), and all inter-token gaps as one array (itl). Costly on long runs: compute once and
+    pass it to summarize and request_columns."""
     times = [r.token_times for r in reqs]
     lens = np.fromiter(map(len, times), np.int64, len(times))
     flat = np.fromiter(itertools.chain.from_iterable(times), np.float64, int(lens.sum()))
@@ -144,9 +139,8 @@ def request_latencies(reqs: Sequence[Request]) -> dict[str, np.ndarray]:
     between = np.ones(len(gaps), bool)  # False where a gap spans two requests
     between[first[has & (first > 0)] - 1] = False
     itl = gaps[between]
-    del gaps  # tens of MB on a long run: freed before the next array takes its place
-    # Each request's longest gap: its gaps lie end to end in itl (a request with one token or
-    # none has none), so one reduceat from each multi-token request's first gap to the next's.
+    del gaps  # large on a long run
+    # Each request's gaps lie end to end in itl: one reduceat gives each one's longest.
     max_tbt = np.full(len(reqs), np.nan)
     if many.any():
         ngaps = np.where(many, lens - 1, 0)
@@ -160,12 +154,8 @@ def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
               tbt_slo: float | None = None, latencies: dict[str, np.ndarray] | None = None) -> dict[str, float]:
     """One row of headline figures: throughput, latency percentiles, preemptions, KV usage, goodput.
 
-    SLOs (seconds; None: not set): TTFT, TPOT (the mean gap), and TBT, met when no gap between
-    two consecutive output tokens of the request exceeds it (a stall, as from a prefill step, fails
-    it even when the mean is low). A request counts toward goodput when it meets every SLO set;
-    `slo_attainment` is that count over all requests, `tbt_attainment` the TBT SLO's alone.
-    latencies: request_latencies(requests), when the caller has it already; used as it is when
-    every request finished (the usual case), else computed anew for the finished ones."""
+    SLOs in seconds (None: not set): TTFT, TPOT (mean gap), TBT (no single gap above it: a stall
+    fails it even when the mean is low). Goodput counts requests meeting every SLO set."""
     c = step_columns(steps, tokens=False)
     reasons = [None if r.finish_reason is None else r.finish_reason.value for r in requests]
     done = [r for r, why in zip(requests, reasons) if why in ("length", "stop")]
@@ -188,8 +178,7 @@ def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         for q, v in zip((50, 90, 99), _pcts(xs, (50, 90, 99))):
             row[f"{name}_p{q}"] = v
-    # Over all inter-token gaps, as Sarathi-Serve reports it: itl_p99 itself (the same sorted
-    # position and interpolation, bit for bit), not a second partition of millions of gaps.
+    # Over all inter-token gaps, as Sarathi-Serve reports it: the same figure as itl_p99.
     row["tbt_p99"] = row["itl_p99"]
     if ttft_slo is not None or tpot_slo is not None or tbt_slo is not None:
         ok_ttft = np.ones(len(done), bool) if ttft_slo is None else has & (np.nan_to_num(ttft_all, nan=np.inf) <= ttft_slo)

@@ -1,12 +1,8 @@
 """What a model's attention needs, read from the model itself: one `LayerAttention` per layer.
 
-transformers calls the registered attention function with the layer's module, q/k/v and keyword
-arguments that carry the layer's features (`sliding_window`, `softcap`, `s_aux`, `scaling`, ...).
-Rather than guess per architecture which config field turns into which argument (Gemma 3 has an
-`attn_logit_softcapping` field it never passes, gpt-oss passes its sinks as `s_aux`), a probe
-forward of two tokens records what every layer actually passes. Whatever the varlen function
-does not implement — an unknown keyword with a value, a non-default value of a known one, a
-module type that is not softmax attention — refuses the model here, at load time, in one line.
+A two-token probe forward records the keywords each layer really passes, rather than guessing
+from config fields (Gemma 3 has a softcap field it never passes); whatever varlen does not
+implement refuses the model at load, in one line.
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ from varlen.attention_api import LayerAttention
 
 # Keywords the varlen function implements (they become the layer's LayerAttention).
 IMPLEMENTED = frozenset({"scaling", "sliding_window", "softcap", "s_aux"})
-# Keywords that must keep these values (anything else changes what attention computes):
-# name -> (the allowed value, as errors name it; the check).
+# name -> (the allowed value, as errors name it; the check)
 REQUIRED = {"dropout": ("0.0", lambda v: not v), "is_causal": ("True", lambda v: v is None or v is True),
             "output_attentions": ("False", lambda v: not v)}
 # Arguments of the model's forward that transformers passes along; attention needs none of them.
@@ -101,8 +96,7 @@ def check_config(model: torch.nn.Module) -> None:
 
 @dataclass(frozen=True)
 class ModelAttention:
-    """What the probe read: each layer's spec and the heads every layer's q and k/v arrive with
-    (from the tensors themselves: some configs' head counts are not what their modules use)."""
+    """What the probe read: each layer's spec and the head shape, from the tensors themselves."""
 
     layers: list[LayerAttention]
     num_q_heads: int
@@ -133,17 +127,13 @@ class AttentionProbe:
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
 
 
-# The probe running in this context, so that an attention call that lost the forward's keywords
-# (a model that does not pass them through) is refused rather than crashing.
+# The probe running here: an attention call that lost the forward's keywords is then refused.
 ACTIVE_PROBE: ContextVar[AttentionProbe | None] = ContextVar("varlen_active_probe", default=None)
 
 
 def read_model_attention(model: torch.nn.Module, forward_kwarg: str) -> ModelAttention:
-    """Every layer's LayerAttention and the attention shape, from a two-token probe forward;
-    UnsupportedModel (one line) when the model is refused.
-
-    `forward_kwarg` names the model-forward keyword that carries the attention function's context.
-    """
+    """Every layer's LayerAttention and the attention shape, or UnsupportedModel (one line).
+    `forward_kwarg` is the model-forward keyword that carries the attention function's context."""
     check_config(model)
     arch, n_layers = architecture(model), model.config.num_hidden_layers
     if model.training:
@@ -180,7 +170,6 @@ def read_model_attention(model: torch.nn.Module, forward_kwarg: str) -> ModelAtt
 
 
 def kv_window(layers: list[LayerAttention]) -> int | None:
-    """How many trailing positions of a request every layer may still read: the largest window, or
-    None when some layer attends to the whole context (then no block can ever be freed early)."""
+    """Trailing positions every layer may still read: the largest window, or None (whole context)."""
     windows = [spec.sliding_window for spec in layers]
     return None if not windows or None in windows else max(w for w in windows if w is not None)

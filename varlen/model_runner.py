@@ -1,16 +1,11 @@
 """Runs a stock transformers model on a flat varlen batch, with attention done by a pluggable backend.
 
-The model is the unmodified HF module tree. We register one attention function, "varlen", in
-transformers' `AttentionInterface`; it receives q/k/v after q/k-norm and RoPE and hands them to
-the backend with this step's metadata, which travels as an extra forward() keyword. A mask
-function registered under the same name returns None, so no N×N mask is ever built; models that
-take a ready mask mapping get one of Nones and skip even that call (`precomputed_masks`). The LM head
-runs only at `logits_indices` (transformers' `logits_to_keep`).
-
-No silent features: at load, a probe forward reads what every layer's attention asks for
-(`varlen.model_attention`), refuses what varlen does not implement, and binds the backend to the
-model's shape and per-layer specs (refused there when the backend lacks a feature a layer uses).
-Every call then checks that it asks for exactly what was bound.
+The model is the unmodified HF module tree. The attention function "varlen", registered in
+transformers' `AttentionInterface`, receives q/k/v after q/k-norm and RoPE and hands them to the
+backend with the step's metadata, which travels as an extra forward() keyword. Its mask function
+returns None, so no N×N mask is built (`precomputed_masks` skips even that call). The LM head runs
+only at `logits_indices`. At load a probe forward reads every layer's attention
+(`varlen.model_attention`) and binds the backend to it; each call must ask for what was bound.
 """
 
 from __future__ import annotations
@@ -57,8 +52,7 @@ def _varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                            "run the model through varlen.ModelRunner")
     layer = module.layer_idx
     spec = ctx.layers[layer]
-    # What was bound is what runs: a call asking for anything else (a changed module, a keyword
-    # that was not there at load) is refused, never silently dropped.
+    # What was bound is what runs: anything else is refused, never silently dropped.
     if (sliding_window != spec.sliding_window or softcap != spec.softcap or s_aux is not spec.sinks
             or (scaling is not None and scaling != spec.scale) or kwargs.get("dropout")
             or kwargs.keys() - _QUIET):
@@ -82,15 +76,8 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
 
 
 def precomputed_masks(model: torch.nn.Module) -> dict[str, None] | None:
-    """The `attention_mask` mapping to pass so the model builds no mask, or None if it cannot take one.
-
-    transformers models build their causal masks per forward from `position_ids` (scanning them for
-    packed sequences: ~0.4 ms per step, 5% of a tiny model's forward) only to hand them to our mask
-    function, which returns None. Most models accept that mapping ready-made ({layer type: mask});
-    whether this one does is checked, not assumed: a two-token probe forward with and without it
-    must call the same layers with the same shapes and give the same logits, else None (masks built
-    as before).
-    """
+    """The `attention_mask` mapping ({layer type: None}) that spares the model building masks our
+    mask function discards, or None when a probe forward with and without it differs."""
     types = set(getattr(model.config, "layer_types", None) or ()) | {"full_attention", "sliding_attention"}
     masks: dict[str, None] = {t: None for t in sorted(types)}
     dev = next(model.parameters()).device
@@ -146,19 +133,9 @@ class ModelRunner:
     def __init__(self, model: str | os.PathLike | torch.nn.Module, backend: AttentionBackend, block_size: int,
                  num_blocks: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  linear_kernel: str = "auto"):
-        """`model` is a local HF folder, or a model already loaded by `load_model` (shared, e.g. by tests).
-
-        A backend built with batch_invariant=True (its one option for it; the backends that have
-        the mode declare it in `features`) computes attention per request, and the model's GEMMs
-        get fixed shapes here: each request's logits are bitwise identical whatever else is in the
-        batch, at a cost that benchmarks/ measures.
-
-        `linear_kernel` (varlen/linear_kernels.py): `auto` packs the weights of the linear layers
-        large enough to gain for oneDNN where it serves this device and dtype and matches F.linear
-        to rounding, else keeps F.linear; `onednn` packs every layer or raises a ValueError saying
-        why not; `torch` keeps F.linear.
-        `self.linear_kernel` says what the model's linear layers run on.
-        """
+        """`model`: a local HF folder, or a model loaded by `load_model` (shared, e.g. by tests).
+        A batch-invariant backend also gets the model's GEMMs in fixed shapes here.
+        `linear_kernel`: auto, onednn or torch (varlen/linear_kernels.py)."""
         self.device = torch.device(device)
         self.dtype = dtype
         backend.check(self.device, dtype, block_size)
@@ -190,7 +167,7 @@ class ModelRunner:
         self.num_layers = cfg.num_hidden_layers
         attn = read_model_attention(self.model, "varlen_ctx")
         self.layers = attn.layers
-        # The shapes the modules really use (e.g. GPT-2-style configs carry no KV head count).
+        # The shapes the modules really use (GPT-2-style configs carry no KV head count).
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         backend.bind(attn.num_q_heads, self.num_kv_heads, self.head_dim, dtype, block_size, self.device,
                      self.layers, model_name=f"{type(self.model).__name__} ({model_path})")
@@ -207,8 +184,7 @@ class ModelRunner:
 
     @property
     def kv_window(self) -> int | None:
-        """Trailing positions every layer may still read (None: some layer reads the whole context).
-        An allocator may free a request's blocks older than this (`allocator=paged_window`, varlen.kv.windowed)."""
+        """Trailing positions every layer may still read (None: the whole context); see kv_window."""
         return kv_window(self.layers)
 
     def check_kv_allocator(self, kv: Any) -> None:

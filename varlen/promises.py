@@ -1,19 +1,10 @@
 """A promise a plug-in class makes about its own behaviour holds only for the class that declares it.
 
-Some plug-in attributes are promises that let a caller take a shortcut: a policy's
-`repeats_decode_batches` (its next decisions are known without asking it), an allocator's
-`next_allocation_event` / `grow_decodes` (which of its calls matter, or all of them at once), a cost
-model's `decode_step_time` / `step_time_sums` (its time, cheaper), an executor's `decode_run`
-(many steps in one call). Each promise is about some behaviour methods. A subclass that overrides
-one of them without declaring the promise itself would inherit a promise about code that no
-longer runs, and the shortcut would silently skip the override. So a promise is kept only when no
-class below the one that declares it (in the MRO) overrides any of its behaviour methods; a
-subclass opts back in by declaring the promise in its own body. The interface's own definition
-is the safe default every implementation meets (no shortcut, or one derived from the behaviour
-itself), not a promise.
-
-Works on mypyc-compiled classes as on Python ones: both have `__mro__` and a `__dict__` that
-lists the methods and class attributes the class body defines.
+Promises (a policy's `repeats_decode_batches`, a cost model's `decode_step_time`, an executor's
+`decode_run`, ...) let a caller take a shortcut past some behaviour methods. A subclass that
+overrides one of those without re-declaring the promise would have its override silently skipped,
+so a promise holds only when no class below its declarer in the MRO overrides its behaviour. The
+interface's own definition is a safe default, not a promise. Works on mypyc classes too.
 """
 
 from __future__ import annotations
@@ -49,8 +40,7 @@ _checked: weakref.WeakKeyDictionary[type, dict[tuple[str, ...], str]] = weakref.
 
 
 def keeps_promise(obj: object, promises: str | tuple[str, ...], behaviour: Iterable[str], interface: type) -> bool:
-    """Whether `obj`'s class keeps each of `promises` (see the module doc). Decided once per class;
-    a broken one is said once, as a PromiseWarning naming the class and the override."""
+    """Whether `obj`'s class keeps each of `promises`; decided once per class, a broken one warned once."""
     cls = type(obj)
     names = (promises,) if isinstance(promises, str) else tuple(promises)
     seen = _checked.setdefault(cls, {})

@@ -1,10 +1,7 @@
 """Tiny Hugging Face model folders written locally, so nothing is ever downloaded.
 
-`write_tiny_model(dir, arch)` produces a real HF folder (config.json, model.safetensors,
-tokenizer files) that loads through `AutoConfig`, `AutoModelForCausalLM.from_pretrained` and
-`AutoTokenizer`. Weights are random from a fixed seed; `initializer_range` is large so that
-greedy decoding has clear top-1 margins (random small weights give near-flat logits whose
-argmax flips on 1e-6 noise, which would make greedy-equality tests meaningless).
+Weights are random from a fixed seed; `initializer_range` is large so that greedy decoding has
+clear top-1 margins (near-flat logits would make greedy-equality tests flip on noise).
 """
 
 from __future__ import annotations
@@ -13,8 +10,7 @@ import json
 import os
 from pathlib import Path
 
-# A small fixed corpus for the byte-level BPE tokenizer. Byte-level means any text
-# round-trips, so the corpus only shapes which merges exist, not what can be encoded.
+# Byte-level BPE: any text round-trips; the corpus only shapes the merges.
 _CORPUS = [
     "varlen batches every request's new tokens end to end in one flat array.",
     "Prefill, a chunk of a prefill and a decode are all n new tokens after k cached ones.",
@@ -25,9 +21,7 @@ _CORPUS = [
     "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \" @ # $ % ^ & _ ~",
 ]
 
-# Each entry: the HF `architectures`/`model_type` and what the tiny shape needs on top. Attention
-# features get small values that bite on short prompts (a window of 8 positions, a soft-cap of a
-# few units, a query scale that is not head_dim**-0.5) so that the coverage tests exercise them.
+# Attention features get values that bite on short prompts, so coverage tests exercise them.
 WINDOW = 8
 ARCHITECTURES: dict[str, dict] = {
     "qwen3": dict(
@@ -66,7 +60,6 @@ ARCHITECTURES: dict[str, dict] = {
     "cohere": dict(architectures=["CohereForCausalLM"], model_type="cohere", logit_scale=0.5),
     "cohere2": dict(architectures=["Cohere2ForCausalLM"], model_type="cohere2", sliding_window=WINDOW,
                     layer_types=["sliding_attention", "full_attention"], logit_scale=0.5),
-    # More of the installed transformers' decoder-only families (all through the same interface).
     "starcoder2": dict(architectures=["Starcoder2ForCausalLM"], model_type="starcoder2", sliding_window=WINDOW),
     "ministral": dict(architectures=["MinistralForCausalLM"], model_type="ministral", head_dim=16,
                       sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
@@ -175,11 +168,8 @@ def write_tiny_model(
     path: str | os.PathLike, arch: str = "qwen3", seed: int = 0, vocab_size: int = 512,
     initializer_range: float = 0.1, **overrides,
 ) -> Path:
-    """Write a random-weight HF model folder for `arch` (a key of ARCHITECTURES) and return its path.
-
-    `vocab_size` is the model's; the locally trained tokenizer has at most that many tokens.
-    `overrides` replace entries of the config (e.g. hidden_size=512 for a bigger model).
-    """
+    """Write a random-weight HF model folder for `arch` and return its path; `overrides` replace
+    config entries (e.g. hidden_size=512)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -188,8 +178,7 @@ def write_tiny_model(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     actual_vocab = _write_tokenizer(path, vocab_size)
-    # The embedding may be larger than the tokenizer's vocabulary (ids past it are simply never
-    # produced by the tokenizer), so benchmark shapes can ask for e.g. 32000.
+    # The embedding may outgrow the tokenizer's vocabulary, so benchmark shapes can ask for 32000.
     model = tiny_model(arch, seed, vocab_size=max(vocab_size, actual_vocab),
                        initializer_range=initializer_range, **overrides)
     model.save_pretrained(path, safe_serialization=True)
@@ -197,11 +186,8 @@ def write_tiny_model(
 
 
 def ensure_tiny_model(arch: str = "qwen3") -> Path:
-    """Return the embedded default model folder, writing it on first use.
-
-    Written to a temporary sibling and renamed, so a concurrent or interrupted first use never
-    leaves a half-written folder behind.
-    """
+    """The embedded default model folder, written on first use to a temporary sibling and renamed
+    (never half-written)."""
     path = default_model_dir(arch)
     if (path / "model.safetensors").exists():
         return path
