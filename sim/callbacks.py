@@ -1,6 +1,5 @@
-"""Hydra callbacks of `python -m sim.run`: a sweep (-m) ends with its table and plots written,
-so one command runs the sweep and reports it. Kept apart from sim.report so that a single
-simulation never imports matplotlib."""
+"""Hydra callbacks of `python -m sim.run`: a sweep ends with its report written. Apart from
+sim.report so that a single simulation never imports matplotlib."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """`python -m sim.capacity`: the highest arrival rate that still meets the SLOs, by bisection.
 
-Same config as sim.run (conf/sim/sim.yaml). A rate meets the SLOs when at least
-`capacity.attainment` of the requests meet every SLO set: TTFT <= slo.ttft_s, TPOT <= slo.tpot_s
-and no gap between two output tokens over slo.tbt_s (the stalls Sarathi-Serve targets).
+Same config as sim.run; a rate passes when `capacity.attainment` of the requests meet every SLO
+set (slo.ttft_s, slo.tpot_s, slo.tbt_s). Attainment falls as the rate rises, so bisection in log
+space applies. Writes capacity.json and capacity_probes.csv to the run's directory.
 
     python -m sim.capacity scheduler=chunked workload.limit=2000 slo.ttft_s=1 slo.tpot_s=0.05
-    python -m sim.capacity scheduler=sarathi workload.limit=2000 slo.tbt_s=0.2   # a stall-aware SLO
-    python -m sim.capacity -m scheduler=static,continuous,chunked workload.limit=2000   # one search per policy
-
-Attainment falls as the rate rises (more queueing), so bisection applies; the search halves
-the interval in log space (rates span orders of magnitude) until high / low - 1 < rel_tol.
-Writes capacity.json and capacity_probes.csv to the run's directory.
 """
 
 from __future__ import annotations
@@ -27,16 +21,13 @@ from sim.run import CONF
 from varlen.cli import SettingError, number
 
 
-MAX_PROBES = 40  # bisection in log space: 40 halvings narrow any sane range far below a rel_tol
+MAX_PROBES = 40  # 40 halvings in log space narrow any sane range far below rel_tol
 
 
 def bisect_rate(meets: Callable[[float], tuple[bool, dict[str, Any]]], low: float, high: float,
                 rel_tol: float = 0.05, max_probes: int = MAX_PROBES) -> tuple[float | None, list[dict[str, Any]]]:
-    """(highest rate found to meet the SLOs, probes). None when even `low` fails; `high` when
-    `high` itself meets them (the search range was too narrow).
-
-    Always ends: after `max_probes` probes, or when the midpoint is no longer strictly between
-    the bounds (floats run out of room before any tolerance of zero is met)."""
+    """(highest rate found to meet the SLOs, or None when even `low` fails, probes). Ends after
+    `max_probes`, or when floats leave no midpoint strictly between the bounds."""
     if not 0 < low < high or not math.isfinite(high):
         raise ValueError(f"a rate search needs 0 < low < high, got low={low}, high={high}")
     if not rel_tol > 0:

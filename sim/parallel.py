@@ -1,20 +1,9 @@
 """Tensor and pipeline parallelism in the simulator (`parallel.tensor=N`, `parallel.pipeline=M`).
 
-Tensor parallelism (TP) shards every GEMM and the attention heads over N GPUs (a GPU keeps a
-replica of a KV head when there are fewer KV heads than GPUs) and pays two all-reduces of the
-step's activations per layer (after the attention output and the MLP down projections), timed
-from the node's collective table (`hardware.node`). Pipeline parallelism (PP) splits the layers
-into M stages that pass activations on by send/recv.
-
-In-flight microbatches: a pipeline of M stages keeps M batches in flight, each one stage apart.
-The simulator models this as vLLM's pipeline-parallel engine does: M virtual engines per replica,
-each with its own scheduler and 1/M of the KV pool, each batch taking the whole pipeline's
-latency (all layers + M - 1 transfers). While the M batches are alike, every stage is busy all
-the time, as in the real pipeline; bubbles from unequal batches are not modelled.
-
-Weights and KV live per GPU: a replica's KV pool is what fits on the fullest GPU next to its
-share of the weights, so it grows with TP x PP. A configuration whose weights do not fit is
-rejected with the numbers.
+TP shards GEMMs and heads over N GPUs and pays two all-reduces per layer (`hardware.node`'s
+table); PP splits the layers into M stages, modelled as M virtual engines per replica with 1/M of
+the KV pool each, every batch taking the whole pipeline's latency (bubbles not modelled). A
+replica's KV pool is what fits on its fullest GPU beside its share of the weights.
 """
 
 from __future__ import annotations
@@ -61,8 +50,7 @@ class Parallelism:
 
 
 def shard_config(cfg: Mapping[str, Any], tp: int) -> dict[str, Any]:
-    """The HF config of what one GPU of a TP group computes: heads, KV heads, MLP width and
-    vocabulary divided by TP (a KV head replicated when there are fewer than GPUs)."""
+    """The HF config of one GPU of a TP group: heads, KV heads, MLP width, vocabulary divided by TP."""
     c = dict(cfg.get("text_config", cfg))
     if tp == 1:
         return dict(cfg)
@@ -75,8 +63,7 @@ def shard_config(cfg: Mapping[str, Any], tp: int) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Capacity:
-    """Per-GPU memory of one replica (the fullest GPU: the stage with the most layers and the
-    embedding or LM head) and the KV tokens it leaves room for."""
+    """Per-GPU memory of one replica's fullest GPU and the KV tokens it leaves room for."""
 
     weight_bytes_per_gpu: float
     kv_bytes_per_token_per_gpu: float

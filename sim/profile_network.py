@@ -1,12 +1,7 @@
 """Collective timings for `python -m sim.profile --collectives N`: all-reduce over 2, 4, ... N
-workers and send/recv between two, one process per device through torch.distributed (NCCL on
-GPUs, gloo on CPU), written as DIR/network/<node>/{all_reduce,send_recv}.csv in the layout of the
-shipped tables (sim/profiles/README.md): milliseconds against message size in bytes, rank 0's
-timings, every worker on this one node.
-
-All-reduce: after a barrier, rank 0 times one all_reduce to completion. Send/recv: a ping-pong
-between ranks 0 and 1 timed at rank 0; half the round trip is one transfer (what the pipeline's
-stage-to-stage send costs in sim/cost/operators.py).
+workers and send/recv between two (half a ping-pong), rank 0's milliseconds per message size,
+written as DIR/network/<node>/{all_reduce,send_recv}.csv like the shipped tables
+(sim/profiles/README.md).
 """
 
 from __future__ import annotations
@@ -101,7 +96,7 @@ def time_collectives(workers: int, device: str = "cpu", sizes: tuple[int, ...] =
 
     with tempfile.TemporaryDirectory() as tmp:
         result = str(Path(tmp) / "times.json")
-        # fork on CPU: the workers start in a moment, torch already imported (CUDA cannot be forked).
+        # fork on CPU starts workers with torch already imported; CUDA cannot be forked.
         mp.start_processes(_worker, args=(workers, _free_port(), device, tuple(sizes), repeats, dtype, result),
                            nprocs=workers, join=True, start_method="spawn" if device.startswith("cuda") else "fork")
         raw = json.loads(Path(result).read_text())

@@ -1,10 +1,7 @@
-"""Routers: which replica serves an arriving request. A router is a class here (or a user's) and
-a yaml in conf/router/ naming it (`_target_`) with its settings; `cluster.router=NAME` picks one
-through varlen.registry.
+"""Routers: which replica serves an arriving request (`cluster.router=NAME`, conf/router/).
 
-A router is called with the replicas (sim.simulator.Replica: `.engine`, `.outstanding`) and the
-request, at the request's arrival, when no replica has run past that instant, and returns the
-index of the replica to send it to. It may keep state of its own between calls.
+Called at the request's arrival, when no replica has run past that instant, with the replicas and
+the request; returns the replica's index. It may keep state between calls.
 """
 
 from __future__ import annotations
@@ -16,8 +13,7 @@ from varlen.request import Request
 
 
 class Replica(Protocol):
-    """What a router reads of a replica (sim.simulator.Replica is one; routers do not import the
-    simulator that calls them)."""
+    """What a router reads of a replica (sim.simulator.Replica is one)."""
 
     @property
     def engine(self) -> Any: ...  # the replica's varlen.engine.Engine: its policy, its allocator
@@ -47,20 +43,9 @@ class LeastOutstandingRouter:
 
 
 class PrefixAwareRouter:
-    """KV-cache-aware routing (the idea of SGLang's cache-aware router and Mooncake's conductor):
-    send a request to the replica holding the longest prefix of its prompt in its KV cache,
-    unless that replica is overloaded.
-
-    The cache is asked, not mirrored: each replica's own allocator answers `match_prefix(req)`,
-    the tokens its prefix cache would give the request were it admitted now (whole blocks, by the
-    chained block hashes PagedAllocator keeps). No router-side copy can drift from it.
-
-    Load balance: the best match wins only when its replica's unfinished requests exceed the
-    least loaded replica's by at most `load_threshold`; otherwise, and when no replica holds any
-    of the prefix, the least loaded replica (lowest index on ties) takes it. Among equal matches
-    the less loaded replica wins. An allocator without a prefix cache matches nothing, so this is
-    then least_outstanding.
-    """
+    """The replica whose KV cache holds the longest prefix of the prompt, asked of each allocator
+    (`match_prefix`, never mirrored), unless its load exceeds the least loaded's by more than
+    `load_threshold`; else, or with no match, the least loaded."""
 
     def __init__(self, load_threshold: int = 4) -> None:
         if load_threshold < 0:
@@ -81,8 +66,7 @@ class PrefixAwareRouter:
 
 
 def make_router(choice: str | Router, options: dict | None = None) -> Router:
-    """A router from a conf/router name (or a class's dotted path) with `options` over its yaml's
-    settings, or a router callable as it is."""
+    """A router from a conf/router name or dotted path (with `options`), or a callable as it is."""
     if callable(choice):
         return choice
     from varlen import registry
