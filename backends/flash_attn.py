@@ -1,10 +1,8 @@
-"""flash-attn backend: `flash_attn_varlen_func` over the paged cache through a block table.
+"""flash-attn backend: `flash_attn_varlen_func` over the base paged cache through a block table.
 
-The base cache layout's `cache[0]` / `cache[1]` are flash-attn's paged `k_cache` / `v_cache`.
-flash-attn 2.x (page sizes multiple of 256; pure decodes go to `flash_attn_with_kvcache`) takes
-`cu_seqlens_k` over whole lengths; flash-attn 4 (`flash_attn.cute`, used when 2.x is missing or
-`version="4"`) takes `page_table` and `seqused_k`. Both are imported lazily and called with
-`causal=True`, bottom-right aligned like the project. Sinks are not declared.
+flash-attn 2.x (pages a multiple of 256; pure decodes via `flash_attn_with_kvcache`) takes
+`cu_seqlens_k`; flash-attn 4 (`flash_attn.cute`, when 2.x is missing or `version="4"`) takes
+`page_table` and `seqused_k`. Both are imported lazily, causal bottom-right. Sinks not declared.
 """
 
 from __future__ import annotations
@@ -64,7 +62,7 @@ class FlashAttnMetadata(AttentionMetadata):
 
 @dataclass(frozen=True)
 class _Kernels:
-    version: str  # "2" or "4"
+    version: str
     varlen: Callable[..., Any]
     with_kvcache: Callable[..., Any] | None  # flash-attn 2 only
 

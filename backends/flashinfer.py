@@ -1,10 +1,6 @@
-"""FlashInfer backend: paged prefill/append attention planned once per step, run once per layer.
-
-The base cache's `cache[0], cache[1]` are FlashInfer's NHD (k_cache, v_cache) pages; the block
-tables become its CSR page table (`flashinfer_plan_inputs`). A plan fixes the feature arguments
-and softmax scale, so `prepare` plans one wrapper per kind of layer (windowed, full, ...) per
-step, sharing one workspace; the layers only run. Sinks are not declared.
-"""
+"""FlashInfer backend: the base cache as NHD pages, block tables as its CSR page table. A plan fixes
+features and scale, so `prepare` plans one wrapper per kind of layer per step (sharing one
+workspace) and the layers only run. Sinks are not declared."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """A CPU backend that attends over the paged KV cache in place, with no per-step copy of contexts.
 
-One call per layer of a C kernel (backends/csrc/paged_attention.c, loaded with ctypes: seconds to
-build, no torch headers) covers the batch; requests with >= LONG_SDPA_MIN new tokens go to SDPA.
-It is built at first use into the varlen cache under a hash of source, compiler, flags, CPU and
-torch/Python; without a compiler, for fp16, or with VARLEN_PAGED_KERNEL=0, torch_sdpa's code runs.
-Cache layout [2, num_blocks, Hkv, block_size, D] with K tiles transposed (one FMA vector per key
-chunk). One thread per query row in a fixed order: batch-invariant as is.
+One call per layer of a C kernel (backends/csrc/paged_attention.c, via ctypes) covers the batch;
+requests with >= LONG_SDPA_MIN new tokens go to SDPA. The kernel is built at first use into the
+varlen cache, keyed by source, compiler, flags, CPU and torch; without it (no compiler, fp16,
+VARLEN_PAGED_KERNEL=0) torch_sdpa's code runs. K tiles are stored transposed ([D, block_size]).
 """
 
 from __future__ import annotations
@@ -149,7 +147,7 @@ def to_nhd(cache: torch.Tensor) -> torch.Tensor:
 def from_nhd(nhd: torch.Tensor) -> torch.Tensor:
     """A default-layout cache in this backend's layout (a copy)."""
     _, nb, bs, hkv, d = nhd.shape
-    k = nhd[0].permute(0, 2, 3, 1).reshape(nb, hkv, bs, d)  # [nb, hkv, d, bs] seen as [nb, hkv, bs, d]
+    k = nhd[0].permute(0, 2, 3, 1).reshape(nb, hkv, bs, d)
     v = nhd[1].permute(0, 2, 1, 3)
     return torch.stack([k, v]).contiguous()
 
@@ -168,11 +166,11 @@ class PagedMetadata(AttentionMetadata):
     pointers: tuple[int, ...] = ()  # query_start_loc, seq_lens, block_tables, units
     bt_stride: int = 0
     num_units: int = 0
-    fallback: Any = None  # torch_sdpa's metadata when the kernel is not used
+    fallback: Any = None  # torch_sdpa's metadata
     # SDPA requests: (start, end, context length, context blocks or None when fresh, causal mask or None)
     long: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
-    blocks: torch.Tensor | None = None  # [N] block of each new token's slot
-    offsets: torch.Tensor | None = None  # [N] its offset in that block
+    blocks: torch.Tensor | None = None  # [N] each new token's block and offset in it
+    offsets: torch.Tensor | None = None
 
 
 def _blocks_and_offsets(batch: ForwardBatch, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,7 +220,7 @@ class TorchPagedBackend(AttentionBackend):
         lens = np.ascontiguousarray(batch.seq_lens, dtype=np.int32)
         tables = np.ascontiguousarray(batch.block_tables, dtype=np.int32)
         long: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = []
-        if batch.max_query_len == 1:  # a pure decode step (most steps): no request for SDPA
+        if batch.max_query_len == 1:  # pure decode: no request for SDPA
             units = decode_units(lens)
             blocks, offsets = _blocks_and_offsets(batch, device)
             return PagedMetadata(slot_mapping=slots, batch=batch, arrays=(qsl, lens, tables, units), long=long,
@@ -281,7 +279,7 @@ class TorchPagedBackend(AttentionBackend):
         return out
 
 
-if __name__ == "__main__":  # build ahead of first use (scripts/setup.sh)
+if __name__ == "__main__":
     try:
         print(f"built: {build(verbose=True)}")
     except RuntimeError as err:

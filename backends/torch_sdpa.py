@@ -1,10 +1,7 @@
 """A fast CPU backend: torch `scaled_dot_product_attention` over contexts gathered once per step.
-
-`prepare` builds one gather plan (blocks, mask) per distinct sliding window of the bound layers;
-decodes run as padded SDPA calls in groups of similar length, prefills and chunks one call each.
-`batch_invariant=True` computes every request on its own shapes. Soft-capping and sinks are not
-declared: SDPA exposes neither the scores nor the softmax's normaliser.
-"""
+`prepare` builds a gather plan (blocks, mask) per sliding window of the bound layers; decodes run
+padded in groups of similar length, prefills one call each. Soft-capping and sinks are not
+declared: SDPA exposes neither the scores nor the softmax's normaliser."""
 
 from __future__ import annotations
 
@@ -69,7 +66,7 @@ class TorchSdpaBackend(AttentionBackend):
                 key_pos = (first * bs)[:, None] + np.arange(width * bs)[None, :]
                 cols = np.minimum(first[:, None] + np.arange(width)[None, :], tables.shape[1] - 1)
                 blocks = tables[rows[:, None], cols]
-            else:  # whole contexts: plain slices
+            else:
                 key_pos = np.arange(width * bs)[None, :]
                 blocks = tables[rows, :width]
             # Past a row's length: block 0, masked (a table is never read past it).
@@ -95,7 +92,7 @@ class TorchSdpaBackend(AttentionBackend):
                     cut = w is not None and w < L
                     q_pos, k_pos = np.arange(L)[:, None], np.arange(L)[None, :]
                     mask = torch.from_numpy((k_pos <= q_pos) & (k_pos > q_pos - w)).to(device) if cut else None
-                    plans[w] = (None, mask)  # mask None: SDPA's own is_causal
+                    plans[w] = (None, mask)
                     continue
                 first = (0 if w is None else max(L - n - w + 1, 0)) // bs  # block of the first query's window start
                 blocks = tables[i, first: -(-L // bs)].astype(np.int64)
@@ -124,7 +121,7 @@ class TorchSdpaBackend(AttentionBackend):
             out[rows] = o.reshape(D, -1, d)
         for start, end, plans in meta.prefills:
             blocks, mask = plans[window]
-            qp = q[start:end].transpose(0, 1)[None]  # [1, Hq, n, d]
+            qp = q[start:end].transpose(0, 1)[None]
             if blocks is None:
                 kp, vp = k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(qp, kp.to(q.dtype), vp.to(q.dtype), attn_mask=mask,

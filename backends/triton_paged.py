@@ -1,11 +1,7 @@
-"""Triton backend: one paged varlen attention launch per layer over the whole step
-(`backends/triton_paged_kernels.py`), plus a log-sum-exp merge launch when the keys are split to
-fill the GPU (flash-decoding).
-
-On CPU it runs only in Triton's interpreter (numpy, slow, no bfloat16): that is how tests prove
-the kernel without a GPU. Triton picks interpret-or-compile once, at its import, so
-TRITON_INTERPRET=1 must be set before anything imports triton; this module imports it only in
-`check()`, which refuses a CPU run in one line when triton was imported without it.
+"""Triton backend: one paged varlen attention launch per layer (`backends/triton_paged_kernels.py`),
+plus a log-sum-exp merge when keys are split to fill the GPU. On CPU it runs only in Triton's
+interpreter (slow, no bfloat16), which Triton picks once at import: TRITON_INTERPRET=1 must be set
+before anything imports triton. This module imports it only in `check()`, which says so in one line.
 """
 
 from __future__ import annotations
@@ -40,7 +36,7 @@ class LaunchPlan:
     """Tile sizes and the KV split of one step for one head layout."""
 
     block_m: int  # query rows per program: tokens x GROUP heads
-    block_n: int  # keys per inner iteration
+    block_n: int
     num_splits: int
     split_len: int  # keys per split (a multiple of 16)
 
@@ -79,7 +75,7 @@ class TritonMetadata(AttentionMetadata):
     query_start_loc: torch.Tensor  # [B+1] int32, on the device
     seq_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, W] int32
-    plans: dict[tuple[Any, ...], LaunchPlan] = field(default_factory=dict)  # per head layout, for the step
+    plans: dict[tuple[Any, ...], LaunchPlan] = field(default_factory=dict)  # per head layout
 
 
 
@@ -87,7 +83,7 @@ class TritonMetadata(AttentionMetadata):
 class Kernels:
     attention: Any
     merge: Any
-    interpreted: bool  # run by Triton's interpreter
+    interpreted: bool
 
 
 def load_kernels() -> Kernels:
@@ -180,7 +176,7 @@ class TritonPagedBackend(AttentionBackend):
         hkv = kv_cache.shape[3]
         if hq % hkv:
             raise ValueError(f"backend 'triton': {hq} query heads are not a multiple of {hkv} KV heads")
-        if kv_cache.stride(-1) != 1:  # the kernel reads each K/V row as D contiguous elements
+        if kv_cache.stride(-1) != 1:
             raise ValueError("backend 'triton' needs a KV cache whose last dimension is contiguous")
         group = hq // hkv
         key = (hq, hkv, kv_cache.dtype)
@@ -199,7 +195,7 @@ class TritonPagedBackend(AttentionBackend):
         if split:  # fp32 parts and their log-sum-exps, merged into `out` below
             dst = torch.empty(plan.num_splits, n, hq, d, dtype=torch.float32, device=q.device)
             lse = torch.empty(plan.num_splits, n, hq, dtype=torch.float32, device=q.device)
-        else:  # straight into `out`; the lse argument is never touched
+        else:  # straight into `out`; lse is never touched
             dst, lse = out.unsqueeze(0), out
         block_d = max(16, next_power_of_2(d))
         grid = (-(-b.max_query_len // (plan.block_m // group)), b.num_seqs, hkv * plan.num_splits)

@@ -1,10 +1,8 @@
-"""The Triton kernels behind `backends/triton_paged.py`: paged varlen attention, and the merge of split-KV parts.
+"""The Triton kernels behind `backends/triton_paged.py` (imported lazily, by it alone).
 
-Imports triton at the top, so only the backend imports it, lazily. Same conventions as
-backends/torch_ref.py (bottom-right causal, keys read in place through block tables). One program
-per (query tile, request, KV head, KV split); a tile's rows are tokens x the GROUP query heads of
-one KV head (row r = token r // GROUP, head r % GROUP), so each K/V tile is read once per group.
-Split parts carry their log-sum-exp; `merge_splits_kernel` weights them by it.
+Conventions as backends/torch_ref.py. One program per (query tile, request, KV head, KV split); a
+tile's rows are tokens x the GROUP query heads of one KV head, so each K/V tile is read once per
+group. Split parts carry their log-sum-exp, by which `merge_splits_kernel` weights them.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ def paged_attention_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    TOKENS: tl.constexpr = BLOCK_M // GROUP  # new tokens per query tile
+    TOKENS: tl.constexpr = BLOCK_M // GROUP
     tile = tl.program_id(0)
     req = tl.program_id(1)
     kv_head = tl.program_id(2) % NUM_KV_HEADS
@@ -53,7 +51,6 @@ def paged_attention_kernel(
     q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_q_tok + head[:, None] * stride_q_head + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    # Keys this program reads: its split's share of 0 .. (the tile's last position).
     kv_end = tl.minimum(seq_len, n_cached + (tile + 1) * TOKENS)
     kv_lo = split * split_len
     kv_hi = tl.minimum(kv_end, kv_lo + split_len)
@@ -65,7 +62,6 @@ def paged_attention_kernel(
     for start in range(kv_lo, kv_hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         j_ok = j < kv_hi
-        # The paged read: each key's block from the table, its row inside the block.
         block = tl.load(block_tables_ptr + req * stride_table + j // block_size, mask=j_ok, other=0)
         kv_off = block.to(tl.int64) * stride_kv_block + (j % block_size) * stride_kv_row + kv_head * stride_kv_head
         kv_mask = j_ok[:, None] & d_ok[None, :]
@@ -113,7 +109,7 @@ def merge_splits_kernel(
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    sh_ok = (s < num_splits)[:, None] & (h < num_heads)[None, :]  # [S, H]
+    sh_ok = (s < num_splits)[:, None] & (h < num_heads)[None, :]
     lse = tl.load(lse_ptr + s[:, None] * stride_lse_split + tok * stride_lse_tok + h[None, :], mask=sh_ok,
                   other=float("-inf"))
     # Split 0 holds key 0, which every query sees: each real head's max is finite, its weights sum > 0.
@@ -123,6 +119,6 @@ def merge_splits_kernel(
     parts = tl.load(parts_ptr + s[:, None, None] * stride_p_split + tok * stride_p_tok
                     + h[None, :, None] * stride_p_head + d[None, None, :],
                     mask=sh_ok[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)  # [S, H, D]
-    o = tl.sum(parts * w[:, :, None], 0)  # [H, D]
+    o = tl.sum(parts * w[:, :, None], 0)
     tl.store(out_ptr + tok * stride_o_tok + h[:, None] * stride_o_head + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=(h < num_heads)[:, None] & (d < HEAD_DIM)[None, :])

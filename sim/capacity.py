@@ -1,8 +1,7 @@
 """`python -m sim.capacity`: the highest arrival rate that still meets the SLOs, by bisection.
 
 Same config as sim.run; a rate passes when `capacity.attainment` of the requests meet every SLO
-set (slo.ttft_s, slo.tpot_s, slo.tbt_s). Attainment falls as the rate rises, so bisection in log
-space applies. Writes capacity.json and capacity_probes.csv to the run's directory.
+set. Writes capacity.json and capacity_probes.csv to the run's directory.
 
     python -m sim.capacity scheduler=chunked workload.limit=2000 slo.ttft_s=1 slo.tpot_s=0.05
 """

@@ -1,10 +1,7 @@
 """Tensor and pipeline parallelism in the simulator (`parallel.tensor=N`, `parallel.pipeline=M`).
-
-TP shards GEMMs and heads over N GPUs and pays two all-reduces per layer (`hardware.node`'s
-table); PP splits the layers into M stages, modelled as M virtual engines per replica with 1/M of
-the KV pool each, every batch taking the whole pipeline's latency (bubbles not modelled). A
-replica's KV pool is what fits on its fullest GPU beside its share of the weights.
-"""
+TP shards GEMMs and heads and pays two all-reduces per layer; PP is M virtual engines per replica
+with 1/M of the KV pool each, every batch taking the whole pipeline's latency (no bubbles). The KV
+pool is what fits on the fullest GPU beside its share of the weights."""
 
 from __future__ import annotations
 

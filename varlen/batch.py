@@ -1,8 +1,5 @@
-"""The flat varlen batch: every request's new tokens end to end, plus the metadata that says who is who.
-
-Prefill, chunk and decode are all "n new tokens after k cached ones", so one `build_batch` covers
-them; numpy vectorises over tokens, Python never loops over them.
-"""
+"""The flat varlen batch: every request's new tokens end to end, plus the metadata that says who
+is who. Prefill, chunk and decode are all "n new tokens after k cached ones": one `build_batch`."""
 
 from __future__ import annotations
 
@@ -175,7 +172,7 @@ class BatchBuffers:
         """build() of a pure-decode step, cheaper, same result as layout's (tests/test_batch.py);
         None when a check fails, so that layout names the bad request."""
         B = len(k)
-        blk = k // block_size  # each token's block, within its request
+        blk = k // block_size
         kmax = int(k.max())
         W = kmax // block_size + 1
         # layout's checks; negative ids wrap to huge unsigned ones.

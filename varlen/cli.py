@@ -1,11 +1,8 @@
 """What every command-line entry point shares (`varlen.run`, `sim.run`, `sim.capacity`): a run
-directory of its own, settings checked before any work starts, one-line errors (exit 2) and
-Ctrl-C that says what was written (exit 130). No torch.
-
-Hydra names run directories to the second, so `ClaimRunDir` (first in `hydra.callbacks`) claims
-an empty one with an exclusive claim file, else the next free `<dir>-1`, ...: two runs never
-share one. `VARLEN_CONFIG_PATH`'s folders join Hydra's search path; `run_cli` refuses a missing
-folder or a name defined twice (Hydra would silently take the first).
+directory of its own, settings checked before any work, one-line errors (exit 2), Ctrl-C that says
+what was written (exit 130). No torch. `ClaimRunDir` claims an empty run directory exclusively
+(Hydra names them to the second), else the next free `<dir>-1`, ...; `run_cli` refuses a missing
+VARLEN_CONFIG_PATH folder or a name defined twice (Hydra would silently take the first).
 """
 
 from __future__ import annotations
@@ -88,7 +85,6 @@ def _leave_now() -> NoReturn:
     os._exit(EXIT_INTERRUPTED)
 
 
-# ---------------------------------------------------------------------------------------------
 # Run directories
 
 
@@ -155,7 +151,6 @@ class ClaimRunDir(Callback):
         self._claim(config, "hydra.sweep.dir")
 
 
-# ---------------------------------------------------------------------------------------------
 # Settings, checked before the work starts
 
 

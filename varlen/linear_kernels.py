@@ -1,9 +1,6 @@
-"""Which kernel computes the model's linear layers (`nn.Linear`) on the CPU.
-
-oneDNN with the weight packed once into its blocked layout beats `F.linear` (which re-reads the
-row-major weight per call) on large layers (benchmarks/linear_kernels.py). The swap replaces each
-module's `forward` only, after checking it matches `F.linear` to rounding; the dense weight stays.
-"""
+"""Which kernel computes the model's `nn.Linear` layers on the CPU: oneDNN with the weight packed
+once beats `F.linear` on large layers (benchmarks/linear_kernels.py). Only each module's `forward`
+is swapped, after checking it matches `F.linear` to rounding; the dense weight stays."""
 
 from __future__ import annotations
 

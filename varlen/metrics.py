@@ -152,10 +152,8 @@ def request_latencies(reqs: Sequence[Request]) -> dict[str, np.ndarray]:
 def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
               ttft_slo: float | None = None, tpot_slo: float | None = None,
               tbt_slo: float | None = None, latencies: dict[str, np.ndarray] | None = None) -> dict[str, float]:
-    """One row of headline figures: throughput, latency percentiles, preemptions, KV usage, goodput.
-
-    SLOs in seconds (None: not set): TTFT, TPOT (mean gap), TBT (no single gap above it: a stall
-    fails it even when the mean is low). Goodput counts requests meeting every SLO set."""
+    """One row of headline figures: throughput, latency percentiles, preemptions, KV usage, goodput
+    (requests meeting every SLO set; TBT: no single gap above it, so a stall fails it)."""
     c = step_columns(steps, tokens=False)
     reasons = [None if r.finish_reason is None else r.finish_reason.value for r in requests]
     done = [r for r, why in zip(requests, reasons) if why in ("length", "stop")]

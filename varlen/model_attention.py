@@ -1,9 +1,6 @@
 """What a model's attention needs, read from the model itself: one `LayerAttention` per layer.
-
-A two-token probe forward records the keywords each layer really passes, rather than guessing
-from config fields (Gemma 3 has a softcap field it never passes); whatever varlen does not
-implement refuses the model at load, in one line.
-"""
+A two-token probe forward records what each layer really passes (config fields mislead: Gemma 3
+has a softcap it never passes); anything varlen does not implement is refused at load."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """A promise a plug-in class makes about its own behaviour holds only for the class that declares it.
 
-Promises (a policy's `repeats_decode_batches`, a cost model's `decode_step_time`, an executor's
-`decode_run`, ...) let a caller take a shortcut past some behaviour methods. A subclass that
-overrides one of those without re-declaring the promise would have its override silently skipped,
-so a promise holds only when no class below its declarer in the MRO overrides its behaviour. The
-interface's own definition is a safe default, not a promise. Works on mypyc classes too.
+Promises (e.g. a policy's `repeats_decode_batches`, an executor's `decode_run`) let a caller skip
+behaviour methods; when a subclass overrides one without re-declaring the promise, the promise
+lapses (else the override would be silently skipped). Works on mypyc classes too.
 """
 
 from __future__ import annotations

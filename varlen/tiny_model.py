@@ -1,8 +1,5 @@
-"""Tiny Hugging Face model folders written locally, so nothing is ever downloaded.
-
-Weights are random from a fixed seed; `initializer_range` is large so that greedy decoding has
-clear top-1 margins (near-flat logits would make greedy-equality tests flip on noise).
-"""
+"""Tiny Hugging Face model folders written locally, so nothing is ever downloaded. A large
+`initializer_range` gives greedy decoding clear top-1 margins, so equality tests do not flip on noise."""
 
 from __future__ import annotations
 
