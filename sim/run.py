@@ -171,8 +171,9 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     from sim.executor import CostModelExecutor
     from sim.fast_forward import FastForwardEngine
     from sim.simulator import simulate
-    from varlen import registry
+    from varlen.assembly import allocator_factory, build_engine
     from varlen.metrics import request_latencies, summarize
+    from varlen.settings import EngineSizes
     from varlen.steplog import StepLog
 
     check_settings(cfg)
@@ -222,18 +223,15 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
                  else f"{cl['replicas']} replica(s)")
         print(f"simulating {len(reqs)} requests on {where} (Ctrl-C stops)", flush=True)
 
-    make_kv = registry.build("allocator", OmegaConf.to_container(cfg.allocator, resolve=False), context={"engine": e},
-                             _partial_=True, **alloc_kw)
+    make_kv = allocator_factory(OmegaConf.to_container(cfg.allocator, resolve=False), {"engine": e}, **alloc_kw)
+    policy = OmegaConf.to_container(cfg.scheduler, resolve=False)
+    sizes = EngineSizes(num_blocks, e["block_size"], e["max_model_len"])
 
     def make_engine(clock):
-        kv = make_kv(num_blocks=num_blocks, block_size=e["block_size"], max_model_len=e["max_model_len"])
-        # As LLM(...) builds a policy: ${engine.max_model_len} is what the pool holds of it.
-        longest = kv.max_request_tokens()
-        policy = registry.build("scheduler", OmegaConf.to_container(cfg.scheduler, resolve=False),
-                                context={"engine": {**e, "max_model_len": longest, "num_blocks": num_blocks}})
-        executor = CostModelExecutor(build_cost_model(c["cost"], model_config, hardware, c.get("parallel")), clock)
-        engine = FastForwardEngine(policy, kv, executor, clock=clock, max_model_len=longest)
-        return engine, executor
+        engine = build_engine(sizes, policy, make_kv, lambda _policy, _longest: CostModelExecutor(
+            build_cost_model(c["cost"], model_config, hardware, c.get("parallel")), clock),
+            engine_class=FastForwardEngine, context=c, clock=clock)
+        return engine, engine.executor
 
     cluster_row: dict[str, Any] = {}
     if disaggregated:

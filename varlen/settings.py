@@ -16,10 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
+from typing import TYPE_CHECKING
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+# torch's dtype names; torch is imported only to check a setting (the simulator builds engines without it).
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 #: How `python -m varlen.run` spells each setting (the scheduler's own two live in its group).
 CLI_NAMES = {k: f"engine.{k}" for k in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "dtype",
@@ -53,6 +57,23 @@ class EngineSettings:
 
     def error(self, key: str, value: Any, problem: str) -> ValueError:
         return setting_error(self.names, key, value, problem)
+
+
+@dataclass(frozen=True)
+class EngineSizes:
+    """What varlen.assembly.build_engine sizes an engine by. max_model_len: the longest request
+    asked for (the pool may hold less); the policy's two sizes: None keeps its config's."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+
+    def policy_sizes(self) -> dict[str, int]:
+        """The policy's sizes that are set, as keyword overrides of its config."""
+        return {k: v for k, v in (("max_num_seqs", self.max_num_seqs),
+                                  ("max_num_batched_tokens", self.max_num_batched_tokens)) if v is not None}
 
 
 def setting_error(names: Mapping[str, str], key: str, value: Any, problem: str) -> ValueError:
@@ -103,14 +124,18 @@ def _choice(names: Mapping[str, str], key: str, value: Any, choices: tuple[str, 
 
 
 def _dtype(names: Mapping[str, str], value: Any) -> torch.dtype:
+    import torch
+
     if isinstance(value, torch.dtype) and value.is_floating_point:
         return value
     if isinstance(value, str) and value.removeprefix("torch.") in DTYPES:
-        return DTYPES[value.removeprefix("torch.")]
+        return getattr(torch, DTYPES[value.removeprefix("torch.")])
     raise setting_error(names, "dtype", value, "is not a dtype the engine runs in; use float32, float16 or bfloat16")
 
 
 def _device(names: Mapping[str, str], value: Any) -> torch.device:
+    import torch
+
     try:
         dev = torch.device(value)
     except (RuntimeError, TypeError, ValueError):
@@ -174,6 +199,8 @@ def check_cli_settings(cfg: Any) -> EngineSettings:
 def available_memory(device: torch.device) -> int | None:
     """Bytes that can still be allocated on `device` (None: unknown)."""
     if device.type == "cuda":
+        import torch
+
         return int(torch.cuda.mem_get_info(device)[0])
     if device.type != "cpu":
         return None
@@ -199,9 +226,9 @@ def available_memory(device: torch.device) -> int | None:
     return avail
 
 
-def size_kv_pool(s: EngineSettings, model_config: Any, bytes_per_block: int, max_num_seqs: int) -> tuple[int, int]:
-    """(num_blocks, max_model_len) for this model: max_model_len within the model's positions,
-    and a pool that holds at least one block and fits the memory left on the device."""
+def size_kv_pool(s: EngineSettings, model_config: Any, bytes_per_block: int, max_num_seqs: int) -> EngineSizes:
+    """The engine's sizes for this model: max_model_len within the model's positions, and a pool
+    that holds at least one block and fits the memory left on the device."""
     positions = getattr(model_config, "max_position_embeddings", None)
     max_model_len = s.max_model_len
     if max_model_len is None:
@@ -227,4 +254,4 @@ def size_kv_pool(s: EngineSettings, model_config: Any, bytes_per_block: int, max
         raise s.error(key, s.given.get(key), f"a KV pool of {num_blocks} blocks of {bytes_per_block} bytes needs "
                                              f"{need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free on "
                                              f"{s.device}; give a smaller {s.name(key)}")
-    return num_blocks, max_model_len
+    return EngineSizes(num_blocks, s.block_size, max_model_len, s.max_num_seqs, s.max_num_batched_tokens)
