@@ -1,7 +1,6 @@
-"""`cluster.mode=disaggregated` from a sim config: the prefill and decode pools (each pool's
-hardware, tensor parallelism, scheduler, budget and KV pool, `cluster.prefill.*` /
-`cluster.decode.*` over the run's own settings), the link, the run, and the summary's cluster
-figures (transfers, per-pool utilisation). The simulation itself is sim/disagg.py."""
+"""`cluster.mode=disaggregated` from a sim config: the prefill and decode pools
+(`cluster.prefill.*` / `cluster.decode.*` over the run's settings), the link, the run and its
+summary figures. The simulation itself is sim/disagg.py."""
 
 from __future__ import annotations
 
@@ -62,8 +61,7 @@ def check_cluster(cfg: DictConfig) -> None:
 
 
 class Pools:
-    """Both pools of a disaggregated run, built from the run's settings and the cluster's
-    overrides (a bad one is a SettingError here, before any work); `simulate` runs them."""
+    """Both pools of a disaggregated run (a bad setting is a SettingError here, before any work)."""
 
     def __init__(self, cfg: DictConfig, c: Mapping[str, Any], model_config: Mapping[str, Any], hardware: Any,
                  alloc_kw: Mapping[str, Any]):
@@ -157,8 +155,7 @@ class Pools:
 
 
 def pool_utilisation(reps: list, span: float) -> dict[str, float]:
-    """busy: the fraction of the pool's instance-time spent in steps; KV: time-weighted mean and
-    peak of reserved slots over each instance's pool."""
+    """busy: the pool's fraction of instance-time in steps; KV: time-weighted mean and peak usage."""
     busy = kv_mean = kv_peak = 0.0
     for rep in reps:
         col = rep.engine.steps.columns(tokens=False)
@@ -172,8 +169,7 @@ def pool_utilisation(reps: list, span: float) -> dict[str, float]:
 
 
 def cluster_figures(res: Any) -> dict[str, float]:
-    """Transfers (mean / p99 time, mean wait for decode room and a free port, total bytes) and
-    each pool's utilisation over the run's span (first arrival to last finish)."""
+    """Transfers (time, wait, bytes) and each pool's utilisation over the run's span."""
     tr = res.transfers
     t = np.array([x.end - x.start for x in tr]) if tr else np.array([np.nan])
     wait = np.array([x.start - x.ready for x in tr]) if tr else np.array([np.nan])

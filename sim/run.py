@@ -4,9 +4,7 @@
     python -m sim.run -m scheduler=static,continuous,chunked workload.rate=1,2,4,8   # joblib, in parallel
     python -m sim.report multirun/sim/<date>/<time>                                  # one table + plots
 
-Each run writes summary.json (labels + headline metrics), requests.csv, kv_usage.csv and, on
-request, steps.csv to its output directory. Nothing here imports torch.
-"""
+Each run writes summary.json, requests.csv, kv_usage.csv (and steps.csv) to its output directory."""
 
 from __future__ import annotations
 
@@ -49,8 +47,7 @@ def load_requests(workload: Mapping[str, Any], vocab_size: int):
 
 def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Any,
                      parallel: Mapping[str, Any] | None = None):
-    """The `cost` section's model (sim/cost/registry.py: a name of conf/cost/ or a class's
-    dotted path), a SettingError in one line when a setting is wrong."""
+    """The `cost` section's model (sim/cost/registry.py), or a one-line SettingError."""
     from sim.cost.registry import build_cost_model as build
 
     try:
@@ -113,8 +110,7 @@ def check_settings(cfg: DictConfig) -> None:
 
 
 def check_router(cfg: DictConfig, registry: Any) -> None:
-    """cluster.router names a conf/router yaml (or a class's dotted path) that builds with
-    cluster.router_options over its settings."""
+    """cluster.router names a router that builds with cluster.router_options."""
     name = cfg.cluster.router
     names = registry.names("router")
     if not isinstance(name, str) or (name not in names and "." not in name):
@@ -150,15 +146,14 @@ LOSSY_KEYS = ("num_read", "num_returned", "num_clipped", "num_prompt_clipped", "
 
 def simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None = None,
                     announce: bool = False) -> tuple[Any, dict[str, Any]]:
-    """Run the simulation `cfg` describes; return (SimResult, summary row with labels).
-    announce: print what the trace options changed and the run's size before it starts."""
+    """(SimResult, summary row with labels) of the run `cfg` describes; announce: say its size first."""
     res, row, _ = _simulate_paused(cfg, labels, announce)
     return res, row
 
 
 def _simulate_paused(cfg: DictConfig, labels: Mapping[str, Any] | None,
                      announce: bool) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """simulate_config, and the requests' latencies (metrics.request_latencies) for the tables."""
+    """simulate_config, and the requests' latencies for the tables."""
     from sim.simulator import gc_paused
 
     with gc_paused():  # the trace's requests, the run and its metrics are all long-lived objects
@@ -183,15 +178,13 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     hardware = HardwareSpec.from_dict(c["hardware"])
     build_cost_model(c["cost"], model_config, hardware)  # a bad cost.path fails now, not per replica
     num_blocks = e.get("num_blocks")
-    # Pipeline parallelism: `pipeline` virtual engines per replica, each with its share of the
-    # pool (sim/parallel.py); weights and KV per GPU, so the pool grows with tensor x pipeline.
+    # Pipeline parallelism: `pipeline` virtual engines per replica, each with its share of the pool.
     from sim.parallel import Parallelism, capacity
 
     par = Parallelism.of(c.get("parallel"))
     alloc_kw = {}
     if not c["workload"].get("token_ids", False) and "enable_prefix_caching" in c["allocator"]:
-        # Content-free prompts (Azure) are all zeros, so every prompt would "hit" every other's
-        # blocks; without content there is nothing to cache.
+        # Content-free prompts (Azure) are all zeros: every prompt would "hit" every other's blocks.
         alloc_kw["enable_prefix_caching"] = False
     disaggregated = c["cluster"].get("mode", "colocated") == "disaggregated"
     if disaggregated:
@@ -236,7 +229,6 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     cluster_row: dict[str, Any] = {}
     if disaggregated:
         res, cluster_row = pools.simulate(reqs)
-        # The headline KV and batch figures are the decode pool's (the prefill pool's: prefill_*).
         steps, total_slots = StepLog.concat(r.engine.steps for r in res.decode), res.decode[0].engine.kv.capacity_tokens
         replicas = len(res.replicas)
     else:
@@ -264,8 +256,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
 
 
 def prefix_hit_rate(requests: Any) -> float:
-    """Prompt tokens served from a prefix cache over all prompt tokens (each request's hit at its
-    last admission, Request.num_prefix_hit_tokens)."""
+    """Prompt tokens served from a prefix cache over all prompt tokens."""
     prompt = sum(r.num_prompt_tokens for r in requests)
     return sum(r.num_prefix_hit_tokens for r in requests) / prompt if prompt else 0.0
 
@@ -286,12 +277,8 @@ def hydra_labels() -> dict[str, Any]:
 
 
 def write_csv(table: Any, path: Path) -> None:
-    """What pd.DataFrame(table).to_csv(path, index=False) writes, byte for byte, for a DataFrame
-    or a mapping of column name to column (a numpy array or a list), without pandas for the
-    mapping, in a fraction of pandas' time for a table of numbers and strings (a whole trace's
-    requests.csv): pandas formats each float through numpy, this through Python's repr (as the
-    csv module, which pandas writes with, does), the same shortest round-trip text. Other column types (of
-    a DataFrame: bool, dates, categories) are left to pandas."""
+    """What pd.DataFrame(table).to_csv(path, index=False) writes, byte for byte, for a DataFrame or a
+    mapping of column name to column, faster (floats by repr); other column types are left to pandas."""
     import csv
 
     import numpy as np
@@ -303,8 +290,7 @@ def write_csv(table: Any, path: Path) -> None:
     if isinstance(table, Mapping):
         names, texts = [str(c) for c in table], []
         for col in table.values():
-            # A list is typed as pandas would type it: numbers (and bools) as an array; text
-            # with missing values (None, NaN) as it is. Anything else is left to pandas.
+            # Typed as pandas would type it: numbers (and bools) as an array, text as it is.
             arr = np.asarray(col) if not isinstance(col, np.ndarray) else col
             if arr.dtype.kind == "f":
                 text = list(map(repr, arr.tolist()))  # what the csv module writes for a float
@@ -325,8 +311,7 @@ def write_csv(table: Any, path: Path) -> None:
         if len({len(c) for c in texts}) > 1:  # zip would cut the table short without a word
             raise ValueError(f"{path}: columns of different lengths "
                              f"({', '.join(f'{n}: {len(c)}' for n, c in zip(names, texts))})")
-        # Each field as the csv module would quote it (QUOTE_MINIMAL: only text holding a
-        # comma, a quote or a line break), joined here: a third of writerows' time.
+        # Each field quoted as the csv module would (QUOTE_MINIMAL), joined here: faster than writerows.
         with open(path, "w", newline="") as f:
             csv.writer(f, lineterminator=os.linesep).writerow(names)
             if texts[0]:
@@ -350,16 +335,14 @@ def write_csv(table: Any, path: Path) -> None:
         w.writerows(zip(*cols))
 
 
-# What makes the csv module quote a field: the delimiter, the quote, a character of the line
-# terminator (os.linesep: "\n" alone does not make it quote a "\r").
+# What makes the csv module quote a field: the delimiter, the quote, a character of os.linesep.
 _CSV_SPECIAL = re.compile("[" + re.escape(',"' + os.linesep) + "]")
 
 
 def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig,
                   latencies: Mapping[str, Any] | None = None) -> None:
     """The run's tables and summary.json (last: it marks a complete run). `latencies`: the
-    requests' (metrics.request_latencies), when the caller has them. Without output.steps,
-    nothing here imports pandas (a whole-trace run's startup cost)."""
+    requests' (metrics.request_latencies), when the caller has them."""
     import numpy as np
 
     from varlen.metrics import kv_usage_columns, request_columns, step_table
@@ -368,7 +351,6 @@ def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig,
     o = cfg.output
     if o.requests:
         cols = request_columns(res.requests, latencies)
-        # Every request is routed; a missing one would be NaN, as pandas' Series.map gives it.
         cols["replica"] = np.array([res.routed.get(r, np.nan) for r in cols["req_id"]])
         if hasattr(res, "decode_routed"):  # disaggregated: the prefill instance above, the decode one here
             cols["decode_replica"] = np.array([res.decode_routed.get(r, np.nan) for r in cols["req_id"]])
@@ -439,10 +421,8 @@ def main(cfg: DictConfig) -> float:
 
 
 def _skip_mode_probe(argv: list[str]) -> None:
-    """Hydra composes a command's whole config twice: once only to read `hydra.mode`
-    (Hydra.get_mode), then for the run. No config of this command sets hydra.mode, so unless the
-    command line names it or brings configs of its own, that first composition can only answer
-    None (run, or sweep with -m), which is what this answers without composing: 0.1-0.8 s of a run."""
+    """Answer Hydra's first composition (only to read `hydra.mode`, which no config of this command
+    sets) without composing, unless the command line could set it."""
     from hydra._internal.hydra import Hydra
 
     for a in argv[1:]:
@@ -454,15 +434,13 @@ def _skip_mode_probe(argv: list[str]) -> None:
         Hydra.get_mode = lambda self, config_name, overrides: None  # type: ignore[method-assign]
 
 
-#: A single run's results, kept alive when main returns: freeing its millions of objects would
-#: take ~0.1 s of a whole-trace run just before _exit_now skips the interpreter's teardown.
+#: A single run's results, kept alive when main returns: _exit_now leaves without freeing them.
 _KEEP_UNTIL_EXIT: list[Any] = []
 
 
 def _exit_now() -> None:
-    """After a single run has written everything: leave without the interpreter's teardown, which
-    frees the run's millions of objects one by one (~0.2 s of a whole-trace run). Log files are
-    flushed and closed first. A sweep (-m) leaves normally: its launcher cleans up its workers."""
+    """After a single run: leave without the interpreter's teardown (logs flushed first); a sweep
+    (-m) leaves normally, for its launcher."""
     import logging
     import os
     import sys

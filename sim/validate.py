@@ -38,8 +38,7 @@ def fresh_copies(requests: Sequence[Request]) -> list[Request]:
 
 def simulate_like(requests: Sequence[Request], make_policy: Callable[[], Any], make_kv: Callable[[], Any],
                   max_model_len: int, cost: CostModel | Callable[[], CostModel]) -> SimResult:
-    """Simulate `requests` on one replica built like a real engine (same policy and allocator
-    factories, same max_model_len), timed by `cost` (an instance, or a factory)."""
+    """Simulate `requests` on one replica built like a real engine, timed by `cost` (or its factory)."""
 
     def make_engine(clock):
         kv = make_kv()

@@ -1,6 +1,5 @@
-"""One place builds an engine: its KV allocator, policy and executor, sized and wired by one rule.
-`LLM(...)`, the simulator (sim.run, its disaggregated pools, sim.validate) and the benchmarks call
-`build_engine`. Pure Python, no torch."""
+"""One place builds an engine (allocator, policy, executor) by one rule: `LLM(...)`, the simulator
+(sim.run, its disaggregated pools, sim.validate) and the benchmarks call `build_engine`. No torch."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from varlen.settings import EngineSizes
 
 #: (policy, max_model_len) -> the engine's executor: the model's, or a cost model's.
 MakeExecutor = Callable[[SchedulerPolicy, int], Any]
-#: Called with num_blocks, block_size and max_model_len: a pool.
 MakeAllocator = Callable[..., KVAllocator]
 
 
@@ -27,21 +25,17 @@ def is_choice(x: object) -> bool:
 
 def allocator_factory(choice: str | Mapping[str, Any], context: Mapping[str, Any] | None = None,
                       **options: Any) -> MakeAllocator:
-    """An allocator choice (varlen/registry.py) with `options` over its config, as a factory of pools."""
+    """An allocator choice (varlen/registry.py), `options` over its config, as a factory of pools."""
     return registry.build("allocator", choice, context=context, _partial_=True, **options)
 
 
 def build_engine(sizes: EngineSizes, policy: SchedulerPolicy | str | Mapping[str, Any], allocator: MakeAllocator,
                  make_executor: MakeExecutor, *, engine_class: type[Engine] = Engine,
                  context: Mapping[str, Any] | None = None, **engine_options: Any) -> Engine:
-    """The engine `sizes` describes, in this order:
-
-    1. the pool: `allocator(num_blocks=, block_size=, max_model_len=)`;
-    2. max_model_len: the one asked for, within what that pool holds (`max_request_tokens`);
-    3. the policy: an object as it is; a choice built with `sizes.policy_sizes()` over its config,
-       its `${engine.max_model_len}` that of step 2, `${engine.num_blocks}` and
-       `${engine.block_size}` the pool's (`context`: the rest its config may read);
-    4. `make_executor(policy, max_model_len)`, then `engine_class(policy, kv, executor, ...)`."""
+    """The engine `sizes` describes: 1. the pool, `allocator(num_blocks=, block_size=, max_model_len=)`;
+    2. max_model_len, the one asked for within what the pool holds; 3. the policy, an object as it
+    is or a choice built with `sizes.policy_sizes()`, its `${engine.*}` the pool's and step 2's
+    (`context`: the rest its config may read); 4. `make_executor(policy, max_model_len)`, the engine."""
     kv = allocator(num_blocks=sizes.num_blocks, block_size=sizes.block_size, max_model_len=sizes.max_model_len)
     longest = min(kv.max_request_tokens(), sizes.max_model_len)
     if is_choice(policy):

@@ -45,9 +45,7 @@ def resolve_model(model: str) -> str:
 
 
 def eos_token_ids(hf: Any) -> list[int]:
-    """Every id that ends a generation: the model config's and its generation config's, each one
-    id or a list (Llama 3 ends on <|end_of_text|> and <|eot_id|>; stopping on the first alone
-    would let a request run past its end)."""
+    """Every id that ends a generation, from the model's config and generation config (Llama 3 has two)."""
     ids: list[int] = []
     for cfg in (hf.config, getattr(hf, "generation_config", None)):
         eos = getattr(cfg, "eos_token_id", None)
@@ -78,12 +76,10 @@ class LLM:
         setting_names: Mapping[str, str] | None = None,
         **allocator_options,
     ):
-        """`backend`, `scheduler` and `allocator`: a name of their config group (conf/<group>/),
-        a class's dotted path, a config mapping with `_target_`, or a ready object (varlen/registry.py).
-        A policy built here gets `max_num_seqs` / `max_num_batched_tokens` when given, else its
-        config's (varlen/assembly.py: its `${engine.max_model_len}` is what the pool holds). Extra
-        keyword arguments are options of the allocator built here. `setting_names`: how errors
-        name the settings (the CLI's dotted names). Every setting is checked before the model loads."""
+        """`backend`, `scheduler`, `allocator`: a name (conf/<group>/), a dotted class path, a config
+        mapping with `_target_`, or a ready object; extra keyword arguments are options of the
+        allocator built here. The engine is built by varlen/assembly.py. `setting_names`: how errors
+        name the settings (the CLI's). Every setting is checked before the model loads."""
         s = self.settings = check_engine_settings(
             names=setting_names, block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -102,7 +98,6 @@ class LLM:
         hf = load_model(self.model_path, self.dtype, self.device)
         cfg = hf.config
         per_block = ModelRunner.kv_bytes_per_block(cfg, s.block_size, self.dtype)
-        # The pool is sized for the seats the policy will have.
         seats = policy.max_num_seqs if not is_choice(policy) else s.max_num_seqs or _policy_default(
             policy, "max_num_seqs", s.max_model_len or getattr(cfg, "max_position_embeddings", None))
         sizes = size_kv_pool(s, cfg, per_block, seats)
@@ -137,9 +132,8 @@ class LLM:
     def make_requests(self, prompts: Sequence[str | Sequence[int]] | str | Sequence[int],
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                       arrivals: Sequence[float] | None = None) -> list[Request]:
-        """One Request per prompt: text (tokenized), or a sequence of token ids taken as given;
-        the engine rejects a request whose ids are not integers in [0, vocab) or whose sampling
-        params are out of range. A prompt of neither kind raises ValueError (nothing has run)."""
+        """One Request per prompt: text (tokenized), or token ids as given (the engine rejects bad
+        ones); a prompt of neither kind raises ValueError."""
         if _is_one_prompt(prompts):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -159,7 +153,7 @@ class LLM:
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if isinstance(p, str):
                 ids = self.tokenizer(p, add_special_tokens=False).input_ids
-            else:  # as given: an int() here would turn 5.7 into 5 and True into 1
+            else:  # as given: int() would turn 5.7 into 5
                 ids = p if isinstance(p, np.ndarray) else list(p)
             reqs.append(Request(str(self._next_id), ids, sp,
                                 arrival=arrivals[i] if arrivals is not None else 0.0,
@@ -170,18 +164,14 @@ class LLM:
     def generate(self, prompts: Sequence[str | Sequence[int]] | str | Sequence[int],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in input order.
-
-        A bad request ends `rejected` with the reason and the others run. If the call stops on an
-        error or Ctrl-C, its requests end `aborted` and the error propagates; the next call
-        starts on an idle engine (it never finishes the interrupted batch first)."""
+        """Generate for every prompt (text or token ids); outputs in input order. A bad request ends
+        `rejected`; on an error or Ctrl-C the call's requests end `aborted` and the next call starts idle."""
         reqs = self.make_requests(prompts, sampling_params)
         self.run(reqs, use_tqdm)
         return [self.output(r) for r in reqs]
 
     def run(self, reqs: Sequence[Request], use_tqdm: bool = False) -> None:
-        """Serve `reqs` to the end (Engine.run: by arrival time, 0 = at once). `engine.steps` then
-        holds this call's steps; finished requests are not kept (the caller has them)."""
+        """Serve `reqs` to the end (Engine.run: by arrival time, 0 = at once); `engine.steps` holds this call's steps."""
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -220,8 +210,7 @@ def _is_one_prompt(prompts: object) -> bool:
 
 
 def _subclass(cls: Any, base: type) -> bool:
-    """issubclass by the MRO: compiled, every ABC shares abc.ABC's subclass caches, so one class's
-    answer would be taken for another's."""
+    """issubclass by the MRO: compiled ABCs share one subclass cache, mixing up answers."""
     return isinstance(cls, type) and base in cls.__mro__
 
 
@@ -256,7 +245,7 @@ def _allocator_spec(allocator: Any, options: Mapping[str, Any]) -> DictConfig | 
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         known |= {*options, *map(str, spec)}  # it takes any keyword: let it judge
     label = allocator if isinstance(allocator, str) else spec._target_
-    for key in options:  # a misspelt LLM setting lands here too
+    for key in options:
         if key not in known:
             raise ValueError(f"{key}={options[key]!r}: not a setting of LLM nor an option of the "
                              f"{label} allocator ({', '.join(sorted(known)) or 'none'})")
@@ -275,8 +264,7 @@ def _check_class(group: str, choice: object, cls: Any, base: type) -> None:
 
 
 def _policy_default(policy_spec: DictConfig, key: str, max_model_len: int | None) -> int:
-    """The `key` a policy built from `policy_spec` without it gets: its yaml's value, else its
-    class's default (else the interface's)."""
+    """The `key` a policy built from `policy_spec` gets: its yaml's, else its class's default."""
     if key in policy_spec:
         root = OmegaConf.create({"engine": {"max_model_len": max_model_len}, "__plugin__": policy_spec})
         value = OmegaConf.select(root, f"__plugin__.{key}")
