@@ -21,7 +21,7 @@ from varlen.cli import SettingError, check_missing, check_slo, existing_file, nu
 
 from conf import conf_dir
 
-CONF = str(conf_dir("sim"))  # this command's config root (package data)
+CONF = str(conf_dir("sim"))
 
 
 def load_requests(workload: Mapping[str, Any], vocab_size: int):
@@ -153,10 +153,9 @@ def simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None = None,
 
 def _simulate_paused(cfg: DictConfig, labels: Mapping[str, Any] | None,
                      announce: bool) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """simulate_config, and the requests' latencies for the tables."""
     from sim.simulator import gc_paused
 
-    with gc_paused():  # the trace's requests, the run and its metrics are all long-lived objects
+    with gc_paused():  # all long-lived objects
         return _simulate_config(cfg, labels, announce)
 
 
@@ -191,7 +190,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
         from sim.cluster import Pools
 
         pools = Pools(cfg, c, model_config, hardware, alloc_kw)  # a bad pool setting fails before any work
-        num_blocks = 0  # each pool's own
+        num_blocks = 0
     elif num_blocks is None:
         tokens = capacity(model_config, hardware, par, e["gpu_memory_utilization"],
                           name=c["sim_model"]["name"]).kv_tokens
@@ -245,7 +244,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
                max_num_batched_tokens=c["scheduler"].get("max_num_batched_tokens"),
                rate=trace.stats.mean_rate, trace=c["workload"].get("source"))
     row.update({f"trace_{k}": getattr(trace.stats, k) for k in LOSSY_KEYS})
-    latencies = request_latencies(reqs)  # once: the summary and requests.csv both read it
+    latencies = request_latencies(reqs)
     row.update(summarize(reqs, steps, total_slots, c["slo"]["ttft_s"], c["slo"]["tpot_s"], c["slo"].get("tbt_s"),
                          latencies=latencies))
     row.update(cluster_row)
@@ -256,13 +255,12 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
 
 
 def prefix_hit_rate(requests: Any) -> float:
-    """Prompt tokens served from a prefix cache over all prompt tokens."""
     prompt = sum(r.num_prompt_tokens for r in requests)
     return sum(r.num_prefix_hit_tokens for r in requests) / prompt if prompt else 0.0
 
 
 def hydra_labels() -> dict[str, Any]:
-    """The chosen config options (scheduler=..., allocator=...), which name a run in a sweep."""
+    """The chosen config options, which name a run in a sweep."""
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
@@ -293,7 +291,7 @@ def write_csv(table: Any, path: Path) -> None:
             # Typed as pandas would type it: numbers (and bools) as an array, text as it is.
             arr = np.asarray(col) if not isinstance(col, np.ndarray) else col
             if arr.dtype.kind == "f":
-                text = list(map(repr, arr.tolist()))  # what the csv module writes for a float
+                text = list(map(repr, arr.tolist()))
                 for i in np.isnan(arr).nonzero()[0].tolist():
                     text[i] = ""  # missing: an empty field, as pandas writes it
             elif arr.dtype.kind in "iub":
@@ -301,7 +299,7 @@ def write_csv(table: Any, path: Path) -> None:
             elif arr.dtype.kind in "OU" and not isinstance(col, np.ndarray) and all(
                     type(v) is str or v is None or (type(v) is float and v != v) for v in col):
                 text = [v if type(v) is str else "" for v in col]
-                if _CSV_SPECIAL.search("".join(text)):  # rare: quote the fields that need it
+                if _CSV_SPECIAL.search("".join(text)):
                     text = ['"' + v.replace('"', '""') + '"' if _CSV_SPECIAL.search(v) else v for v in text]
             else:
                 import pandas as pd
@@ -341,8 +339,7 @@ _CSV_SPECIAL = re.compile("[" + re.escape(',"' + os.linesep) + "]")
 
 def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig,
                   latencies: Mapping[str, Any] | None = None) -> None:
-    """The run's tables and summary.json (last: it marks a complete run). `latencies`: the
-    requests' (metrics.request_latencies), when the caller has them."""
+    """The run's tables and summary.json; `latencies`: the requests', when the caller has them."""
     import numpy as np
 
     from varlen.metrics import kv_usage_columns, request_columns, step_table
@@ -352,7 +349,7 @@ def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig,
     if o.requests:
         cols = request_columns(res.requests, latencies)
         cols["replica"] = np.array([res.routed.get(r, np.nan) for r in cols["req_id"]])
-        if hasattr(res, "decode_routed"):  # disaggregated: the prefill instance above, the decode one here
+        if hasattr(res, "decode_routed"):  # disaggregated
             cols["decode_replica"] = np.array([res.decode_routed.get(r, np.nan) for r in cols["req_id"]])
         write_csv(cols, out / "requests.csv")
     kv: dict[str, list] = {}
@@ -401,7 +398,7 @@ def main(cfg: DictConfig) -> float:
     try:
         res, row, latencies = _simulate_paused(cfg, hydra_labels(), announce=True)
     except errors_to_exit() as err:
-        fail(str(err))  # a setting or input problem: one line, no traceback
+        fail(str(err))
     except KeyboardInterrupt:
         interrupted(f"simulation stopped after {time.perf_counter() - t0:.1f} s; no results written to {out}")
     try:
@@ -411,7 +408,7 @@ def main(cfg: DictConfig) -> float:
     print(format_row(row))
     from hydra.types import RunMode
 
-    if HydraConfig.get().mode == RunMode.RUN:  # _exit_now leaves without freeing them one by one
+    if HydraConfig.get().mode == RunMode.RUN:
         _KEEP_UNTIL_EXIT.append((res, latencies))
     from varlen.compiled import status
 
@@ -439,8 +436,7 @@ _KEEP_UNTIL_EXIT: list[Any] = []
 
 
 def _exit_now() -> None:
-    """After a single run: leave without the interpreter's teardown (logs flushed first); a sweep
-    (-m) leaves normally, for its launcher."""
+    """After a single run, leave without the interpreter's teardown; a sweep leaves normally."""
     import logging
     import os
     import sys

@@ -93,7 +93,7 @@ class LLM:
             raise ValueError(f"backend={backend!r}: give a backend name ({', '.join(registry.names('backend'))}), "
                              f"a class's dotted path or an AttentionBackend instance")
         self.backend = backend
-        self.backend.check(self.device, self.dtype, s.block_size)  # before the model loads
+        self.backend.check(self.device, self.dtype, s.block_size)
         self.model_path = resolve_model(model)
         hf = load_model(self.model_path, self.dtype, self.device)
         cfg = hf.config
@@ -186,7 +186,7 @@ class LLM:
             raise
         finally:
             if bar is not None:
-                bar.update(bar.total - bar.n)  # rejected ones end before any step
+                bar.update(bar.total - bar.n)
                 bar.close()
 
     def output(self, r: Request) -> RequestOutput:
@@ -198,7 +198,7 @@ class LLM:
 
 
 def _is_one_prompt(prompts: object) -> bool:
-    """A str, or a flat sequence of ids (its first item not text nor a sequence), is one prompt."""
+    """A str, or a flat sequence of ids, is one prompt."""
     if isinstance(prompts, str):
         return True
     if isinstance(prompts, np.ndarray):
