@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +30,10 @@ from sim.cost_models import RooflineCostModel
 from sim.executor import CostModelExecutor
 from sim.fast_forward import FastForwardEngine
 from sim.simulator import simulate
+from varlen.assembly import build_engine
 from varlen.kv import PagedAllocator
 from varlen.sampling_params import SamplingParams
+from varlen.settings import EngineSizes
 from varlen.traces import load_trace
 from varlen.workload import trace_requests
 
@@ -53,10 +56,11 @@ POLICIES = {"chunked, V1 chunk admission": (V1ChunkAdmission, 512), "chunked (va
 
 def run(policy_cls, budget: int, num_blocks: int, reqs, cost) -> tuple[dict, list[int]]:
     def make(clock):
-        ex = CostModelExecutor(cost, clock)
-        return FastForwardEngine(policy_cls(max_num_seqs=256, max_num_batched_tokens=budget),
-                      PagedAllocator(num_blocks, 16, MAX_LEN, enable_prefix_caching=False), ex, clock,
-                      max_model_len=MAX_LEN), ex
+        engine = build_engine(EngineSizes(num_blocks, 16, MAX_LEN),
+                              policy_cls(max_num_seqs=256, max_num_batched_tokens=budget),
+                              partial(PagedAllocator, enable_prefix_caching=False),
+                              lambda _p, _n: CostModelExecutor(cost, clock), engine_class=FastForwardEngine, clock=clock)
+        return engine, engine.executor
 
     t0 = time.perf_counter()
     res = simulate(reqs, make)

@@ -18,6 +18,7 @@ import argparse
 import sys
 import random
 import time
+from functools import partial
 from pathlib import Path
 
 import yaml
@@ -30,9 +31,11 @@ from sim.cost_models import RooflineCostModel
 from sim.executor import CostModelExecutor
 from sim.fast_forward import FastForwardEngine
 from sim.simulator import simulate
+from varlen.assembly import build_engine
 from varlen.compiled import status
 from varlen.kv import PagedAllocator
 from varlen.sampling_params import SamplingParams
+from varlen.settings import EngineSizes
 from varlen.traces import load_trace
 from varlen.workload import trace_requests
 from test_scheduling_invariants import SortingPriority  # noqa: E402 (the same reference as the test)
@@ -50,10 +53,10 @@ def run(policy_cls, tr, priorities, cost):
         r.priority = p
 
     def make(clock):
-        ex = CostModelExecutor(cost, clock)
-        return FastForwardEngine(policy_cls(max_num_seqs=256, max_num_batched_tokens=512),
-                      PagedAllocator(27000, 16, MAX_LEN, enable_prefix_caching=False), ex, clock,
-                      max_model_len=MAX_LEN), ex
+        engine = build_engine(EngineSizes(27000, 16, MAX_LEN), policy_cls(max_num_seqs=256, max_num_batched_tokens=512),
+                              partial(PagedAllocator, enable_prefix_caching=False),
+                              lambda _p, _n: CostModelExecutor(cost, clock), engine_class=FastForwardEngine, clock=clock)
+        return engine, engine.executor
 
     t0 = time.perf_counter()
     res = simulate(reqs, make)

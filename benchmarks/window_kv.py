@@ -62,10 +62,12 @@ def sim(n_req: int = 32, prompt: int = 1024, output: int = 16384, window: int = 
     from sim.fast_forward import FastForwardEngine
     from sim.simulator import simulate
     from schedulers import ChunkedPolicy
+    from varlen.assembly import build_engine
     from varlen.kv import PagedAllocator
     from varlen.kv.windowed import WindowedPagedAllocator
     from varlen.request import Request
     from varlen.sampling_params import SamplingParams
+    from varlen.settings import EngineSizes
 
     cfg = yaml.safe_load((ROOT / "conf/sim_model/llama3_8b.yaml").read_text())["config"]
     hw = HardwareSpec.from_dict(yaml.safe_load((ROOT / "conf/hardware/h100_sxm.yaml").read_text()))
@@ -77,10 +79,11 @@ def sim(n_req: int = 32, prompt: int = 1024, output: int = 16384, window: int = 
                         ("paged_window", partial(WindowedPagedAllocator, enable_prefix_caching=False,
                                                  sliding_window=window))):
         def make(clock):
-            kv = alloc(num_blocks=n_req * -(-max_len // block_size), block_size=block_size, max_model_len=max_len)
-            pol = ChunkedPolicy(max_num_seqs=n_req, max_num_batched_tokens=2048)
-            ex = CostModelExecutor(cost, clock)
-            return FastForwardEngine(pol, kv, ex, clock=clock, max_model_len=max_len), ex
+            engine = build_engine(EngineSizes(n_req * -(-max_len // block_size), block_size, max_len),
+                                  ChunkedPolicy(max_num_seqs=n_req, max_num_batched_tokens=2048), alloc,
+                                  lambda _p, _n: CostModelExecutor(cost, clock), engine_class=FastForwardEngine,
+                                  clock=clock)
+            return engine, engine.executor
 
         reqs = [Request(str(i), [i % 500 + 1] * prompt, SamplingParams(max_tokens=output, ignore_eos=True))
                 for i in range(n_req)]

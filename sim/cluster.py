@@ -1,7 +1,6 @@
-"""`cluster.mode=disaggregated` from a sim config: the prefill and decode pools (each pool's
-hardware, tensor parallelism, scheduler, budget and KV pool, `cluster.prefill.*` /
-`cluster.decode.*` over the run's own settings), the link, the run, and the summary's cluster
-figures (transfers, per-pool utilisation). The simulation itself is sim/disagg.py."""
+"""`cluster.mode=disaggregated` from a sim config: the prefill and decode pools
+(`cluster.prefill.*` / `cluster.decode.*` over the run's settings), the link, the run and its
+summary figures. The simulation itself is sim/disagg.py."""
 
 from __future__ import annotations
 
@@ -62,8 +61,7 @@ def check_cluster(cfg: DictConfig) -> None:
 
 
 class Pools:
-    """Both pools of a disaggregated run, built from the run's settings and the cluster's
-    overrides (a bad one is a SettingError here, before any work); `simulate` runs them."""
+    """Both pools of a disaggregated run (a bad setting is a SettingError here, before any work)."""
 
     def __init__(self, cfg: DictConfig, c: Mapping[str, Any], model_config: Mapping[str, Any], hardware: Any,
                  alloc_kw: Mapping[str, Any]):
@@ -71,6 +69,7 @@ class Pools:
         from sim.disagg import Link
         from sim.parallel import Parallelism, capacity
         from varlen import registry
+        from varlen.assembly import allocator_factory
         from varlen.clock import SimClock
 
         self.c, self.model_config = c, model_config
@@ -93,14 +92,13 @@ class Pools:
                     raise SettingError(f"cluster.{pool}: {c['sim_model']['name']} leaves no room for KV blocks on "
                                        f"{hw.name} with tensor={tp}; raise cluster.{pool}.tensor")
             sched = registry.spec("scheduler", over["scheduler"]) if "scheduler" in over else \
-                OmegaConf.create(OmegaConf.to_container(cfg.scheduler, resolve=True))
+                OmegaConf.to_container(cfg.scheduler, resolve=False)
             self.pools[pool] = dict(hardware=hw, tensor=tp, num_blocks=int(num_blocks), scheduler=sched,
                                     scheduler_over={k: over[k] for k in ("max_num_batched_tokens", "max_num_seqs")
                                                     if k in over},
                                     scheduler_name=over.get("scheduler"))
         self.max_model_len = min(e["max_model_len"], *(p["num_blocks"] * bs for p in self.pools.values()))
-        self.alloc = registry.build("allocator", OmegaConf.to_container(cfg.allocator, resolve=False),
-                                    context={"engine": e}, _partial_=True, **alloc_kw)
+        self.alloc = allocator_factory(OmegaConf.to_container(cfg.allocator, resolve=False), {"engine": e}, **alloc_kw)
         if not isinstance(self.alloc, functools.partial):
             raise SettingError("allocator: a disaggregated cluster builds each pool's allocator itself; its yaml "
                                "must be a partial (_partial_: true), as conf/allocator/*.yaml are")
@@ -114,25 +112,23 @@ class Pools:
         self.kv_bytes = ModelShape.from_config(load_model_config(model_config)).kv_bytes_per_token(hardware.dtype_bytes)
 
     def factory(self, pool: str) -> Any:
+        from sim.cost.registry import build_cost_model
         from sim.disagg import DisaggEngine, receiving
         from sim.executor import CostModelExecutor
-        from sim.cost.registry import build_cost_model
-        from varlen import registry
+        from varlen.assembly import build_engine
+        from varlen.settings import EngineSizes
 
         p, c, alloc = self.pools[pool], self.c, self.alloc
-        alloc_cls = alloc.func if pool == "prefill" else receiving(alloc.func)  # type: ignore[arg-type]
+        if pool == "decode":
+            alloc = functools.partial(receiving(alloc.func), *alloc.args, **alloc.keywords)  # type: ignore[arg-type]
+        # Both pools' max_model_len is the smaller pool's: a request runs on one of each.
+        sizes = EngineSizes(p["num_blocks"], self.block_size, self.max_model_len, **p["scheduler_over"])
 
         def make(clock):
-            kv = alloc_cls(*alloc.args, **{**alloc.keywords, "num_blocks": p["num_blocks"],
-                                           "block_size": self.block_size, "max_model_len": self.max_model_len})
-            # As LLM(...) and colocated runs: ${engine.max_model_len} is what both pools hold of it.
-            context = {**c, "engine": {**c["engine"], "max_model_len": self.max_model_len}}
-            policy = registry.build("scheduler", p["scheduler"], context=context, **p["scheduler_over"])
-            executor = CostModelExecutor(build_cost_model(c["cost"], self.model_config, p["hardware"],
-                                                          {"tensor": p["tensor"], "pipeline": 1}), clock)
-            engine = DisaggEngine(policy, kv, executor, clock=clock, max_model_len=self.max_model_len,
-                                  keep_finished_kv=pool == "prefill")
-            return engine, executor
+            engine = build_engine(sizes, p["scheduler"], alloc, lambda _policy, _longest: CostModelExecutor(
+                build_cost_model(c["cost"], self.model_config, p["hardware"], {"tensor": p["tensor"], "pipeline": 1}),
+                clock), engine_class=DisaggEngine, context=c, clock=clock, keep_finished_kv=pool == "prefill")
+            return engine, engine.executor
 
         return make
 
@@ -159,8 +155,7 @@ class Pools:
 
 
 def pool_utilisation(reps: list, span: float) -> dict[str, float]:
-    """busy: the fraction of the pool's instance-time spent in steps; KV: time-weighted mean and
-    peak of reserved slots over each instance's pool."""
+    """busy: the pool's fraction of instance-time in steps; KV: time-weighted mean and peak usage."""
     busy = kv_mean = kv_peak = 0.0
     for rep in reps:
         col = rep.engine.steps.columns(tokens=False)
@@ -174,8 +169,7 @@ def pool_utilisation(reps: list, span: float) -> dict[str, float]:
 
 
 def cluster_figures(res: Any) -> dict[str, float]:
-    """Transfers (mean / p99 time, mean wait for decode room and a free port, total bytes) and
-    each pool's utilisation over the run's span (first arrival to last finish)."""
+    """Transfers (time, wait, bytes) and each pool's utilisation over the run's span."""
     tr = res.transfers
     t = np.array([x.end - x.start for x in tr]) if tr else np.array([np.nan])
     wait = np.array([x.start - x.ready for x in tr]) if tr else np.array([np.nan])

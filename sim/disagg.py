@@ -70,17 +70,15 @@ class Link:
 class DisaggEngine(FastForwardEngine):
     """The engine of one instance of a disaggregated pool; changes only what a pool needs.
 
-    Prefill role (`keep_finished_kv`): a request that ends normally keeps its KV blocks
-    (`held`) until `release_held`, once its transfer is done. Decode role: `receive` queues a
-    request whose KV has arrived. In both roles an idle engine whose queue head does not fit
-    waits instead of aborting it while blocks will come back by themselves (held for a transfer,
-    or reserved for one in flight, `incoming`)."""
+    Prefill (`keep_finished_kv`): a finished request's blocks are `held` until sent. Decode:
+    `receive` queues a request whose KV has arrived. An idle engine whose queue head does not fit
+    waits, rather than aborting it, while blocks held or reserved for transfers will come back."""
 
     def __init__(self, *args: Any, keep_finished_kv: bool = False, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.keep_finished_kv = keep_finished_kv
         self.held: dict[str, Request] = {}
-        self.incoming = 0  # transfers under way to this (decode) instance, their blocks reserved
+        self.incoming = 0  # transfers under way here, their blocks reserved
 
     def _finish(self, req: Request, reason: FinishReason, message: str = "", failed: bool = False) -> None:
         if not self.keep_finished_kv or failed or reason not in (FinishReason.LENGTH, FinishReason.STOP):
@@ -97,10 +95,8 @@ class DisaggEngine(FastForwardEngine):
         self.kv.free(self.held.pop(req_id))
 
     def receive(self, req: Request) -> None:
-        """Queue `req`, its prompt's KV already in this engine's allocator (reserved before the
-        transfer), ahead of the other waiting requests, behind those received before it (FCFS
-        among them): it needs no memory and one token of compute, so it never waits behind a
-        request its own blocks keep out. (A priority policy keeps its own order by priority.)"""
+        """Queue `req` (its KV already reserved here) ahead of the other waiting requests, behind
+        those received before it: it needs no memory, so it never waits behind one its blocks keep out."""
         kv = self.kv
         if not isinstance(kv, ReceivingAllocator) or req.req_id not in kv.received:
             raise AssertionError(f"request {req.req_id!r} received without blocks reserved for its KV")
@@ -117,14 +113,13 @@ class DisaggEngine(FastForwardEngine):
 
     def _unstick(self) -> list[Request]:
         if self.held or self.incoming:
-            return []  # blocks come back when the transfers end; the simulator wakes this engine then
+            return []  # blocks come back when the transfers end
         return super()._unstick()
 
 
 class ReceivingAllocator:
-    """Mixin over a decode instance's allocator class (`receiving(cls)`): a request whose KV was
-    received holds its blocks from before the transfer, and `match_prefix` answers its received
-    tokens (the prompt) until those blocks are freed, so the policy admits it as cached."""
+    """Mixin over a decode instance's allocator class (`receiving(cls)`): `match_prefix` answers a
+    received request's prompt until its blocks are freed, so the policy admits it as cached."""
 
     received: dict[str, int]
 
@@ -144,7 +139,7 @@ class ReceivingAllocator:
         if n is not None:
             if len(self.block_table(req)):  # type: ignore[attr-defined]
                 return n
-            del self.received[req.req_id]  # freed (preempted): recomputed here, from its own cache
+            del self.received[req.req_id]  # preempted: recomputed here
         return super().match_prefix(req)  # type: ignore[misc]
 
 
@@ -152,11 +147,9 @@ _receiving_classes: dict[type, type] = {}
 
 
 def receiving(cls: type) -> type:
-    """`cls` with ReceivingAllocator's match_prefix. It keeps cls's decode promises
-    (next_allocation_event, grow_decodes; varlen/promises.py): they are about decode growth,
-    which the received answer of match_prefix, asked only at admission, does not change."""
-    # Not issubclass: compiled (mypyc), the allocator classes share KVAllocator's ABC cache, so one
-    # issubclass answer would be taken for another class's (an isinstance(contiguous, Paged...) True).
+    """`cls` with ReceivingAllocator's match_prefix, keeping cls's decode promises (varlen/promises.py):
+    match_prefix, asked only at admission, does not change decode growth."""
+    # By the MRO: compiled, the allocator classes share KVAllocator's ABC cache (issubclass answers mix up).
     if not (isinstance(cls, type) and KVAllocator in cls.__mro__):
         raise ValueError(f"a decode instance's allocator must be a KVAllocator class, got {cls!r}")
     sub = _receiving_classes.get(cls)
@@ -181,25 +174,24 @@ class Transfer:
     decode: int
     tokens: int
     bytes: float
-    ready: float  # prefill done (first token)
+    ready: float
     start: float
     end: float
 
 
 @dataclass
 class DisaggResult:
-    """SimResult's interface (SimResult itself is compiled, so not subclassed here), plus the
-    pools, the transfers and where each request was decoded."""
+    """SimResult's interface (not a subclass: SimResult is compiled), plus the pools and transfers."""
 
     requests: list[Request]
     replicas: list[Replica]  # the prefill instances, then the decode instances
     wall_s: float
     num_prefill: int
-    routed: dict[str, int] = field(default_factory=dict)  # req_id -> prefill instance index
+    routed: dict[str, int] = field(default_factory=dict)  # req_id -> prefill instance
     transfers: list[Transfer] = field(default_factory=list)
-    decode_routed: dict[str, int] = field(default_factory=dict)  # req_id -> decode instance index
-    prefill_hit_tokens: dict[str, int] = field(default_factory=dict)  # prefill-side prefix-cache hits
-    blocked: list[int] = field(default_factory=list)  # per instance: times it waited for transfers to end
+    decode_routed: dict[str, int] = field(default_factory=dict)
+    prefill_hit_tokens: dict[str, int] = field(default_factory=dict)
+    blocked: list[int] = field(default_factory=list)  # per instance: waits for transfers to end
 
     @property
     def steps(self) -> StepLog:
@@ -231,10 +223,7 @@ def simulate_disaggregated(requests: Sequence[Request], make_prefill: MakeEngine
                            streams: int = 1, router: str | Router = "round_robin",
                            router_options: dict | None = None, fast_forward: bool = True) -> DisaggResult:
     """Serve `requests` on `num_prefill` prefill and `num_decode` decode instances (module doc).
-
-    make_prefill / make_decode build an instance's DisaggEngine (prefill: keep_finished_kv=True;
-    decode: its allocator a `receiving(...)` class) around the executor they return, on the clock
-    they are given. `router` places arrivals on the prefill pool."""
+    make_prefill / make_decode(clock) build a DisaggEngine (decode: a `receiving(...)` allocator)."""
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"a disaggregated cluster needs >= 1 prefill and >= 1 decode instance, "
                          f"got {num_prefill} and {num_decode}")
@@ -264,8 +253,7 @@ def simulate_disaggregated(requests: Sequence[Request], make_prefill: MakeEngine
     return res
 
 
-# Event kinds, in the order they are taken at equal times: what a step starting then must see
-# (a finished prefill, an arrived KV cache) before the step.
+# Event kinds in their order at equal times: a step must see what finished or arrived then.
 _DONE, _XFER, _STEP = 0, 1, 2
 
 
@@ -282,11 +270,11 @@ class _Loop:
         self.decode_steps: list[tuple[float, int]] = []  # (time, instance): decode steps, apart (`until`)
         self.seq = 0
         self.busy = [False] * n
-        self.waiting_kv: list[deque[tuple[Request, int]]] = [deque() for _ in range(n)]  # (request, prefill)
+        self.waiting_kv: list[deque[tuple[Request, int]]] = [deque() for _ in range(n)]
         self.send_free = [0.0] * n
         self.recv_free = [0.0] * n
         self.orig: dict[str, Request] = {}
-        self.now = 0.0  # the time of the event being taken (events are taken in time order)
+        self.now = 0.0
 
     def push(self, t: float, kind: int, k: int, payload: Any = None) -> None:
         if kind == _STEP and k >= self.P:
@@ -296,8 +284,7 @@ class _Loop:
             heapq.heappush(self.events, (t, kind, self.seq, k, payload))
 
     def wake(self, k: int) -> None:
-        """Give instance k its next step if it has work and none is due. An idle instance's clock
-        first moves to now: what woke it (an arrival, a transfer's end) happens now."""
+        """Give instance k its next step if it has work and none is due (an idle one's clock moves to now)."""
         rep = self.reps[k]
         if not self.busy[k] and rep.engine.has_unfinished():
             self.busy[k] = True
@@ -316,7 +303,7 @@ class _Loop:
             te = self.events[0][0] if self.events else inf
             td = self.decode_steps[0][0] if self.decode_steps else inf
             now = min(ta, te, td)
-            if now < self.now:  # an event in the past: an instance would act on state it cannot know yet
+            if now < self.now:
                 raise AssertionError(f"event at t={now} after t={self.now}")
             self.now = now
             if ta <= te and ta <= td and i < n:
@@ -332,8 +319,7 @@ class _Loop:
                     self.step(t, k, ta)
             else:
                 t, k = heapq.heappop(self.decode_steps)
-                # With transfers waiting for its room, the instance goes step by step: a finish
-                # inside a fast-forwarded run would free blocks they could take at once.
+                # Transfers waiting for room: step by step, so a finish frees blocks for them at once.
                 self.step(t, k, t if self.waiting_kv[k] else min(ta, te))
         self.check_end()
 
@@ -349,7 +335,7 @@ class _Loop:
         if not self.busy[k]:
             rep.clock.sleep_until(req.arrival)
         rep.engine.add_request(copy)
-        if copy.is_finished:  # rejected: it can never run here
+        if copy.is_finished:  # rejected
             req.finish(copy.finish_reason, copy.finish_time, copy.finish_message)  # type: ignore[arg-type]
             return
         self.wake(k)
@@ -381,14 +367,14 @@ class _Loop:
         req = self.orig[copy.req_id]
         req.first_scheduled = copy.first_scheduled
         req.num_preemptions += copy.num_preemptions
-        if copy.finish_reason not in (FinishReason.LENGTH, FinishReason.STOP):  # aborted on the prefill instance
+        if copy.finish_reason not in (FinishReason.LENGTH, FinishReason.STOP):  # aborted
             req.finish(copy.finish_reason, t, copy.finish_message)  # type: ignore[arg-type]
             return
         self.res.prefill_hit_tokens[req.req_id] = copy.num_prefix_hit_tokens
         req.output_token_ids.append(copy.output_token_ids[0])
         req.token_times.append(copy.token_times[0])
         prefill = self.reps[k].engine
-        reason = prefill._stop_reason(req, req.output_token_ids[-1])  # the request's own limits
+        reason = prefill._stop_reason(req, req.output_token_ids[-1])
         if reason is not None:
             req.finish(reason, t)
             prefill.release_held(req.req_id)  # type: ignore[attr-defined]
@@ -434,8 +420,7 @@ class _Loop:
         self.wake(tr.decode)
 
     def check_end(self) -> None:
-        # A decode admission counts the received prompt as its prefix hit; the request's own
-        # figure is the prefill instance's, what a prefix cache gave it.
+        # The request's prefix hit is the prefill instance's, not the received prompt's.
         for rid, hit in self.res.prefill_hit_tokens.items():
             self.orig[rid].num_prefix_hit_tokens = hit
         for rep in self.reps:

@@ -4,9 +4,7 @@
     python -m sim.run -m scheduler=static,continuous,chunked workload.rate=1,2,4,8   # joblib, in parallel
     python -m sim.report multirun/sim/<date>/<time>                                  # one table + plots
 
-Each run writes summary.json (labels + headline metrics), requests.csv, kv_usage.csv and, on
-request, steps.csv to its output directory. Nothing here imports torch.
-"""
+Each run writes summary.json, requests.csv, kv_usage.csv (and steps.csv) to its output directory."""
 
 from __future__ import annotations
 
@@ -23,7 +21,7 @@ from varlen.cli import SettingError, check_missing, check_slo, existing_file, nu
 
 from conf import conf_dir
 
-CONF = str(conf_dir("sim"))  # this command's config root (package data)
+CONF = str(conf_dir("sim"))
 
 
 def load_requests(workload: Mapping[str, Any], vocab_size: int):
@@ -49,8 +47,7 @@ def load_requests(workload: Mapping[str, Any], vocab_size: int):
 
 def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Any,
                      parallel: Mapping[str, Any] | None = None):
-    """The `cost` section's model (sim/cost/registry.py: a name of conf/cost/ or a class's
-    dotted path), a SettingError in one line when a setting is wrong."""
+    """The `cost` section's model (sim/cost/registry.py), or a one-line SettingError."""
     from sim.cost.registry import build_cost_model as build
 
     try:
@@ -113,8 +110,7 @@ def check_settings(cfg: DictConfig) -> None:
 
 
 def check_router(cfg: DictConfig, registry: Any) -> None:
-    """cluster.router names a conf/router yaml (or a class's dotted path) that builds with
-    cluster.router_options over its settings."""
+    """cluster.router names a router that builds with cluster.router_options."""
     name = cfg.cluster.router
     names = registry.names("router")
     if not isinstance(name, str) or (name not in names and "." not in name):
@@ -150,18 +146,16 @@ LOSSY_KEYS = ("num_read", "num_returned", "num_clipped", "num_prompt_clipped", "
 
 def simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None = None,
                     announce: bool = False) -> tuple[Any, dict[str, Any]]:
-    """Run the simulation `cfg` describes; return (SimResult, summary row with labels).
-    announce: print what the trace options changed and the run's size before it starts."""
+    """(SimResult, summary row with labels) of the run `cfg` describes; announce: say its size first."""
     res, row, _ = _simulate_paused(cfg, labels, announce)
     return res, row
 
 
 def _simulate_paused(cfg: DictConfig, labels: Mapping[str, Any] | None,
                      announce: bool) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """simulate_config, and the requests' latencies (metrics.request_latencies) for the tables."""
     from sim.simulator import gc_paused
 
-    with gc_paused():  # the trace's requests, the run and its metrics are all long-lived objects
+    with gc_paused():  # all long-lived objects
         return _simulate_config(cfg, labels, announce)
 
 
@@ -171,8 +165,9 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     from sim.executor import CostModelExecutor
     from sim.fast_forward import FastForwardEngine
     from sim.simulator import simulate
-    from varlen import registry
+    from varlen.assembly import allocator_factory, build_engine
     from varlen.metrics import request_latencies, summarize
+    from varlen.settings import EngineSizes
     from varlen.steplog import StepLog
 
     check_settings(cfg)
@@ -182,22 +177,20 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     hardware = HardwareSpec.from_dict(c["hardware"])
     build_cost_model(c["cost"], model_config, hardware)  # a bad cost.path fails now, not per replica
     num_blocks = e.get("num_blocks")
-    # Pipeline parallelism: `pipeline` virtual engines per replica, each with its share of the
-    # pool (sim/parallel.py); weights and KV per GPU, so the pool grows with tensor x pipeline.
+    # Pipeline parallelism: `pipeline` virtual engines per replica, each with its share of the pool.
     from sim.parallel import Parallelism, capacity
 
     par = Parallelism.of(c.get("parallel"))
     alloc_kw = {}
     if not c["workload"].get("token_ids", False) and "enable_prefix_caching" in c["allocator"]:
-        # Content-free prompts (Azure) are all zeros, so every prompt would "hit" every other's
-        # blocks; without content there is nothing to cache.
+        # Content-free prompts (Azure) are all zeros: every prompt would "hit" every other's blocks.
         alloc_kw["enable_prefix_caching"] = False
     disaggregated = c["cluster"].get("mode", "colocated") == "disaggregated"
     if disaggregated:
         from sim.cluster import Pools
 
         pools = Pools(cfg, c, model_config, hardware, alloc_kw)  # a bad pool setting fails before any work
-        num_blocks = 0  # each pool's own
+        num_blocks = 0
     elif num_blocks is None:
         tokens = capacity(model_config, hardware, par, e["gpu_memory_utilization"],
                           name=c["sim_model"]["name"]).kv_tokens
@@ -222,23 +215,19 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
                  else f"{cl['replicas']} replica(s)")
         print(f"simulating {len(reqs)} requests on {where} (Ctrl-C stops)", flush=True)
 
-    make_kv = registry.build("allocator", OmegaConf.to_container(cfg.allocator, resolve=False), context={"engine": e},
-                             _partial_=True, **alloc_kw)
+    make_kv = allocator_factory(OmegaConf.to_container(cfg.allocator, resolve=False), {"engine": e}, **alloc_kw)
+    policy = OmegaConf.to_container(cfg.scheduler, resolve=False)
+    sizes = EngineSizes(num_blocks, e["block_size"], e["max_model_len"])
 
     def make_engine(clock):
-        kv = make_kv(num_blocks=num_blocks, block_size=e["block_size"], max_model_len=e["max_model_len"])
-        # As LLM(...) builds a policy: ${engine.max_model_len} is what the pool holds of it.
-        longest = kv.max_request_tokens()
-        policy = registry.build("scheduler", OmegaConf.to_container(cfg.scheduler, resolve=False),
-                                context={"engine": {**e, "max_model_len": longest, "num_blocks": num_blocks}})
-        executor = CostModelExecutor(build_cost_model(c["cost"], model_config, hardware, c.get("parallel")), clock)
-        engine = FastForwardEngine(policy, kv, executor, clock=clock, max_model_len=longest)
-        return engine, executor
+        engine = build_engine(sizes, policy, make_kv, lambda _policy, _longest: CostModelExecutor(
+            build_cost_model(c["cost"], model_config, hardware, c.get("parallel")), clock),
+            engine_class=FastForwardEngine, context=c, clock=clock)
+        return engine, engine.executor
 
     cluster_row: dict[str, Any] = {}
     if disaggregated:
         res, cluster_row = pools.simulate(reqs)
-        # The headline KV and batch figures are the decode pool's (the prefill pool's: prefill_*).
         steps, total_slots = StepLog.concat(r.engine.steps for r in res.decode), res.decode[0].engine.kv.capacity_tokens
         replicas = len(res.replicas)
     else:
@@ -255,7 +244,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
                max_num_batched_tokens=c["scheduler"].get("max_num_batched_tokens"),
                rate=trace.stats.mean_rate, trace=c["workload"].get("source"))
     row.update({f"trace_{k}": getattr(trace.stats, k) for k in LOSSY_KEYS})
-    latencies = request_latencies(reqs)  # once: the summary and requests.csv both read it
+    latencies = request_latencies(reqs)
     row.update(summarize(reqs, steps, total_slots, c["slo"]["ttft_s"], c["slo"]["tpot_s"], c["slo"].get("tbt_s"),
                          latencies=latencies))
     row.update(cluster_row)
@@ -266,14 +255,12 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
 
 
 def prefix_hit_rate(requests: Any) -> float:
-    """Prompt tokens served from a prefix cache over all prompt tokens (each request's hit at its
-    last admission, Request.num_prefix_hit_tokens)."""
     prompt = sum(r.num_prompt_tokens for r in requests)
     return sum(r.num_prefix_hit_tokens for r in requests) / prompt if prompt else 0.0
 
 
 def hydra_labels() -> dict[str, Any]:
-    """The chosen config options (scheduler=..., allocator=...), which name a run in a sweep."""
+    """The chosen config options, which name a run in a sweep."""
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
@@ -288,12 +275,8 @@ def hydra_labels() -> dict[str, Any]:
 
 
 def write_csv(table: Any, path: Path) -> None:
-    """What pd.DataFrame(table).to_csv(path, index=False) writes, byte for byte, for a DataFrame
-    or a mapping of column name to column (a numpy array or a list), without pandas for the
-    mapping, in a fraction of pandas' time for a table of numbers and strings (a whole trace's
-    requests.csv): pandas formats each float through numpy, this through Python's repr (as the
-    csv module, which pandas writes with, does), the same shortest round-trip text. Other column types (of
-    a DataFrame: bool, dates, categories) are left to pandas."""
+    """What pd.DataFrame(table).to_csv(path, index=False) writes, byte for byte, for a DataFrame or a
+    mapping of column name to column, faster (floats by repr); other column types are left to pandas."""
     import csv
 
     import numpy as np
@@ -305,11 +288,10 @@ def write_csv(table: Any, path: Path) -> None:
     if isinstance(table, Mapping):
         names, texts = [str(c) for c in table], []
         for col in table.values():
-            # A list is typed as pandas would type it: numbers (and bools) as an array; text
-            # with missing values (None, NaN) as it is. Anything else is left to pandas.
+            # Typed as pandas would type it: numbers (and bools) as an array, text as it is.
             arr = np.asarray(col) if not isinstance(col, np.ndarray) else col
             if arr.dtype.kind == "f":
-                text = list(map(repr, arr.tolist()))  # what the csv module writes for a float
+                text = list(map(repr, arr.tolist()))
                 for i in np.isnan(arr).nonzero()[0].tolist():
                     text[i] = ""  # missing: an empty field, as pandas writes it
             elif arr.dtype.kind in "iub":
@@ -317,7 +299,7 @@ def write_csv(table: Any, path: Path) -> None:
             elif arr.dtype.kind in "OU" and not isinstance(col, np.ndarray) and all(
                     type(v) is str or v is None or (type(v) is float and v != v) for v in col):
                 text = [v if type(v) is str else "" for v in col]
-                if _CSV_SPECIAL.search("".join(text)):  # rare: quote the fields that need it
+                if _CSV_SPECIAL.search("".join(text)):
                     text = ['"' + v.replace('"', '""') + '"' if _CSV_SPECIAL.search(v) else v for v in text]
             else:
                 import pandas as pd
@@ -327,8 +309,7 @@ def write_csv(table: Any, path: Path) -> None:
         if len({len(c) for c in texts}) > 1:  # zip would cut the table short without a word
             raise ValueError(f"{path}: columns of different lengths "
                              f"({', '.join(f'{n}: {len(c)}' for n, c in zip(names, texts))})")
-        # Each field as the csv module would quote it (QUOTE_MINIMAL: only text holding a
-        # comma, a quote or a line break), joined here: a third of writerows' time.
+        # Each field quoted as the csv module would (QUOTE_MINIMAL), joined here: faster than writerows.
         with open(path, "w", newline="") as f:
             csv.writer(f, lineterminator=os.linesep).writerow(names)
             if texts[0]:
@@ -352,16 +333,13 @@ def write_csv(table: Any, path: Path) -> None:
         w.writerows(zip(*cols))
 
 
-# What makes the csv module quote a field: the delimiter, the quote, a character of the line
-# terminator (os.linesep: "\n" alone does not make it quote a "\r").
+# What makes the csv module quote a field: the delimiter, the quote, a character of os.linesep.
 _CSV_SPECIAL = re.compile("[" + re.escape(',"' + os.linesep) + "]")
 
 
 def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig,
                   latencies: Mapping[str, Any] | None = None) -> None:
-    """The run's tables and summary.json (last: it marks a complete run). `latencies`: the
-    requests' (metrics.request_latencies), when the caller has them. Without output.steps,
-    nothing here imports pandas (a whole-trace run's startup cost)."""
+    """The run's tables and summary.json; `latencies`: the requests', when the caller has them."""
     import numpy as np
 
     from varlen.metrics import kv_usage_columns, request_columns, step_table
@@ -370,9 +348,8 @@ def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig,
     o = cfg.output
     if o.requests:
         cols = request_columns(res.requests, latencies)
-        # Every request is routed; a missing one would be NaN, as pandas' Series.map gives it.
         cols["replica"] = np.array([res.routed.get(r, np.nan) for r in cols["req_id"]])
-        if hasattr(res, "decode_routed"):  # disaggregated: the prefill instance above, the decode one here
+        if hasattr(res, "decode_routed"):  # disaggregated
             cols["decode_replica"] = np.array([res.decode_routed.get(r, np.nan) for r in cols["req_id"]])
         write_csv(cols, out / "requests.csv")
     kv: dict[str, list] = {}
@@ -421,7 +398,7 @@ def main(cfg: DictConfig) -> float:
     try:
         res, row, latencies = _simulate_paused(cfg, hydra_labels(), announce=True)
     except errors_to_exit() as err:
-        fail(str(err))  # a setting or input problem: one line, no traceback
+        fail(str(err))
     except KeyboardInterrupt:
         interrupted(f"simulation stopped after {time.perf_counter() - t0:.1f} s; no results written to {out}")
     try:
@@ -431,7 +408,7 @@ def main(cfg: DictConfig) -> float:
     print(format_row(row))
     from hydra.types import RunMode
 
-    if HydraConfig.get().mode == RunMode.RUN:  # _exit_now leaves without freeing them one by one
+    if HydraConfig.get().mode == RunMode.RUN:
         _KEEP_UNTIL_EXIT.append((res, latencies))
     from varlen.compiled import status
 
@@ -441,10 +418,8 @@ def main(cfg: DictConfig) -> float:
 
 
 def _skip_mode_probe(argv: list[str]) -> None:
-    """Hydra composes a command's whole config twice: once only to read `hydra.mode`
-    (Hydra.get_mode), then for the run. No config of this command sets hydra.mode, so unless the
-    command line names it or brings configs of its own, that first composition can only answer
-    None (run, or sweep with -m), which is what this answers without composing: 0.1-0.8 s of a run."""
+    """Answer Hydra's first composition (only to read `hydra.mode`, which no config of this command
+    sets) without composing, unless the command line could set it."""
     from hydra._internal.hydra import Hydra
 
     for a in argv[1:]:
@@ -456,15 +431,12 @@ def _skip_mode_probe(argv: list[str]) -> None:
         Hydra.get_mode = lambda self, config_name, overrides: None  # type: ignore[method-assign]
 
 
-#: A single run's results, kept alive when main returns: freeing its millions of objects would
-#: take ~0.1 s of a whole-trace run just before _exit_now skips the interpreter's teardown.
+#: A single run's results, kept alive when main returns: _exit_now leaves without freeing them.
 _KEEP_UNTIL_EXIT: list[Any] = []
 
 
 def _exit_now() -> None:
-    """After a single run has written everything: leave without the interpreter's teardown, which
-    frees the run's millions of objects one by one (~0.2 s of a whole-trace run). Log files are
-    flushed and closed first. A sweep (-m) leaves normally: its launcher cleans up its workers."""
+    """After a single run, leave without the interpreter's teardown; a sweep leaves normally."""
     import logging
     import os
     import sys

@@ -8,7 +8,9 @@ from sim.cost_models import CostModel
 from sim.executor import CostModelExecutor
 from sim.fast_forward import FastForwardEngine
 from sim.simulator import SimResult, simulate
+from varlen.assembly import build_engine
 from varlen.request import Request
+from varlen.settings import EngineSizes
 
 Batch = tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]
 
@@ -36,11 +38,14 @@ def fresh_copies(requests: Sequence[Request]) -> list[Request]:
 
 def simulate_like(requests: Sequence[Request], make_policy: Callable[[], Any], make_kv: Callable[[], Any],
                   max_model_len: int, cost: CostModel | Callable[[], CostModel]) -> SimResult:
-    """Simulate `requests` on one replica built like a real engine (same policy and allocator
-    factories, same max_model_len), timed by `cost` (an instance, or a factory)."""
+    """Simulate `requests` on one replica built like a real engine, timed by `cost` (or its factory)."""
 
     def make_engine(clock):
-        executor = CostModelExecutor(cost() if callable(cost) else cost, clock)
-        return FastForwardEngine(make_policy(), make_kv(), executor, clock=clock, max_model_len=max_model_len), executor
+        kv = make_kv()
+        engine = build_engine(EngineSizes(kv.num_blocks, kv.block_size, max_model_len), make_policy(),
+                              lambda **_: kv, lambda _policy, _longest: CostModelExecutor(
+                                  cost() if callable(cost) else cost, clock),
+                              engine_class=FastForwardEngine, clock=clock)
+        return engine, engine.executor
 
     return simulate(requests, make_engine)

@@ -10,18 +10,18 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from backends import AttentionBackend
-from schedulers import SchedulerPolicy
 from varlen import registry
-from varlen.engine import Engine
+from varlen.assembly import allocator_factory, build_engine, is_choice
+from varlen.attention_api import AttentionBackend
 from varlen.executor import ModelExecutor
-from varlen.kv import KVAllocator
+from varlen.kv.base import KVAllocator
 from varlen.metrics import RequestMetrics
 from varlen.model_runner import ModelRunner, load_model
 from varlen.request import Request
 from varlen.sampler import Sampler
 from varlen.sampling_params import SamplingParams
-from varlen.settings import DEFAULT_MAX_NUM_SEQS, check_engine_settings, size_kv_pool
+from varlen.scheduler_api import SchedulerPolicy
+from varlen.settings import DEFAULT_MAX_NUM_SEQS, EngineSettings, check_engine_settings, size_kv_pool
 
 
 @dataclass
@@ -45,9 +45,7 @@ def resolve_model(model: str) -> str:
 
 
 def eos_token_ids(hf: Any) -> list[int]:
-    """Every id that ends a generation: the model config's and its generation config's, each one
-    id or a list (Llama 3 ends on <|end_of_text|> and <|eot_id|>; stopping on the first alone
-    would let a request run past its end)."""
+    """Every id that ends a generation, from the model's config and generation config (Llama 3 has two)."""
     ids: list[int] = []
     for cfg in (hf.config, getattr(hf, "generation_config", None)):
         eos = getattr(cfg, "eos_token_id", None)
@@ -78,96 +76,48 @@ class LLM:
         setting_names: Mapping[str, str] | None = None,
         **allocator_options,
     ):
-        """`backend`, `scheduler` and `allocator` are each a name of their config group
-        (conf/<group>/<name>.yaml, or a folder of VARLEN_CONFIG_PATH), a class's dotted path, a
-        config mapping with `_target_`, or a ready object (varlen/registry.py).
-
-        A policy built here gets `max_num_seqs` and `max_num_batched_tokens` when given, else its
-        yaml's values, whose `${engine.max_model_len}` is this engine's max_model_len (the KV pool
-        caps it: `KVAllocator.max_request_tokens`); a class named by its dotted path has its
-        constructor's defaults. A policy object brings its own. Extra keyword arguments are options
-        of the allocator built here. `setting_names`: how errors name the settings (the CLI passes
-        its dotted names). Every setting is checked before the model loads (varlen/settings.py)."""
+        """`backend`, `scheduler`, `allocator`: a name (conf/<group>/), a dotted class path, a config
+        mapping with `_target_`, or a ready object; extra keyword arguments are options of the
+        allocator built here. The engine is built by varlen/assembly.py. `setting_names`: how errors
+        name the settings (the CLI's). Every setting is checked before the model loads."""
         s = self.settings = check_engine_settings(
             names=setting_names, block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             dtype=dtype, device=device, seed=seed, linear_kernel=linear_kernel)
         self.device, self.dtype = s.device, s.dtype
-        policy_spec = None
-        if _subclass(type(scheduler), SchedulerPolicy):
-            for key in ("max_num_seqs", "max_num_batched_tokens"):
-                if getattr(s, key) is not None:  # it would be silently ignored
-                    raise s.error(key, getattr(s, key), f"the policy object given as scheduler has its own "
-                                                        f"({getattr(scheduler, key)}); set it on the policy")
-        elif _is_choice(scheduler):
-            policy_spec = registry.spec("scheduler", scheduler)
-            _check_class("scheduler", scheduler, registry.target("scheduler", policy_spec), SchedulerPolicy)
-        else:
-            raise ValueError(f"scheduler={scheduler!r}: give a policy name ({', '.join(registry.names('scheduler'))}), "
-                             f"a class's dotted path or a SchedulerPolicy instance")
-        alloc_spec = None
-        if _is_choice(allocator):
-            alloc_spec = registry.spec("allocator", allocator)
-            cls = registry.target("allocator", alloc_spec)
-            _check_class("allocator", allocator, cls, KVAllocator)
-            params = inspect.signature(cls).parameters
-            known = set(params) - {"num_blocks", "block_size", "max_model_len"}
-            if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-                known |= {*allocator_options, *map(str, alloc_spec)}  # it takes any keyword: let it judge
-            label = allocator if isinstance(allocator, str) else alloc_spec._target_
-            for key in allocator_options:  # a misspelt LLM setting lands here too
-                if key not in known:
-                    raise ValueError(f"{key}={allocator_options[key]!r}: not a setting of LLM nor an option of the "
-                                     f"{label} allocator ({', '.join(sorted(known)) or 'none'})")
-            for key in alloc_spec:  # its config's (a yaml, or the CLI's allocator.*)
-                if not str(key).startswith("_") and key not in known:
-                    raise ValueError(f"allocator.{key}: not an option of the {label} allocator "
-                                     f"({', '.join(sorted(known)) or 'none'})")
-        elif allocator_options:
-            raise ValueError(f"{', '.join(allocator_options)}: allocator options go with an allocator name; "
-                             f"the allocator given ({allocator!r}) is built as it is")
-        if _is_choice(backend):
+        policy = _policy_choice(scheduler, s)
+        alloc_spec = _allocator_spec(allocator, allocator_options)
+        if is_choice(backend):
             backend = registry.build("backend", backend)
         if not isinstance(backend, AttentionBackend):
             raise ValueError(f"backend={backend!r}: give a backend name ({', '.join(registry.names('backend'))}), "
                              f"a class's dotted path or an AttentionBackend instance")
         self.backend = backend
-        # Fail on an impossible setting before the model is loaded.
         self.backend.check(self.device, self.dtype, s.block_size)
-        path = resolve_model(model)
-        hf = load_model(path, self.dtype, self.device)
+        self.model_path = resolve_model(model)
+        hf = load_model(self.model_path, self.dtype, self.device)
         cfg = hf.config
-        block_size = s.block_size
-        per_block = ModelRunner.kv_bytes_per_block(cfg, block_size, self.dtype)
-        if _subclass(type(scheduler), SchedulerPolicy):
-            seats = scheduler.max_num_seqs
-        elif s.max_num_seqs is not None:
-            seats = s.max_num_seqs
-        else:  # what the policy will get, to size the pool: its yaml's value, or its class's default
-            seats = _policy_default(policy_spec, "max_num_seqs", s.max_model_len or
-                                    getattr(cfg, "max_position_embeddings", None))
-        num_blocks, max_model_len = size_kv_pool(s, cfg, per_block, seats)
-        self.sizing = (f"KV cache: {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} "
-                       f"token slots, {num_blocks * per_block / 2**20:.1f} MiB ({per_block} bytes per block: "
-                       f"{cfg.num_hidden_layers} layers x 2 x {cfg.num_key_value_heads} KV heads x head_dim, "
-                       f"{str(self.dtype).removeprefix('torch.')})")
+        per_block = ModelRunner.kv_bytes_per_block(cfg, s.block_size, self.dtype)
+        seats = policy.max_num_seqs if not is_choice(policy) else s.max_num_seqs or _policy_default(
+            policy, "max_num_seqs", s.max_model_len or getattr(cfg, "max_position_embeddings", None))
+        sizes = size_kv_pool(s, cfg, per_block, seats)
+        self.sizing = (f"KV cache: {sizes.num_blocks} blocks x {s.block_size} tokens = "
+                       f"{sizes.num_blocks * s.block_size} token slots, {sizes.num_blocks * per_block / 2**20:.1f} MiB "
+                       f"({per_block} bytes per block: {cfg.num_hidden_layers} layers x 2 x {cfg.num_key_value_heads} "
+                       f"KV heads x head_dim, {str(self.dtype).removeprefix('torch.')})")
         if verbose:
             print(self.sizing)
         if alloc_spec is not None:
-            allocator = registry.build("allocator", alloc_spec, _partial_=True, **allocator_options)
-        kv = allocator(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len)
-        max_model_len = kv.max_request_tokens()  # what the pool can hold
-        if policy_spec is not None:
-            sizes = {k: getattr(s, k) for k in ("max_num_seqs", "max_num_batched_tokens") if getattr(s, k) is not None}
-            engine = {"max_model_len": max_model_len, "block_size": block_size, "num_blocks": num_blocks}
-            scheduler = registry.build("scheduler", policy_spec, context={"engine": engine}, **sizes)
-        self.runner = ModelRunner(hf, self.backend, block_size, num_blocks, self.dtype, self.device,
-                                  linear_kernel=s.linear_kernel)
-        self.executor = ModelExecutor(self.runner, scheduler.max_num_seqs, max_model_len, Sampler(s.seed))
-        self.engine = Engine(scheduler, kv, self.executor, max_model_len=max_model_len,
-                             eos_token_id=eos_token_ids(hf),
-                             vocab_size=hf.get_input_embeddings().num_embeddings)
-        self.model_path = path
+            allocator = allocator_factory(alloc_spec, **allocator_options)
+
+        def executor(policy: SchedulerPolicy, longest: int) -> ModelExecutor:
+            self.runner = ModelRunner(hf, self.backend, s.block_size, sizes.num_blocks, self.dtype, self.device,
+                                      linear_kernel=s.linear_kernel)
+            return ModelExecutor(self.runner, policy.max_num_seqs, longest, Sampler(s.seed))
+
+        self.engine = build_engine(sizes, policy, allocator, executor, eos_token_id=eos_token_ids(hf),  # type: ignore[arg-type]
+                                   vocab_size=hf.get_input_embeddings().num_embeddings)
+        self.executor: ModelExecutor = self.engine.executor  # type: ignore[assignment]
         self._tokenizer = None
         self._next_id = 0
 
@@ -182,9 +132,8 @@ class LLM:
     def make_requests(self, prompts: Sequence[str | Sequence[int]] | str | Sequence[int],
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                       arrivals: Sequence[float] | None = None) -> list[Request]:
-        """One Request per prompt: text (tokenized), or a sequence of token ids taken as given;
-        the engine rejects a request whose ids are not integers in [0, vocab) or whose sampling
-        params are out of range. A prompt of neither kind raises ValueError (nothing has run)."""
+        """One Request per prompt: text (tokenized), or token ids as given (the engine rejects bad
+        ones); a prompt of neither kind raises ValueError."""
         if _is_one_prompt(prompts):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -204,7 +153,7 @@ class LLM:
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if isinstance(p, str):
                 ids = self.tokenizer(p, add_special_tokens=False).input_ids
-            else:  # as given: an int() here would turn 5.7 into 5 and True into 1
+            else:  # as given: int() would turn 5.7 into 5
                 ids = p if isinstance(p, np.ndarray) else list(p)
             reqs.append(Request(str(self._next_id), ids, sp,
                                 arrival=arrivals[i] if arrivals is not None else 0.0,
@@ -215,18 +164,14 @@ class LLM:
     def generate(self, prompts: Sequence[str | Sequence[int]] | str | Sequence[int],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in input order.
-
-        A bad request ends `rejected` with the reason and the others run. If the call stops on an
-        error or Ctrl-C, its requests end `aborted` and the error propagates; the next call
-        starts on an idle engine (it never finishes the interrupted batch first)."""
+        """Generate for every prompt (text or token ids); outputs in input order. A bad request ends
+        `rejected`; on an error or Ctrl-C the call's requests end `aborted` and the next call starts idle."""
         reqs = self.make_requests(prompts, sampling_params)
         self.run(reqs, use_tqdm)
         return [self.output(r) for r in reqs]
 
     def run(self, reqs: Sequence[Request], use_tqdm: bool = False) -> None:
-        """Serve `reqs` to the end (Engine.run: by arrival time, 0 = at once). `engine.steps` then
-        holds this call's steps; finished requests are not kept (the caller has them)."""
+        """Serve `reqs` to the end (Engine.run: by arrival time, 0 = at once); `engine.steps` holds this call's steps."""
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -241,7 +186,7 @@ class LLM:
             raise
         finally:
             if bar is not None:
-                bar.update(bar.total - bar.n)  # rejected ones end before any step
+                bar.update(bar.total - bar.n)
                 bar.close()
 
     def output(self, r: Request) -> RequestOutput:
@@ -253,7 +198,7 @@ class LLM:
 
 
 def _is_one_prompt(prompts: object) -> bool:
-    """A str, or a flat sequence of ids (its first item not text nor a sequence), is one prompt."""
+    """A str, or a flat sequence of ids, is one prompt."""
     if isinstance(prompts, str):
         return True
     if isinstance(prompts, np.ndarray):
@@ -264,16 +209,51 @@ def _is_one_prompt(prompts: object) -> bool:
     return not isinstance(first, (str, Sequence, np.ndarray))
 
 
-def _is_choice(x: object) -> bool:
-    """A plug-in named rather than given: a name or dotted path, or a config mapping with _target_."""
-    return isinstance(x, (str, Mapping, DictConfig))
-
-
 def _subclass(cls: Any, base: type) -> bool:
-    """issubclass by the MRO: on the compiled core every ABC shares abc.ABC's subclass caches
-    (mypyc gives a class no _abc_impl of its own), so after issubclass(PagedAllocator, KVAllocator)
-    an issubclass(PagedAllocator, SchedulerPolicy) answers True from the shared cache."""
+    """issubclass by the MRO: compiled ABCs share one subclass cache, mixing up answers."""
     return isinstance(cls, type) and base in cls.__mro__
+
+
+def _policy_choice(scheduler: Any, s: EngineSettings) -> SchedulerPolicy | DictConfig:
+    """A policy object as it is (refusing sizes it would ignore), or a choice's config."""
+    if _subclass(type(scheduler), SchedulerPolicy):
+        for key in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(s, key) is not None:
+                raise s.error(key, getattr(s, key), f"the policy object given as scheduler has its own "
+                                                    f"({getattr(scheduler, key)}); set it on the policy")
+        return scheduler
+    if not is_choice(scheduler):
+        raise ValueError(f"scheduler={scheduler!r}: give a policy name ({', '.join(registry.names('scheduler'))}), "
+                         f"a class's dotted path or a SchedulerPolicy instance")
+    spec = registry.spec("scheduler", scheduler)
+    _check_class("scheduler", scheduler, registry.target("scheduler", spec), SchedulerPolicy)
+    return spec
+
+
+def _allocator_spec(allocator: Any, options: Mapping[str, Any]) -> DictConfig | None:
+    """A choice's config, its options checked against the class; None for a factory given as it is."""
+    if not is_choice(allocator):
+        if options:
+            raise ValueError(f"{', '.join(options)}: allocator options go with an allocator name; "
+                             f"the allocator given ({allocator!r}) is built as it is")
+        return None
+    spec = registry.spec("allocator", allocator)
+    cls = registry.target("allocator", spec)
+    _check_class("allocator", allocator, cls, KVAllocator)
+    params = inspect.signature(cls).parameters
+    known = set(params) - {"num_blocks", "block_size", "max_model_len"}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        known |= {*options, *map(str, spec)}  # it takes any keyword: let it judge
+    label = allocator if isinstance(allocator, str) else spec._target_
+    for key in options:
+        if key not in known:
+            raise ValueError(f"{key}={options[key]!r}: not a setting of LLM nor an option of the "
+                             f"{label} allocator ({', '.join(sorted(known)) or 'none'})")
+    for key in spec:
+        if not str(key).startswith("_") and key not in known:
+            raise ValueError(f"allocator.{key}: not an option of the {label} allocator "
+                             f"({', '.join(sorted(known)) or 'none'})")
+    return spec
 
 
 def _check_class(group: str, choice: object, cls: Any, base: type) -> None:
@@ -284,8 +264,7 @@ def _check_class(group: str, choice: object, cls: Any, base: type) -> None:
 
 
 def _policy_default(policy_spec: DictConfig, key: str, max_model_len: int | None) -> int:
-    """The `key` a policy built from `policy_spec` without it gets: its yaml's value, else its
-    class's default (else the interface's)."""
+    """The `key` a policy built from `policy_spec` gets: its yaml's, else its class's default."""
     if key in policy_spec:
         root = OmegaConf.create({"engine": {"max_model_len": max_model_len}, "__plugin__": policy_spec})
         value = OmegaConf.select(root, f"__plugin__.{key}")

@@ -1,10 +1,6 @@
-"""The engine's settings, checked in one place before anything is loaded or allocated.
-
-`LLM(...)` and `python -m varlen.run` both go through `check_engine_settings` (and, once the
-model's config is known, `size_kv_pool`). Every problem is one ValueError line naming the setting
-as the caller spells it (`block_size=` in Python, `engine.block_size=` on the command line), the
-bad value and the fix. A setting given is used or refused: never replaced by a default.
-"""
+"""The engine's settings, checked in one place before anything is loaded or allocated
+(`check_engine_settings`, then `size_kv_pool`). Every problem is one ValueError line naming the
+setting as the caller spells it, the bad value and the fix; a setting given is never replaced."""
 
 from __future__ import annotations
 
@@ -16,10 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
+from typing import TYPE_CHECKING
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported only to check a setting: the simulator builds engines without it.
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 #: How `python -m varlen.run` spells each setting (the scheduler's own two live in its group).
 CLI_NAMES = {k: f"engine.{k}" for k in ("block_size", "num_blocks", "kv_cache_memory", "max_model_len", "dtype",
@@ -37,14 +37,14 @@ class EngineSettings:
     block_size: int
     num_blocks: int | None
     kv_cache_memory: int | None  # bytes
-    max_num_seqs: int | None  # None: the policy's (or the default for a policy built by name)
-    max_num_batched_tokens: int | None  # None: the policy's default for its kind
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
     max_model_len: int | None  # None: the model's max_position_embeddings
     dtype: torch.dtype
     device: torch.device
     seed: int
     threads: int | None  # torch CPU threads; None leaves torch's setting alone
-    linear_kernel: str  # auto | onednn | torch: what computes the model's linear layers (varlen/linear_kernels.py)
+    linear_kernel: str  # LINEAR_KERNELS
     names: Mapping[str, str] = field(default_factory=dict)
     given: Mapping[str, Any] = field(default_factory=dict)  # the values as given, for messages
 
@@ -55,6 +55,21 @@ class EngineSettings:
         return setting_error(self.names, key, value, problem)
 
 
+@dataclass(frozen=True)
+class EngineSizes:
+    """What varlen.assembly.build_engine sizes an engine by (None: the policy config's own)."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+
+    def policy_sizes(self) -> dict[str, int]:
+        return {k: v for k, v in (("max_num_seqs", self.max_num_seqs),
+                                  ("max_num_batched_tokens", self.max_num_batched_tokens)) if v is not None}
+
+
 def setting_error(names: Mapping[str, str], key: str, value: Any, problem: str) -> ValueError:
     shown = value if isinstance(value, str) and names.get(key, key) != key else repr(value)
     return ValueError(f"{names.get(key, key)}={shown}: {problem}")
@@ -62,8 +77,7 @@ def setting_error(names: Mapping[str, str], key: str, value: Any, problem: str) 
 
 def _int(names: Mapping[str, str], key: str, value: Any, low: int, optional: bool = False,
          high: int | None = None, fix: str = "") -> int | None:
-    """`value` as an int >= low (and < high), refusing bools, floats and strings: a setting is
-    never silently truncated or read as a default."""
+    """`value` as an int >= low (and < high), refusing bools, floats and strings."""
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low or \
@@ -75,8 +89,7 @@ def _int(names: Mapping[str, str], key: str, value: Any, low: int, optional: boo
 
 
 def parse_memory(value: int | str, names: Mapping[str, str] | None = None) -> int:
-    """Bytes from an int or a string such as '512MiB', '2GB', '1.5GiB' (B optional; KiB = 1024,
-    KB = 1000); a ValueError naming `kv_cache_memory` (as `names` spell it) otherwise."""
+    """Bytes from an int or a string such as '512MiB', '2GB', '1.5GiB' (KiB = 1024, KB = 1000)."""
     bad = setting_error(names or {}, "kv_cache_memory", value, "is not a memory size; write e.g. 512MiB or 2GB")
     if isinstance(value, bool):
         raise bad
@@ -91,8 +104,7 @@ def parse_memory(value: int | str, names: Mapping[str, str] | None = None) -> in
     return int(float(m.group(1)) * base ** " KMGTP".index(m.group(2).upper() or " "))
 
 
-#: auto: oneDNN with packed weights where it serves the device and dtype, else torch's F.linear (the
-#: run says which); onednn: that or an error; torch: F.linear always.
+#: auto: oneDNN where it serves the device and dtype, else F.linear; onednn: that or an error; torch: F.linear.
 LINEAR_KERNELS = ("auto", "onednn", "torch")
 
 
@@ -103,14 +115,18 @@ def _choice(names: Mapping[str, str], key: str, value: Any, choices: tuple[str, 
 
 
 def _dtype(names: Mapping[str, str], value: Any) -> torch.dtype:
+    import torch
+
     if isinstance(value, torch.dtype) and value.is_floating_point:
         return value
     if isinstance(value, str) and value.removeprefix("torch.") in DTYPES:
-        return DTYPES[value.removeprefix("torch.")]
+        return getattr(torch, DTYPES[value.removeprefix("torch.")])
     raise setting_error(names, "dtype", value, "is not a dtype the engine runs in; use float32, float16 or bfloat16")
 
 
 def _device(names: Mapping[str, str], value: Any) -> torch.device:
+    import torch
+
     try:
         dev = torch.device(value)
     except (RuntimeError, TypeError, ValueError):
@@ -161,8 +177,7 @@ def check_engine_settings(*, names: Mapping[str, str] | None = None, block_size:
 
 
 def check_cli_settings(cfg: Any) -> EngineSettings:
-    """`python -m varlen.run`'s engine.* settings and the scheduler group's two sizes, before
-    anything is built (the scheduler is instantiated from its group after this)."""
+    """`python -m varlen.run`'s engine.* settings and the scheduler group's two sizes."""
     e, sched = cfg.engine, cfg.get("scheduler") or {}
     return check_engine_settings(
         names=CLI_NAMES, block_size=e.block_size, num_blocks=e.num_blocks, kv_cache_memory=e.kv_cache_memory,
@@ -174,6 +189,8 @@ def check_cli_settings(cfg: Any) -> EngineSettings:
 def available_memory(device: torch.device) -> int | None:
     """Bytes that can still be allocated on `device` (None: unknown)."""
     if device.type == "cuda":
+        import torch
+
         return int(torch.cuda.mem_get_info(device)[0])
     if device.type != "cpu":
         return None
@@ -199,9 +216,8 @@ def available_memory(device: torch.device) -> int | None:
     return avail
 
 
-def size_kv_pool(s: EngineSettings, model_config: Any, bytes_per_block: int, max_num_seqs: int) -> tuple[int, int]:
-    """(num_blocks, max_model_len) for this model: max_model_len within the model's positions,
-    and a pool that holds at least one block and fits the memory left on the device."""
+def size_kv_pool(s: EngineSettings, model_config: Any, bytes_per_block: int, max_num_seqs: int) -> EngineSizes:
+    """The engine's sizes: max_model_len within the model's positions, a pool that fits the device."""
     positions = getattr(model_config, "max_position_embeddings", None)
     max_model_len = s.max_model_len
     if max_model_len is None:
@@ -227,4 +243,4 @@ def size_kv_pool(s: EngineSettings, model_config: Any, bytes_per_block: int, max
         raise s.error(key, s.given.get(key), f"a KV pool of {num_blocks} blocks of {bytes_per_block} bytes needs "
                                              f"{need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free on "
                                              f"{s.device}; give a smaller {s.name(key)}")
-    return num_blocks, max_model_len
+    return EngineSizes(num_blocks, s.block_size, max_model_len, s.max_num_seqs, s.max_num_batched_tokens)
