@@ -22,7 +22,7 @@ wheel_test = pytest.mark.slow
 
 # Each entry point, small: (module, arguments, a line its output must hold).
 COMMANDS = [
-    ("varlen.run", ["workload.num_requests=4", "progress=false"], "finished"),
+    ("varlen.run", ["workload.limit=4", "progress=false"], "finished"),
     ("sim.run", ["workload.limit=40"], "finished"),  # its default trace, shipped gzipped
     ("sim.capacity", ["workload.limit=40", "slo.ttft_s=2", "slo.tpot_s=0.2", "capacity.rel_tol=0.5"], "capacity"),
     ("sim.search", ["workload.limit=30", "capacity.rel_tol=0.5", "search.hardware=[h100_sxm]", "search.tensor=[1]",
@@ -91,8 +91,8 @@ def test_installed_packages_come_from_the_wheel(installed, tmp_path):
     paths = out.stdout.split()
     assert len(paths) == 8 and all(p.startswith(str(installed)) for p in paths), paths
     # The commands' config roots are real folders in the wheel (setuptools copies the links).
-    for root, groups in (("run", ["allocator", "backend", "model", "scheduler", "workload"]),
-                         ("sim", ["allocator", "hardware", "hydra", "scheduler", "sim_model", "sim_workload"])):
+    for root, groups in (("run", ["allocator", "backend", "model", "scheduler", "workload", "workload_defaults"]),
+                         ("sim", ["allocator", "hardware", "hydra", "scheduler", "sim_model", "workload", "workload_defaults"])):
         assert sorted(p.name for p in (installed / "conf" / root).iterdir() if p.is_dir()) == groups
     assert sorted(p.name for p in (installed / "varlen" / "traces_data").iterdir()) == sorted(
         [f"{f}.gz" for f in NAMED_TRACES.values()] + ["README.md", "AzureLLMInferenceDataset2023.md",
