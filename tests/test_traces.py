@@ -7,6 +7,7 @@ import csv
 import dataclasses
 import gzip
 import json
+import os
 import time
 from datetime import datetime
 from pathlib import Path
@@ -505,3 +506,70 @@ def test_a_cached_gzip_trace_under_a_plain_name_is_still_an_error(tmp_path, monk
     plain.write_bytes(gz.read_bytes())
     with pytest.raises(TraceFormatError, match="gzip-compressed data in a file named .csv"):
         load_trace(plain)
+
+
+# ---------------------------------------------------------------------------------------------
+# The workload config group, shared by varlen.run and sim.run
+
+
+def _compose(root: str, name: str, overrides: list[str]) -> dict:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import varlen.cli  # noqa: F401  (registers the configs' resolvers)
+    from conf import conf_dir
+
+    with initialize_config_dir(str(conf_dir(root)), version_base="1.3"):
+        return OmegaConf.to_container(compose(name, overrides=overrides).workload)
+
+
+def test_each_command_keeps_its_own_defaults_for_one_workload_group() -> None:
+    run, sim = _compose("run", "config", ["workload=azure_conv"]), _compose("sim", "run", ["workload=azure_conv"])
+    assert (run["limit"], run["replay"], "token_ids" in run) == (64, "arrivals", False)
+    assert (sim["limit"], sim["token_ids"], "replay" in sim) == (None, False, False)
+    assert _compose("sim", "run", ["workload=mooncake_conv"])["token_ids"] is True
+    run, sim = _compose("run", "config", []), _compose("sim", "run", ["workload=synthetic"])
+    assert (run["limit"], run["rate"], sim["limit"], sim["rate"]) == (32, 16.0, 1000, 4.0)
+
+
+def test_workload_limit_and_rate_mean_the_same_for_every_source() -> None:
+    from varlen.workload import load_workload
+
+    synth = dict(source="synthetic", limit=7, rate=3.0, prompt_len="uniform:4:9", seed=5, over_length="clip")
+    trace, _ = load_workload(synth)
+    want = load_trace(SyntheticTrace(requests=7, rate=3.0, prompt_len="uniform:4:9", seed=5))
+    assert _as_tuple(trace) == _as_tuple(want)
+    trace, opts = load_workload(dict(source=str(AZURE_CONV), limit=20, rate=2.0, token_ids=True))
+    assert (len(trace), trace.stats.mean_rate, opts) == (20, pytest.approx(2.0), {"token_ids": True})
+
+
+@pytest.mark.parametrize("cfg, message", [
+    (dict(source="synthetic", num_requests=5), "workload.num_requests was renamed to workload.limit"),
+    (dict(source="azure_conv", target_rate=5.0), "workload.target_rate was renamed to workload.rate"),
+    (dict(source=str(AZURE_CONV), prompt_len=64), "workload.prompt_len is not a setting of workload source"),
+])
+def test_a_workload_setting_that_cannot_apply_is_named(cfg, message) -> None:
+    from varlen.workload import load_workload
+
+    with pytest.raises(ValueError, match=message):
+        load_workload(cfg)
+
+
+@pytest.mark.parametrize("module, arg, line", [
+    ("sim.run", "sim_workload=mooncake_conv", "error: sim_workload was renamed to workload: workload=mooncake_conv"),
+    ("sim.capacity", "workload.target_rate=3", "error: workload.target_rate was renamed to workload.rate: "
+                                               "workload.rate=3"),
+    ("varlen.run", "workload.num_requests=5", "error: workload.num_requests was renamed to workload.limit: "
+                                              "workload.limit=5"),
+    ("sim.run", "workload=prompts", "error: workload=prompts is a prompt file, which only varlen.run serves"),
+])
+def test_old_names_and_a_workload_the_command_cannot_serve_fail_in_one_line(module, arg, line, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", module, arg, f"hydra.run.dir={tmp_path / 'out'}"], cwd=tmp_path,
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith(line), out.stderr
+    assert not list(tmp_path.rglob("summary.json"))  # nothing ran

@@ -1,5 +1,4 @@
-"""Requests from a workload config (a trace or a prompt file), shared by `varlen.run` and `sim.run`.
-No torch."""
+"""Requests from a workload config (a trace or a prompt file), for `varlen.run` and `sim.run`."""
 
 from __future__ import annotations
 
@@ -21,14 +20,10 @@ RENAMED = {"target_rate": "rate", "num_requests": "limit"}
 
 def trace_requests(trace: Trace, vocab_size: int, sampling: SamplingParams, offline: bool = False,
                    token_ids: bool = True) -> list[Request]:
-    """One Request per trace entry: prompt tokens synthesised from the trace (identical Mooncake
-    hash ids give identical blocks), max_tokens = the trace's output length.
-
-    token_ids=False gives zero-filled prompts: enough for a simulation without prefix caching,
-    and far cheaper than synthesising millions of tokens.
-    """
+    """One Request per trace entry, max_tokens its output length. token_ids=False: zero prompts,
+    enough for a simulation without prefix caching and far cheaper than synthesised tokens."""
     reqs = []
-    # Read-only views of one zero array and one SamplingParams per output length: a whole trace loads fast.
+    # Views of one read-only zero array, one SamplingParams per output length: a whole trace loads fast.
     zeros = np.zeros(0 if token_ids else max((tr.prompt_len for tr in trace.requests), default=0), dtype=np.int64)
     zeros.flags.writeable = False
     params: dict[int, SamplingParams] = {}
@@ -43,14 +38,13 @@ def trace_requests(trace: Trace, vocab_size: int, sampling: SamplingParams, offl
 
 
 def load_workload(cfg: Mapping[str, Any]) -> tuple[Trace | None, dict[str, Any]]:
-    """Split a workload config into the trace (None for a prompt file) and the commands' options.
-    `limit` and `rate` are the number of requests and their rate: generated so for a synthetic
-    source, the first `limit` and rescaled to `rate` for a recorded one."""
+    """(trace or None for a prompt file, the commands' options). `limit` requests at `rate` req/s:
+    generated so for a synthetic source; a recorded trace's first `limit`, rescaled to `rate`."""
     cfg = dict(cfg)
     options = {k: cfg.pop(k) for k in COMMAND_KEYS if k in cfg}
     if options.get("replay", "offline") not in ("offline", "arrivals"):
         raise ValueError(f"workload.replay must be 'offline' or 'arrivals', got {options['replay']!r}")
-    if "path" in options:  # a prompt file
+    if "path" in options:
         return None, options
     for old, new in RENAMED.items():
         if old in cfg:

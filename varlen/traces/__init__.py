@@ -1,10 +1,5 @@
-"""Request traces for both commands: Azure CSV, Mooncake JSONL, or generated. Torch-free; pandas
-is imported only to read a CSV, so the simulator starts in a fraction of a second.
-
-`load_trace(source, ...)` returns a `Trace`: requests sorted by arrival (seconds from the first)
-and `TraceStats` saying what the options did. Out-of-order rows are sorted, not rejected (merged
-logs carry meaningless inversions); bad rows raise `TraceFormatError` naming file and line.
-"""
+"""Request traces: Azure CSV, Mooncake JSONL, or generated; `load_trace` is the entry point.
+Torch-free, and pandas only to read a CSV, so that the simulator starts in a fraction of a second."""
 
 from varlen.traces.load import NAMED_TRACES, default_traces_dir, load_trace, named_trace_path, resolve_trace
 from varlen.traces.cache import TRACE_CACHE_KEEP, trace_cache_dir

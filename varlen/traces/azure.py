@@ -19,14 +19,13 @@ def _int_column(values: Any, labels: np.ndarray, name: str, path: Path) -> np.nd
 
     if pd.api.types.is_bool_dtype(values.dtype):  # "true"/"false" would otherwise read as 1/0
         fail(path, int(labels[0]) + 2, f"non-numeric value {str(values.iloc[0]).lower()!r} in column {name}")
-    if pd.api.types.is_integer_dtype(values.dtype) and values.dtype.kind == "i":
+    if pd.api.types.is_integer_dtype(values.dtype) and values.dtype.kind == "i":  # the usual, fast case
         ints = values.to_numpy(np.int64)
         big = np.flatnonzero(ints > MAX_LENGTH)
         if len(big):
             fail(path, int(labels[big[0]]) + 2, f"value {int(ints[big[0]])} in column {name} is out of range "
                  f"(more than {MAX_LENGTH} tokens)")
         return ints
-    # Only a column with a problem (or blank lines) gets here: the C parser did not type it int64.
     raw_values = values.astype(object)
     is_bool = np.fromiter((isinstance(v, (bool, np.bool_)) for v in raw_values), bool, len(raw_values))
     nums = pd.to_numeric(values.where(~is_bool, None) if is_bool.any() else values, errors="coerce")
@@ -78,7 +77,6 @@ def read_azure_csv(path: Path) -> Columns:
     if pd.api.types.is_numeric_dtype(ts_raw.dtype) and ts_raw.notna().all():
         arrival = ts_raw.to_numpy(np.float64)  # plain seconds, as some derived traces use
     else:
-        # ISO8601 covers the 2023 (naive, 7 fractional digits) and 2024 (+00:00) formats.
         ts = pd.to_datetime(ts_raw, format="ISO8601", utc=True, errors="coerce")
         nat = ts.isna().to_numpy()
         if nat.any():

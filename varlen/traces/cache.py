@@ -1,6 +1,5 @@
-"""Decoded Azure CSVs kept as .npz, keyed by the file's bytes and the reader's source: a whole
-trace loads in milliseconds instead of a pandas parse. Only a file that decoded cleanly is
-cached, so every error still comes from the reader; a broken cache only costs the parse."""
+"""Decoded Azure CSVs kept as .npz, keyed by the file's bytes and the reader's source: milliseconds
+instead of a pandas parse. Only clean decodes are cached, so every error comes from the reader."""
 
 from __future__ import annotations
 
@@ -16,13 +15,11 @@ from varlen.traces import azure, trace
 from varlen.traces.azure import read_azure_csv
 from varlen.traces.trace import Columns, check_compression, is_gz
 
-#: Decoded traces kept in the cache (each a few hundred KB for a public trace's size).
-TRACE_CACHE_KEEP = 16
+TRACE_CACHE_KEEP = 16  # entries, a few hundred KB each for a public trace
 
 
 def trace_cache_dir() -> Path | None:
-    """$VARLEN_TRACE_CACHE (a folder; "0" or "off": no cache), else `traces/` in the compiled
-    core's cache folder (VARLEN_CACHE_DIR, ~/.cache/varlen)."""
+    """$VARLEN_TRACE_CACHE ("off": none), else traces/ in varlen's cache folder (~/.cache/varlen)."""
     env = os.environ.get("VARLEN_TRACE_CACHE")
     if env is not None and env.strip().lower() in ("0", "off", "false", "no", ""):
         return None
@@ -46,11 +43,10 @@ def read_azure_cached(path: Path) -> Columns:
         return read_azure_csv(path)
     try:
         check_compression(path)  # gzip bytes under a plain name are an error however they were cached
-        data = path.read_bytes()
-        # The name says how the bytes are read (gzip or not): part of the key, with the content.
+        data = path.read_bytes()  # the name says how they are read (gzip or not): part of the key
         key = hashlib.blake2b(data + (b".gz" if is_gz(path) else b""), digest_size=20, key=_reader_key()).hexdigest()
     except OSError:
-        return read_azure_csv(path)  # the reader says why, naming the file
+        return read_azure_csv(path)
     entry = folder / f"azure-{key}.npz"
     try:
         with np.load(entry, allow_pickle=False) as z:
@@ -58,12 +54,12 @@ def read_azure_cached(path: Path) -> Columns:
         if (arrival.dtype == np.float64 and prompt.dtype == output.dtype == np.int64
                 and arrival.ndim == prompt.ndim == output.ndim == 1 and len(arrival) == len(prompt) == len(output)):
             try:
-                os.utime(entry)  # recently used: the last to be pruned
+                os.utime(entry)  # the last to be pruned
             except OSError:
                 pass
             return Columns(arrival, prompt, output, np.arange(len(prompt)))
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
-        pass  # not there yet, or damaged: read the file and write it anew
+        pass  # missing or damaged: written anew
     cols = read_azure_csv(path)
     try:
         folder.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,5 @@
-"""`load_trace`: read or generate a trace, then apply the options in this order: sort -> over-length
-policy -> limit -> re-zero -> rescale time. So `limit=N` with "drop" returns N requests that fit,
-and `rate` applies to the requests actually returned."""
+"""`load_trace`: read or generate, then sort -> over-length policy -> limit -> re-zero -> rescale:
+`limit=N` with "drop" returns N requests that fit, and `rate` applies to those returned."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from varlen.traces.mooncake import MOONCAKE_BLOCK_TOKENS, read_mooncake_jsonl
 from varlen.traces.synthetic import SyntheticTrace
 from varlen.traces.trace import Columns, Trace, TraceRequest, TraceStats
 
-# Short names for the public traces shipped in varlen/traces_data (see its README.md).
 NAMED_TRACES: dict[str, str] = {
     "azure_conv": "AzureLLMInferenceTrace_conv.csv",
     "azure_code": "AzureLLMInferenceTrace_code.csv",
@@ -71,16 +69,10 @@ def load_trace(
     max_model_len: int | None = None,
     over_length: str = "clip",
 ) -> Trace:
-    """Load or generate a trace.
-
-    source: a `SyntheticTrace` (or "synthetic": its defaults), a name in NAMED_TRACES, or a path;
-    kind ("azure", "mooncake") overrides the guess from the file suffix.
-
-    time_scale multiplies inter-arrival times (0.5 = twice the rate); `rate` instead picks the
-    factor that makes (n - 1) / duration equal it. limit keeps the first requests (after
-    over-length dropping). max_model_len with over_length "clip" or "drop" bounds prompt + output:
-    "clip" keeps the prompt's prefix (and its hash ids) and shortens the output.
-    """
+    """source: a `SyntheticTrace` ("synthetic": its defaults), a name in NAMED_TRACES or a path
+    (kind: "azure" or "mooncake" over the suffix's guess). time_scale multiplies inter-arrival
+    times; `rate` instead picks the factor giving (n - 1) / duration = rate. max_model_len bounds
+    prompt + output: "clip" keeps the prompt's prefix (and hash ids), "drop" the request."""
     if time_scale is not None and rate is not None:
         raise ValueError("give time_scale or rate, not both")
     if over_length not in ("clip", "drop"):
@@ -99,7 +91,7 @@ def load_trace(
     stats = TraceStats(source=str(path or "synthetic"), kind=kind, num_read=len(cols.prompt))
     cols, stats.num_reordered = _sort_by_arrival(cols)
 
-    zero = cols.output == 0  # every step that finishes a prompt samples one token
+    zero = cols.output == 0  # raised to 1: the step that finishes a prompt samples a token
     if zero.any():
         cols.output = np.maximum(cols.output, 1)
 
@@ -107,7 +99,7 @@ def load_trace(
     keep = np.flatnonzero(~over) if over_length == "drop" else np.arange(len(cols.prompt))
     if limit is not None:
         keep = keep[:limit]
-    # Requests past the last one kept were never looked at; they count as neither dropped nor kept.
+    # Requests past the last one kept were never looked at: neither dropped nor kept.
     scanned = len(over)
     if limit is not None and len(keep) == limit:
         scanned = int(keep[-1]) + 1 if limit else 0

@@ -10,7 +10,7 @@ import numpy as np
 
 from varlen.traces.trace import MAX_LENGTH, Columns, check_compression, check_lengths, fail, is_gz
 
-MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id
+MOONCAKE_BLOCK_TOKENS = 512
 _HASH_MIN, _HASH_MAX = -(1 << 63), (1 << 64) - 1
 
 
@@ -25,7 +25,7 @@ def read_mooncake_jsonl(path: Path) -> Columns:
             data = gzip.decompress(data)
         except (EOFError, OSError) as e:
             fail(path, None, f"cannot read the compressed file ({e})")
-    if data.startswith(codecs.BOM_UTF8):  # written by some Windows tools; not part of the JSON
+    if data.startswith(codecs.BOM_UTF8):
         data = data[len(codecs.BOM_UTF8):]
     lines = data.split(b"\n")
     nonblank = [i for i, s in enumerate(lines) if s.strip()]

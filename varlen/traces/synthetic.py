@@ -1,4 +1,4 @@
-"""Generated traces: `SyntheticTrace` holds every setting, `LengthDist` a length distribution."""
+"""Generated traces: `SyntheticTrace` holds the settings, `LengthDist` a length distribution."""
 
 from __future__ import annotations
 
@@ -13,13 +13,9 @@ from varlen.traces.trace import Columns
 
 @dataclass(frozen=True, slots=True)
 class LengthDist:
-    """A distribution of token counts: "fixed" (value), "uniform" (low..high inclusive),
-    "lognormal" (mean of the lengths, sigma of their log) or "empirical" (resampled from the
-    matching column of `source`, any trace `load_trace` reads). Samples are clipped to [min, max].
-
-    `parse` takes an int, a LengthDist, a mapping of these fields, or a string: "512",
-    "fixed:512", "uniform:128:2048", "lognormal:1000:0.8", "empirical:azure_conv".
-    """
+    """Token counts: "fixed" (value), "uniform" (low..high), "lognormal" (mean of the lengths,
+    sigma of their log) or "empirical" (a trace's column), clipped to [min, max]. `parse` also
+    reads "512", "uniform:128:2048", "lognormal:1000:0.8", "empirical:azure_conv"."""
 
     kind: str
     value: int = 0
@@ -73,7 +69,6 @@ class LengthDist:
 
     def sample(self, rng: np.random.Generator, n: int, values: np.ndarray | None = None,
                index: np.ndarray | None = None) -> np.ndarray:
-        """n samples; "empirical" draws from `values` (its source's column), at `index` if given."""
         if self.kind == "fixed":
             x = np.full(n, self.value, np.float64)
         elif self.kind == "uniform":
@@ -93,9 +88,8 @@ class LengthDist:
 
 @dataclass(frozen=True, slots=True)
 class SyntheticTrace:
-    """A generated trace: `requests` arrivals at `rate` req/s, Poisson or gamma (`cv` = the
-    inter-arrival coefficient of variation; > 1 is burstier), lengths from `prompt_len` and
-    `output_len` (see LengthDist.parse). The same seed gives the same trace."""
+    """`requests` arrivals at `rate` req/s, Poisson or gamma (`cv`: inter-arrival coefficient of
+    variation, > 1 burstier), lengths from `prompt_len` / `output_len` (LengthDist.parse)."""
 
     requests: int = 1000
     rate: float = 1.0
@@ -106,7 +100,7 @@ class SyntheticTrace:
     seed: int = 0
 
     def generate(self, empirical: Callable[[str], tuple[np.ndarray, np.ndarray]]) -> Columns:
-        """The trace's columns; `empirical(source)` gives a trace's (prompt, output) lengths."""
+        """`empirical(source)`: that trace's (prompt, output) lengths."""
         n, rate, cv = self.requests, self.rate, self.cv
         if n < 0:
             raise ValueError(f"requests must be >= 0, got {n}")

@@ -1,5 +1,4 @@
-"""Prompt token ids synthesised from a trace request: deterministic, and equal Mooncake hash ids
-give equal blocks, so requests sharing a prefix of ids hit a prefix cache."""
+"""Prompt token ids synthesised from a trace request: equal Mooncake hash ids give equal blocks."""
 
 from __future__ import annotations
 
@@ -25,7 +24,6 @@ def _mix_int(x: int) -> int:
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
-    # uint64 array arithmetic wraps modulo 2**64, which is what the hash wants.
     x = x ^ (x >> np.uint64(30))
     x = x * np.uint64(0xBF58476D1CE4E5B9)
     x = x ^ (x >> np.uint64(27))
@@ -34,7 +32,7 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def _stream(keys: np.ndarray, start: int, length: int) -> np.ndarray:
-    """Token words for positions start..start+length of each key: shape [len(keys), length]."""
+    """Token words for positions start..start+length of each key: [len(keys), length]."""
     pos = np.arange(start, start + length, dtype=np.uint64) + np.uint64(1)
     return _mix(keys[:, None] + pos[None, :] * np.uint64(_GOLDEN))
 
@@ -48,13 +46,9 @@ def _request_key(req: TraceRequest, seed: int) -> int:
 
 def synth_prompt_tokens(req: TraceRequest, vocab_size: int, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
                         seed: int = 0) -> np.ndarray:
-    """Deterministic prompt token ids (int64, length req.prompt_len, values in [0, vocab_size)).
-
-    With hash ids, block j of the prompt is a function of (hash_ids[j], seed) only, so requests
-    sharing hash-id prefixes share token prefixes (and hit a prefix cache). Positions past the
-    hash-id blocks, and whole prompts without hash ids, come from a per-request stream keyed by
-    req_id (or, without one, by arrival and lengths), so distinct requests do not share content.
-    """
+    """Deterministic token ids (int64, length req.prompt_len, in [0, vocab_size)): block j is a
+    function of (hash_ids[j], seed) only; the rest comes from a stream keyed by req_id (or arrival
+    and lengths), so distinct requests share no content."""
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     n = int(req.prompt_len)

@@ -28,12 +28,12 @@ class TraceStats:
     kind: str
     num_read: int = 0  # rows in the file, or requests generated
     num_returned: int = 0
-    num_dropped: int = 0  # over max_model_len, over_length="drop"
-    num_clipped: int = 0  # over max_model_len, over_length="clip"
+    num_dropped: int = 0
+    num_clipped: int = 0
     num_prompt_clipped: int = 0  # of the clipped, those whose prompt alone reached max_model_len
-    num_reordered: int = 0  # rows whose timestamp was earlier than the previous row's
-    num_zero_output: int = 0  # output length 0 raised to 1
-    time_scale: float = 1.0  # factor applied to inter-arrival times
+    num_reordered: int = 0  # rows earlier than the row before: sorted, not rejected
+    num_zero_output: int = 0
+    time_scale: float = 1.0
     duration_s: float = 0.0
     mean_rate: float = 0.0  # (n - 1) / duration, requests per second
     prompt_mean: float = 0.0
@@ -72,7 +72,6 @@ class Trace:
         return self.requests[i]
 
     def columns(self) -> dict[str, np.ndarray]:
-        """arrival_s, prompt_len, output_len as arrays (for vectorised analysis)."""
         r = self.requests
         return {
             "arrival_s": np.fromiter((x.arrival_s for x in r), np.float64, len(r)),
@@ -96,9 +95,9 @@ def fail(path: str | os.PathLike, line: int | None, reason: str) -> NoReturn:
 class Columns:
     """A trace as parallel arrays while options are applied; requests are built once at the end."""
 
-    arrival: np.ndarray  # float64 seconds
-    prompt: np.ndarray  # int64
-    output: np.ndarray  # int64
+    arrival: np.ndarray
+    prompt: np.ndarray
+    output: np.ndarray
     row: np.ndarray  # index of the request in its source, for req_id
     hash_ids: list[tuple[int, ...] | None] | None = None
 
