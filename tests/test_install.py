@@ -146,11 +146,11 @@ def test_traces_dir_override_reads_plain_files_and_does_not_fall_back(tmp_path, 
 def test_trace_files_are_located_in_one_place() -> None:
     """Shipped traces are gzipped: code that joins a plain file name onto the traces folder finds
     nothing and falls back or stops (benchmarks did, after the traces moved into the package).
-    Only varlen/traces.py (named_trace_path) may spell out where a named trace lies."""
+    Only varlen/traces/load.py (named_trace_path) may spell out where a named trace lies."""
     offenders = []
     for path in [*ROOT.glob("benchmarks/*.py"), *ROOT.glob("sim/**/*.py"), *ROOT.glob("varlen/**/*.py"),
                  *ROOT.glob("tests/*.py")]:
-        if (path.name == "traces.py" and path.parent.name == "varlen") or path.name == "test_install.py":
+        if (path.name == "load.py" and path.parent.name == "traces") or path.name == "test_install.py":
             continue  # the one place, and this file's tests of the shipped data
         text = path.read_text()
         if "default_traces_dir() /" in text or any(f'"{f}"' in text for f in NAMED_TRACES.values()):
