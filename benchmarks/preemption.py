@@ -83,7 +83,7 @@ def main() -> None:
     p.add_argument("--blocks", default="300,600", help="KV pool sizes in 16-token blocks")
     p.add_argument("--plot", help="write preemptions per request (sorted) for each run to this PNG")
     args = p.parse_args()
-    tr = load_trace("azure_conv", limit=args.limit, max_model_len=MAX_LEN, target_rate=args.rate)
+    tr = load_trace("azure_conv", limit=args.limit, max_model_len=MAX_LEN, rate=args.rate)
     conf = yaml.safe_load((ROOT / "conf" / "sim_model" / "llama3_8b.yaml").read_text())
     cost = RooflineCostModel(conf["config"], "h100_sxm")
     print(f"{'blocks':>6} {'policy':<28} {'preempt':>7} {'max/req':>7} {'recomp %':>8} {'tok/s':>6} "

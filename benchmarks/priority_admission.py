@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=30.0)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    tr = load_trace("azure_conv", limit=args.limit, max_model_len=MAX_LEN, target_rate=args.rate)
+    tr = load_trace("azure_conv", limit=args.limit, max_model_len=MAX_LEN, rate=args.rate)
     conf = yaml.safe_load((ROOT / "conf" / "sim_model" / "llama3_8b.yaml").read_text())
     cost = RooflineCostModel(conf["config"], "h100_sxm")
     rng = random.Random(0)

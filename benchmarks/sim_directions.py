@@ -53,7 +53,7 @@ def main() -> None:
 
     from sim.capacity import capacity_search
     from sim.run import CONF, simulate_config
-    base = ["sim_workload=azure_conv", f"workload.limit={args.limit}"]
+    base = ["workload=azure_conv", f"workload.limit={args.limit}"]
     rows = []
     with initialize_config_dir(CONF, version_base="1.3"):
         for sched in ("static", "continuous", "chunked") if 1 in wanted else ():
@@ -134,7 +134,7 @@ def vllm_capacity(args, base, compose, capacity_search) -> None:
 
 
 def disaggregation(args, compose, capacity_search) -> None:
-    base = ["sim_workload=azure_code", f"workload.limit={args.pd_limit}", "scheduler=vllm_v0",
+    base = ["workload=azure_code", f"workload.limit={args.pd_limit}", "scheduler=vllm_v0",
             "sim_model=llama3_8b", "hardware=a100_80gb_sxm", "cluster.router=least_outstanding",
             "slo.ttft_s=1.0", "slo.tpot_s=0.04", "capacity.rel_tol=0.05", "capacity.high=16"]
     rows = []
@@ -159,7 +159,7 @@ def routing(args, compose, simulate_config) -> None:
     rows = []
     for rate in (float(x) for x in args.route_rates.split(",")):
         for router in ("round_robin", "least_outstanding", "prefix_aware"):
-            cfg = compose("sim", overrides=["sim_workload=mooncake_conv", f"workload.limit={args.limit}",
+            cfg = compose("sim", overrides=["workload=mooncake_conv", f"workload.limit={args.limit}",
                                             f"workload.rate={rate}", "cluster.replicas=4", f"cluster.router={router}"])
             _, row = simulate_config(cfg)
             rows.append({"rate (req/s)": rate, "router": router, "prefix hit rate": row["prefix_hit_rate"],

@@ -12,7 +12,7 @@ ratio of the best times. Every run's summary must equal the first's (wall-time f
 CPU s is the child's user + system time: on a loaded machine it moves far less than wall time.
 Build the compiled core first (`python -m varlen.compile`); the table says which core ran.
 
-A trace file's first load parses it and keeps it decoded in a cache (varlen/traces.py,
+A trace file's first load parses it and keeps it decoded in a cache (varlen/traces/cache.py,
 VARLEN_TRACE_CACHE); later runs read that. The row "first run (trace not cached)" is this
 checkout's run with an empty trace cache each time: what a run costs the first time it meets a
 trace (the pandas import and parse, ~0.2 s), once per trace file.

@@ -42,7 +42,7 @@ def child(args: argparse.Namespace) -> None:
     from sim.run import CONF, simulate_config
     from varlen.compiled import status
 
-    overrides = [f"scheduler={args.scheduler}", "sim_workload=azure_conv", "output.requests=false",
+    overrides = [f"scheduler={args.scheduler}", "workload=azure_conv", "output.requests=false",
                  f"scheduler.max_num_batched_tokens={args.budget}", f"fast_forward={args.mode == 'on'}",
                  f"cost.model={args.cost}"]
     if args.rate:

@@ -25,24 +25,20 @@ CONF = str(conf_dir("sim"))
 
 
 def load_requests(workload: Mapping[str, Any], vocab_size: int):
-    """(trace, requests) from a sim_workload config: `rate` is the target arrival rate of a
-    recorded trace (None = its own) and the generation rate of a synthetic one."""
+    """(trace, requests) from the workload config (varlen/workload.py)."""
     from varlen.sampling_params import SamplingParams
-    from varlen.traces import load_trace
-    from varlen.workload import trace_requests
+    from varlen.workload import load_workload, trace_requests
 
-    w = dict(workload)
-    token_ids = bool(w.pop("token_ids", False))
-    rate = w.pop("rate", None)
-    if w.get("source") == "synthetic":
-        if rate is not None:
-            w["rate"] = float(rate)
-    elif rate is not None:
-        w["target_rate"] = float(rate)
-    trace = load_trace(**w)
+    trace, opts = load_workload(workload)
+    if trace is None:
+        raise SettingError(NO_PROMPT_FILES)
     # ignore_eos: the trace's output length is the request's length, as in the real engine's replay.
-    reqs = trace_requests(trace, vocab_size, SamplingParams(ignore_eos=True), token_ids=token_ids)
+    reqs = trace_requests(trace, vocab_size, SamplingParams(ignore_eos=True), token_ids=bool(opts.get("token_ids")))
     return trace, reqs
+
+
+NO_PROMPT_FILES = ("workload=prompts is a prompt file, which only varlen.run serves; sim.run needs a trace: "
+                   "workload=azure_conv, azure_code, mooncake_conv or synthetic")
 
 
 def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Any,
@@ -87,6 +83,8 @@ def check_settings(cfg: DictConfig) -> None:
     """Every setting the simulation reads, checked before any work starts (one-line errors)."""
     from varlen import registry
 
+    if "path" in cfg.workload.keys():  # `in cfg.workload` is False while path is ???
+        raise SettingError(NO_PROMPT_FILES)
     check_missing(cfg)
     number(cfg, "engine.block_size", low=1, integer=True, hint=" (tokens per KV block, e.g. 16)")
     number(cfg, "engine.num_blocks", low=1, integer=True, optional=True)

@@ -15,7 +15,7 @@ def run_cli(tmp_path, *overrides):
     env = dict(os.environ, VARLEN_HOME=str(tmp_path / "home"))
     return subprocess.run(
         [sys.executable, "-m", "varlen.run", f"hydra.run.dir={tmp_path / 'out'}", "progress=false",
-         "engine.threads=1", "workload.num_requests=6", "workload.output_len=uniform:2:6", *overrides],
+         "engine.threads=1", "workload.limit=6", "workload.output_len=uniform:2:6", *overrides],
         capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -48,7 +48,7 @@ def test_bad_choices_fail_in_one_clear_line(tmp_path):
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 SIM_SMALL = ["sim_model=tiny", "hardware=cpu_2core", "engine.num_blocks=256", "engine.max_model_len=1024",
-             "sim_workload=synthetic", "workload.rate=20"]
+             "workload=synthetic", "workload.rate=20"]
 
 
 def test_claim_dir_is_exclusive_across_threads_and_skips_used_dirs(tmp_path):
@@ -74,10 +74,10 @@ def test_concurrent_runs_and_sweeps_never_share_a_directory(tmp_path):
     """Runs named alike (as two runs started in the same second are by ${now:%H-%M-%S}) and
     started together: each gets its own directory, holding its own results."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    runs = [subprocess.Popen([sys.executable, "-m", "sim.run", *SIM_SMALL, f"workload.num_requests={n}",
+    runs = [subprocess.Popen([sys.executable, "-m", "sim.run", *SIM_SMALL, f"workload.limit={n}",
                               f"hydra.run.dir={tmp_path / 'same'}"], cwd=ROOT, env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for n in (11, 12)]
-    sweeps = [subprocess.Popen([sys.executable, "-m", "sim.run", "-m", *SIM_SMALL, f"workload.num_requests={n},{n + 1}",
+    sweeps = [subprocess.Popen([sys.executable, "-m", "sim.run", "-m", *SIM_SMALL, f"workload.limit={n},{n + 1}",
                                 f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.launcher.n_jobs=1"], cwd=ROOT, env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE) for n in (21, 31)]
     for p in runs + sweeps:
@@ -89,7 +89,7 @@ def test_concurrent_runs_and_sweeps_never_share_a_directory(tmp_path):
     assert len(by_dir) == 6 and sorted(by_dir.values()) == [11, 12, 21, 22, 31, 32]
     for d, n in by_dir.items():  # each directory's tables are its own run's
         assert len(pd.read_csv(d / "requests.csv")) == n
-        assert f"num_requests: {n}" in (d / "config_resolved.yaml").read_text()
+        assert f"limit: {n}" in (d / "config_resolved.yaml").read_text()
     assert {d for d in by_dir if d.parent == tmp_path} == {tmp_path / "same", tmp_path / "same-1"}
     sweep_dirs = {d.parent for d in by_dir if d.parent != tmp_path}
     assert sweep_dirs == {tmp_path / "sweep", tmp_path / "sweep-1"}

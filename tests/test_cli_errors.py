@@ -49,7 +49,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 
 SIM = ["sim_model=tiny", "hardware=cpu_2core", "engine.num_blocks=256", "engine.max_model_len=1024"]
-SYNTHETIC = ["sim_workload=synthetic", "workload.num_requests=20"]  # unless a case picks its sim_workload
+SYNTHETIC = ["workload=synthetic", "workload.limit=20"]  # unless a case picks its workload
 
 # (module, arguments with {placeholders} from `files`, what the one line must name)
 CASES = {
@@ -62,7 +62,7 @@ CASES = {
     "run-slo-not-a-number": ("varlen.run", ["slo.ttft_s=abc"], "slo.ttft_s"),
     "run-slo-negative": ("varlen.run", ["slo.tpot_s=-0.1"], "slo.tpot_s"),
     "run-empty-prompt-file": ("varlen.run", ["workload=prompts", "workload.path={empty}"], "no requests"),
-    "run-no-synthetic-requests": ("varlen.run", ["workload.num_requests=0"], "no requests"),
+    "run-no-synthetic-requests": ("varlen.run", ["workload.limit=0"], "no requests"),
     "run-header-only-trace": ("varlen.run", ["workload=azure_conv", "workload.source={header}"], "no requests"),
     "run-limit-0": ("varlen.run", ["workload=azure_conv", "workload.source={csv}", "workload.limit=0"], "no requests"),
     "run-gzip-bytes-in-csv": ("varlen.run", ["workload=azure_conv", "workload.source={gz_csv}"], "packed.csv"),
@@ -76,11 +76,11 @@ CASES = {
     "sim-csv-as-model-config": ("sim.run", [*SIM, "sim_model=local", "sim_model.config={csv}"], "sim_model.config"),
     "sim-model-config-missing": ("sim.run", [*SIM, "sim_model=local"], "sim_model.config"),
     "sim-slo-not-a-number": ("sim.run", [*SIM, "slo.ttft_s=abc"], "slo.ttft_s"),
-    "sim-limit-0": ("sim.run", [*SIM, "workload.limit=0"], "no requests"),
-    "sim-header-only-trace": ("sim.run", [*SIM, "sim_workload=azure_conv", "workload.source={header}"], "no requests"),
-    "sim-trace-is-a-dir": ("sim.run", [*SIM, "sim_workload=azure_conv", "workload.source={dir}"], "workload.source"),
-    "sim-gzip-bytes-in-csv": ("sim.run", [*SIM, "sim_workload=azure_conv", "workload.source={gz_csv}"], "packed.csv"),
-    "sim-hash-id-out-of-range": ("sim.run", [*SIM, "sim_workload=mooncake_conv", "workload.source={bad_hash}"],
+    "sim-limit-0": ("sim.run", [*SIM, "workload=synthetic", "workload.limit=0"], "no requests"),
+    "sim-header-only-trace": ("sim.run", [*SIM, "workload=azure_conv", "workload.source={header}"], "no requests"),
+    "sim-trace-is-a-dir": ("sim.run", [*SIM, "workload=azure_conv", "workload.source={dir}"], "workload.source"),
+    "sim-gzip-bytes-in-csv": ("sim.run", [*SIM, "workload=azure_conv", "workload.source={gz_csv}"], "packed.csv"),
+    "sim-hash-id-out-of-range": ("sim.run", [*SIM, "workload=mooncake_conv", "workload.source={bad_hash}"],
                                  "bad.jsonl: line 1"),
     "sim-replicas-0": ("sim.run", [*SIM, "cluster.replicas=0"], "cluster.replicas"),
     "sim-unknown-router": ("sim.run", [*SIM, "cluster.router=random"], "cluster.router"),
@@ -122,7 +122,7 @@ def test_one_clear_line_and_exit_2(case, files, tmp_path, monkeypatch, capsys):
         args.append(f"hydra.run.dir={tmp_path / 'out'}")
     if module == "varlen.run":
         args += ["progress=false", "engine.threads=1"]
-    if module.startswith("sim.") and module != "sim.report" and not any(a.startswith("sim_workload=") for a in args):
+    if module.startswith("sim.") and module != "sim.report" and not any(a.startswith("workload=") for a in args):
         args += SYNTHETIC
     code, out, err = run_main(module, args, monkeypatch, capsys)
     lines = err.strip().splitlines()
@@ -134,8 +134,8 @@ def test_one_clear_line_and_exit_2(case, files, tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("module, own, others", [
-    ("varlen.run", ["model", "backend", "scheduler", "allocator", "workload"], ["hardware", "sim_model", "sim_workload"]),
-    ("sim.run", ["hardware", "sim_model", "sim_workload", "scheduler", "allocator"], ["model", "backend", "workload"]),
+    ("varlen.run", ["model", "backend", "scheduler", "allocator", "workload", "workload_defaults"], ["hardware", "sim_model", "sim_workload"]),
+    ("sim.run", ["hardware", "sim_model", "workload", "workload_defaults", "scheduler", "allocator"], ["model", "backend", "sim_workload"]),
 ])
 def test_help_lists_only_the_groups_the_command_uses(module, own, others, monkeypatch, capsys):
     """varlen.run --help listed hardware, sim_model and sim_workload, which it cannot use: each

@@ -45,13 +45,13 @@ print(json.dumps(out))
 SMALL = ["output.requests=false", "workload.limit=150"]
 CONFIGS = [
     # chunked prefill, paged with prefix caching, Mooncake's shared blocks, a pool small enough to preempt
-    ["scheduler=chunked", "allocator=paged", "sim_workload=mooncake_conv", f"workload.source={DATA / 'mooncake_conv_small.jsonl'}",
+    ["scheduler=chunked", "allocator=paged", "workload=mooncake_conv", f"workload.source={DATA / 'mooncake_conv_small.jsonl'}",
      "engine.num_blocks=600", "workload.rate=2", *SMALL],
-    ["scheduler=continuous", "allocator=paged", "allocator.enable_prefix_caching=false", "sim_workload=azure_conv",
+    ["scheduler=continuous", "allocator=paged", "allocator.enable_prefix_caching=false", "workload=azure_conv",
      f"workload.source={DATA / 'azure_conv_small.csv'}", "engine.num_blocks=300", "workload.rate=8", *SMALL],
-    ["scheduler=static", "allocator=contiguous", "sim_workload=azure_conv",
+    ["scheduler=static", "allocator=contiguous", "workload=azure_conv",
      f"workload.source={DATA / 'azure_conv_small.csv'}", "workload.rate=4", *SMALL],
-    ["scheduler=priority", "sim_workload=synthetic", "workload.rate=6", "cluster.replicas=2",
+    ["scheduler=priority", "workload=synthetic", "workload.rate=6", "cluster.replicas=2",
      "cluster.router=least_outstanding", *SMALL],
 ]
 
@@ -77,7 +77,7 @@ def test_user_classes_subclass_every_shipped_plug_in():
     from varlen.clock import SimClock
     from varlen.kv import ContiguousAllocator, PagedAllocator
     from varlen.sampling_params import SamplingParams
-    from varlen.traces import load_trace
+    from varlen.traces import SyntheticTrace, load_trace
     from varlen.workload import trace_requests
 
     for cls in map(registry.target, ["scheduler"] * 99, registry.names("scheduler")):
@@ -113,8 +113,8 @@ def test_user_classes_subclass_every_shipped_plug_in():
         return MyEngine(ShortestFirst(max_num_seqs=4, max_num_batched_tokens=64), CountingPaged(64, 16), exe,
                         clock, max_model_len=512), exe
 
-    tr = load_trace("synthetic", num_requests=30, rate=1e5, prompt_len="uniform:8:200", output_len="uniform:1:20",
-                    seed=3, max_model_len=512)
+    tr = load_trace(SyntheticTrace(requests=30, rate=1e5, prompt_len="uniform:8:200",
+                                   output_len="uniform:1:20", seed=3), max_model_len=512)
     reqs = trace_requests(tr, 512, SamplingParams(ignore_eos=True), token_ids=True)
     # Its waiting_order breaks the decode promise ChunkedPolicy declares: said once, steps run one by one.
     with pytest.warns(PromiseWarning, match="ShortestFirst.waiting_order"):

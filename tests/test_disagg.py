@@ -28,7 +28,7 @@ MAX_LEN = 2048
 
 
 def trace(n=120):
-    tr = load_trace("mooncake_conv", limit=n, max_model_len=MAX_LEN, over_length="clip", target_rate=6.0)
+    tr = load_trace("mooncake_conv", limit=n, max_model_len=MAX_LEN, over_length="clip", rate=6.0)
     return trace_requests(tr, 512, SamplingParams(ignore_eos=True), token_ids=True)
 
 
@@ -141,7 +141,7 @@ def test_bad_cluster_settings_are_one_line_errors(overrides, match):
 
 
 def test_disaggregated_run_from_config_reports_transfers_and_pools():
-    cfg = sim_cfg("sim_model=llama3_8b", "sim_workload=azure_conv", "workload.limit=60", "cluster.mode=disaggregated",
+    cfg = sim_cfg("sim_model=llama3_8b", "workload=azure_conv", "workload.limit=60", "cluster.mode=disaggregated",
                   "cluster.prefill_replicas=1", "cluster.decode_replicas=2", "cluster.link=infiniband",
                   "cluster.decode.max_num_batched_tokens=1024", "cluster.prefill.tensor=2")
     res, row = sim_run.simulate_config(cfg)

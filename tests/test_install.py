@@ -22,7 +22,7 @@ wheel_test = pytest.mark.slow
 
 # Each entry point, small: (module, arguments, a line its output must hold).
 COMMANDS = [
-    ("varlen.run", ["workload.num_requests=4", "progress=false"], "finished"),
+    ("varlen.run", ["workload.limit=4", "progress=false"], "finished"),
     ("sim.run", ["workload.limit=40"], "finished"),  # its default trace, shipped gzipped
     ("sim.capacity", ["workload.limit=40", "slo.ttft_s=2", "slo.tpot_s=0.2", "capacity.rel_tol=0.5"], "capacity"),
     ("sim.search", ["workload.limit=30", "capacity.rel_tol=0.5", "search.hardware=[h100_sxm]", "search.tensor=[1]",
@@ -91,8 +91,8 @@ def test_installed_packages_come_from_the_wheel(installed, tmp_path):
     paths = out.stdout.split()
     assert len(paths) == 8 and all(p.startswith(str(installed)) for p in paths), paths
     # The commands' config roots are real folders in the wheel (setuptools copies the links).
-    for root, groups in (("run", ["allocator", "backend", "model", "scheduler", "workload"]),
-                         ("sim", ["allocator", "hardware", "hydra", "scheduler", "sim_model", "sim_workload"])):
+    for root, groups in (("run", ["allocator", "backend", "model", "scheduler", "workload", "workload_defaults"]),
+                         ("sim", ["allocator", "hardware", "hydra", "scheduler", "sim_model", "workload", "workload_defaults"])):
         assert sorted(p.name for p in (installed / "conf" / root).iterdir() if p.is_dir()) == groups
     assert sorted(p.name for p in (installed / "varlen" / "traces_data").iterdir()) == sorted(
         [f"{f}.gz" for f in NAMED_TRACES.values()] + ["README.md", "AzureLLMInferenceDataset2023.md",
@@ -146,11 +146,11 @@ def test_traces_dir_override_reads_plain_files_and_does_not_fall_back(tmp_path, 
 def test_trace_files_are_located_in_one_place() -> None:
     """Shipped traces are gzipped: code that joins a plain file name onto the traces folder finds
     nothing and falls back or stops (benchmarks did, after the traces moved into the package).
-    Only varlen/traces.py (named_trace_path) may spell out where a named trace lies."""
+    Only varlen/traces/load.py (named_trace_path) may spell out where a named trace lies."""
     offenders = []
     for path in [*ROOT.glob("benchmarks/*.py"), *ROOT.glob("sim/**/*.py"), *ROOT.glob("varlen/**/*.py"),
                  *ROOT.glob("tests/*.py")]:
-        if (path.name == "traces.py" and path.parent.name == "varlen") or path.name == "test_install.py":
+        if (path.name == "load.py" and path.parent.name == "traces") or path.name == "test_install.py":
             continue  # the one place, and this file's tests of the shipped data
         text = path.read_text()
         if "default_traces_dir() /" in text or any(f'"{f}"' in text for f in NAMED_TRACES.values()):

@@ -61,7 +61,7 @@ def interrupt_when(cmd: list[str], ready: str, env: dict[str, str], after_s: flo
 def test_sim_run_stops_within_a_second(core, tmp_path):
     out_dir = tmp_path / "run"
     # Long enough (~10 s compiled on a quiet machine) that a loop ignoring Ctrl-C is caught.
-    cmd = [sys.executable, "-m", "sim.run", "sim_workload=synthetic", "workload.num_requests=60000",
+    cmd = [sys.executable, "-m", "sim.run", "workload=synthetic", "workload.limit=60000",
            "workload.rate=50", "workload.output_len=uniform:400:800", "fast_forward=false", f"hydra.run.dir={out_dir}"]
     code, took, out, err = interrupt_when(cmd, "simulating", core)
     assert code == 130, err
@@ -75,7 +75,7 @@ def test_sim_run_stops_within_a_second(core, tmp_path):
 def test_varlen_run_writes_the_finished_requests_marked_partial(core, tmp_path):
     out_dir = tmp_path / "run"
     n = 400
-    cmd = [sys.executable, "-m", "varlen.run", "progress=false", "engine.threads=1", f"workload.num_requests={n}",
+    cmd = [sys.executable, "-m", "varlen.run", "progress=false", "engine.threads=1", f"workload.limit={n}",
            "workload.prompt_len=uniform:16:64", "workload.output_len=uniform:32:128", "scheduler.max_num_seqs=8",
            f"hydra.run.dir={out_dir}", f"+VARLEN_HOME_UNUSED={tmp_path}"]
     code, took, out, err = interrupt_when(cmd, "serving", core, after_s=1.5)
@@ -96,7 +96,7 @@ def test_varlen_run_writes_the_finished_requests_marked_partial(core, tmp_path):
 @pytest.mark.parametrize("core", CORES[:1])
 def test_sim_capacity_stops_and_says_what_it_wrote(core, tmp_path):
     out_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "sim.capacity", "sim_workload=synthetic", "workload.num_requests=20000",
+    cmd = [sys.executable, "-m", "sim.capacity", "workload=synthetic", "workload.limit=20000",
            "workload.output_len=uniform:400:800", "fast_forward=false", f"hydra.run.dir={out_dir}"]
     code, took, out, err = interrupt_when(cmd, "capacity search", core, after_s=1.0)
     assert code == 130 and took < STOP_WITHIN_S, (code, took, err)
@@ -108,7 +108,7 @@ def test_sim_capacity_stops_and_says_what_it_wrote(core, tmp_path):
 def test_a_sweep_stops_with_its_jobs(tmp_path):
     """Ctrl-C in a terminal reaches the whole process group: the launcher (joblib) and its jobs."""
     e = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "sim.run", "-m", "sim_workload=synthetic", "workload.num_requests=60000",
+    cmd = [sys.executable, "-m", "sim.run", "-m", "workload=synthetic", "workload.limit=60000",
            "workload.output_len=uniform:400:800", "fast_forward=false", "workload.rate=40,50",
            f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     p = subprocess.Popen(cmd, cwd=ROOT, env=e, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

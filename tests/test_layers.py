@@ -24,7 +24,7 @@ FLOORS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
     ("core", {"core": (
         "varlen.compiled", "varlen.sampling_params", "varlen.request", "varlen.clock", "varlen.steplog",
         "varlen.promises", "varlen.interrupt", "varlen.batch", "varlen.settings", "varlen.registry",
-        "varlen.traces", "varlen.workload", "varlen.metrics", "varlen.tiny_model", "varlen.cli",
+        "varlen.traces", "varlen.traces.*", "varlen.workload", "varlen.metrics", "varlen.tiny_model", "varlen.cli",
         "sim",  # the package marker only (sim.cost.operators finds its data next to it)
     )}),
     ("interfaces", {"interfaces": (

@@ -121,7 +121,7 @@ def test_the_user_backend_passes_the_batch_equivalence_check(user_plugins, model
 def test_varlen_run_runs_them(user_plugins, tmp_path):
     res = subprocess.run([sys.executable, "-m", "varlen.run", "backend=fancy", "scheduler=mine",
                           "scheduler.max_chunk=4", f"hydra.run.dir={tmp_path / 'out'}", "progress=false",
-                          "engine.threads=1", "workload.num_requests=5", "workload.output_len=uniform:2:4"],
+                          "engine.threads=1", "workload.limit=5", "workload.output_len=uniform:2:4"],
                          capture_output=True, text=True, env=dict(user_plugins["env"], VARLEN_HOME=str(tmp_path)),
                          timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr

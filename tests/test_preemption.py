@@ -19,7 +19,7 @@ from varlen.engine import Engine
 from varlen.kv import PagedAllocator
 from varlen.request import Request
 from varlen.sampling_params import SamplingParams
-from varlen.traces import load_trace
+from varlen.traces import SyntheticTrace, load_trace
 from varlen.workload import trace_requests
 
 MAX_LEN = 2048
@@ -27,8 +27,8 @@ MAX_LEN = 2048
 
 def pressure_requests(seed: int) -> list[Request]:
     """Prompts up to 6x the token budget arriving faster than they are served."""
-    tr = load_trace("synthetic", num_requests=150, rate=50.0, prompt_len="uniform:100:1500",
-                    output_len="uniform:20:300", seed=seed, max_model_len=MAX_LEN)
+    tr = load_trace(SyntheticTrace(requests=150, rate=50.0, prompt_len="uniform:100:1500",
+                                   output_len="uniform:20:300", seed=seed), max_model_len=MAX_LEN)
     return trace_requests(tr, 512, SamplingParams(ignore_eos=True), token_ids=True)
 
 

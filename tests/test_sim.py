@@ -25,15 +25,15 @@ from varlen.clock import SimClock
 from varlen.kv import PagedAllocator
 from varlen.metrics import kv_usage_table
 from varlen.sampling_params import SamplingParams
-from varlen.traces import load_trace
+from varlen.traces import SyntheticTrace, load_trace
 from varlen.workload import trace_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def synthetic(n=120, rate=40.0, seed=0):
-    tr = load_trace("synthetic", num_requests=n, rate=rate, prompt_len="uniform:16:600",
-                    output_len="uniform:1:80", seed=seed, max_model_len=1024)
+    tr = load_trace(SyntheticTrace(requests=n, rate=rate, prompt_len="uniform:16:600",
+                                   output_len="uniform:1:80", seed=seed), max_model_len=1024)
     return trace_requests(tr, 512, SamplingParams(ignore_eos=True), token_ids=True)
 
 
@@ -147,7 +147,7 @@ def test_sweep_command_and_report(tmp_path):
     that ends with the report (sim.callbacks.SweepReport); sim.report alone redraws it."""
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "sim.run", "-m", "scheduler=static,chunked", "workload.rate=2,8",
-           "sim_workload=synthetic", "workload.num_requests=60", "sim_model=tiny", "hardware=cpu_2core",
+           "workload=synthetic", "workload.limit=60", "sim_model=tiny", "hardware=cpu_2core",
            "engine.num_blocks=256", "engine.max_model_len=2048", f"hydra.sweep.dir={sweep}"]
     out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
     summaries = sorted(sweep.rglob("summary.json"))
@@ -174,7 +174,7 @@ def test_mooncake_hash_ids_drive_prefix_caching():
     from sim.run import CONF, simulate_config
 
     with initialize_config_dir(CONF, version_base="1.3"):
-        cfg = compose("sim", overrides=["sim_workload=mooncake_conv", "workload.limit=150", "workload.rate=2",
+        cfg = compose("sim", overrides=["workload=mooncake_conv", "workload.limit=150", "workload.rate=2",
                                         "engine.max_model_len=16384"])
     res, row = simulate_config(cfg)
     assert row["finished"] == 150

@@ -25,7 +25,7 @@ from varlen.metrics import step_table, summarize
 from varlen.request import Request
 from varlen.sampling_params import SamplingParams
 from varlen.steplog import step_columns
-from varlen.traces import load_trace
+from varlen.traces import SyntheticTrace, load_trace
 from varlen.workload import trace_requests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,8 +82,8 @@ def factory(policy: str, allocator: str, num_blocks: int, block_size: int = 16, 
 def shared_prefix_requests(n: int, rate: float, seed: int, max_len: int = 600) -> list[Request]:
     """A synthetic trace whose prompts start with one of a few shared prefixes (prefix cache hits),
     with priorities for the priority policy."""
-    tr = load_trace("synthetic", num_requests=n, rate=rate, prompt_len=f"uniform:8:{max_len}",
-                    output_len="uniform:1:120", seed=seed, max_model_len=1024)
+    tr = load_trace(SyntheticTrace(requests=n, rate=rate, prompt_len=f"uniform:8:{max_len}",
+                                   output_len="uniform:1:120", seed=seed), max_model_len=1024)
     reqs = trace_requests(tr, 512, SamplingParams(ignore_eos=True), token_ids=True)
     rng = np.random.default_rng(seed)
     prefixes = [rng.integers(1, 512, 64).tolist() for _ in range(3)]
@@ -188,7 +188,7 @@ def test_decode_step_time_is_step_time_sums_bit_for_bit():
 def test_azure_slice(policy):
     """200 requests of the Azure conversation trace at twice its rate, Llama-3-8B on an H100."""
     # Static batching steps through every batch's longest request: fewer requests keep it short.
-    tr = load_trace("azure_conv", limit=60 if policy == "static" else 200, max_model_len=4096, target_rate=11.0)
+    tr = load_trace("azure_conv", limit=60 if policy == "static" else 200, max_model_len=4096, rate=11.0)
     reqs = trace_requests(tr, 128256, SamplingParams(ignore_eos=True))
     conf = yaml.safe_load((ROOT / "conf" / "sim_model" / "llama3_8b.yaml").read_text())
     cost = RooflineCostModel(conf["config"], "h100_sxm")

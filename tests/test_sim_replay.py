@@ -37,7 +37,7 @@ def test_replayed_timeline_gives_identical_batches(case, tiny_model_dirs):
 
     trace_file, sched, alloc, budget, num_blocks, max_len = CASES[case]
     # Preemption needs several long-running requests at once: drop the clipped one-token ones.
-    trace = load_trace(DATA / trace_file, max_model_len=max_len, target_rate=25.0, limit=24,
+    trace = load_trace(DATA / trace_file, max_model_len=max_len, rate=25.0, limit=24,
                        over_length="drop" if "preempting" in case else "clip")
 
     def make_policy():

@@ -110,7 +110,7 @@ def _env(tmp_path) -> dict:
 
 def test_varlen_run_with_sjf(tmp_path):
     res = subprocess.run([sys.executable, "-m", "varlen.run", "scheduler=sjf", f"hydra.run.dir={tmp_path / 'out'}",
-                          "progress=false", "engine.threads=1", "workload.num_requests=5",
+                          "progress=false", "engine.threads=1", "workload.limit=5",
                           "workload.output_len=uniform:2:4"],
                          capture_output=True, text=True, env=_env(tmp_path), timeout=300)
     assert res.returncode == 0, res.stderr

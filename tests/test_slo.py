@@ -83,7 +83,7 @@ def small_sim(*overrides: str):
     from sim.run import CONF
 
     with initialize_config_dir(CONF, version_base="1.3"):
-        return compose("sim", overrides=["sim_workload=synthetic", "workload.num_requests=40", "sim_model=tiny",
+        return compose("sim", overrides=["workload=synthetic", "workload.limit=40", "sim_model=tiny",
                                          "hardware=cpu_2core", "engine.num_blocks=256", "engine.max_model_len=2048",
                                          *overrides])
 

@@ -7,6 +7,7 @@ import csv
 import dataclasses
 import gzip
 import json
+import os
 import time
 from datetime import datetime
 from pathlib import Path
@@ -17,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from varlen.traces import (
-    MAX_LENGTH, LengthDist, TraceFormatError, TraceRequest, load_trace, synth_prompt_tokens,
+    MAX_LENGTH, LengthDist, SyntheticTrace, TraceFormatError, TraceRequest, load_trace, synth_prompt_tokens,
 )
 
 DATA = Path(__file__).parent / "data"
@@ -240,7 +241,7 @@ def test_any_azure_length_loads_exactly_or_names_its_line(column: str, raw: str)
 
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="not both"):
-        load_trace(AZURE_CONV, time_scale=2, target_rate=3)
+        load_trace(AZURE_CONV, time_scale=2, rate=3)
     with pytest.raises(ValueError, match="over_length"):
         load_trace(AZURE_CONV, max_model_len=100, over_length="truncate")
     with pytest.raises(FileNotFoundError):
@@ -248,7 +249,7 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="kind"):
         load_trace(DATA / "README.md")
     with pytest.raises(ValueError, match="arrival"):
-        load_trace("synthetic", arrival="weibull")
+        load_trace(SyntheticTrace(arrival="weibull"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,18 +291,18 @@ def test_drop_and_limit_counts() -> None:
     assert len(load_trace(AZURE_CONV, limit=0)) == 0
 
 
-def test_time_scale_and_target_rate() -> None:
+def test_time_scale_and_rate() -> None:
     base = load_trace(AZURE_CONV)
     half = load_trace(AZURE_CONV, time_scale=0.5)
     np.testing.assert_allclose(half.columns()["arrival_s"], base.columns()["arrival_s"] * 0.5)
     assert half.stats.mean_rate == pytest.approx(2 * base.stats.mean_rate)
-    tr = load_trace(AZURE_CONV, target_rate=20.0)
+    tr = load_trace(AZURE_CONV, rate=20.0)
     assert tr.stats.mean_rate == pytest.approx(20.0)
     assert tr.stats.time_scale == pytest.approx(base.stats.mean_rate / 20.0)
 
 
-def test_target_rate_on_a_long_synthetic_trace() -> None:
-    tr = load_trace("synthetic", num_requests=20_000, rate=4.0, seed=1, target_rate=25.0)
+def test_rate_on_a_long_synthetic_trace() -> None:
+    tr = load_trace(SyntheticTrace(requests=20_000, rate=4.0, seed=1), rate=25.0)
     arr = tr.columns()["arrival_s"]
     assert tr.stats.mean_rate == pytest.approx(25.0, rel=1e-9)
     # Measured independently: arrivals per second over the middle of the trace.
@@ -316,7 +317,7 @@ def test_target_rate_on_a_long_synthetic_trace() -> None:
 
 @pytest.mark.parametrize("arrival, cv", [("poisson", 1.0), ("gamma", 0.5), ("gamma", 3.0)])
 def test_synthetic_arrivals(arrival: str, cv: float) -> None:
-    tr = load_trace("synthetic", num_requests=20_000, rate=8.0, arrival=arrival, cv=cv, seed=3)
+    tr = load_trace(SyntheticTrace(requests=20_000, rate=8.0, arrival=arrival, cv=cv, seed=3))
     gaps = np.diff(tr.columns()["arrival_s"])
     assert gaps.mean() == pytest.approx(1 / 8.0, rel=0.05)
     assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.06)
@@ -324,10 +325,10 @@ def test_synthetic_arrivals(arrival: str, cv: float) -> None:
 
 
 def test_synthetic_is_seeded_and_streams_are_independent() -> None:
-    a = load_trace("synthetic", num_requests=50, rate=2, prompt_len="uniform:10:20", seed=7)
-    b = load_trace("synthetic", num_requests=50, rate=2, prompt_len="uniform:10:20", seed=7)
-    c = load_trace("synthetic", num_requests=50, rate=2, prompt_len="uniform:10:20", seed=8)
-    d = load_trace("synthetic", num_requests=50, rate=2, prompt_len="lognormal:300:1", seed=7)
+    a = load_trace(SyntheticTrace(requests=50, rate=2, prompt_len="uniform:10:20", seed=7))
+    b = load_trace(SyntheticTrace(requests=50, rate=2, prompt_len="uniform:10:20", seed=7))
+    c = load_trace(SyntheticTrace(requests=50, rate=2, prompt_len="uniform:10:20", seed=8))
+    d = load_trace(SyntheticTrace(requests=50, rate=2, prompt_len="lognormal:300:1", seed=7))
     assert a.requests == b.requests and a.requests != c.requests
     # Changing the prompt distribution leaves arrivals and outputs as they were.
     assert [(r.arrival_s, r.output_len) for r in a] == [(r.arrival_s, r.output_len) for r in d]
@@ -352,11 +353,11 @@ def test_empirical_lengths_resample_whole_rows() -> None:
     src = load_trace(AZURE_CONV)
     pairs = {(r.prompt_len, r.output_len) for r in src}
     emp = f"empirical:{AZURE_CONV}"
-    tr = load_trace("synthetic", num_requests=500, prompt_len=emp, output_len=emp, seed=2)
+    tr = load_trace(SyntheticTrace(requests=500, prompt_len=emp, output_len=emp, seed=2))
     assert {(r.prompt_len, r.output_len) for r in tr} <= pairs
     assert len({(r.prompt_len, r.output_len) for r in tr}) > 20  # actually resampled
     # Mixed with another distribution, the empirical column is still drawn from its source.
-    tr = load_trace("synthetic", num_requests=200, prompt_len=emp, output_len=64, seed=2)
+    tr = load_trace(SyntheticTrace(requests=200, prompt_len=emp, output_len=64, seed=2))
     assert {r.prompt_len for r in tr} <= {p for p, _ in pairs} and {r.output_len for r in tr} == {64}
 
 
@@ -465,7 +466,7 @@ def test_cached_trace_loads_as_a_fresh_read_and_skips_the_parse(tmp_path, monkey
     from varlen.traces import named_trace_path
 
     monkeypatch.setenv("VARLEN_TRACE_CACHE", str(tmp_path / "cache"))
-    options = [{}, {"limit": 500, "max_model_len": 2048}, {"target_rate": 3.0, "max_model_len": 4096,
+    options = [{}, {"limit": 500, "max_model_len": 2048}, {"rate": 3.0, "max_model_len": 4096,
                                                              "over_length": "drop"}]
     for n, (source, options) in enumerate(((AZURE_CODE, options), (named_trace_path("azure_conv"), options[1:2]))):
         monkeypatch.setenv("VARLEN_TRACE_CACHE", "off")
@@ -474,7 +475,7 @@ def test_cached_trace_loads_as_a_fresh_read_and_skips_the_parse(tmp_path, monkey
         monkeypatch.setenv("VARLEN_TRACE_CACHE", str(tmp_path / "cache"))
         assert [_as_tuple(load_trace(source, **o)) for o in options] == fresh  # the first writes the entry
         with monkeypatch.context() as m:
-            m.setattr(traces, "_read_azure_csv", lambda path: pytest.fail("parsed again"))
+            m.setattr(traces.cache, "read_azure_csv", lambda path: pytest.fail("parsed again"))
             assert [_as_tuple(load_trace(source, **o)) for o in options] == fresh
     assert len(list((tmp_path / "cache").glob("azure-*.npz"))) == 2
 
@@ -505,3 +506,70 @@ def test_a_cached_gzip_trace_under_a_plain_name_is_still_an_error(tmp_path, monk
     plain.write_bytes(gz.read_bytes())
     with pytest.raises(TraceFormatError, match="gzip-compressed data in a file named .csv"):
         load_trace(plain)
+
+
+# ---------------------------------------------------------------------------------------------
+# The workload config group, shared by varlen.run and sim.run
+
+
+def _compose(root: str, name: str, overrides: list[str]) -> dict:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import varlen.cli  # noqa: F401  (registers the configs' resolvers)
+    from conf import conf_dir
+
+    with initialize_config_dir(str(conf_dir(root)), version_base="1.3"):
+        return OmegaConf.to_container(compose(name, overrides=overrides).workload)
+
+
+def test_each_command_keeps_its_own_defaults_for_one_workload_group() -> None:
+    run, sim = _compose("run", "config", ["workload=azure_conv"]), _compose("sim", "run", ["workload=azure_conv"])
+    assert (run["limit"], run["replay"], "token_ids" in run) == (64, "arrivals", False)
+    assert (sim["limit"], sim["token_ids"], "replay" in sim) == (None, False, False)
+    assert _compose("sim", "run", ["workload=mooncake_conv"])["token_ids"] is True
+    run, sim = _compose("run", "config", []), _compose("sim", "run", ["workload=synthetic"])
+    assert (run["limit"], run["rate"], sim["limit"], sim["rate"]) == (32, 16.0, 1000, 4.0)
+
+
+def test_workload_limit_and_rate_mean_the_same_for_every_source() -> None:
+    from varlen.workload import load_workload
+
+    synth = dict(source="synthetic", limit=7, rate=3.0, prompt_len="uniform:4:9", seed=5, over_length="clip")
+    trace, _ = load_workload(synth)
+    want = load_trace(SyntheticTrace(requests=7, rate=3.0, prompt_len="uniform:4:9", seed=5))
+    assert _as_tuple(trace) == _as_tuple(want)
+    trace, opts = load_workload(dict(source=str(AZURE_CONV), limit=20, rate=2.0, token_ids=True))
+    assert (len(trace), trace.stats.mean_rate, opts) == (20, pytest.approx(2.0), {"token_ids": True})
+
+
+@pytest.mark.parametrize("cfg, message", [
+    (dict(source="synthetic", num_requests=5), "workload.num_requests was renamed to workload.limit"),
+    (dict(source="azure_conv", target_rate=5.0), "workload.target_rate was renamed to workload.rate"),
+    (dict(source=str(AZURE_CONV), prompt_len=64), "workload.prompt_len is not a setting of workload source"),
+])
+def test_a_workload_setting_that_cannot_apply_is_named(cfg, message) -> None:
+    from varlen.workload import load_workload
+
+    with pytest.raises(ValueError, match=message):
+        load_workload(cfg)
+
+
+@pytest.mark.parametrize("module, arg, line", [
+    ("sim.run", "sim_workload=mooncake_conv", "error: sim_workload was renamed to workload: workload=mooncake_conv"),
+    ("sim.capacity", "workload.target_rate=3", "error: workload.target_rate was renamed to workload.rate: "
+                                               "workload.rate=3"),
+    ("varlen.run", "workload.num_requests=5", "error: workload.num_requests was renamed to workload.limit: "
+                                              "workload.limit=5"),
+    ("sim.run", "workload=prompts", "error: workload=prompts is a prompt file, which only varlen.run serves"),
+])
+def test_old_names_and_a_workload_the_command_cannot_serve_fail_in_one_line(module, arg, line, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", module, arg, f"hydra.run.dir={tmp_path / 'out'}"], cwd=tmp_path,
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith(line), out.stderr
+    assert not list(tmp_path.rglob("summary.json"))  # nothing ran

@@ -64,6 +64,7 @@ def run_cli(main: Callable[[], Any]) -> None:
     """A command's `__main__`: after Ctrl-C, flush and leave at once (the interpreter's teardown takes
     seconds once torch is loaded); a Ctrl-C outside a run gets its one line here."""
     check_config_path()
+    check_renamed(sys.argv[1:])
     try:
         main()
     except SystemExit as e:
@@ -74,6 +75,19 @@ def run_cli(main: Callable[[], Any]) -> None:
         print("interrupted: stopped; runs that had finished kept their results, the others wrote none "
               "(a run's summary is written last)", file=sys.stderr)
         _leave_now()
+
+
+#: Old command-line names: before Hydra, whose own error would not say what they became.
+RENAMED = {"sim_workload": "workload", "workload.target_rate": "workload.rate",
+           "workload.num_requests": "workload.limit"}
+
+
+def check_renamed(args: Iterable[str]) -> None:
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        new = RENAMED.get(key.lstrip("+~"))
+        if eq and new:
+            fail(f"{key.lstrip('+~')} was renamed to {new}: {new}={value}")
 
 
 def _leave_now() -> NoReturn:

@@ -1,4 +1,4 @@
-"""Requests from a trace (or a prompt file), shared by `varlen.run` and the simulator. No torch."""
+"""Requests from a workload config (a trace or a prompt file), for `varlen.run` and `sim.run`."""
 
 from __future__ import annotations
 
@@ -9,20 +9,21 @@ import numpy as np
 
 from varlen.request import Request
 from varlen.sampling_params import SamplingParams
-from varlen.traces import Trace, load_trace, synth_prompt_tokens
+from varlen.traces import SyntheticTrace, Trace, load_trace, synth_prompt_tokens
+
+#: The commands' own knobs (replay: varlen.run; token_ids: sim.run; path, max_tokens: a prompt file).
+COMMAND_KEYS = ("replay", "token_ids", "path", "max_tokens")
+TRACE_KEYS = {"source", "kind", "limit", "rate", "time_scale", "max_model_len", "over_length"}
+SYNTHETIC_KEYS = {f.name for f in dataclasses.fields(SyntheticTrace)} - {"requests", "rate"}
+RENAMED = {"target_rate": "rate", "num_requests": "limit"}
 
 
 def trace_requests(trace: Trace, vocab_size: int, sampling: SamplingParams, offline: bool = False,
                    token_ids: bool = True) -> list[Request]:
-    """One Request per trace entry: prompt tokens synthesised from the trace (identical Mooncake
-    hash ids give identical blocks), max_tokens = the trace's output length.
-
-    token_ids=False gives zero-filled prompts: enough for a simulation without prefix caching,
-    and far cheaper than synthesising millions of tokens.
-    """
+    """One Request per trace entry, max_tokens its output length. token_ids=False: zero prompts,
+    enough for a simulation without prefix caching and far cheaper than synthesised tokens."""
     reqs = []
-    # Zero prompts: read-only views of one array (prompts are never written), and one
-    # SamplingParams per output length: a whole trace loads in a fraction of a second.
+    # Views of one read-only zero array, one SamplingParams per output length: a whole trace loads fast.
     zeros = np.zeros(0 if token_ids else max((tr.prompt_len for tr in trace.requests), default=0), dtype=np.int64)
     zeros.flags.writeable = False
     params: dict[int, SamplingParams] = {}
@@ -37,11 +38,27 @@ def trace_requests(trace: Trace, vocab_size: int, sampling: SamplingParams, offl
 
 
 def load_workload(cfg: Mapping[str, Any]) -> tuple[Trace | None, dict[str, Any]]:
-    """Split a workload config into the trace (None for a prompt file) and the driver options."""
+    """(trace or None for a prompt file, the commands' options). `limit` requests at `rate` req/s:
+    generated so for a synthetic source; a recorded trace's first `limit`, rescaled to `rate`."""
     cfg = dict(cfg)
-    options = {k: cfg.pop(k) for k in ("replay", "path", "max_tokens") if k in cfg}
+    options = {k: cfg.pop(k) for k in COMMAND_KEYS if k in cfg}
     if options.get("replay", "offline") not in ("offline", "arrivals"):
         raise ValueError(f"workload.replay must be 'offline' or 'arrivals', got {options['replay']!r}")
-    if "path" in options:  # a prompt file
+    if "path" in options:
         return None, options
-    return load_trace(**cfg), options
+    for old, new in RENAMED.items():
+        if old in cfg:
+            raise ValueError(f"workload.{old} was renamed to workload.{new}")
+    source = name = cfg.pop("source", "synthetic")
+    if str(source) == "synthetic" or cfg.get("kind") == "synthetic":
+        cfg.pop("kind", None)
+        spec = {k: cfg.pop(k) for k in SYNTHETIC_KEYS if k in cfg}
+        for knob, field in (("limit", "requests"), ("rate", "rate")):
+            if cfg.get(knob) is not None:
+                spec[field] = cfg.pop(knob)
+        source = SyntheticTrace(**spec)
+    unknown = sorted(set(cfg) - TRACE_KEYS)
+    if unknown:
+        fix = "it is for source=synthetic" if unknown[0] in SYNTHETIC_KEYS else "remove it"
+        raise ValueError(f"workload.{unknown[0]} is not a setting of workload source {name!r}; {fix}")
+    return load_trace(source, **cfg), options
