@@ -423,12 +423,14 @@ def test_cost_models_keep_their_pre_split_numbers(name: str) -> None:
 def test_a_new_formula_is_timed_the_same_by_every_derived_path() -> None:
     """A model written only as the formula's three methods gets step_time, step_time_sums, the
     decode closure and explain's parts from them, all agreeing."""
-    from sim.cost.base import NOT_SPLIT, CostModel, StepFixed, StepSums
+    from sim.cost.base import CostModel, StepFixed, StepSums
     from sim.explain import breakdown
 
     class Linear(CostModel):
         def step_fixed(self, num_seqs, new, num_logits, num_prefills):
-            return StepFixed(2.0, 1e-3 + 1e-6 * new, 0.0, NOT_SPLIT, 1e-6 * new, NOT_SPLIT, 0.0, 1e-3, new)
+            # step = per_step + layers x (per_layer + attention): 1 ms, plus 0.5 us per new token per layer.
+            return StepFixed(layers=2.0, per_layer=5e-7 * new, per_step=1e-3, num_seqs=num_seqs, new=new,
+                             linear_s=1e-6 * new, overhead_s=1e-3)
 
         def layer_attention(self, f, pairs, cached):
             return 1e-9 * pairs + 1e-8 * cached

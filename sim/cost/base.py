@@ -79,25 +79,32 @@ class StepSums:
 
 @dataclass(init=False, slots=True)
 class StepFixed:
-    """What a step's sizes fix, before its attention: the explain parts (seconds for the whole
-    step; NOT_SPLIT where the model cannot tell a part apart from another), `layers` (how many times
-    the per-layer attention runs) and two terms `a`, `b` that only the model's formula reads."""
+    """What a step's sizes fix: the formula's terms, the sizes attention reads, the explain parts.
+
+    step = per_step + layers x (per_layer + attention), every term in seconds:
+    `per_step` once per step (embedding, LM head, overhead), `per_layer` one layer besides its
+    attention, `layers` how many layers run in sequence. A model that sums its layers into
+    per_step ahead of time (measured's tables) sets per_layer to 0. The parts (seconds for the
+    whole step, NOT_SPLIT where the model cannot tell them apart) only feed sim.explain."""
 
     layers: float
-    a: float
-    b: float
+    per_layer: float
+    per_step: float
+    num_seqs: int
+    new: float
     embedding_s: float
     linear_s: float
     lm_head_s: float
     communication_s: float
     overhead_s: float
-    new: float
 
-    def __init__(self, layers: float, a: float, b: float, embedding_s: float, linear_s: float,
-                 lm_head_s: float, communication_s: float, overhead_s: float, new: float) -> None:
-        self.layers, self.a, self.b = layers, a, b
+    def __init__(self, layers: float, per_layer: float, per_step: float, *, num_seqs: int = 0, new: float = 0.0,
+                 embedding_s: float = NOT_SPLIT, linear_s: float = NOT_SPLIT, lm_head_s: float = NOT_SPLIT,
+                 communication_s: float = 0.0, overhead_s: float = NOT_SPLIT) -> None:
+        self.layers, self.per_layer, self.per_step = layers, per_layer, per_step
+        self.num_seqs, self.new = num_seqs, new
         self.embedding_s, self.linear_s, self.lm_head_s = embedding_s, linear_s, lm_head_s
-        self.communication_s, self.overhead_s, self.new = communication_s, overhead_s, new
+        self.communication_s, self.overhead_s = communication_s, overhead_s
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -125,8 +132,8 @@ class CostModel(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no step formula")
 
     def step_total(self, f: StepFixed, attention: float) -> float:
-        """The step's seconds given one layer's attention."""
-        return f.a + f.layers * attention
+        """The step's seconds given one layer's attention: the formula (StepFixed)."""
+        return f.per_step + f.layers * (f.per_layer + attention)
 
     # -- derived ----------------------------------------------------------------------------------
 

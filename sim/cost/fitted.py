@@ -230,8 +230,9 @@ class ProfiledCostModel(CostModel):
         linear = self._c_new * new
         head = self._c_logits * num_logits
         overhead = self._c_const + self._c_seqs * num_seqs + self._c_prefills * num_prefills
-        return StepFixed(1.0, overhead + linear + head, 0.0, NOT_SPLIT, linear, head if self._has_logits else NOT_SPLIT,
-                         0.0, overhead, new)
+        # The fit knows no layers: one "layer" of the new tokens' linear work.
+        return StepFixed(1.0, linear, overhead + head, num_seqs=num_seqs, new=new, linear_s=linear,
+                         lm_head_s=head if self._has_logits else NOT_SPLIT, overhead_s=overhead)
 
     def layer_attention(self, f: StepFixed, pairs: float, cached: float) -> float:
         return self._c_attn * pairs + self._c_cached * cached

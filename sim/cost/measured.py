@@ -148,14 +148,17 @@ class MeasuredCostModel(CostModel):
     def step_fixed(self, num_seqs: int, new: float, num_logits: int, num_prefills: int) -> StepFixed:
         t = int(new)
         if not t:
-            return StepFixed(0.0, self.overhead_s, num_seqs, 0.0, 0.0, 0.0, 0.0, self.overhead_s, 0.0)
+            return StepFixed(0.0, 0.0, self.overhead_s, num_seqs=num_seqs, embedding_s=0.0, linear_s=0.0,
+                             lm_head_s=0.0, overhead_s=self.overhead_s)
         fixed, head, at = self._fixed, self._head, self._at
         overhead = self._o0 + self._o1 * num_seqs + self._o2 * num_prefills
         lm_head = head[num_logits] if num_logits < len(head) else at(head, num_logits)
         base = (fixed[t] if t < len(fixed) else at(fixed, t)) + lm_head + overhead
         L = self.shape.layers
-        return StepFixed(L, base, num_seqs, at(self._emb, t), L * at(self._layer, t), lm_head,
-                         L * at(self._ar, t) + at(self._pp, t), overhead, t)
+        # per_layer 0: the tables sum each token count's layers once, when the model is built.
+        return StepFixed(L, 0.0, base, num_seqs=num_seqs, new=t, embedding_s=at(self._emb, t),
+                         linear_s=L * at(self._layer, t), lm_head_s=lm_head,
+                         communication_s=L * at(self._ar, t) + at(self._pp, t), overhead_s=overhead)
 
     def layer_attention(self, f: StepFixed, pairs: float, cached: float) -> float:
         """One layer's attention: the roofline, or its calibrated form (sum of the terms plus a
@@ -164,5 +167,5 @@ class MeasuredCostModel(CostModel):
         a = self._pair_flops * pairs / self._F
         b = (self._kv_token * (cached + 2.0 * t) + self._q_token * t) / self._B
         if self._calibrated:
-            return self._a0 + self._a1 * f.b + a + b  # f.b: the step's requests
+            return self._a0 + self._a1 * f.num_seqs + a + b
         return max(a, b)

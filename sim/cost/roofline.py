@@ -9,7 +9,7 @@ from typing import Any, Mapping
 from mypy_extensions import mypyc_attr
 from numpy.typing import ArrayLike
 
-from sim.cost.base import NOT_SPLIT, CostModel, StepFixed, StepSums, settings
+from sim.cost.base import CostModel, StepFixed, StepSums, settings
 from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
 
 
@@ -103,19 +103,22 @@ class RooflineCostModel(CostModel):
 
     def step_fixed(self, num_seqs: int, new: float, num_logits: int, num_prefills: int) -> StepFixed:
         if not new:  # nothing computed: the fixed overhead alone
-            return StepFixed(0.0, 0.0, 0.0, NOT_SPLIT, 0.0, 0.0, 0.0, self.overhead_s, 0.0)
+            return StepFixed(0.0, 0.0, self.overhead_s, num_seqs=num_seqs, linear_s=0.0, lm_head_s=0.0,
+                             overhead_s=self.overhead_s)
         F, B, L = self._flops, self._bw, self.shape.layers
         lin_f, lin_b = self.linear_work(new)
         head_f, head_b = self.head_work(new, num_logits)
         lin, head = max(lin_f / F, lin_b / B), max(head_f / F, head_b / B)
-        return StepFixed(L, lin, head, NOT_SPLIT, L * lin, head, 0.0, self.overhead_s, new)
+        return StepFixed(L, lin, head + self.overhead_s, num_seqs=num_seqs, new=new, linear_s=L * lin, lm_head_s=head,
+                         overhead_s=self.overhead_s)
 
     def layer_attention(self, f: StepFixed, pairs: float, cached: float) -> float:
         attn_f, attn_b = self.attention_work(pairs, cached, f.new)
         return max(attn_f / self._flops, attn_b / self._bw)
 
     def step_total(self, f: StepFixed, attention: float) -> float:
-        return f.layers * (f.a + attention) + f.b + f.overhead_s
+        # The formula with per_step added in its two parts, in the order that keeps the clock bit for bit.
+        return f.layers * (f.per_layer + attention) + f.lm_head_s + f.overhead_s
 
     def estimate(self, new_tokens: ArrayLike, cached_tokens: ArrayLike,
                  num_logits: int | None = None) -> StepEstimate:
