@@ -34,9 +34,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sim.cost.hardware import HardwareSpec  # noqa: E402
-from sim.cost.operators import (  # noqa: E402
-    GEMMS, LAYER_OPS, PER_LAYER, Collectives, gemm_dims, interp_size, layer_op_ms, load_profiles,
-)
+from sim.cost.collectives import Collectives, interp_size  # noqa: E402
+from sim.cost.gemm import gemm_dims, layer_op_ms  # noqa: E402
+from sim.cost.profiles import GEMMS, LAYER_OPS, PER_LAYER, load_profiles  # noqa: E402
 
 HARDWARE = {"a100": "a100_80gb_sxm", "h100": "h100_sxm", "a40": "a40"}
 GROUPS = {

@@ -6,7 +6,7 @@ timings, every worker on this one node.
 
 All-reduce: after a barrier, rank 0 times one all_reduce to completion. Send/recv: a ping-pong
 between ranks 0 and 1 timed at rank 0; half the round trip is one transfer (what the pipeline's
-stage-to-stage send costs in sim/cost/operators.py).
+stage-to-stage send costs in sim/cost/collectives.py).
 """
 
 from __future__ import annotations

@@ -15,9 +15,10 @@ import pytest
 from sim.cost.base import StepSums
 from sim.cost.hardware import HardwareSpec
 from sim.cost.measured import MeasuredCostModel
-from sim.cost.operators import (
-    LAYER_OPS, PER_LAYER, SHIPPED, ModelKey, ProfileError, interp_size, interp_tokens,
-    layer_op_ms, load_profiles, read_compute_table,
+from sim.cost.collectives import interp_size
+from sim.cost.gemm import layer_op_ms
+from sim.cost.profiles import (
+    LAYER_OPS, PER_LAYER, SHIPPED, ModelKey, ProfileError, interp_tokens, load_profiles, read_compute_table,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,7 +122,8 @@ def test_held_out_tables_do_not_leak_into_their_prediction(tmp_path: Path) -> No
     rewritten or deleted without changing their prediction, while a table that is not held out
     does change it (so the check can fail): another model's, and for a held-out TP degree the
     same shape's other TP degrees."""
-    from sim.cost.operators import Profiles, _operator_model
+    from sim.cost.gemm import _operator_model
+    from sim.cost.profiles import Profiles
 
     src = SHIPPED / "compute" / "a100"
     held = ("meta-llama/Llama-2-70b-hf", "meta-llama/Meta-Llama-3-70B")
@@ -209,7 +211,8 @@ def test_gemms_that_follow_a_fixed_cost_plus_throughput_are_predicted_exactly() 
     """The GEMM fit's affine part: on a GPU whose GEMMs take 2 M (c0 + c1 N K), a shape larger than
     any profiled one is predicted to rounding (the blend, fitted leaving each shape out, is then
     all affine); with a single profiled shape nothing can be left out, and the local fit is used."""
-    from sim.cost.operators import GEMMS, ComputeTable, GpuOperatorModel, gemm_dims
+    from sim.cost.gemm import GpuOperatorModel, gemm_dims
+    from sim.cost.profiles import GEMMS, ComputeTable
 
     c0, c1 = 8e-9, 1 / 400e12
     tokens = np.array([1.0, 8.0, 64.0, 512.0, 4096.0])
@@ -328,7 +331,8 @@ def test_profiler_times_collectives_on_cpu_with_gloo(tmp_path: Path) -> None:
     the shipped layout and the measured model's collectives read their medians back."""
     import csv
 
-    from sim.cost.operators import Collectives, Profiles, read_collective_table
+    from sim.cost.collectives import Collectives
+    from sim.cost.profiles import Profiles, read_collective_table
     from sim.profile import main
 
     assert main(["--only-collectives", "--collectives", "2", "--node", "cpu_pair", "--sizes", "1024,65536",
@@ -353,7 +357,8 @@ def test_profiler_times_collectives_on_cpu_with_gloo(tmp_path: Path) -> None:
 
 
 def test_attention_calibration_recovers_the_rates_of_a_table(tmp_path: Path) -> None:
-    from sim.cost.operators import ATTENTION_COLUMNS, calibrate_attention
+    from sim.cost.attention import calibrate_attention
+    from sim.cost.profiles import ATTENTION_COLUMNS
 
     const, per_seq, per_byte, per_flop = 20e-6, 3e-6, 1 / 50e9, 1 / 2e12
     rows = []

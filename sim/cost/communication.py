@@ -20,7 +20,8 @@ class CommunicationCostModel(CostModel):
 
     def __init__(self, inner: CostModel, shape: ModelShape, hardware: HardwareSpec, tensor: int, pipeline: int,
                  profiles: str | os.PathLike | None = None, dtype_bytes: int | None = None):
-        from sim.cost.operators import GRID_TOKENS, Collectives, load_profiles
+        from sim.cost.collectives import Collectives
+        from sim.cost.profiles import GRID_TOKENS, load_profiles
 
         self.inner, self.shape, self.tensor, self.pipeline = inner, shape, tensor, pipeline
         self.comm = Collectives(hardware.node, load_profiles(profiles))

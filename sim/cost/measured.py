@@ -17,8 +17,8 @@ What is measured and what is predicted, per GPU:
 - collectives: the node's all-reduce / send-recv tables interpolated in message size; a worker
   count or node without a table is predicted from its send/recv table as a ring. Flagged.
 
-The tables are read, interpolated and predicted from in sim/cost/operators.py; this module holds
-the formula, precomputed per token count when the model is built.
+The tables are read in sim/cost/profiles.py, predicted from in gemm.py, collectives.py and
+attention.py; this module holds the formula, precomputed per token count when the model is built.
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ from mypy_extensions import mypyc_attr
 
 from sim.cost.base import CostModel, StepFixed, settings
 from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
-from sim.cost.operators import (
-    GRID_TOKENS, HEAD_ROWS, LAYER_OPS, PER_LAYER, Collectives, ModelKey, ProfileError, _operator_model,
-    calibrate_attention, is_gated, layer_op_ms, load_profiles, resolve_gpu,
+from sim.cost.attention import calibrate_attention
+from sim.cost.collectives import Collectives
+from sim.cost.gemm import _operator_model, layer_op_ms
+from sim.cost.profiles import (
+    GRID_TOKENS, HEAD_ROWS, LAYER_OPS, PER_LAYER, ModelKey, ProfileError, is_gated, load_profiles, resolve_gpu,
 )
 
 
