@@ -405,65 +405,6 @@ class Search:
         return self.cheapest_verified(points)
 
 
-# ---------------------------------------------------------------------------------------------
-# Output
-
-TABLE = [("hardware", "hardware"), ("tensor", "TP"), ("pipeline", "PP"), ("scheduler", "policy"),
-         ("budget", "budget"), ("split", "P:D"), ("replica_capacity", "replica req/s"), ("replicas", "replicas"),
-         ("gpus", "GPUs"),
-         ("cost_per_hour", "$/h"), ("capacity", "capacity req/s"), ("verified", "verified")]
-
-
-def pareto_table(front: Sequence[Point], chosen: Point | None) -> str:
-    import pandas as pd
-
-    rows = []
-    for p in front:
-        r = p.row()
-        rows.append({head: r[k] for k, head in TABLE})
-        rows[-1]["budget"] = "default" if p.budget is None else p.budget
-        rows[-1]["P:D"] = p.split_text or "-"  # replicas of a split: units of P prefill + D decode instances
-        bound = ">=" if p.capacity_at_top else ""  # the bisection's top met the SLOs
-        rows[-1]["replica req/s"] = f"{bound}{p.replica_capacity:.3g}"
-        rows[-1]["capacity req/s"] = f"{bound}{p.capacity:.3g}"
-        rows[-1]["$/h"] = f"{p.cost_per_hour:.2f}"
-        rows[-1]["verified"] = {None: "-", True: "yes", False: "no"}[p.verified]
-        rows[-1][""] = "<- chosen" if p is chosen else ""
-    df = pd.DataFrame(rows)
-    return df.to_string(index=False)
-
-
-def plot_pareto(points: Sequence[Point], front: Sequence[Point], chosen: Point | None, target: float,
-                path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    ok = [p for p in points if p.replicas and p.status == "ok"]
-    ax.scatter([p.cost_per_hour for p in ok], [p.capacity for p in ok], s=14, c="0.6", label="deployments")
-    ax.step([p.cost_per_hour for p in front], [p.capacity for p in front], "o-", where="post", c="C0",
-            label="Pareto set")
-    same: dict[tuple[float, float], list[str]] = {}  # ties (e.g. two policies alike) share one label
-    for p in front:
-        same.setdefault((p.cost_per_hour, p.capacity), []).append(
-            f"{'>=' if p.capacity_at_top else ''}{p.label()} {p.size_text()}")
-    for xy, labels in same.items():
-        ax.annotate("\n".join(labels), xy, fontsize=7, xytext=(4, -4), textcoords="offset points", va="top")
-    if chosen is not None:
-        ax.scatter([chosen.cost_per_hour], [chosen.capacity], marker="*", s=220, c="C3", zorder=5,
-                   label="cheapest, checked at the target")
-    ax.axhline(target, ls="--", c="C2", lw=1, label=f"target {target:g} req/s")
-    ax.set_xlabel("cost (USD per hour, estimated GPU prices)")
-    ax.set_ylabel("capacity within the SLOs (requests/s)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def sim_run_args(task: Sequence[str], cfg: DictConfig, p: Point) -> list[str]:
     """The `python -m sim.run` arguments that simulate deployment `p` at the target rate as the
     search checked it: the command line's settings but the search's own, the trace limit
@@ -481,6 +422,7 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from sim.capacity import slo_text
+    from sim.report import pareto_table, plot_pareto
     from sim.run import hydra_labels, write_outputs
     from varlen.cli import errors_to_exit, fail, interrupted
 
