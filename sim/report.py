@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
 import matplotlib
 
@@ -22,9 +22,6 @@ import matplotlib.ticker  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-
-if TYPE_CHECKING:
-    from sim.search import Point
 
 COLUMNS = ["scheduler", "allocator", "rate", "requests", "finished", "requests_per_s", "output_tokens_per_s",
            "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "tbt_p99", "e2e_p50", "mean_batch_size", "peak_kv_usage",
@@ -151,7 +148,7 @@ def report(dirs: Sequence[str | Path], out: str | Path | None = None) -> pd.Data
     return df
 
 
-# -- python -m sim.search's Pareto set ----------------------------------------------------------
+# -- python -m sim.search's Pareto set (its Points: sim.search sits a floor above) ---------------
 
 PARETO_COLUMNS = [("hardware", "hardware"), ("tensor", "TP"), ("pipeline", "PP"), ("scheduler", "policy"),
                   ("budget", "budget"), ("split", "P:D"), ("replica_capacity", "replica req/s"),
@@ -159,7 +156,7 @@ PARETO_COLUMNS = [("hardware", "hardware"), ("tensor", "TP"), ("pipeline", "PP")
                   ("capacity", "capacity req/s"), ("verified", "verified")]
 
 
-def pareto_table(front: Sequence[Point], chosen: Point | None) -> str:
+def pareto_table(front: Sequence[Any], chosen: Any) -> str:
     rows = []
     for p in front:
         r = p.row()
@@ -176,8 +173,7 @@ def pareto_table(front: Sequence[Point], chosen: Point | None) -> str:
     return df.to_string(index=False)
 
 
-def plot_pareto(points: Sequence[Point], front: Sequence[Point], chosen: Point | None, target: float,
-                path: Path) -> None:
+def plot_pareto(points: Sequence[Any], front: Sequence[Any], chosen: Any, target: float, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     ok = [p for p in points if p.replicas and p.status == "ok"]
     ax.scatter([p.cost_per_hour for p in ok], [p.capacity for p in ok], s=14, c="0.6", label="deployments")
