@@ -12,16 +12,14 @@ from sim.cost.profiles import CollectiveTable, ProfileError, Profiles
 
 
 def interp_size(size: np.ndarray, ms: np.ndarray, x: ArrayLike) -> np.ndarray:
-    """Collective time vs bytes: linear in log-log between profiled sizes (exact at them), the
-    smallest size's time below, bandwidth-bound (linear in bytes) above the largest."""
+    """Time vs bytes: log-log linear between profiled sizes, linear in bytes above the largest."""
     x = np.maximum(np.asarray(x, dtype=np.float64), 1.0)
     y = np.exp(np.interp(np.log(x), np.log(size), np.log(ms)))
     return np.where(x > size[-1], ms[-1] * x / size[-1], y)
 
 
 class Collectives:
-    """All-reduce and send/recv times on one node, from its tables; a worker count without an
-    all-reduce table is predicted as a ring over the node's send/recv (flagged)."""
+    """All-reduce and send/recv times on one node; without a table, a ring over send/recv (noted)."""
 
     def __init__(self, node: str | None, profiles: Profiles):
         self.node = node
@@ -31,7 +29,6 @@ class Collectives:
 
     @property
     def tables(self) -> dict[str, CollectiveTable]:
-        # Read when first timed: a single-GPU model never pays for the node's tables.
         if self._tables is None:
             self._tables = self._profiles.network(self.node) if self.node else {}
         return self._tables
@@ -62,9 +59,7 @@ class Collectives:
             if cands:
                 key = max(cands, key=lambda k: (k[1] == workers, k[1]))
                 return interp_size(*ar.curves[key], nbytes)
-            # Another worker count on this node: its curve scaled by the ring's bytes per GPU,
-            # 2 (n - 1) / n (median 5-19% off on the DGX nodes when a count is held out; the
-            # pairwise nodes' slow links between pairs make 2 -> 4 unpredictable).
+            # Another worker count: its curve scaled by the ring's bytes per GPU, 2 (n - 1) / n.
             inside = [k for k in ar.curves if k[0] == k[1]]
             if inside:
                 near = min(inside, key=lambda k: (abs(math.log(k[0] / workers)), -k[0]))

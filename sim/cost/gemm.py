@@ -17,8 +17,7 @@ from sim.cost.profiles import (
 
 
 
-#: Width (in log2 units of N and K, or of the row width) of the kernel that weighs profiled
-#: shapes by their distance to the one predicted; chosen by benchmarks/sim_profiles.py.
+#: Kernel widths (log2 units) weighing profiled shapes by distance; chosen by benchmarks/sim_profiles.py.
 GEMM_BANDWIDTH = 2.5
 GEMM_RIDGE = 1.0
 ELEMENTWISE_BANDWIDTH = 0.6
@@ -43,18 +42,10 @@ def elementwise_widths(key: ModelKey, head_dim: int, tp: int) -> dict[str, int]:
 
 
 class GpuOperatorModel:
-    """Operator times on one GPU for any shape, learnt from the tables profiled on it.
-
-    GEMMs: at each number of rows M, the achieved FLOP/s of every profiled GEMM (each model's
-    four layer GEMMs at each TP degree: N x K from ~1k x 1k to ~57k x 8k); a new (N, K) gets a
-    blend of a kernel-weighted local linear fit of their log FLOP/s in (log2 N, log2 K) and a
-    fixed cost plus a throughput in N x K (`affine_weight`). Small M is weight-read bound, large
-    M compute bound; the curves carry both, per GPU. A shape profiled at other TP degrees also
-    carries their departure from that fit (`layer_gemm_ms`).
-    Element-wise operators: the same shape's own at other TP degrees where the row is as wide,
-    else the profiled times at the same number of elements (M x width), weighted by distance in
-    log2 width.
-    """
+    """Operator times on one GPU for any shape, learnt from its tables. A GEMM (N, K): at each row
+    count M, a blend of a local linear fit of the profiled GEMMs' log FLOP/s in (log2 N, log2 K)
+    and an affine cost in N x K (`affine_weight`). Element-wise: the same shape's own where the
+    row is as wide, else the profiled times at the same element count, weighted by log2 width."""
 
     def __init__(self, gpu: str, tables: list[ComputeTable]):
         if not tables:
@@ -77,8 +68,7 @@ class GpuOperatorModel:
         self._g_nk = np.array(g_nk)
         self._g_dims = g_dims
         self._g_src = g_src  # (shape, TP, operator) of each
-        # Common grid of rows for the GEMM efficiencies: every profiled M up to the largest that
-        # all tables reach; past it, efficiency stays at its last value (time linear in M).
+        # Every profiled M up to the largest all tables reach; past it, time is linear in M.
         top = min(float(c[0][-1]) for c in g_curves)
         grid = np.unique(np.concatenate([c[0] for c in g_curves]))
         self._g_grid = grid[grid <= top]
@@ -87,17 +77,14 @@ class GpuOperatorModel:
         self._res: dict[tuple[ModelKey, str], tuple[np.ndarray, np.ndarray]] = {}
 
     def _fit_logeff(self, n: int, k: int) -> np.ndarray:
-        """log FLOP/s of an N x K GEMM on the grid of rows, from every profiled GEMM on this GPU:
-        the local fit and the affine one, weighted by `affine_weight`."""
+        """log FLOP/s of an N x K GEMM on the grid of rows."""
         lam = self.affine_weight
         local = self._local_logeff(n, k)
         return local if lam == 0.0 else lam * self._affine_logeff(n, k) + (1.0 - lam) * local
 
     def _local_logeff(self, n: int, k: int) -> np.ndarray:
-        # Kernel-weighted local linear fit of log FLOP/s in (log2 N, log2 K) at every M of the grid
-        # (a ridge keeps the slopes sane where few shapes are near): unlike a weighted mean it
-        # follows the trend when asked for a larger GEMM than any profiled (70B on a GPU where
-        # only 7B was timed).
+        # A local linear fit (not a weighted mean) follows the trend past the largest profiled GEMM;
+        # the ridge keeps its slopes sane where few shapes are near.
         x = self._g_nk - np.array([math.log2(n), math.log2(k)])
         w = np.exp(-(x ** 2).sum(axis=1) / (2 * GEMM_BANDWIDTH ** 2)) + 1e-300
         X = np.c_[np.ones(len(x)), x]
@@ -106,8 +93,7 @@ class GpuOperatorModel:
 
     @functools.cached_property
     def _affine(self) -> tuple[np.ndarray, np.ndarray]:
-        """At each M of the grid, time / (2 M) = c0 + c1 x N K: a fixed cost and a throughput,
-        least squares in relative error over every profiled GEMM (c0, c1 >= 0)."""
+        """time / (2 M) = c0 + c1 x N K at each M, relative least squares, c0, c1 >= 0."""
         nk = np.array([n * k for n, k in self._g_dims], dtype=np.float64)
         t = nk[:, None] / np.exp(self._g_logeff)  # time / (2 M), per GEMM and M
         u, v = 1.0 / t, nk[:, None] / t  # each column scaled to ~1 before the 2 x 2 solve
@@ -131,11 +117,8 @@ class GpuOperatorModel:
 
     @functools.cached_property
     def affine_weight(self) -> float:
-        """How much of the affine fit to blend into the local one: the local fit extrapolates a
-        trend in log FLOP/s (too slow for a GEMM larger than any profiled, too fast for a tiny
-        one), the affine one saturates; each is off where the other holds. Fitted leaving each
-        profiled shape out in turn and predicting its GEMMs from the others (least squares in log
-        FLOP/s, within [0, 1]); 0 (the local fit) with fewer than two shapes to do so."""
+        """The affine fit's share (the local one extrapolates, the affine one saturates): fitted
+        leaving each shape out in turn, within [0, 1]; 0 with fewer than two shapes."""
         keys = {t.key for t in self.tables}
         num = den = 0.0
         for key in keys if len(keys) > 1 else ():
@@ -161,13 +144,11 @@ class GpuOperatorModel:
         return self._ms(m, n, k, self._fit_logeff(n, k))
 
     def siblings(self, key: ModelKey) -> list[int]:
-        """The TP degrees at which this GPU has a table of this shape."""
         return sorted({tp for kk, tp, _ in self._g_src if kk == key})
 
     def _residuals(self, key: ModelKey, op: str) -> tuple[np.ndarray, np.ndarray]:
-        """This shape's profiled shards of one layer GEMM, one per TP degree: log2(N x K)
-        (ascending) and their log FLOP/s minus the fit's, on the grid of rows (two tables of one
-        shape, Llama-2-70B and Llama-3-70B, time the same GEMMs: their mean)."""
+        """This shape's shards of one GEMM, one per TP degree: log2(N x K) ascending and their log
+        FLOP/s minus the fit's (tables of one shape averaged)."""
         if (key, op) not in self._res:
             by_tp: dict[int, list[int]] = {}
             for i, (kk, tp, o) in enumerate(self._g_src):
@@ -182,8 +163,7 @@ class GpuOperatorModel:
 
     @staticmethod
     def _carry(xs: np.ndarray, ys: np.ndarray, x: float) -> np.ndarray:
-        """The residual at log2(N x K) = x: linear between the two shards around it, the nearest
-        one's beyond them."""
+        """The residual at log2(N x K) = x, linear between shards, the nearest one's beyond."""
         j = int(np.searchsorted(xs, x))
         if j == 0 or j == len(xs):
             return ys[min(j, len(xs) - 1)]
@@ -192,10 +172,8 @@ class GpuOperatorModel:
 
     @functools.cached_property
     def sibling_weight(self) -> float:
-        """How much of the siblings' residual to carry over: fitted on the shapes this GPU has
-        several TP tables of, each shard predicted from its siblings as above (least squares,
-        within [0, 1]). Their steps are shared only in part (cuBLAS picks its kernel per N x K
-        too), and a shard's one-off slow kernel must not be copied whole."""
+        """The share of the siblings' residual carried over, fitted leave-one-out within [0, 1]: a
+        shard's one-off slow kernel must not be copied whole."""
         num = den = 0.0
         for key in {kk for kk, _, _ in self._g_src}:
             for op in GEMMS:
@@ -207,12 +185,8 @@ class GpuOperatorModel:
         return min(max(num / den, 0.0), 1.0) if den > 0 else 0.0
 
     def layer_gemm_ms(self, m: ArrayLike, key: ModelKey, head_dim: int, tp: int) -> dict[str, np.ndarray]:
-        """The layer's GEMMs of a shape at a TP degree this GPU has no table for. Where the same
-        shape was profiled at other TP degrees (its sibling shards: the same GEMMs with N or K
-        split differently), their departure from the fit -- the steps in M of the kernels this
-        GPU picks for these very GEMMs, which other shapes do not show -- is carried over,
-        interpolated between siblings in log2(N x K) at each M (the nearest one's beyond them),
-        times `sibling_weight`."""
+        """The layer's GEMMs at a TP degree with no table: the fit, plus the same shape's other TP
+        degrees' departure from it (their kernels' steps in M), times `sibling_weight`."""
         out = {}
         for op, (n, k) in gemm_dims(key, head_dim, tp).items():
             logeff = self._fit_logeff(n, k)
@@ -225,8 +199,7 @@ class GpuOperatorModel:
     def elementwise_ms(self, op: str, m: ArrayLike, width: int, key: ModelKey | None = None) -> np.ndarray:
         m = np.maximum(np.asarray(m, dtype=np.float64), 1.0)
         curves = self._e_curves[op]
-        # The same shape's tables at other TP degrees, where this operator's row is as wide (norms,
-        # adds, embedding: not sharded), time the very same kernel.
+        # Unsharded rows (norms, adds, embedding): other TP degrees timed the very same kernel.
         same = [c for c in curves if c[3] == key and c[0] == width]
         if same:
             return np.exp(np.mean([np.log(interp_tokens(tok, ms, m)) for _, tok, ms, _ in same], axis=0))
@@ -236,6 +209,7 @@ class GpuOperatorModel:
         return np.exp((w @ logs) / w.sum())
 
 
+#: Hidden from a prediction (validation): a shape at every TP degree, or at one.
 Held = ModelKey | tuple[ModelKey, int]
 
 
@@ -255,8 +229,7 @@ def _operator_model(profiles: Profiles, gpu: str, exclude: frozenset[Held] = fro
 
 def _exact(profiles: Profiles, gpu: str, key: ModelKey, tp: int, tokens: np.ndarray,
            vocab: int | None, exclude: Iterable[Held] = ()) -> tuple[dict[str, np.ndarray], str] | None:
-    """The operators from a table of this shape and TP degree on this GPU, if there is one. A
-    table of the same shape serves (Llama-2-70B and Llama-3-70B share one); the same vocabulary first."""
+    """The operators from a table of this shape and TP degree on this GPU (same vocabulary first)."""
     for t in sorted(profiles.compute(gpu), key=lambda t: t.vocab != vocab):  # stable: root order kept
         if t.key == key and tp in t.by_tp and not _is_held(exclude, key, tp):
             tok, times = t.by_tp[tp]
@@ -268,14 +241,9 @@ def _exact(profiles: Profiles, gpu: str, key: ModelKey, tp: int, tokens: np.ndar
 
 def layer_op_ms(profiles: Profiles, gpu: str, key: ModelKey, head_dim: int, tp: int, tokens: np.ndarray,
                 exclude: tuple[Held, ...] = (), vocab: int | None = None) -> tuple[dict[str, np.ndarray], str]:
-    """ms per layer of each non-attention operator (and `emb`, per step) at these token counts,
-    and where they come from: a table of this shape at this TP degree on this GPU, interpolated
-    in tokens; else predicted from the GEMM shapes of every table on this GPU, the same shape's
-    tables at other TP degrees first (GpuOperatorModel.layer_gemm_ms).
-    (Scaling another GPU's table of the shape by the two GPUs' shape predictions was tried: worse,
-    4.3% against 3.5% median in benchmarks/sim_profiles.py's leave-one-out.)
-    `exclude`: tables on this GPU that are ignored (validation): a shape at every TP degree
-    (`ModelKey`) or at one (`(ModelKey, tp)`)."""
+    """ms per layer of each non-attention operator (`emb`: per step) at these token counts, and
+    their source: this shape's table at this TP degree, else predicted (GpuOperatorModel).
+    `exclude`: tables hidden for validation (Held)."""
     hit = _exact(profiles, gpu, key, tp, tokens, vocab, exclude)
     if hit is not None:
         return hit[0], f"measured: {hit[1]}"

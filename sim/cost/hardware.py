@@ -11,8 +11,7 @@ from typing import Any, Mapping
 
 
 def hardware_dir() -> Path:
-    """conf/hardware/, package data (installed or in the source tree). Found from the conf
-    package, not this module: compiled (varlen/compiled.py), this module's file is in the build cache."""
+    """conf/hardware/ (found from the conf package: compiled, this file is in the build cache)."""
     from conf import conf_dir
 
     return conf_dir("hardware")
@@ -51,7 +50,6 @@ class HardwareSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> HardwareSpec:
-        # Keys starting with "_" (Hydra's _target_) are not fields.
         names = {f.name for f in fields(cls)}
         unknown = [k for k in d if not str(k).startswith("_") and k not in names]
         if unknown:
@@ -61,7 +59,7 @@ class HardwareSpec:
     @classmethod
     def load(cls, name_or_path: str | os.PathLike) -> HardwareSpec:
         """From conf/hardware/<name>.yaml, or from a yaml path."""
-        import yaml  # type: ignore[import-untyped]  # only here: the simulator need not pay for it when given a spec
+        import yaml  # type: ignore[import-untyped]
 
         p = Path(name_or_path)
         if p.suffix not in (".yaml", ".yml"):
@@ -151,7 +149,6 @@ def load_model_config(model_config: str | os.PathLike | Mapping[str, Any]) -> di
         return dict(model_config)
     s = str(model_config)
     if s == "tiny" or s.startswith("tiny-"):
-        # The embedded default model's shape; tiny_model imports torch only when writing weights.
         from varlen.tiny_model import ARCHITECTURES, TINY_SHAPE
 
         arch = s.partition("-")[2] or "qwen3"

@@ -19,14 +19,14 @@ from sim.cost.hardware import HardwareSpec, ModelShape
 
 
 def _shipped() -> Path:
-    import sim  # from the package, not this file: compiled, a module's file is in the build cache
+    import sim  # not this file: compiled, it lives in the build cache
 
     return Path(sim.__file__).resolve().parent / "profiles" / "vidur"
 
 
 SHIPPED = _shipped()
 
-# The per-layer operators of a table, and how many times a layer runs each (two residual adds).
+# The per-layer operators of a table; a layer runs "add" twice.
 LAYER_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
              "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
 GEMMS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
@@ -36,7 +36,6 @@ SHAPE_COLUMNS = ("n_head", "n_kv_head", "n_embd", "n_expanded_embd", "vocab_size
 NON_GATED = ("phi", "gpt2", "gpt_neox", "opt", "falcon", "bloom", "gpt_bigcode")
 ATTENTION_COLUMNS = ("batch_size", "new_tokens", "cached_tokens", "n_head", "n_kv_head", "head_dim", "dtype_bytes",
                      "time_stats.attention.median")
-# Tokens per step the precomputed per-token tables cover; beyond, time scales with the tokens.
 GRID_TOKENS = 16384
 HEAD_ROWS = 4096
 
@@ -70,7 +69,7 @@ def _columns(path: Path, header: list[str], rows: list[list[str]], names: Iterab
 
 @dataclass(frozen=True)
 class ModelKey:
-    """The shape a compute table was profiled for (what a model config is matched on)."""
+    """The shape a compute table was profiled for."""
 
     heads: int
     kv_heads: int
@@ -101,8 +100,7 @@ class ComputeTable:
 
 def read_compute_table(path: Path, gpu: str, name: str) -> ComputeTable:
     header, rows = _read_csv(path)
-    # The GEMMs are required; a model without some other operator (phi-2 has one layernorm per
-    # layer) lacks its column, and its layers do not pay for it.
+    # Only the GEMMs are required (phi-2 has one layernorm per layer).
     ops = tuple(op for op in (*LAYER_OPS, "emb") if op in GEMMS or f"time_stats.{op}.median" in header)
     cols = _columns(path, header, rows, [*SHAPE_COLUMNS, "num_tokens", "num_tensor_parallel_workers",
                                          *(f"time_stats.{op}.median" for op in ops)])
@@ -113,7 +111,6 @@ def read_compute_table(path: Path, gpu: str, name: str) -> ComputeTable:
     by_tp: dict[int, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
     for tp in sorted({int(v) for v in cols["num_tensor_parallel_workers"]}):
         sel = cols["num_tensor_parallel_workers"] == tp
-        # A token count profiled twice (the shipped tables repeat 2048 and 4096): the mean.
         tokens, inv = np.unique(cols["num_tokens"][sel], return_inverse=True)
         if tokens[0] < 1:
             raise ProfileError(f"{path}: TP {tp}: num_tokens must be >= 1")
@@ -123,7 +120,7 @@ def read_compute_table(path: Path, gpu: str, name: str) -> ComputeTable:
             if not np.all(np.isfinite(t)) or np.any(t <= 0):
                 raise ProfileError(f"{path}: TP {tp}: {op} has non-positive or missing times")
         by_tp[tp] = (tokens, times)
-    # Vidur's tables have no head_dim column: theirs is n_embd / n_head. sim.profile writes one.
+    # Vidur's tables have no head_dim column (theirs is n_embd / n_head).
     hd = _columns(path, header, rows, ["head_dim"])["head_dim"][0] if "head_dim" in header else e // h
     key = ModelKey(int(h), int(kv), int(e), int(x), bool(gated), int(hd))
     return ComputeTable(gpu, name, path, key, int(vocab), by_tp)
@@ -153,7 +150,6 @@ def read_collective_table(path: Path, node: str, kind: str) -> CollectiveTable:
         size, ms = size[order], ms[order]
         if np.any(ms <= 0) or np.any(size <= 0):
             raise ProfileError(f"{path}: {w} workers: non-positive sizes or times")
-        # A size profiled more than once (re-runs): the mean, as for compute tables.
         u, inv = np.unique(size, return_inverse=True)
         curves[(w, d)] = (u, np.bincount(inv, ms) / np.bincount(inv))
     return CollectiveTable(node, kind, path, curves, int(cols["max_devices_per_node"].max()))
@@ -168,8 +164,7 @@ def _table_file(folder: Path, stem: str) -> Path | None:
 
 
 class Profiles:
-    """Every table under one or more profile folders (later folders override earlier ones for the
-    same GPU and model shape, or node and collective); a table is read when first needed."""
+    """Every table under the profile folders, later folders first; read when first needed."""
 
     def __init__(self, roots: Iterable[Path]):
         self.roots = tuple(roots)
@@ -216,7 +211,6 @@ class Profiles:
 
     def compute(self, gpu: str) -> list[ComputeTable]:
         if gpu not in self._compute:
-            # A later root's tables first: a user's table wins over a shipped one of the same shape.
             by_root = [(i, name, path) for name, path in self._compute_paths.get(gpu, [])
                        for i, r in enumerate(self.roots) if path.is_relative_to(r)]
             self._compute[gpu] = [read_compute_table(path, gpu, name)
@@ -249,8 +243,8 @@ class Profiles:
 
 
 def load_profiles(user: str | os.PathLike | None = None) -> Profiles:
-    """The shipped tables, plus (overriding them) those under `user` (cost.profiles). Read once
-    per process while the user's folder keeps the same files (each replica builds its model)."""
+    """The shipped tables, overridden by those under `user` (cost.profiles); read once per process
+    while the user's files stay the same."""
     if user is None:
         return _load((SHIPPED,), ())
     root = Path(user).expanduser().resolve()
@@ -265,8 +259,7 @@ def _load(roots: tuple[Path, ...], signature: tuple[Any, ...]) -> Profiles:
 
 
 def interp_tokens(tokens: np.ndarray, ms: np.ndarray, x: ArrayLike) -> np.ndarray:
-    """Piecewise-linear in tokens (exact at profiled points); below the first point the first
-    time (a kernel's floor), beyond the last the time per token of the last point."""
+    """Piecewise-linear in tokens; the first time below (a kernel's floor), per-token beyond."""
     x = np.asarray(x, dtype=np.float64)
     y = np.interp(x, tokens, ms)
     hi = x > tokens[-1]
@@ -291,6 +284,3 @@ def resolve_gpu(hardware: HardwareSpec, profiles: Profiles) -> str:
         f"{f' (profile_gpu {hardware.profile_gpu!r})' if hardware.profile_gpu else ''}; tables exist for: {have}. "
         f"Point cost.profiles at a folder with compute/{hardware.profile_gpu or hardware.name}/<org>/<model>/mlp.csv "
         f"(python -m sim.profile writes one), or use cost.model=roofline")
-
-
-#: What validation hides from a prediction: a shape's tables on a GPU at every TP degree
