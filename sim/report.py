@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import matplotlib
 
-matplotlib.use("Agg")  # files only; no display on a server
+matplotlib.use("Agg")  # files only
 import matplotlib.ticker  # noqa: E402
 
 import matplotlib.pyplot as plt  # noqa: E402
@@ -27,7 +27,7 @@ COLUMNS = ["scheduler", "allocator", "rate", "requests", "finished", "requests_p
            "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "tbt_p99", "e2e_p50", "mean_batch_size", "peak_kv_usage",
            "mean_kv_usage", "preemptions", "goodput_requests_per_s", "slo_attainment", "tbt_attainment", "steps", "sim_wall_s"]
 
-LABELS = {"max_tbt": "longest gap between tokens (s)"}  # the CDF plots' x axes (default: NAME (s))
+LABELS = {"max_tbt": "longest gap between tokens (s)"}  # CDF x axes; default "NAME (s)"
 
 
 def gather(dirs: Sequence[str | Path]) -> pd.DataFrame:
@@ -39,7 +39,7 @@ def gather(dirs: Sequence[str | Path]) -> pd.DataFrame:
         for f in sorted(Path(d).rglob("summary.json")):
             try:
                 row = json.loads(f.read_text())
-            except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+            except (ValueError, UnicodeDecodeError) as e:
                 raise ValueError(f"{f}: not a readable summary ({' '.join(str(e).split())}); "
                                  "rerun that run or leave its directory out") from None
             missing = [k for k in ("scheduler", "allocator", "rate", "requests_per_s") if k not in row] \
@@ -162,7 +162,7 @@ def pareto_table(front: Sequence[Any], chosen: Any) -> str:
         r = p.row()
         rows.append({head: r[k] for k, head in PARETO_COLUMNS})
         rows[-1]["budget"] = "default" if p.budget is None else p.budget
-        rows[-1]["P:D"] = p.split_text or "-"  # replicas of a split: units of P prefill + D decode instances
+        rows[-1]["P:D"] = p.split_text or "-"
         bound = ">=" if p.capacity_at_top else ""  # the bisection's top met the SLOs
         rows[-1]["replica req/s"] = f"{bound}{p.replica_capacity:.3g}"
         rows[-1]["capacity req/s"] = f"{bound}{p.capacity:.3g}"
@@ -179,7 +179,7 @@ def plot_pareto(points: Sequence[Any], front: Sequence[Any], chosen: Any, target
     ax.scatter([p.cost_per_hour for p in ok], [p.capacity for p in ok], s=14, c="0.6", label="deployments")
     ax.step([p.cost_per_hour for p in front], [p.capacity for p in front], "o-", where="post", c="C0",
             label="Pareto set")
-    same: dict[tuple[float, float], list[str]] = {}  # ties (e.g. two policies alike) share one label
+    same: dict[tuple[float, float], list[str]] = {}  # ties share one label
     for p in front:
         same.setdefault((p.cost_per_hour, p.capacity), []).append(
             f"{'>=' if p.capacity_at_top else ''}{p.label()} {p.size_text()}")

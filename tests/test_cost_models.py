@@ -50,9 +50,7 @@ def test_modules_do_not_import_torch() -> None:
     assert r.returncode == 0, r.stderr
 
 
-# ---------------------------------------------------------------------------------------------
-# Hardware
-
+# -- hardware
 
 @pytest.mark.parametrize("name, tflops, gbs, mem", [
     ("h100_sxm", 989.4, 3350, 80), ("h200_sxm", 989.4, 4800, 141), ("a100_80gb_sxm", 312, 2039, 80),
@@ -82,9 +80,7 @@ def test_hardware_lookup_errors_and_mappings() -> None:
     assert hw.bandwidth == pytest.approx(2e9 * 0.85)
 
 
-# ---------------------------------------------------------------------------------------------
-# Roofline
-
+# -- roofline
 
 def test_model_shape_counts_parameters() -> None:
     llama = ModelShape.from_config(LLAMA3_8B)
@@ -131,8 +127,7 @@ def test_roofline_decode_grows_with_batch_and_context_and_is_memory_bound() -> N
         times.append(row)
         assert m.estimate(np.ones(batch), np.full(batch, 1024)).bound == "memory"
     assert [t[1] for t in times] == sorted(t[1] for t in times)
-    # Batch-1 decode ~ reading the weights at 85% of 3.35 TB/s, plus the overhead; the input
-    # embedding table is not read whole (only the new tokens' rows), the LM head is.
+    # Batch-1 decode ~ the weights (not the input embedding table) at 85% of 3.35 TB/s.
     read = (8_030_261_248 - 128256 * 4096) * 2
     assert times[0][0] == pytest.approx(read / (3.35e12 * 0.85) + 1e-3, rel=0.02)
 
@@ -185,9 +180,7 @@ def test_roofline_reads_config_json(tmp_path: Path) -> None:
     assert a.shape == b.shape == ModelShape.from_config(QWEN3_SMALL)
 
 
-# ---------------------------------------------------------------------------------------------
-# Profiled
-
+# -- profiled
 TRUE = {"const": 4e-3, "new_tokens": 2.5e-5, "num_seqs": 1.2e-4, "attn_work": 3e-9, "cached_tokens": 4e-8}
 
 
@@ -236,10 +229,8 @@ def test_profiled_fit_with_noise_reports_quality_and_keeps_coefficients_non_nega
 
 
 def test_relative_fit_predicts_the_mean_step_time_under_multiplicative_noise() -> None:
-    # A real engine's step times scatter around the batch's cost by a fraction of it. The
-    # simulator adds step times up (TPOT, e2e, throughput), so it needs each step's mean time.
-    # Weights from the measured durations (1 / y) favour the steps that ran fast and predict
-    # low; weights from the model's own prediction (the default "relative") do not.
+    # The simulator sums step times, so it needs each step's mean: weights from the measured
+    # durations (1 / y) predict low, weights from the model's own prediction do not.
     rng = np.random.default_rng(5)
     clean = _durations(_random_steps(rng, 3000), TRUE)
     noisy = [(n, c, d * (1 + rng.normal(0, 0.2))) for n, c, d in clean]
@@ -325,9 +316,7 @@ def test_profiled_logit_rows_feature_and_errors() -> None:
         ProfiledCostModel.fit([])
 
 
-# ---------------------------------------------------------------------------------------------
-# Replay and construction
-
+# -- replay and construction
 
 def test_replay_returns_recorded_durations_in_order(tmp_path: Path) -> None:
     m = ReplayCostModel([0.5, 0.25, 0.125])
@@ -360,8 +349,8 @@ def test_factory_and_hydra_instantiate() -> None:
 
 
 def test_the_former_module_fails_in_one_line_naming_the_new_paths() -> None:
-    """sim.cost_models re-exported sim/cost/*: one import path per interface, so it is refused, by
-    import and by a dotted cost.model, with where each name lives now; nothing shipped imports it."""
+    """One import path per interface: the former re-export module is refused in one line naming
+    the new paths, by import and as a dotted cost.model; nothing shipped imports it."""
     from sim.cost.registry import build_cost_model
 
     with pytest.raises(ImportError, match=r"^sim.cost_models is gone; import from sim.cost.base .*sim.cost.roofline "
@@ -436,8 +425,7 @@ def test_cost_models_keep_their_pre_split_numbers(name: str) -> None:
 
 
 def test_a_new_formula_is_timed_the_same_by_every_derived_path() -> None:
-    """A model written only as the formula's three methods gets step_time, step_time_sums, the
-    decode closure and explain's parts from them, all agreeing."""
+    """A model written only as the formula gets every derived path from it, all agreeing."""
     from sim.cost.base import CostModel, StepFixed, StepSums
     from sim.explain import breakdown
 

@@ -11,10 +11,8 @@ from sim.cost.profiles import Profiles
 
 @dataclass(frozen=True)
 class AttentionCalibration:
-    """Seconds of one layer's attention = const + per_seq x requests + per_byte x K/V/Q bytes +
-    per_flop x FLOPs: the roofline's two terms with this GPU's achieved rates (and the per-call
-    and per-request costs a roofline lacks), fitted by non-negative least squares in relative
-    error to sim.profile's attention tables."""
+    """One layer's attention = const + per_seq x requests + per_byte x bytes + per_flop x FLOPs,
+    fitted (non-negative, relative error) to sim.profile's attention tables."""
 
     const: float
     per_seq: float
@@ -40,7 +38,7 @@ def calibrate_attention(profiles: Profiles, gpu: str) -> AttentionCalibration | 
     if len(y) < 4:
         return None
     A, t = np.array(X), np.array(y)
-    A, t = A / t[:, None], np.ones_like(t)  # relative error: a short decode counts as much as a long prefill
+    A, t = A / t[:, None], np.ones_like(t)  # relative error
     norms = np.linalg.norm(A, axis=0)
     norms[norms == 0] = 1.0
     coef = _nnls(A / norms, t) / norms

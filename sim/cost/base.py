@@ -38,10 +38,10 @@ class StepSums:
     """The sums over a step's requests the formulas read, taken in one pass (cheaper than arrays)."""
 
     num_seqs: int
-    new: float  # sum n_i
-    cached: float  # sum c_i
+    new: float
+    cached: float
     new_cached: float  # sum n_i * c_i
-    new_sq: float  # sum n_i^2
+    new_sq: float
     num_logits: int
     num_prefills: int  # requests with more than one new token
 
@@ -102,7 +102,6 @@ class CostModel(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no step formula; it times steps by step_time")
 
     def layer_attention(self, f: StepFixed, pairs: float, cached: float) -> float:
-        """Seconds of one layer's attention over `pairs` causal query-key pairs and `cached` tokens."""
         raise NotImplementedError(f"{type(self).__name__} has no step formula")
 
     def step_total(self, f: StepFixed, attention: float) -> float:
@@ -110,7 +109,6 @@ class CostModel(ABC):
 
     @property
     def uses_sums(self) -> bool:
-        """Whether the model times a step from its sums."""
         cls = type(self)
         return cls.step_time_sums is not CostModel.step_time_sums or cls.step_fixed is not CostModel.step_fixed
 
@@ -138,7 +136,6 @@ class CostModel(ABC):
         return step
 
     def parts(self, s: StepSums) -> dict[str, float | None]:
-        """The step's time by part (sim.explain)."""
         f = self.step_fixed(s.num_seqs, s.new, s.num_logits, s.num_prefills)
         attention = f.layers * self.layer_attention(f, s.attention_pairs, s.cached)
         parts = {"embedding_s": f.embedding_s, "linear_s": f.linear_s, "attention_s": attention,
@@ -146,7 +143,6 @@ class CostModel(ABC):
         return {k: None if math.isnan(v) else v for k, v in parts.items()}
 
     def next_start(self, now: float) -> float:
-        """When the next step may start (a replayed timeline may wait)."""
         return now
 
 
@@ -161,7 +157,6 @@ def settings(options: Mapping[str, Any], model: str, known: tuple[str, ...]) -> 
 
 
 def load_path(options: Mapping[str, Any], model: str, what: str, load: Callable[[str], CostModel]) -> CostModel:
-    """cost.path read by `load`, with one-line errors: unset, not a file, not `what`."""
     path = settings(options, model, ("path",)).get("path")
     if path is None:
         raise ValueError(f"cost.model={model} needs cost.path: {what}")

@@ -14,9 +14,7 @@ from sim.cost.hardware import HardwareSpec, ModelShape
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class CommunicationCostModel(CostModel):
-    """A per-GPU cost model (the roofline of the sharded shape) plus the step's communication:
-    2 all-reduces per layer and pipeline - 1 send/recvs of the step's activations. Its formula is
-    the inner model's, with the communication added last."""
+    """A per-GPU model plus 2 all-reduces per layer and pipeline - 1 send/recvs, added last."""
 
     def __init__(self, inner: CostModel, shape: ModelShape, hardware: HardwareSpec, tensor: int, pipeline: int,
                  profiles: str | os.PathLike | None = None, dtype_bytes: int | None = None):

@@ -24,7 +24,7 @@ ELEMENTWISE_BANDWIDTH = 0.6
 
 
 def gemm_dims(key: ModelKey, head_dim: int, tp: int) -> dict[str, tuple[int, int]]:
-    """(N, K) of each layer GEMM on one GPU of a TP group (rows M = tokens)."""
+    """(N, K) of each layer GEMM on one GPU of a TP group."""
     kv = max(key.kv_heads // tp, 1)  # fewer KV heads than GPUs: each GPU keeps a replica
     q = key.heads // tp
     up = (2 if key.gated else 1) * key.intermediate // tp
@@ -35,7 +35,6 @@ def gemm_dims(key: ModelKey, head_dim: int, tp: int) -> dict[str, tuple[int, int
 
 
 def elementwise_widths(key: ModelKey, head_dim: int, tp: int) -> dict[str, int]:
-    """Elements per token of each element-wise operator on one GPU."""
     kv = max(key.kv_heads // tp, 1)
     return {"input_layernorm": key.hidden, "post_attention_layernorm": key.hidden, "add": key.hidden,
             "emb": key.hidden, "attn_rope": (key.heads // tp + kv) * head_dim, "mlp_act": key.intermediate // tp}

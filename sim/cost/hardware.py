@@ -1,5 +1,4 @@
-"""The hardware a step runs on and the shape of the model it runs: the numbers every cost model
-starts from. Torch-free; yaml is read only when a spec is loaded by name."""
+"""The hardware a step runs on and the shape of the model it runs: every cost model's inputs."""
 
 from __future__ import annotations
 
@@ -28,20 +27,18 @@ class HardwareSpec:
     flops_efficiency: float = 0.7
     bandwidth_efficiency: float = 0.85
     step_overhead_s: float = 0.0  # fixed per-step cost: scheduling, launches, sampling
-    dtype_bytes: int = 2  # the dtype peak_tflops refers to
-    estimated: bool = False  # True when the figures are estimates rather than datasheet values
+    dtype_bytes: int = 2
+    estimated: bool = False  # estimates, not datasheet values
     profile_gpu: str | None = None  # its name in measured operator tables (cost.model=measured)
     node: str | None = None  # the node it sits in, for collective tables (tensor/pipeline parallelism)
     cost_per_gpu_hour: float | None = None  # USD, an estimate (python -m sim.search); None: no price
 
     @property
     def flops(self) -> float:
-        """Achievable FLOP/s."""
         return self.peak_tflops * 1e12 * self.flops_efficiency
 
     @property
     def bandwidth(self) -> float:
-        """Achievable bytes/s."""
         return self.mem_bandwidth_gbs * 1e9 * self.bandwidth_efficiency
 
     @property
@@ -58,7 +55,6 @@ class HardwareSpec:
 
     @classmethod
     def load(cls, name_or_path: str | os.PathLike) -> HardwareSpec:
-        """From conf/hardware/<name>.yaml, or from a yaml path."""
         import yaml  # type: ignore[import-untyped]
 
         p = Path(name_or_path)
@@ -95,7 +91,7 @@ class ModelShape:
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> ModelShape:
         cfg = dict(cfg)
-        if "text_config" in cfg:  # multimodal wrappers keep the decoder's numbers here
+        if "text_config" in cfg:  # multimodal wrappers
             cfg = dict(cfg["text_config"])
         experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
         if experts and experts > 1:
@@ -107,8 +103,8 @@ class ModelShape:
                 intermediate=int(cfg["intermediate_size"]),
                 layers=int(cfg["num_hidden_layers"]),
                 heads=heads,
-                kv_heads=int(cfg.get("num_key_value_heads") or heads),  # absent = MHA
-                head_dim=int(cfg.get("head_dim") or hidden // heads),  # Qwen3 sets it apart
+                kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
                 vocab=int(cfg["vocab_size"]),
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             )
@@ -127,8 +123,8 @@ class ModelShape:
     def layer_params(self) -> int:
         h = self.hidden
         attn = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
-        mlp = 3 * h * self.intermediate  # gated MLP: gate, up, down
-        return attn + mlp + 2 * h  # two RMSNorm weights
+        mlp = 3 * h * self.intermediate  # gated: gate, up, down
+        return attn + mlp + 2 * h
 
     @property
     def embedding_params(self) -> int:
