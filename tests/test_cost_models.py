@@ -66,7 +66,7 @@ def test_gpu_specs_carry_the_datasheet_figures(name: str, tflops: float, gbs: fl
 def test_cpu_spec_is_marked_as_estimate() -> None:
     hw = HardwareSpec.load("cpu_2core")
     assert hw.estimated and hw.dtype_bytes == 4
-    assert hw.peak_tflops * 1e3 == pytest.approx(2 * 2 * 8 * 2 * 2.45)  # GFLOP/s
+    assert hw.peak_tflops * 1e3 == pytest.approx(2 * 2 * 8 * 2 * 2.45)
     assert "estimate" in (hardware_dir() / "cpu_2core.yaml").read_text().lower()
 
 
@@ -111,7 +111,7 @@ def test_roofline_flops_are_exact_per_request() -> None:
     L, H, V, T = 32, 4096, 128256, int(n.sum())
     linear = 2 * (llama_layer := 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336) * T
     attn = 4 * 4096 * sum(int(ni * ci + ni * (ni + 1) // 2) for ni, ci in zip(n, c))
-    assert llama_layer * L + 2 * V * H + L * 2 * H + H == 8_030_261_248  # the shape used above
+    assert llama_layer * L + 2 * V * H + L * 2 * H + H == 8_030_261_248
     assert e.flops == pytest.approx(L * (linear + attn) + 2 * len(n) * H * V, rel=1e-12)
     # A chunk that does not end its prompt produces no logits: fewer FLOPs, less time.
     assert m.estimate(n, c, num_logits=2).flops == pytest.approx(e.flops - 2 * 2 * H * V)
@@ -147,7 +147,7 @@ def test_roofline_hardware_and_model_variations() -> None:
     dec = (np.ones(32), np.full(32, 2048))
     assert h200.step_time(*dec) < h100.step_time(*dec) < a100.step_time(*dec)
     pre = ([4096], [0])
-    assert h200.step_time(*pre) == pytest.approx(h100.step_time(*pre), rel=0.01)  # same compute
+    assert h200.step_time(*pre) == pytest.approx(h100.step_time(*pre), rel=0.01)
     assert a100.step_time(*pre) > 2.5 * h100.step_time(*pre)
     # GQA: fewer KV heads, less KV to read on long-context decode.
     mha = RooflineCostModel({**LLAMA3_8B, "num_key_value_heads": 32}, "h100_sxm")
@@ -239,7 +239,7 @@ def test_relative_fit_predicts_the_mean_step_time_under_multiplicative_noise() -
     pred = np.array([model.step_time(n, c) for n, c, _ in clean])
     assert abs(pred.sum() / truth.sum() - 1) < 0.01
     assert abs(np.median(pred / truth) - 1) < 0.015
-    X, y = model._design(noisy)  # the old weighting, 1 / measured duration, for contrast
+    X, y = model._design(noisy)  # 1 / measured duration, for contrast
     w = 1 / y
     old = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)[0]
     assert np.median((X @ old) / truth) - 1 < -0.02
@@ -248,7 +248,7 @@ def test_relative_fit_predicts_the_mean_step_time_under_multiplicative_noise() -
 def test_fit_drops_outlier_steps() -> None:
     rng = np.random.default_rng(6)
     data = _durations(_random_steps(rng, 500), TRUE)
-    hiccups = set(rng.choice(len(data), 10, replace=False).tolist())  # e.g. a GC pause, a preemption
+    hiccups = set(rng.choice(len(data), 10, replace=False).tolist())
     spoiled = [(n, c, d * 20 if i in hiccups else d) for i, (n, c, d) in enumerate(data)]
     for weighting in ("relative", "absolute"):
         model = ProfiledCostModel.fit(spoiled, weighting=weighting)
@@ -279,7 +279,7 @@ def test_numpy_nnls_satisfies_the_optimality_conditions() -> None:
 
 
 def test_profiled_fit_without_scipy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "scipy.optimize", None)  # import now raises ImportError
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)
     data = _durations(_random_steps(np.random.default_rng(3), 300), TRUE)
     got = ProfiledCostModel.fit(data).coefficients()
     for k, v in TRUE.items():
