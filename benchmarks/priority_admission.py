@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout thi
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # the reference policy the tests hold
 
 from schedulers import ChunkedPolicy, PriorityPolicy
-from sim.cost_models import RooflineCostModel
+from sim.cost.roofline import RooflineCostModel
 from sim.executor import CostModelExecutor
 from sim.fast_forward import FastForwardEngine
 from sim.simulator import simulate

@@ -1,18 +1,11 @@
 """Fidelity of the `profiled` cost model: fit it on one real run, predict another.
 
-Real runs: the engine on CPU (1 torch thread) with a small locally generated Qwen3, serving Azure
-conversation requests with their arrivals. Two slices of the trace at two rates: A (requests
-0..n at rate_a) and B (requests n..2n at rate_b), each run --repeats times, interleaved. Two
-predictions: the model fitted on A's step logs simulates B, and the model fitted on B's
-simulates A; each is compared with the median of the real repeats, beside the noise floor (how
-far one real run strays from that median: what the real engine itself varies by from run to
-run on this machine, below which no cost model can be checked).
-
-Clock (--clock): "cpu" (default) times the real engine by this process's CPU time, and jumps
-over idle waits for arrivals instead of sleeping; "wall" is the wall clock. On a shared machine
-another process time-sharing the core stretches wall-clock steps at random; CPU time counts
-only the engine's own work. Garbage collection is off during the real runs (as in the simulator
-and in serving engines, which freeze the heap): its pauses are not a function of the batch.
+The engine on CPU (1 torch thread, a small local Qwen3) serves two slices of the Azure
+conversation trace, A and B at two rates, --repeats times each, interleaved; the model fitted on
+A's step logs simulates B and vice versa, against the median of the real repeats and beside the
+noise floor (how far one real run strays from that median). --clock cpu (default) counts this
+process's CPU time and skips idle waits (other processes stretch wall-clock steps at random);
+garbage collection is off during real runs, as its pauses are not a function of the batch.
 
     taskset -c 1 python benchmarks/sim_fidelity.py [--rate-a 1.0] [--rate-b 1.5] [--n 100] [--repeats 3]
 

@@ -1,17 +1,10 @@
 """Leave-one-out validation of the measured cost model over the shipped operator tables.
 
-Two scenarios, each over every table (model, GPU, TP degree):
-- held-out table (the issue's leave-one-out): that one table hidden (with any other model of the
-  same shape at that TP degree: Llama-2-70B and Llama-3-70B share theirs), predicted from every
-  other table on that GPU, the same shape's other TP degrees included -- what `cost.model=measured`
-  does for a TP degree not profiled on that GPU (TP 16, or TP 2 where only 1, 4, 8 were);
-- held-out model shape (stricter): the shape hidden at every TP degree, predicted from the other
-  models profiled on that GPU -- what it does for a model not profiled there.
-Errors are |predicted / measured - 1| per operator group and token range, next to the roofline's
-error on the same points (the roofline of the sharded shape at the hardware spec's efficiencies).
-All-reduce: each profiled size of each node's curves interpolated from the others, and each
-worker count's whole curve predicted as for a count without a table (another count's curve
-scaled, else a ring over the node's send/recv).
+Over every table (model, GPU, TP degree): the table held out (a TP degree not profiled, the same
+shape's other TP degrees still seen) and the model shape held out at every TP degree (a model not
+profiled on that GPU). Errors |predicted / measured - 1| per operator group and token range, next
+to the sharded roofline's. All-reduce: each profiled size interpolated from the others, and each
+worker count's curve predicted as for a count without a table.
 
     python benchmarks/sim_profiles.py            # prints the tables; --json PATH also writes them
     python benchmarks/sim_profiles.py --parallel # TP/PP sanity table of the 70B models (simulates the trace)
@@ -34,9 +27,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sim.cost.hardware import HardwareSpec  # noqa: E402
-from sim.cost.operators import (  # noqa: E402
-    GEMMS, LAYER_OPS, PER_LAYER, Collectives, gemm_dims, interp_size, layer_op_ms, load_profiles,
-)
+from sim.cost.collectives import Collectives, interp_size  # noqa: E402
+from sim.cost.gemm import gemm_dims, layer_op_ms  # noqa: E402
+from sim.cost.profiles import GEMMS, LAYER_OPS, PER_LAYER, load_profiles  # noqa: E402
 
 HARDWARE = {"a100": "a100_80gb_sxm", "h100": "h100_sxm", "a40": "a40"}
 GROUPS = {

@@ -57,7 +57,8 @@ def real(window: int, n_req: int, max_tokens: int, block_size: int = 16) -> list
 
 
 def sim(n_req: int = 32, prompt: int = 1024, output: int = 16384, window: int = 4096, block_size: int = 16) -> list[dict]:
-    from sim.cost_models import HardwareSpec, RooflineCostModel
+    from sim.cost.hardware import HardwareSpec
+    from sim.cost.roofline import RooflineCostModel
     from sim.executor import CostModelExecutor
     from sim.fast_forward import FastForwardEngine
     from sim.simulator import simulate

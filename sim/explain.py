@@ -26,8 +26,7 @@ from sim.run import CONF
 
 
 def breakdown(model: Any, new: Sequence[int], cached: Sequence[int], num_logits: int | None = None) -> dict[str, Any]:
-    """The parts of one step's time under `model` (see the module docstring) and total_s: the
-    terms of the model's own formula (sim/cost/base.py), so they add up to its step time."""
+    """One step's time by part under `model`, and total_s: the formula's own terms."""
     from sim.cost.base import StepSums
 
     if len(new) != len(cached):
@@ -36,7 +35,7 @@ def breakdown(model: Any, new: Sequence[int], cached: Sequence[int], num_logits:
         raise ValueError(f"step.new={list(new)} step.cached={list(cached)}: each request needs >= 1 new and >= 0 cached tokens")
     s = StepSums.of(new, cached, num_logits)
     parts: dict[str, Any] = dict.fromkeys(PARTS)
-    if formula_holds(type(model)):  # a formula to split; replay's recorded durations split nothing
+    if formula_holds(type(model)):  # replay's recorded durations split nothing
         parts.update(model.parts(s))
     total = model.step_time(new, cached, num_logits)
     split = [v for v in parts.values() if v is not None]
@@ -95,7 +94,7 @@ def main(cfg: DictConfig) -> None:
         assert isinstance(c, dict)
         d = explain_config(c)
     except errors_to_exit() as err:
-        fail(str(err))  # a setting or input problem: one line, no traceback
+        fail(str(err))
     out = Path(HydraConfig.get().runtime.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "explain.json").write_text(json.dumps(d, indent=2) + "\n")

@@ -7,22 +7,12 @@ DIR/compute/<gpu>/local/<model>/mlp.csv, milliseconds per layer per operator aga
     python -m sim.profile --model /path/to/hf-folder --device cuda --dtype bfloat16 --gpu h200_sxm --out profiles/
     python -m sim.run cost.model=measured cost.profiles=profiles/ sim_model=tiny hardware=cpu_2core
 
-Each operator of the first decoder layer is timed on its own, as the model runs it: embedding
-lookup, input norm, the Q/K/V projections together (one table entry, as a fused QKV GEMM is
-timed elsewhere), rotary (with Qwen3's per-head q/k norms), output projection, post-attention
-norm, gate and up projections together, activation x up, down projection, residual add. Median
-of `--repeats` timings after a warm-up; the columns are those of the shipped tables plus
-`head_dim`. Attention: one layer of the project's backend (`--backend`, torch_sdpa by default:
-its real prepare and forward) over a grid of decode batches x contexts and prefills, written to
-attention.csv beside mlp.csv; the measured model calibrates its attention roofline on it.
-Engine: the real engine serves a few synthetic batches; what the operators leave unexplained of
-its steps (scheduling, metadata, sampling, Python between the modules) is fitted as a per-step,
-per-request and per-prefill cost (overhead.csv), which the measured model uses on this device in
-place of the hardware spec's estimated step_overhead_s.
-Collectives (`--collectives N`, the default on a machine with several GPUs: all of them): all-reduce
-over 2, 4, ... N processes and send/recv between two, through torch.distributed (NCCL on GPUs,
-gloo on CPU), written to DIR/network/<node>/ (sim/profile_network.py); point hardware.node at
-<node> to time parallel.tensor / parallel.pipeline with them.
+Each operator of the first decoder layer is timed on its own as the model runs it (median of
+`--repeats`), in the shipped tables' columns plus `head_dim`. Also written: attention.csv (one
+layer of `--backend` over decode and prefill grids: the measured model calibrates attention on
+it), overhead.csv (the real engine's per-step, per-request and per-prefill cost the operators
+leave unexplained) and, with `--collectives N` (default: every GPU), all-reduce and send/recv
+tables in DIR/network/<node>/ (sim/profile_network.py) for hardware.node=<node>.
 """
 
 from __future__ import annotations
@@ -138,9 +128,8 @@ PREFILL_GRID = ((1, 16, 0), (1, 64, 0), (1, 256, 0), (1, 1024, 0), (1, 256, 512)
 
 def profile_attention(folder: Path, backend_name: str, repeats: int, device: str = "cpu", dtype: str = "float32",
                       block_size: int = 16) -> list[dict[str, Any]]:
-    """One layer of the project's attention backend (its real prepare + forward, the K/V write
-    included) for pure decodes (batch x context) and prefills (batch x new tokens after cached
-    ones), in the model's head shape. Times in ms per layer; `prepare` is per step."""
+    """One layer of the attention backend (prepare + forward, K/V write included) over decodes and
+    prefills, in ms per layer; `prepare` is per step."""
     import numpy as np
     import torch
     from transformers import AutoConfig
@@ -185,18 +174,15 @@ ENGINE_BATCHES = ((1, 32, 24), (4, 64, 24), (16, 128, 16), (32, 200, 8), (8, 400
 
 
 def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu", dtype: str = "float32") -> list[Any]:
-    """The real engine (chunked scheduler, paged KV) serving a few synthetic batches: its step
-    log, each step's time counted to the next step's start (the bookkeeping between steps is
-    per-step time too; sim.cost.fitted.profile_rows). What the operators do not explain of it
-    is the engine's own per-step cost."""
+    """The real engine's step log over a few synthetic batches, each step timed to the next one's
+    start (sim.cost.fitted.profile_rows)."""
     from sim.cost.fitted import profile_rows
     from varlen import LLM, SamplingParams
 
     llm = LLM(str(folder), backend=backend, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=2048,
               device=device, dtype=dtype)
     if device == "cpu":
-        # This process's CPU time, as benchmarks/sim_fidelity.py times the real engine: on a shared
-        # machine another process time-sharing the core stretches wall-clock steps at random.
+        # CPU time: on a shared machine other processes stretch wall-clock steps at random.
         llm.engine.clock = _CpuClock()
     llm.generate([[5] * 40] * 2, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     rows: list[Any] = []

@@ -3,6 +3,7 @@
 Reads every run's summary.json (and requests.csv / kv_usage.csv) under the given directories and
 writes, next to them (or to --out): summary.csv, latency_throughput.png, ttft_cdf.png,
 tpot_cdf.png, tbt_cdf.png (each request's longest gap between output tokens), kv_usage.png.
+Also `python -m sim.search`'s Pareto table and pareto.png (`pareto_table`, `plot_pareto`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import matplotlib
 
-matplotlib.use("Agg")  # files only; no display on a server
+matplotlib.use("Agg")  # files only
 import matplotlib.ticker  # noqa: E402
 
 import matplotlib.pyplot as plt  # noqa: E402
@@ -26,7 +27,7 @@ COLUMNS = ["scheduler", "allocator", "rate", "requests", "finished", "requests_p
            "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "tbt_p99", "e2e_p50", "mean_batch_size", "peak_kv_usage",
            "mean_kv_usage", "preemptions", "goodput_requests_per_s", "slo_attainment", "tbt_attainment", "steps", "sim_wall_s"]
 
-LABELS = {"max_tbt": "longest gap between tokens (s)"}  # the CDF plots' x axes (default: NAME (s))
+LABELS = {"max_tbt": "longest gap between tokens (s)"}  # CDF x axes; default "NAME (s)"
 
 
 def gather(dirs: Sequence[str | Path]) -> pd.DataFrame:
@@ -38,7 +39,7 @@ def gather(dirs: Sequence[str | Path]) -> pd.DataFrame:
         for f in sorted(Path(d).rglob("summary.json")):
             try:
                 row = json.loads(f.read_text())
-            except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+            except (ValueError, UnicodeDecodeError) as e:
                 raise ValueError(f"{f}: not a readable summary ({' '.join(str(e).split())}); "
                                  "rerun that run or leave its directory out") from None
             missing = [k for k in ("scheduler", "allocator", "rate", "requests_per_s") if k not in row] \
@@ -145,6 +146,56 @@ def report(dirs: Sequence[str | Path], out: str | Path | None = None) -> pd.Data
     plot_cdfs(df, "max_tbt", out / "tbt_cdf.png")
     plot_kv(df, out / "kv_usage.png")
     return df
+
+
+# -- python -m sim.search's Pareto set (its Points: sim.search sits a floor above) ---------------
+
+PARETO_COLUMNS = [("hardware", "hardware"), ("tensor", "TP"), ("pipeline", "PP"), ("scheduler", "policy"),
+                  ("budget", "budget"), ("split", "P:D"), ("replica_capacity", "replica req/s"),
+                  ("replicas", "replicas"), ("gpus", "GPUs"), ("cost_per_hour", "$/h"),
+                  ("capacity", "capacity req/s"), ("verified", "verified")]
+
+
+def pareto_table(front: Sequence[Any], chosen: Any) -> str:
+    rows = []
+    for p in front:
+        r = p.row()
+        rows.append({head: r[k] for k, head in PARETO_COLUMNS})
+        rows[-1]["budget"] = "default" if p.budget is None else p.budget
+        rows[-1]["P:D"] = p.split_text or "-"
+        bound = ">=" if p.capacity_at_top else ""  # the bisection's top met the SLOs
+        rows[-1]["replica req/s"] = f"{bound}{p.replica_capacity:.3g}"
+        rows[-1]["capacity req/s"] = f"{bound}{p.capacity:.3g}"
+        rows[-1]["$/h"] = f"{p.cost_per_hour:.2f}"
+        rows[-1]["verified"] = {None: "-", True: "yes", False: "no"}[p.verified]
+        rows[-1][""] = "<- chosen" if p is chosen else ""
+    df = pd.DataFrame(rows)
+    return df.to_string(index=False)
+
+
+def plot_pareto(points: Sequence[Any], front: Sequence[Any], chosen: Any, target: float, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ok = [p for p in points if p.replicas and p.status == "ok"]
+    ax.scatter([p.cost_per_hour for p in ok], [p.capacity for p in ok], s=14, c="0.6", label="deployments")
+    ax.step([p.cost_per_hour for p in front], [p.capacity for p in front], "o-", where="post", c="C0",
+            label="Pareto set")
+    same: dict[tuple[float, float], list[str]] = {}  # ties share one label
+    for p in front:
+        same.setdefault((p.cost_per_hour, p.capacity), []).append(
+            f"{'>=' if p.capacity_at_top else ''}{p.label()} {p.size_text()}")
+    for xy, labels in same.items():
+        ax.annotate("\n".join(labels), xy, fontsize=7, xytext=(4, -4), textcoords="offset points", va="top")
+    if chosen is not None:
+        ax.scatter([chosen.cost_per_hour], [chosen.capacity], marker="*", s=220, c="C3", zorder=5,
+                   label="cheapest, checked at the target")
+    ax.axhline(target, ls="--", c="C2", lw=1, label=f"target {target:g} req/s")
+    ax.set_xlabel("cost (USD per hour, estimated GPU prices)")
+    ax.set_ylabel("capacity within the SLOs (requests/s)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -3,28 +3,13 @@
     python -m sim.search search.target_rate=20 slo.ttft_s=1 slo.tpot_s=0.05 workload.limit=2000
     python -m sim.search search.hardware=[h100_sxm] search.tensor=[1,2,4] search.pipeline=[1,2]
 
-Config: conf/sim/search.yaml (sim.yaml plus `search.*`). A plain grid: hardware x TP x PP x policy
-x token budget (`search.*` lists). Each point is one replica; the search
-
-1. prunes points whose weights do not fit (sim/parallel.py's capacity check, its message kept) and
-   hardware without a price (`cost_per_gpu_hour` in conf/hardware/*.yaml, an estimate);
-2. finds one replica's SLO capacity with sim.capacity's bisection on workload.rate (capacity.*);
-3. sizes the deployment: replicas = ceil(target / replica capacity), cost per hour = replicas x
-   GPUs per replica x cost per GPU-hour, its capacity estimated as replicas x replica capacity;
-4. checks the cheapest by simulating the whole deployment (cluster.replicas, the router set) at the
-   target rate; one that misses the SLOs gets another replica and goes back in the queue, so the
-   answer is the cheapest deployment whose check passed (up to search.max_verify checks).
-
-Prints the Pareto set (no other deployment is as cheap with as much capacity) and writes
-search.csv (every point, with why it was left out), search.json (the settings, the choice, its
-check, the Pareto set), pareto.png and the checked run's tables (verified/) to the run directory.
-
-Disaggregated prefill/decode: with `search.cluster_mode=[colocated,disaggregated]` each design is
-also searched as P/D splits (`search.pd_splits`, a list of [P, D]): the unit is P prefill and D
-decode instances of the point's hardware, TP and policy (cluster.mode=disaggregated), its capacity
-bisected as one replica's is, and the deployment k units, k = ceil(target / unit capacity), so
-GPUs = k x (P + D) x TP. Pipeline parallelism is not modelled there: those points are skipped, with
-the reason, in search.csv.
+Config: conf/sim/search.yaml. A grid of hardware x TP x PP x policy x token budget (`search.*`),
+each point one replica (or, with search.cluster_mode=[...,disaggregated], one unit of P prefill
+and D decode instances, `search.pd_splits`; no PP there). The search prunes points that do not fit
+or have no price (`cost_per_gpu_hour`), bisects one replica's SLO capacity (sim.capacity), sizes
+replicas = ceil(target / capacity) and their cost, then simulates the cheapest whole deployment at
+the target; one that misses gets a replica more and goes back in line (up to search.max_verify).
+Writes search.csv, search.json, pareto.png and the checked run (verified/) to the run directory.
 """
 
 from __future__ import annotations
@@ -48,8 +33,7 @@ SWEPT = {"hardware": "search.hardware", "parallel.tensor": "search.tensor", "par
          "cluster.replicas": "(derived from the target rate)", "workload.rate": "search.target_rate",
          "cluster.mode": "search.cluster_mode", "cluster.prefill_replicas": "search.pd_splits (scaled to the target)",
          "cluster.decode_replicas": "search.pd_splits (scaled to the target)"}
-# Per-pool settings a P/D point sets through the run's own (both pools: the point's hardware, TP,
-# policy and budget); one given per pool would make the point's label and its price wrong.
+# Per-pool settings a P/D point sets itself; one given per pool would make its label and price wrong.
 for _pool in ("prefill", "decode"):
     SWEPT.update({f"cluster.{_pool}.hardware": "search.hardware", f"cluster.{_pool}.tensor": "search.tensor",
                   f"cluster.{_pool}.scheduler": "search.scheduler",
@@ -68,14 +52,14 @@ class Point:
     budget: int | None  # scheduler.max_num_batched_tokens; None: the policy's default
     mode: str = "colocated"
     cost_per_gpu_hour: float = math.nan
-    split: tuple[int, int] | None = None  # disaggregated: (P, D) instances of one unit; colocated: None
+    split: tuple[int, int] | None = None  # disaggregated: (P, D) instances of one unit
     status: str = "pending"  # ok | does not fit | misses SLOs | over max_gpus | skipped | error
     reason: str = ""
     replica_capacity: float | None = None  # req/s one replica sustains within the SLOs
     capacity_at_top: bool = False  # the bisection's top (capacity.high) met the SLOs: a lower bound
     probes: int = 0
     replicas: int | None = None  # colocated: replicas; disaggregated: units of the P:D split
-    verified: bool | None = None  # None: not checked; True / False: the check's verdict
+    verified: bool | None = None  # None: not checked
     verified_attainment: float | None = None
     checks: list[dict[str, Any]] = field(default_factory=list)
 
@@ -94,7 +78,6 @@ class Point:
 
     @property
     def capacity(self) -> float:
-        """The deployment's capacity, estimated: replicas x one replica's."""
         return (self.replicas or 0) * (self.replica_capacity or 0.0)
 
     def overrides(self) -> list[str]:
@@ -145,8 +128,7 @@ def _mode_overrides(mode: str) -> list[str]:
 
 
 def pareto_front(points: Sequence[Point]) -> list[Point]:
-    """The points no other dominates (as cheap or cheaper with as much capacity or more, better in
-    one), cheapest first."""
+    """The points no other dominates (as cheap with as much capacity, better in one), cheapest first."""
     def dominates(a: Point, b: Point) -> bool:
         return (a.cost_per_hour <= b.cost_per_hour and a.capacity >= b.capacity
                 and (a.cost_per_hour < b.cost_per_hour or a.capacity > b.capacity))
@@ -173,10 +155,6 @@ def pd_splits(cfg: DictConfig) -> list[tuple[int, int]]:
 def replicas_for(target: float, replica_capacity: float) -> int:
     """Whole replicas whose summed capacity reaches the target (a hair of float slack)."""
     return max(1, math.ceil(target / replica_capacity * (1 - 1e-9)))
-
-
-# ---------------------------------------------------------------------------------------------
-# Settings
 
 
 def _names(cfg: DictConfig, key: str) -> list[Any]:
@@ -274,13 +252,8 @@ def grid(cfg: DictConfig, prices: Mapping[str, float]) -> list[Point]:
             for m, split in shapes]
 
 
-# ---------------------------------------------------------------------------------------------
-# The search
-
-
 class Search:
-    """Runs the grid. `compose(overrides)` gives the full config of a point (Hydra's compose of
-    this command's config with the command line's overrides and the point's)."""
+    """Runs the grid; `compose(overrides)` gives a point's full config."""
 
     def __init__(self, cfg: DictConfig, compose: Any, labels: Mapping[str, Any], log: Any = print) -> None:
         self.cfg, self.compose, self.labels, self.log = cfg, compose, dict(labels), log
@@ -369,8 +342,7 @@ class Search:
         return ok, res, row, c
 
     def cheapest_verified(self, points: Sequence[Point]) -> tuple[Point | None, Any, dict[str, Any] | None, Any]:
-        """The cheapest deployment whose simulation at the target rate meets the SLOs: check
-        deployments cheapest first; one that misses gets a replica more and goes back in line."""
+        """The cheapest deployment whose simulation at the target rate meets the SLOs."""
         max_gpus, budget = int(self.cfg.search.max_gpus), int(self.cfg.search.max_verify)
         line = [(p.cost_per_hour, -p.capacity, i) for i, p in enumerate(points) if p.status == "ok"]
         heapq.heapify(line)
@@ -405,69 +377,8 @@ class Search:
         return self.cheapest_verified(points)
 
 
-# ---------------------------------------------------------------------------------------------
-# Output
-
-TABLE = [("hardware", "hardware"), ("tensor", "TP"), ("pipeline", "PP"), ("scheduler", "policy"),
-         ("budget", "budget"), ("split", "P:D"), ("replica_capacity", "replica req/s"), ("replicas", "replicas"),
-         ("gpus", "GPUs"),
-         ("cost_per_hour", "$/h"), ("capacity", "capacity req/s"), ("verified", "verified")]
-
-
-def pareto_table(front: Sequence[Point], chosen: Point | None) -> str:
-    import pandas as pd
-
-    rows = []
-    for p in front:
-        r = p.row()
-        rows.append({head: r[k] for k, head in TABLE})
-        rows[-1]["budget"] = "default" if p.budget is None else p.budget
-        rows[-1]["P:D"] = p.split_text or "-"  # replicas of a split: units of P prefill + D decode instances
-        bound = ">=" if p.capacity_at_top else ""  # the bisection's top met the SLOs
-        rows[-1]["replica req/s"] = f"{bound}{p.replica_capacity:.3g}"
-        rows[-1]["capacity req/s"] = f"{bound}{p.capacity:.3g}"
-        rows[-1]["$/h"] = f"{p.cost_per_hour:.2f}"
-        rows[-1]["verified"] = {None: "-", True: "yes", False: "no"}[p.verified]
-        rows[-1][""] = "<- chosen" if p is chosen else ""
-    df = pd.DataFrame(rows)
-    return df.to_string(index=False)
-
-
-def plot_pareto(points: Sequence[Point], front: Sequence[Point], chosen: Point | None, target: float,
-                path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    ok = [p for p in points if p.replicas and p.status == "ok"]
-    ax.scatter([p.cost_per_hour for p in ok], [p.capacity for p in ok], s=14, c="0.6", label="deployments")
-    ax.step([p.cost_per_hour for p in front], [p.capacity for p in front], "o-", where="post", c="C0",
-            label="Pareto set")
-    same: dict[tuple[float, float], list[str]] = {}  # ties (e.g. two policies alike) share one label
-    for p in front:
-        same.setdefault((p.cost_per_hour, p.capacity), []).append(
-            f"{'>=' if p.capacity_at_top else ''}{p.label()} {p.size_text()}")
-    for xy, labels in same.items():
-        ax.annotate("\n".join(labels), xy, fontsize=7, xytext=(4, -4), textcoords="offset points", va="top")
-    if chosen is not None:
-        ax.scatter([chosen.cost_per_hour], [chosen.capacity], marker="*", s=220, c="C3", zorder=5,
-                   label="cheapest, checked at the target")
-    ax.axhline(target, ls="--", c="C2", lw=1, label=f"target {target:g} req/s")
-    ax.set_xlabel("cost (USD per hour, estimated GPU prices)")
-    ax.set_ylabel("capacity within the SLOs (requests/s)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def sim_run_args(task: Sequence[str], cfg: DictConfig, p: Point) -> list[str]:
-    """The `python -m sim.run` arguments that simulate deployment `p` at the target rate as the
-    search checked it: the command line's settings but the search's own, the trace limit
-    search.yaml sets (sim.yaml has none), the point's settings."""
+    """The `python -m sim.run` arguments that simulate deployment `p` as the search checked it."""
     args = [o for o in task if not o.split("=", 1)[0].lstrip("+~").startswith("search.")]
     if not any(o.split("=", 1)[0] == "workload.limit" for o in args):
         args.append(f"workload.limit={cfg.workload.limit}")
@@ -481,6 +392,7 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from sim.capacity import slo_text
+    from sim.report import pareto_table, plot_pareto
     from sim.run import hydra_labels, write_outputs
     from varlen.cli import errors_to_exit, fail, interrupted
 
@@ -543,9 +455,8 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     from varlen.cli import run_cli
 
-    # The entry point by its importable name, not __main__'s: a launcher that pickles the task
-    # (submitit) then pickles it by reference. By value, cloudpickle < 3 (which the Ray launcher
-    # pins) rebuilds Point without its dataclass fields, and the job fails.
+    # By its importable name, so a launcher pickles it by reference (by value, cloudpickle < 3 drops
+    # Point's dataclass fields).
     from sim.search import main as entry
 
     run_cli(entry)

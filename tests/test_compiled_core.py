@@ -70,7 +70,9 @@ def test_user_classes_subclass_every_shipped_plug_in():
     # says so when the subclass is instantiated). Runs under whichever core this process got:
     # in CI, the compiled one.
     from varlen import registry
-    from sim.cost_models import ProfiledCostModel, ReplayCostModel, RooflineCostModel
+    from sim.cost.fitted import ProfiledCostModel
+    from sim.cost.replay import ReplayCostModel
+    from sim.cost.roofline import RooflineCostModel
     from sim.executor import CostModelExecutor
     from sim.fast_forward import FastForwardEngine
     from sim.simulator import simulate

@@ -50,9 +50,7 @@ def test_modules_do_not_import_torch() -> None:
     assert r.returncode == 0, r.stderr
 
 
-# ---------------------------------------------------------------------------------------------
-# Hardware
-
+# -- hardware
 
 @pytest.mark.parametrize("name, tflops, gbs, mem", [
     ("h100_sxm", 989.4, 3350, 80), ("h200_sxm", 989.4, 4800, 141), ("a100_80gb_sxm", 312, 2039, 80),
@@ -68,7 +66,7 @@ def test_gpu_specs_carry_the_datasheet_figures(name: str, tflops: float, gbs: fl
 def test_cpu_spec_is_marked_as_estimate() -> None:
     hw = HardwareSpec.load("cpu_2core")
     assert hw.estimated and hw.dtype_bytes == 4
-    assert hw.peak_tflops * 1e3 == pytest.approx(2 * 2 * 8 * 2 * 2.45)  # GFLOP/s
+    assert hw.peak_tflops * 1e3 == pytest.approx(2 * 2 * 8 * 2 * 2.45)
     assert "estimate" in (hardware_dir() / "cpu_2core.yaml").read_text().lower()
 
 
@@ -82,9 +80,7 @@ def test_hardware_lookup_errors_and_mappings() -> None:
     assert hw.bandwidth == pytest.approx(2e9 * 0.85)
 
 
-# ---------------------------------------------------------------------------------------------
-# Roofline
-
+# -- roofline
 
 def test_model_shape_counts_parameters() -> None:
     llama = ModelShape.from_config(LLAMA3_8B)
@@ -115,7 +111,7 @@ def test_roofline_flops_are_exact_per_request() -> None:
     L, H, V, T = 32, 4096, 128256, int(n.sum())
     linear = 2 * (llama_layer := 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336) * T
     attn = 4 * 4096 * sum(int(ni * ci + ni * (ni + 1) // 2) for ni, ci in zip(n, c))
-    assert llama_layer * L + 2 * V * H + L * 2 * H + H == 8_030_261_248  # the shape used above
+    assert llama_layer * L + 2 * V * H + L * 2 * H + H == 8_030_261_248
     assert e.flops == pytest.approx(L * (linear + attn) + 2 * len(n) * H * V, rel=1e-12)
     # A chunk that does not end its prompt produces no logits: fewer FLOPs, less time.
     assert m.estimate(n, c, num_logits=2).flops == pytest.approx(e.flops - 2 * 2 * H * V)
@@ -131,8 +127,7 @@ def test_roofline_decode_grows_with_batch_and_context_and_is_memory_bound() -> N
         times.append(row)
         assert m.estimate(np.ones(batch), np.full(batch, 1024)).bound == "memory"
     assert [t[1] for t in times] == sorted(t[1] for t in times)
-    # Batch-1 decode ~ reading the weights at 85% of 3.35 TB/s, plus the overhead; the input
-    # embedding table is not read whole (only the new tokens' rows), the LM head is.
+    # Batch-1 decode ~ the weights (not the input embedding table) at 85% of 3.35 TB/s.
     read = (8_030_261_248 - 128256 * 4096) * 2
     assert times[0][0] == pytest.approx(read / (3.35e12 * 0.85) + 1e-3, rel=0.02)
 
@@ -152,7 +147,7 @@ def test_roofline_hardware_and_model_variations() -> None:
     dec = (np.ones(32), np.full(32, 2048))
     assert h200.step_time(*dec) < h100.step_time(*dec) < a100.step_time(*dec)
     pre = ([4096], [0])
-    assert h200.step_time(*pre) == pytest.approx(h100.step_time(*pre), rel=0.01)  # same compute
+    assert h200.step_time(*pre) == pytest.approx(h100.step_time(*pre), rel=0.01)
     assert a100.step_time(*pre) > 2.5 * h100.step_time(*pre)
     # GQA: fewer KV heads, less KV to read on long-context decode.
     mha = RooflineCostModel({**LLAMA3_8B, "num_key_value_heads": 32}, "h100_sxm")
@@ -185,9 +180,7 @@ def test_roofline_reads_config_json(tmp_path: Path) -> None:
     assert a.shape == b.shape == ModelShape.from_config(QWEN3_SMALL)
 
 
-# ---------------------------------------------------------------------------------------------
-# Profiled
-
+# -- profiled
 TRUE = {"const": 4e-3, "new_tokens": 2.5e-5, "num_seqs": 1.2e-4, "attn_work": 3e-9, "cached_tokens": 4e-8}
 
 
@@ -236,10 +229,8 @@ def test_profiled_fit_with_noise_reports_quality_and_keeps_coefficients_non_nega
 
 
 def test_relative_fit_predicts_the_mean_step_time_under_multiplicative_noise() -> None:
-    # A real engine's step times scatter around the batch's cost by a fraction of it. The
-    # simulator adds step times up (TPOT, e2e, throughput), so it needs each step's mean time.
-    # Weights from the measured durations (1 / y) favour the steps that ran fast and predict
-    # low; weights from the model's own prediction (the default "relative") do not.
+    # The simulator sums step times, so it needs each step's mean: weights from the measured
+    # durations (1 / y) predict low, weights from the model's own prediction do not.
     rng = np.random.default_rng(5)
     clean = _durations(_random_steps(rng, 3000), TRUE)
     noisy = [(n, c, d * (1 + rng.normal(0, 0.2))) for n, c, d in clean]
@@ -248,7 +239,7 @@ def test_relative_fit_predicts_the_mean_step_time_under_multiplicative_noise() -
     pred = np.array([model.step_time(n, c) for n, c, _ in clean])
     assert abs(pred.sum() / truth.sum() - 1) < 0.01
     assert abs(np.median(pred / truth) - 1) < 0.015
-    X, y = model._design(noisy)  # the old weighting, 1 / measured duration, for contrast
+    X, y = model._design(noisy)  # 1 / measured duration, for contrast
     w = 1 / y
     old = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)[0]
     assert np.median((X @ old) / truth) - 1 < -0.02
@@ -257,7 +248,7 @@ def test_relative_fit_predicts_the_mean_step_time_under_multiplicative_noise() -
 def test_fit_drops_outlier_steps() -> None:
     rng = np.random.default_rng(6)
     data = _durations(_random_steps(rng, 500), TRUE)
-    hiccups = set(rng.choice(len(data), 10, replace=False).tolist())  # e.g. a GC pause, a preemption
+    hiccups = set(rng.choice(len(data), 10, replace=False).tolist())
     spoiled = [(n, c, d * 20 if i in hiccups else d) for i, (n, c, d) in enumerate(data)]
     for weighting in ("relative", "absolute"):
         model = ProfiledCostModel.fit(spoiled, weighting=weighting)
@@ -288,7 +279,7 @@ def test_numpy_nnls_satisfies_the_optimality_conditions() -> None:
 
 
 def test_profiled_fit_without_scipy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "scipy.optimize", None)  # import now raises ImportError
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)
     data = _durations(_random_steps(np.random.default_rng(3), 300), TRUE)
     got = ProfiledCostModel.fit(data).coefficients()
     for k, v in TRUE.items():
@@ -325,9 +316,7 @@ def test_profiled_logit_rows_feature_and_errors() -> None:
         ProfiledCostModel.fit([])
 
 
-# ---------------------------------------------------------------------------------------------
-# Replay and construction
-
+# -- replay and construction
 
 def test_replay_returns_recorded_durations_in_order(tmp_path: Path) -> None:
     m = ReplayCostModel([0.5, 0.25, 0.125])
@@ -357,9 +346,24 @@ def test_factory_and_hydra_instantiate() -> None:
     built = instantiate(cfg)
     assert built.hardware == HardwareSpec.load("h200_sxm")
     assert built.step_time([1], [10]) == RooflineCostModel(LLAMA3_8B, "h200_sxm").step_time([1], [10])
-    # The former module's name still resolves (conf/hardware's _target_ and users' configs use it).
-    by_name = instantiate({"_target_": "sim.cost_models.RooflineCostModel", "hardware": "a100_80gb_sxm"})
-    assert by_name.hardware.name == "a100_80gb_sxm"
+
+
+def test_the_former_module_fails_in_one_line_naming_the_new_paths() -> None:
+    """One import path per interface: the former re-export module is refused in one line naming
+    the new paths, by import and as a dotted cost.model; nothing shipped imports it."""
+    from sim.cost.registry import build_cost_model
+
+    with pytest.raises(ImportError, match=r"^sim.cost_models is gone; import from sim.cost.base .*sim.cost.roofline "
+                                          r"\(RooflineCostModel\)") as e:
+        import sim.cost_models  # noqa: F401
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"cannot import 'sim.cost_models.RooflineCostModel' \(ImportError: "
+                                         r"sim.cost_models is gone; import from sim.cost.base"):
+        build_cost_model({"model": "sim.cost_models.RooflineCostModel"}, "tiny", "cpu_2core")
+    users = [str(f.relative_to(REPO)) for d in ("backends", "benchmarks", "conf", "schedulers", "scripts", "sim",
+                                                  "tests", "varlen")
+             for f in sorted((REPO / d).rglob("*")) if f.suffix in (".py", ".yaml") and "sim.cost_models" in f.read_text()]
+    assert users == ["sim/cost_models.py", "tests/test_cost_models.py"], users
 
 
 # -- the split into sim/cost/: the same numbers, bit for bit ---------------------------------------
@@ -421,14 +425,15 @@ def test_cost_models_keep_their_pre_split_numbers(name: str) -> None:
 
 
 def test_a_new_formula_is_timed_the_same_by_every_derived_path() -> None:
-    """A model written only as the formula's three methods gets step_time, step_time_sums, the
-    decode closure and explain's parts from them, all agreeing."""
-    from sim.cost.base import NOT_SPLIT, CostModel, StepFixed, StepSums
+    """A model written only as the formula gets every derived path from it, all agreeing."""
+    from sim.cost.base import CostModel, StepFixed, StepSums
     from sim.explain import breakdown
 
     class Linear(CostModel):
         def step_fixed(self, num_seqs, new, num_logits, num_prefills):
-            return StepFixed(2.0, 1e-3 + 1e-6 * new, 0.0, NOT_SPLIT, 1e-6 * new, NOT_SPLIT, 0.0, 1e-3, new)
+            # step = per_step + layers x (per_layer + attention): 1 ms, plus 0.5 us per new token per layer.
+            return StepFixed(layers=2.0, per_layer=5e-7 * new, per_step=1e-3, num_seqs=num_seqs, new=new,
+                             linear_s=1e-6 * new, overhead_s=1e-3)
 
         def layer_attention(self, f, pairs, cached):
             return 1e-9 * pairs + 1e-8 * cached

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 import sim.run as sim_run
 from schedulers import ChunkedPolicy
 from sim.cluster import check_cluster
-from sim.cost_models import RooflineCostModel
+from sim.cost.roofline import RooflineCostModel
 from sim.disagg import DisaggEngine, Link, receiving, simulate_disaggregated
 from sim.executor import CostModelExecutor
 from varlen.cli import SettingError

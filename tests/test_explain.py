@@ -15,7 +15,7 @@ from sim.cost.fitted import ProfiledCostModel
 from sim.cost.hardware import HardwareSpec, load_model_config
 from sim.cost.replay import ReplayCostModel
 from sim.explain import PARTS, breakdown
-from sim.cost.operators import ProfileError, load_profiles
+from sim.cost.profiles import ProfileError, load_profiles
 from sim.cost.registry import build_cost_model
 
 ROOT = Path(__file__).resolve().parents[1]

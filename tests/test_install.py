@@ -83,7 +83,7 @@ def entry_points(installed, tmp_path_factory) -> dict[str, tuple[subprocess.Pope
 @wheel_test
 def test_installed_packages_come_from_the_wheel(installed, tmp_path):
     code = ("import conf, sim, varlen, backends, schedulers\n"
-            "from sim.run import CONF\nfrom sim.cost_models import hardware_dir\nfrom varlen.traces import default_traces_dir\n"
+            "from sim.run import CONF\nfrom sim.cost.hardware import hardware_dir\nfrom varlen.traces import default_traces_dir\n"
             "for x in (conf.__file__, sim.__file__, varlen.__file__, backends.__file__, schedulers.__file__, CONF, "
             "hardware_dir(), default_traces_dir()): print(x)")
     out = run_installed(installed, tmp_path, "-c", code)

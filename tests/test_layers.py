@@ -25,7 +25,7 @@ FLOORS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
         "varlen.compiled", "varlen.sampling_params", "varlen.request", "varlen.clock", "varlen.steplog",
         "varlen.promises", "varlen.interrupt", "varlen.batch", "varlen.settings", "varlen.registry",
         "varlen.traces", "varlen.traces.*", "varlen.workload", "varlen.metrics", "varlen.tiny_model", "varlen.cli",
-        "sim",  # the package marker only (sim.cost.operators finds its data next to it)
+        "sim",  # the package marker only (sim.cost.profiles finds its data next to it)
     )}),
     ("interfaces", {"interfaces": (
         "varlen.scheduler_api", "varlen.attention_api", "varlen.kv.base", "sim.cost.base",
@@ -191,7 +191,7 @@ def test_the_check_sees_a_violation_and_a_cycle(graph, tmp_path):
 
 
 def test_scheduling_core_and_simulator_import_no_torch():
-    mods = ["sim.run", "sim.simulator", "sim.executor", "sim.fast_forward", "sim.cost_models", "sim.capacity",
+    mods = ["sim.run", "sim.simulator", "sim.executor", "sim.fast_forward", "sim.cost.registry", "sim.cost.fitted", "sim.cost.replay", "sim.capacity",
             "sim.validate", "sim.report", "schedulers", "varlen.scheduler_api", "varlen.engine", "varlen.kv",
             "varlen.request", "varlen.metrics", "varlen.workload", "varlen.traces", "varlen.clock"]
     code = f"import sys\nfor m in {mods!r}: __import__(m)\nprint(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"

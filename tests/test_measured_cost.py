@@ -15,9 +15,10 @@ import pytest
 from sim.cost.base import StepSums
 from sim.cost.hardware import HardwareSpec
 from sim.cost.measured import MeasuredCostModel
-from sim.cost.operators import (
-    LAYER_OPS, PER_LAYER, SHIPPED, ModelKey, ProfileError, interp_size, interp_tokens,
-    layer_op_ms, load_profiles, read_compute_table,
+from sim.cost.collectives import interp_size
+from sim.cost.gemm import layer_op_ms
+from sim.cost.profiles import (
+    LAYER_OPS, PER_LAYER, SHIPPED, ModelKey, ProfileError, interp_tokens, load_profiles, read_compute_table,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,8 +104,7 @@ def test_decode_closure_equals_step_time_sums_bit_for_bit(batch: int) -> None:
 
 
 def test_held_out_model_is_predicted_within_bounds() -> None:
-    """Leave-one-out on one small case (benchmarks/sim_profiles.py does all): Llama-3-8B's
-    layer on an A100 at TP1, its table hidden, predicted from the other models' GEMM shapes."""
+    """Leave-one-out on one case (benchmarks/sim_profiles.py does all): Llama-3-8B on an A100."""
     prof = load_profiles()
     table = next(t for t in prof.compute("a100") if t.name == "meta-llama/Meta-Llama-3-8B")
     tok, times = table.by_tp[1]
@@ -112,23 +112,20 @@ def test_held_out_model_is_predicted_within_bounds() -> None:
     assert source.startswith("predicted from GEMM shapes on a100")
     meas = sum(PER_LAYER[op] * times[op] for op in LAYER_OPS)
     err = np.abs(sum(PER_LAYER[op] * pred[op] for op in LAYER_OPS) / meas - 1)
-    assert np.median(err) < 0.06 and err.max() < 0.2  # measured: 2.7% and 10.4%
+    assert np.median(err) < 0.06 and err.max() < 0.2
 
 
 def test_held_out_tables_do_not_leak_into_their_prediction(tmp_path: Path) -> None:
-    """Leave-one-out stays honest in both of benchmarks/sim_profiles.py's scenarios: the held-out
-    tables (a shape at every TP degree, or at one; both 70B models share one shape) may be
-    rewritten or deleted without changing their prediction, while a table that is not held out
-    does change it (so the check can fail): another model's, and for a held-out TP degree the
-    same shape's other TP degrees."""
-    from sim.cost.operators import Profiles, _operator_model
+    """Held-out tables (a shape at every TP degree, or at one) may be rewritten or deleted without
+    changing their prediction; a table not held out does change it (so the check can fail)."""
+    from sim.cost.gemm import _operator_model
+    from sim.cost.profiles import Profiles
 
     src = SHIPPED / "compute" / "a100"
     held = ("meta-llama/Llama-2-70b-hf", "meta-llama/Meta-Llama-3-70B")
 
     def folder(name: str, scale: dict[str, float], drop: tuple[str, ...] = (), tp: int | None = None) -> Profiles:
-        """The shipped A100 tables; `scale`d models' times (at TP `tp` only, if given) multiplied,
-        `drop`ped models' tables (their TP `tp` rows only, if given) left out."""
+        """The shipped A100 tables, `scale`d or `drop`ped (at TP `tp` only, if given)."""
         root = tmp_path / name / "compute" / "a100"
         for f in sorted(src.glob("*/*/mlp.csv.gz")):
             model = f"{f.parent.parent.name}/{f.parent.name}"
@@ -182,9 +179,8 @@ def test_held_out_tables_do_not_leak_into_their_prediction(tmp_path: Path) -> No
 
 
 def test_unprofiled_tp_degree_is_predicted_from_the_same_shapes_other_tp_tables() -> None:
-    """A TP degree not profiled for a profiled shape (TP 2 of Llama-2-70B on the H100, its table
-    hidden) is predicted with the shape's TP 1, 4 and 8 tables, says so, and comes closer to the
-    hidden table than the prediction without them (the shape hidden at every TP degree)."""
+    """Llama-2-70B's hidden TP 2 table on the H100 is predicted with the shape's TP 1, 4 and 8
+    tables, says so, and comes closer than without them."""
     prof = load_profiles()
     table = next(t for t in prof.compute("h100") if t.name == "meta-llama/Llama-2-70b-hf")
     tok, times = table.by_tp[2]
@@ -195,7 +191,6 @@ def test_unprofiled_tp_degree_is_predicted_from_the_same_shapes_other_tp_tables(
         assert source.startswith("predicted from GEMM shapes on h100")
         assert ("incl. this shape at TP 1, 4, 8" in source) == (how == "siblings")
         err[how] = np.abs(sum(PER_LAYER[op] * pred[op] for op in LAYER_OPS) / meas - 1)
-    # measured: median 2.7% / max 17.4% with them, 4.9% / 27.4% without
     assert np.median(err["siblings"]) < 0.75 * np.median(err["shape"])
     assert err["siblings"].max() < 0.75 * err["shape"].max()
     # The cost model, for a TP degree no table has: the shape's four tables, named.
@@ -206,10 +201,10 @@ def test_unprofiled_tp_degree_is_predicted_from_the_same_shapes_other_tp_tables(
 
 
 def test_gemms_that_follow_a_fixed_cost_plus_throughput_are_predicted_exactly() -> None:
-    """The GEMM fit's affine part: on a GPU whose GEMMs take 2 M (c0 + c1 N K), a shape larger than
-    any profiled one is predicted to rounding (the blend, fitted leaving each shape out, is then
-    all affine); with a single profiled shape nothing can be left out, and the local fit is used."""
-    from sim.cost.operators import GEMMS, ComputeTable, GpuOperatorModel, gemm_dims
+    """GEMMs taking 2 M (c0 + c1 N K): a shape larger than any profiled is predicted to rounding;
+    with a single profiled shape the local fit is used."""
+    from sim.cost.gemm import GpuOperatorModel, gemm_dims
+    from sim.cost.profiles import GEMMS, ComputeTable
 
     c0, c1 = 8e-9, 1 / 400e12
     tokens = np.array([1.0, 8.0, 64.0, 512.0, 4096.0])
@@ -299,8 +294,7 @@ def test_sim_run_with_the_measured_model_and_its_errors(tmp_path: Path) -> None:
 
 
 def test_profiler_writes_tables_the_measured_model_reads(tmp_path: Path) -> None:
-    """python -m sim.profile on the tiny model: the table it writes is valid, has the shape of
-    the model, and the measured model built on it reads its times back exactly."""
+    """python -m sim.profile's table for the tiny model is valid and read back exactly."""
     from sim.profile import main
 
     assert main(["--model", "tiny", "--out", str(tmp_path), "--tokens", "1,8,64", "--repeats", "1", "--no-engine"]) == 0
@@ -323,12 +317,11 @@ def test_profiler_writes_tables_the_measured_model_reads(tmp_path: Path) -> None
 
 
 def test_profiler_times_collectives_on_cpu_with_gloo(tmp_path: Path) -> None:
-    """python -m sim.profile --collectives 2 on CPU: two gloo processes time all-reduce and
-    send/recv (the torch.distributed path a multi-GPU machine runs with NCCL); the tables are in
-    the shipped layout and the measured model's collectives read their medians back."""
+    """python -m sim.profile --collectives 2 on CPU (gloo): tables in the shipped layout, read back."""
     import csv
 
-    from sim.cost.operators import Collectives, Profiles, read_collective_table
+    from sim.cost.collectives import Collectives
+    from sim.cost.profiles import Profiles, read_collective_table
     from sim.profile import main
 
     assert main(["--only-collectives", "--collectives", "2", "--node", "cpu_pair", "--sizes", "1024,65536",
@@ -353,7 +346,8 @@ def test_profiler_times_collectives_on_cpu_with_gloo(tmp_path: Path) -> None:
 
 
 def test_attention_calibration_recovers_the_rates_of_a_table(tmp_path: Path) -> None:
-    from sim.cost.operators import ATTENTION_COLUMNS, calibrate_attention
+    from sim.cost.attention import calibrate_attention
+    from sim.cost.profiles import ATTENTION_COLUMNS
 
     const, per_seq, per_byte, per_flop = 20e-6, 3e-6, 1 / 50e9, 1 / 2e12
     rows = []

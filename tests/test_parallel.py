@@ -9,7 +9,8 @@ import pytest
 from sim.cost.base import StepSums
 from sim.cost.hardware import HardwareSpec, ModelShape
 from sim.cost.measured import MeasuredCostModel
-from sim.cost.operators import interp_size, load_profiles
+from sim.cost.collectives import interp_size
+from sim.cost.profiles import load_profiles
 from sim.cost.roofline import RooflineCostModel
 from sim.cost.registry import build_cost_model
 from sim.parallel import CommunicationCostModel, Parallelism, capacity, shard_config

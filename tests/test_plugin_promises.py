@@ -18,7 +18,10 @@ from test_sim_fastforward import ALLOCATORS, POLICIES, assert_same, policy_class
 import varlen.compiled as compiled
 from schedulers import ChunkedPolicy
 from schedulers.base import SchedulerPolicy
-from sim.cost_models import CostModel, ProfiledCostModel, ReplayCostModel, RooflineCostModel, StepSums
+from sim.cost.base import CostModel, StepSums
+from sim.cost.fitted import ProfiledCostModel
+from sim.cost.replay import ReplayCostModel
+from sim.cost.roofline import RooflineCostModel
 from sim.executor import CostModelExecutor
 from sim.fast_forward import FastForwardEngine
 from sim.simulator import simulate

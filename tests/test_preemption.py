@@ -9,7 +9,7 @@ import pytest
 
 from schedulers import ChunkedPolicy, ContinuousPolicy
 from varlen import registry
-from sim.cost_models import RooflineCostModel
+from sim.cost.roofline import RooflineCostModel
 from sim.executor import CostModelExecutor
 from sim.fast_forward import FastForwardEngine
 from sim.simulator import simulate

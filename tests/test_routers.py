@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from schedulers import ChunkedPolicy
-from sim.cost_models import RooflineCostModel
+from sim.cost.roofline import RooflineCostModel
 from sim.executor import CostModelExecutor
 from sim.routers import PrefixAwareRouter
 from sim.run import check_router, prefix_hit_rate

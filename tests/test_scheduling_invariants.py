@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from schedulers import PriorityPolicy
 from schedulers.base import SchedulerPolicy
-from sim.cost_models import RooflineCostModel
+from sim.cost.roofline import RooflineCostModel
 from sim.executor import CostModelExecutor
 from sim.fast_forward import FastForwardEngine
 from sim.simulator import simulate

@@ -1,6 +1,4 @@
-"""`python -m sim.search`: a tiny deployment search end to end (its Pareto set really is the
-non-dominated set, the cheapest deployment meets the SLOs when sim.run simulates it), the grid's
-pruning, and its settings' errors."""
+"""`python -m sim.search` end to end on a tiny grid, its pruning and its settings' errors."""
 
 from __future__ import annotations
 
@@ -90,8 +88,7 @@ def test_search_finds_the_cheapest_checked_deployment_and_its_pareto_set(tiny_se
 
 
 def test_a_deployment_that_misses_at_the_target_gets_another_replica() -> None:
-    """The check, not the estimate, decides: a deployment the simulation at the target rate finds
-    short gets a replica more and waits its turn behind cheaper ones."""
+    """The check, not the estimate, decides: a deployment found short gets a replica more."""
     from omegaconf import OmegaConf
 
     from sim.search import Search

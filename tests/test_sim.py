@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 
 from schedulers import ChunkedPolicy, ContinuousPolicy
 from sim.capacity import bisect_rate
-from sim.cost_models import ProfiledCostModel, RooflineCostModel, StepSums, profile_rows
+from sim.cost.base import StepSums
+from sim.cost.fitted import ProfiledCostModel, profile_rows
+from sim.cost.roofline import RooflineCostModel
 from sim.executor import CostModelExecutor
 from sim.fast_forward import FastForwardEngine
 from sim.simulator import simulate

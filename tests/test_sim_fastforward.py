@@ -14,7 +14,9 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sim.cost_models import ProfiledCostModel, RooflineCostModel, StepSums
+from sim.cost.base import StepSums
+from sim.cost.fitted import ProfiledCostModel
+from sim.cost.roofline import RooflineCostModel
 from sim.executor import SIM_TOKEN, CostModelExecutor
 from sim.fast_forward import FastForwardEngine
 from sim.simulator import simulate

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from varlen import registry
-from sim.cost_models import ReplayCostModel
+from sim.cost.replay import ReplayCostModel
 from sim.validate import batch_sequence, first_difference, fresh_copies, simulate_like
 from varlen.kv import ContiguousAllocator, PagedAllocator
 from varlen.metrics import request_table

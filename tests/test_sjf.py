@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from schedulers.sjf import SJFPolicy
-from sim.cost_models import RooflineCostModel
+from sim.cost.roofline import RooflineCostModel
 from sim.executor import CostModelExecutor
 from sim.simulator import simulate
 from varlen import LLM, SamplingParams, registry

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given
 
-from sim.cost_models import RooflineCostModel
+from sim.cost.roofline import RooflineCostModel
 from sim.executor import CostModelExecutor
 from test_sim_fastforward import POLICIES, assert_same, factory, policy_class, run_both, shared_prefix_requests, workloads
 from sim.fast_forward import FastForwardEngine

@@ -1,20 +1,11 @@
 """The cost model interface: each model writes its step-time formula once, from the batch's sums.
 
-A step is described the way the engine batches it: request i brings `new_tokens[i]` new tokens
-after `cached_tokens[i]` tokens already in its KV cache (prefill: cached 0; chunk: cached = the
-prompt done so far; decode: new 1). Logits are computed for one row per request unless the
-caller says how many rows (`num_logits`), since a step's batch does not say which chunks end
-their prompt.
-
-The formula comes in two halves, because a decode fast-forward times millions of steps whose
-sizes are fixed and whose caches alone grow:
-- `step_fixed(num_seqs, new, num_logits, num_prefills)`: everything the step's sizes fix
-  (a `StepFixed`: the model's own precomputed terms and the explain parts they make);
-- `layer_attention(fixed, pairs, cached)`: one layer's attention, from the query-key pairs and
-  the cached tokens; `step_total(fixed, attention)`: the step's seconds.
-From these the base class derives `step_time_sums`, `step_time` (from arrays), the decode
-closure `decode_step_time` and `parts` (sim.explain's breakdown), so they cannot drift apart.
-A model that cannot be written this way (replay) overrides `step_time` alone.
+Request i brings `new_tokens[i]` tokens after `cached_tokens[i]` in its KV cache; one logit row
+per request unless `num_logits` says otherwise. The formula has two halves, since the decode
+fast-forward times millions of steps whose sizes are fixed and whose caches alone grow:
+`step_fixed` (what the sizes fix, a StepFixed) and `layer_attention` (one layer's attention);
+`step_total` joins them. step_time, step_time_sums, decode_step_time and explain's `parts`
+derive from these, so they cannot drift apart; replay overrides step_time alone.
 """
 
 from __future__ import annotations
@@ -32,34 +23,27 @@ from numpy.typing import ArrayLike
 
 from varlen.promises import broken_by
 
-#: The formula's methods: a class that defines any of them promises step_time_sums (derived from
-#: them) is its step_time (varlen/promises.py; sim/executor.py checks it).
+#: Defining any of these promises step_time_sums is the step_time (varlen/promises.py).
 FORMULA = ("step_fixed", "layer_attention", "step_total")
 
-#: A StepFixed part the model cannot tell apart from another (explain shows null). NaN rather
-#: than None: a float field stays unboxed in the compiled core, and StepFixed is built per step.
+#: A part the model cannot tell apart (explain: null); NaN keeps the field an unboxed float.
 NOT_SPLIT = math.nan
 
 PARTS = ("embedding_s", "linear_s", "attention_s", "lm_head_s", "communication_s", "overhead_s")
 
 
-# init=False and an explicit __init__: compiled (varlen/compiled.py), a dataclass's generated
-# __init__ would still run as interpreted Python, and this is built in the hot loop.
+# An explicit __init__: compiled, a dataclass's generated one would run interpreted (hot loop).
 @dataclass(init=False, slots=True)
 class StepSums:
-    """The sums over a step's requests that the analytic and fitted models depend on.
-
-    A simulator computes them in one pass over the batch, far cheaper than building arrays for
-    a batch of a few requests, which dominates a simulation's time otherwise.
-    """
+    """The sums over a step's requests the formulas read, taken in one pass (cheaper than arrays)."""
 
     num_seqs: int
-    new: float  # sum n_i
-    cached: float  # sum c_i
+    new: float
+    cached: float
     new_cached: float  # sum n_i * c_i
-    new_sq: float  # sum n_i^2
+    new_sq: float
     num_logits: int
-    num_prefills: int  # requests with more than one new token (a prompt or a chunk of one)
+    num_prefills: int  # requests with more than one new token
 
     def __init__(self, num_seqs: int, new: float, cached: float, new_cached: float, new_sq: float, num_logits: int,
                  num_prefills: int = 0) -> None:
@@ -79,25 +63,29 @@ class StepSums:
 
 @dataclass(init=False, slots=True)
 class StepFixed:
-    """What a step's sizes fix, before its attention: the explain parts (seconds for the whole
-    step; NOT_SPLIT where the model cannot tell a part apart from another), `layers` (how many times
-    the per-layer attention runs) and two terms `a`, `b` that only the model's formula reads."""
+    """What a step's sizes fix. step = per_step + layers x (per_layer + attention), in seconds:
+    per_step once per step, per_layer one layer besides attention (0 where the model sums its
+    layers into per_step ahead of time, as measured's tables do). num_seqs and new are the sizes
+    attention reads; the *_s parts (whole step, NOT_SPLIT if unknown) only feed sim.explain."""
 
     layers: float
-    a: float
-    b: float
+    per_layer: float
+    per_step: float
+    num_seqs: int
+    new: float
     embedding_s: float
     linear_s: float
     lm_head_s: float
     communication_s: float
     overhead_s: float
-    new: float
 
-    def __init__(self, layers: float, a: float, b: float, embedding_s: float, linear_s: float,
-                 lm_head_s: float, communication_s: float, overhead_s: float, new: float) -> None:
-        self.layers, self.a, self.b = layers, a, b
+    def __init__(self, layers: float, per_layer: float, per_step: float, *, num_seqs: int = 0, new: float = 0.0,
+                 embedding_s: float = NOT_SPLIT, linear_s: float = NOT_SPLIT, lm_head_s: float = NOT_SPLIT,
+                 communication_s: float = 0.0, overhead_s: float = NOT_SPLIT) -> None:
+        self.layers, self.per_layer, self.per_step = layers, per_layer, per_step
+        self.num_seqs, self.new = num_seqs, new
         self.embedding_s, self.linear_s, self.lm_head_s = embedding_s, linear_s, lm_head_s
-        self.communication_s, self.overhead_s, self.new = communication_s, overhead_s, new
+        self.communication_s, self.overhead_s = communication_s, overhead_s
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -105,55 +93,38 @@ class CostModel(ABC):
     @classmethod
     def from_config(cls, options: dict[str, Any], model_config: dict[str, Any], hardware: Any,
                     parallel: Any) -> CostModel:
-        """Build from the simulator's config; every cost model is built this way
-        (sim/cost/registry.py). `options`: the cost section's settings (conf/cost/<name>.yaml's
-        keys, then the user's cost.*; cost.model and unset ones left out); `model_config`: the
-        HF config dict; `hardware`: a HardwareSpec; `parallel`: a sim.parallel.Parallelism.
-        This default serves a one-GPU model whose constructor takes the options as keyword
-        arguments, and model_config / hardware where it names them."""
+        """Build from the `cost.*` options (the yaml's, then the user's), the HF config dict, a
+        HardwareSpec and a sim.parallel.Parallelism. Default: one GPU, options as keywords."""
         built: CostModel = construct(cls, options, model_config, hardware, parallel)
         return built
 
-    # -- the formula (a model writes these three) ------------------------------------------------
-
     def step_fixed(self, num_seqs: int, new: float, num_logits: int, num_prefills: int) -> StepFixed:
-        """What the step's sizes fix (see the module docstring)."""
         raise NotImplementedError(f"{type(self).__name__} has no step formula; it times steps by step_time")
 
     def layer_attention(self, f: StepFixed, pairs: float, cached: float) -> float:
-        """Seconds of one layer's attention over `pairs` causal query-key pairs and `cached` tokens."""
         raise NotImplementedError(f"{type(self).__name__} has no step formula")
 
     def step_total(self, f: StepFixed, attention: float) -> float:
-        """The step's seconds given one layer's attention."""
-        return f.a + f.layers * attention
-
-    # -- derived ----------------------------------------------------------------------------------
+        return f.per_step + f.layers * (f.per_layer + attention)
 
     @property
     def uses_sums(self) -> bool:
-        """Whether the model times a step from its sums (a formula, or its own step_time_sums)."""
         cls = type(self)
         return cls.step_time_sums is not CostModel.step_time_sums or cls.step_fixed is not CostModel.step_fixed
 
     def step_time_sums(self, s: StepSums) -> float:
-        """Seconds for one step, from the batch's sums: the formula."""
         f = self.step_fixed(s.num_seqs, s.new, s.num_logits, s.num_prefills)
         return self.step_total(f, self.layer_attention(f, s.attention_pairs, s.cached))
 
     def step_time(self, new_tokens: ArrayLike, cached_tokens: ArrayLike,
                   num_logits: int | None = None) -> float:
-        """Seconds for one step; num_logits defaults to one logit row per request. The sums of
-        integer token counts are exact, so this is step_time_sums bit for bit."""
+        """Seconds for one step; step_time_sums bit for bit (integer sums are exact)."""
         return self.step_time_sums(StepSums.of(new_tokens, cached_tokens, num_logits))
 
     def decode_step_time(self, num_seqs: int) -> Callable[[int], float]:
-        """The time of a pure-decode step of `num_seqs` requests as a function of the tokens in
-        their caches in all: step_time_sums of that step, bit for bit, so a fast-forwarded
-        simulation keeps the clock of a step-by-step one exactly. The simulator times millions
-        of such steps: the sizes' part of the formula is computed once per batch size."""
+        """A pure-decode step's time as a function of its cached tokens in all: step_time_sums bit
+        for bit (fast-forward keeps the step-by-step clock), the sizes' part computed once."""
         if not formula_holds(type(self), ("step_time_sums",)):
-            # step_time_sums overridden below the formula: follow the override.
             def generic(cached: int) -> float:
                 return self.step_time_sums(StepSums(num_seqs, num_seqs, cached, cached, num_seqs, num_seqs))
             return generic
@@ -165,7 +136,6 @@ class CostModel(ABC):
         return step
 
     def parts(self, s: StepSums) -> dict[str, float | None]:
-        """The step's time part by part (sim.explain): the formula's own terms."""
         f = self.step_fixed(s.num_seqs, s.new, s.num_logits, s.num_prefills)
         attention = f.layers * self.layer_attention(f, s.attention_pairs, s.cached)
         parts = {"embedding_s": f.embedding_s, "linear_s": f.linear_s, "attention_s": attention,
@@ -173,14 +143,12 @@ class CostModel(ABC):
         return {k: None if math.isnan(v) else v for k, v in parts.items()}
 
     def next_start(self, now: float) -> float:
-        """When the next step may start: now, unless the model replays a recorded timeline."""
         return now
 
 
 
 def settings(options: Mapping[str, Any], model: str, known: tuple[str, ...]) -> dict[str, Any]:
-    """The options of cost.model=`model`, or a one-line error naming one it does not read (a
-    setting must never be silently ignored)."""
+    """The options of cost.model=`model`; one it does not read is an error, never ignored."""
     for k, v in options.items():
         if k not in known:
             raise ValueError(f"cost.{k}={v!r} is not a setting of cost.model={model} (its settings: "
@@ -189,7 +157,6 @@ def settings(options: Mapping[str, Any], model: str, known: tuple[str, ...]) -> 
 
 
 def load_path(options: Mapping[str, Any], model: str, what: str, load: Callable[[str], CostModel]) -> CostModel:
-    """cost.path read by `load`, with one-line errors: unset, not a file, not `what`."""
     path = settings(options, model, ("path",)).get("path")
     if path is None:
         raise ValueError(f"cost.model={model} needs cost.path: {what}")
@@ -210,16 +177,14 @@ def one_gpu(model: str, parallel: Any, why: str) -> None:
 
 
 def formula_holds(cls: type, behaviour: tuple[str, ...] = ("step_time_sums", "step_time")) -> bool:
-    """Whether `cls` has a formula and no class below the one that wrote it overrides `behaviour`
-    (then the formula times its steps; else the override does)."""
+    """Whether `cls` has a formula that no subclass overrides `behaviour` below."""
     if cls.step_fixed is CostModel.step_fixed:  # type: ignore[attr-defined]
         return False
     return not any(broken_by(cls, name, behaviour, CostModel) for name in FORMULA)
 
 
 def _as_arrays(new_tokens: Any, cached_tokens: Any) -> tuple[np.ndarray, np.ndarray]:
-    # float64: the attention work sum_i n_i * c_i reaches 1e12 for long-context batches, and
-    # float keeps every later product exact enough without overflow worries.
+    # float64: sum n_i * c_i reaches 1e12 on long contexts.
     n = np.asarray(new_tokens, dtype=np.float64).reshape(-1)
     c = np.asarray(cached_tokens, dtype=np.float64).reshape(-1)
     if n.shape != c.shape:
@@ -228,16 +193,14 @@ def _as_arrays(new_tokens: Any, cached_tokens: Any) -> tuple[np.ndarray, np.ndar
 
 
 def attention_pairs(n: np.ndarray, c: np.ndarray) -> float:
-    """Query-key pairs of causal, bottom-right aligned attention: new token j of a request
-    (0-based) sees its c cached tokens and the j + 1 new ones up to itself."""
+    """Causal query-key pairs: new token j (0-based) sees c cached and j + 1 new tokens."""
     return float(np.dot(n, c) + np.dot(n, n + 1.0) / 2.0)
 
 
 def construct(cls: Any, options: Mapping[str, Any], model_config: Any, hardware: Any,
               parallel: Any) -> CostModel:
-    """CostModel.from_config's default: one GPU, the options as constructor keywords (an option
-    the constructor does not take is an error, never dropped), plus model_config and hardware
-    where the constructor names them."""
+    """CostModel.from_config's default: one GPU, the options as constructor keywords (an unknown
+    one is an error), model_config and hardware where the constructor names them."""
     label = f"{cls.__module__}.{cls.__qualname__}"
     if parallel.gpus > 1:
         raise ValueError(f"cost.model={label} times one GPU; parallel.tensor={parallel.tensor} parallel.pipeline="

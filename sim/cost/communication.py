@@ -14,13 +14,12 @@ from sim.cost.hardware import HardwareSpec, ModelShape
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class CommunicationCostModel(CostModel):
-    """A per-GPU cost model (the roofline of the sharded shape) plus the step's communication:
-    2 all-reduces per layer and pipeline - 1 send/recvs of the step's activations. Its formula is
-    the inner model's, with the communication added last."""
+    """A per-GPU model plus 2 all-reduces per layer and pipeline - 1 send/recvs, added last."""
 
     def __init__(self, inner: CostModel, shape: ModelShape, hardware: HardwareSpec, tensor: int, pipeline: int,
                  profiles: str | os.PathLike | None = None, dtype_bytes: int | None = None):
-        from sim.cost.operators import GRID_TOKENS, Collectives, load_profiles
+        from sim.cost.collectives import Collectives
+        from sim.cost.profiles import GRID_TOKENS, load_profiles
 
         self.inner, self.shape, self.tensor, self.pipeline = inner, shape, tensor, pipeline
         self.comm = Collectives(hardware.node, load_profiles(profiles))

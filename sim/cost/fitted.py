@@ -14,10 +14,8 @@ from mypy_extensions import mypyc_attr
 
 from sim.cost.base import NOT_SPLIT, CostModel, StepFixed, StepSums, load_path, one_gpu
 
-# Each feature is a quantity some part of the step scales with, from the step's sums (exact for
-# integer token counts, so fitting on a log and timing in the simulator see the same numbers).
-# "logit_rows" is left out of the default because with one logit row per request it equals
-# "num_seqs" (collinear).
+# Quantities some part of the step scales with, from its (exact) sums. "logit_rows" is not a
+# default: with one logit row per request it equals "num_seqs".
 FEATURES: dict[str, Callable[[StepSums], float]] = {
     "const": lambda s: 1.0,  # launch, scheduling, sampling overhead
     "new_tokens": lambda s: s.new,  # linear layers (GEMM rows)
@@ -27,9 +25,6 @@ FEATURES: dict[str, Callable[[StepSums], float]] = {
     "logit_rows": lambda s: float(s.num_logits),
     "prefill_seqs": lambda s: float(s.num_prefills),  # per-prompt work: attention call, mask, gathers
 }
-# prefill_seqs: measured on the CPU engine, a prompt (or a chunk of one) costs ~2 ms beyond its
-# tokens (its own attention call, mask and K/V gathers per layer); without it the fit spreads
-# that cost over tokens and TTFT comes out ~10% off (benchmarks/sim_fidelity.py).
 DEFAULT_FEATURES = ("const", "new_tokens", "num_seqs", "attn_work", "cached_tokens", "prefill_seqs")
 
 
@@ -85,15 +80,9 @@ Step = tuple[Any, ...]
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class ProfiledCostModel(CostModel):
-    """A linear model of step time in a few physical features, fitted by non-negative least squares.
-
-    Non-negative because each coefficient is the cost of a unit of real work; a negative one
-    would be the fit trading features against each other, and it extrapolates badly.
-    Plain least squares by default; "relative" weighting (see `fit`) favours the short, many
-    decode steps in percent.
-    Pure-decode logs alone make num_seqs, new_tokens and attn_work collinear; profile a mix of
-    prefills, chunks and decodes for coefficients that mean something.
-    """
+    """A linear model of step time in a few physical features, fitted by non-negative least
+    squares (each coefficient is the cost of a unit of real work). Profile a mix of prefills and
+    decodes: decodes alone make num_seqs, new_tokens and attn_work collinear."""
 
     def __init__(self, path: str | os.PathLike | None = None, *,
                  coef: Sequence[float] | Mapping[str, float] | None = None,
@@ -147,23 +136,11 @@ class ProfiledCostModel(CostModel):
             iterations: int = 4) -> ProfiledCostModel:
         """Fit to (new_tokens, cached_tokens, duration_s[, num_logits]) per step.
 
-        weighting "relative": each step's squared error is weighted by 1 / its predicted time
-        squared (iteratively reweighted, starting from the absolute fit), so a short decode step
-        counts as much as a long prefill in percent. The weights come from the model, not from
-        the measured durations: weighting by 1 / measured time favours the steps that happened to
-        run fast and biases every prediction low (by ~4% of a CPU decode step's time, measured),
-        while the simulator needs each step's mean time, since TPOT, e2e latency and throughput
-        are sums of step times. "absolute" (the default): plain least squares, which weighs the
-        long prefill steps that TTFT's tail depends on by their seconds; in the fidelity benchmark
-        (fit on one real run, predict another, both directions) its worst error over TTFT p50/p90,
-        TPOT p50 and throughput was 8.9% against 16.0% for "relative" at 100 requests per slice,
-        10.1% against 13.8% at 60.
-
-        outlier_factor: steps that took more than this many times the model's prediction
-        (a garbage collection, the process preempted by another) are dropped from the next
-        iteration's fit; they are not a function of the batch. None keeps every step.
-        The report scores all the steps, outliers included.
-        """
+        weighting "absolute" (default): plain least squares. "relative": weighted by 1 / the
+        model's predicted time squared (not the measured one, which would bias predictions low),
+        so a short decode counts as much as a long prefill in percent. outlier_factor: steps
+        slower than this many times the prediction (a GC pause) leave the next iteration's fit;
+        None keeps all. The report scores every step."""
         if weighting not in ("relative", "absolute"):
             raise ValueError(f"weighting must be 'relative' or 'absolute', got {weighting!r}")
         model = cls(features=features)
@@ -176,8 +153,7 @@ class ProfiledCostModel(CostModel):
             else:
                 w = 1.0 / np.maximum(X @ coef, 1e-3 * float(np.median(y)))
             A, b = X[keep] * w[keep, None], y[keep] * w[keep]
-            # Features span ten orders of magnitude (const vs attention pairs); scale columns to
-            # unit norm so the solver's tolerances mean the same thing for every coefficient.
+            # Unit-norm columns: the features span ten orders of magnitude.
             norms = np.linalg.norm(A, axis=0)
             norms[norms == 0] = 1.0
             coef = _nnls(A / norms, b) / norms
@@ -224,32 +200,23 @@ class ProfiledCostModel(CostModel):
         one_gpu("profiled", parallel, "replays or fits one measured engine as it ran")
         return load_path(options, "profiled", "a fitted model JSON (ProfiledCostModel.save)", cls.load)
 
-    # -- the formula: const + new + seqs + logit rows + prefills, then attention ------------------
-
     def step_fixed(self, num_seqs: int, new: float, num_logits: int, num_prefills: int) -> StepFixed:
         linear = self._c_new * new
         head = self._c_logits * num_logits
         overhead = self._c_const + self._c_seqs * num_seqs + self._c_prefills * num_prefills
-        return StepFixed(1.0, overhead + linear + head, 0.0, NOT_SPLIT, linear, head if self._has_logits else NOT_SPLIT,
-                         0.0, overhead, new)
+        # The fit knows no layers: one "layer" of the new tokens' linear work.
+        return StepFixed(1.0, linear, overhead + head, num_seqs=num_seqs, new=new, linear_s=linear,
+                         lm_head_s=head if self._has_logits else NOT_SPLIT, overhead_s=overhead)
 
     def layer_attention(self, f: StepFixed, pairs: float, cached: float) -> float:
         return self._c_attn * pairs + self._c_cached * cached
-# ---------------------------------------------------------------------------------------------
-# From an engine's step log
-
-
 def profile_rows(steps: Sequence[Any], busy_period: bool = True,
                  max_gap_factor: float = 5.0) -> list[Step]:
     """(new_tokens, cached_tokens, seconds, num_logits) per recorded step, for ProfiledCostModel.fit.
 
-    busy_period=True charges each step the time until the next step starts when the engine
-    stayed busy: the engine's bookkeeping after the forward (appending tokens, stop checks,
-    freeing blocks) is real per-step time that a simulator must spend too, but it falls outside
-    StepRecord.duration. A gap is idle time, not bookkeeping, when the engine went idle
-    (num_running == 0 and nothing waiting) or, for logs that lack that, when the gap is over
-    max_gap_factor times the median gap.
-    """
+    busy_period=True charges each step the gap to the next one (the engine's bookkeeping, outside
+    StepRecord.duration), unless the engine went idle (or, without that field, the gap exceeds
+    max_gap_factor times the median)."""
     steps = list(steps)  # a StepLog reads as a sequence, but slices only as a list
     rows: list[Step] = []
     gaps = [b.start - (a.start + a.duration) for a, b in zip(steps, steps[1:])]

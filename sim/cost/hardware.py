@@ -1,5 +1,4 @@
-"""The hardware a step runs on and the shape of the model it runs: the numbers every cost model
-starts from. Torch-free; yaml is read only when a spec is loaded by name."""
+"""The hardware a step runs on and the shape of the model it runs: every cost model's inputs."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ from typing import Any, Mapping
 
 
 def hardware_dir() -> Path:
-    """conf/hardware/, package data (installed or in the source tree). Found from the conf
-    package, not this module: compiled (varlen/compiled.py), this module's file is in the build cache."""
+    """conf/hardware/ (found from the conf package: compiled, this file is in the build cache)."""
     from conf import conf_dir
 
     return conf_dir("hardware")
@@ -29,20 +27,18 @@ class HardwareSpec:
     flops_efficiency: float = 0.7
     bandwidth_efficiency: float = 0.85
     step_overhead_s: float = 0.0  # fixed per-step cost: scheduling, launches, sampling
-    dtype_bytes: int = 2  # the dtype peak_tflops refers to
-    estimated: bool = False  # True when the figures are estimates rather than datasheet values
+    dtype_bytes: int = 2
+    estimated: bool = False  # estimates, not datasheet values
     profile_gpu: str | None = None  # its name in measured operator tables (cost.model=measured)
     node: str | None = None  # the node it sits in, for collective tables (tensor/pipeline parallelism)
     cost_per_gpu_hour: float | None = None  # USD, an estimate (python -m sim.search); None: no price
 
     @property
     def flops(self) -> float:
-        """Achievable FLOP/s."""
         return self.peak_tflops * 1e12 * self.flops_efficiency
 
     @property
     def bandwidth(self) -> float:
-        """Achievable bytes/s."""
         return self.mem_bandwidth_gbs * 1e9 * self.bandwidth_efficiency
 
     @property
@@ -51,7 +47,6 @@ class HardwareSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> HardwareSpec:
-        # Keys starting with "_" (Hydra's _target_) are not fields.
         names = {f.name for f in fields(cls)}
         unknown = [k for k in d if not str(k).startswith("_") and k not in names]
         if unknown:
@@ -60,8 +55,7 @@ class HardwareSpec:
 
     @classmethod
     def load(cls, name_or_path: str | os.PathLike) -> HardwareSpec:
-        """From conf/hardware/<name>.yaml, or from a yaml path."""
-        import yaml  # type: ignore[import-untyped]  # only here: the simulator need not pay for it when given a spec
+        import yaml  # type: ignore[import-untyped]
 
         p = Path(name_or_path)
         if p.suffix not in (".yaml", ".yml"):
@@ -97,7 +91,7 @@ class ModelShape:
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> ModelShape:
         cfg = dict(cfg)
-        if "text_config" in cfg:  # multimodal wrappers keep the decoder's numbers here
+        if "text_config" in cfg:  # multimodal wrappers
             cfg = dict(cfg["text_config"])
         experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
         if experts and experts > 1:
@@ -109,8 +103,8 @@ class ModelShape:
                 intermediate=int(cfg["intermediate_size"]),
                 layers=int(cfg["num_hidden_layers"]),
                 heads=heads,
-                kv_heads=int(cfg.get("num_key_value_heads") or heads),  # absent = MHA
-                head_dim=int(cfg.get("head_dim") or hidden // heads),  # Qwen3 sets it apart
+                kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
                 vocab=int(cfg["vocab_size"]),
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             )
@@ -129,8 +123,8 @@ class ModelShape:
     def layer_params(self) -> int:
         h = self.hidden
         attn = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
-        mlp = 3 * h * self.intermediate  # gated MLP: gate, up, down
-        return attn + mlp + 2 * h  # two RMSNorm weights
+        mlp = 3 * h * self.intermediate  # gated: gate, up, down
+        return attn + mlp + 2 * h
 
     @property
     def embedding_params(self) -> int:
@@ -151,7 +145,6 @@ def load_model_config(model_config: str | os.PathLike | Mapping[str, Any]) -> di
         return dict(model_config)
     s = str(model_config)
     if s == "tiny" or s.startswith("tiny-"):
-        # The embedded default model's shape; tiny_model imports torch only when writing weights.
         from varlen.tiny_model import ARCHITECTURES, TINY_SHAPE
 
         arch = s.partition("-")[2] or "qwen3"

@@ -1,25 +1,9 @@
 """The measured operator cost model (`cost.model=measured`): step times from per-operator timings
-taken on real GPUs (the tables in sim/profiles/, or a user's folder of the same layout).
-
-What is measured and what is predicted, per GPU:
-- the layer's non-attention operators (QKV / output / MLP GEMMs, norms, rotary, activation,
-  residual adds, embedding): read from the table of a profiled model with the same shape at that
-  TP degree, interpolated in tokens; for a shape or TP degree not profiled on that GPU, predicted
-  from every table on the same GPU (GEMMs by their achieved FLOP/s at the same number of rows,
-  interpolated over the weight shape N x K, plus the steps of the same shape's tables at other
-  TP degrees where there are some; element-wise operators at the same number of elements, over
-  the row width). Flagged `predicted`, naming the TP degrees of the shape it used.
-- the LM head: always a GEMM predicted from its shape (the tables do not time it).
-- attention: the roofline (FLOPs and KV bytes at the hardware's efficiencies) -- ESTIMATED, no
-  attention timings exist for the shipped GPUs; where sim.profile timed the project's attention
-  backend on the GPU (attention.csv), its achieved bandwidth and FLOP rate plus a per-call and
-  per-request cost, fitted to those timings (calibrated).
-- collectives: the node's all-reduce / send-recv tables interpolated in message size; a worker
-  count or node without a table is predicted from its send/recv table as a ring. Flagged.
-
-The tables are read, interpolated and predicted from in sim/cost/operators.py; this module holds
-the formula, precomputed per token count when the model is built.
-"""
+taken on real GPUs (sim/profiles/, or a user's folder of the same layout). Per GPU: the layer's
+non-attention operators from the table of this shape and TP degree, else predicted (gemm.py); the
+LM head predicted from its GEMM shape; attention the roofline, or calibrated where sim.profile
+timed it (attention.py); collectives from the node's tables (collectives.py). `notes` say which.
+The formula is precomputed per token count when the model is built."""
 
 from __future__ import annotations
 
@@ -31,20 +15,18 @@ from mypy_extensions import mypyc_attr
 
 from sim.cost.base import CostModel, StepFixed, settings
 from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
-from sim.cost.operators import (
-    GRID_TOKENS, HEAD_ROWS, LAYER_OPS, PER_LAYER, Collectives, ModelKey, ProfileError, _operator_model,
-    calibrate_attention, is_gated, layer_op_ms, load_profiles, resolve_gpu,
+from sim.cost.attention import calibrate_attention
+from sim.cost.collectives import Collectives
+from sim.cost.gemm import _operator_model, layer_op_ms
+from sim.cost.profiles import (
+    GRID_TOKENS, HEAD_ROWS, LAYER_OPS, PER_LAYER, ModelKey, ProfileError, is_gated, load_profiles, resolve_gpu,
 )
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class MeasuredCostModel(CostModel):
-    """Step time from measured operator tables (see the module docstring), for one GPU of a TP
-    group, one microbatch through all pipeline stages in sequence.
-
-    step = embedding + layers x (linear + attention + 2 all-reduces) + LM head
-           + (pipeline - 1) send/recv + the hardware's fixed overhead.
-    """
+    """One GPU of a TP group, a microbatch through all pipeline stages in sequence: embedding +
+    layers x (linear + attention + 2 all-reduces) + LM head + (pipeline - 1) send/recv + overhead."""
 
     @classmethod
     def from_config(cls, options: dict[str, Any], model_config: dict[str, Any], hardware: Any,
@@ -58,8 +40,7 @@ class MeasuredCostModel(CostModel):
                  profiles: str | os.PathLike | None = None, tensor: int = 1, pipeline: int = 1,
                  dtype_bytes: int | None = None, overhead_s: float | None = None,
                  exclude: tuple[Any, ...] = (), engine_overhead: bool = True):
-        # exclude: tables hidden from the prediction (validation): a ModelKey (the shape at every TP
-        # degree) or (ModelKey, tp).
+        # exclude: tables hidden from the prediction (validation; gemm.Held).
         cfg = load_model_config(model_config)
         self.shape = m = ModelShape.from_config(cfg)
         self.hardware = hw = HardwareSpec.coerce(hardware)
@@ -86,14 +67,12 @@ class MeasuredCostModel(CostModel):
         pp = (self.pipeline - 1) * self.comm.send_recv_ms(act) if self.pipeline > 1 else np.zeros_like(tokens)
         ar[0] = 0.0
         pp[0] = 0.0
-        # Seconds, as typed lists: an index is far cheaper than a numpy call per step (and
-        # unboxed in the compiled core).
+        # Seconds, as typed lists: an index is far cheaper than a numpy call per step.
         self._layer: list[float] = (layer * 1e-3).tolist()
         self._emb: list[float] = (emb * 1e-3).tolist()
         self._ar: list[float] = (ar * 1e-3).tolist()
         self._pp: list[float] = (pp * 1e-3).tolist()
-        # What a step's token count fixes, summed once: the per-step path is then three lookups
-        # and the attention's roofline.
+        # Summed once per token count: a step is then three lookups and attention.
         L = m.layers
         self._fixed: list[float] = [e + L * (ly + a) + p for e, ly, a, p in zip(self._emb, self._layer, self._ar, self._pp)]
         om = _operator_model(self.profiles, self.gpu, frozenset(exclude))
@@ -101,7 +80,6 @@ class MeasuredCostModel(CostModel):
         head = om.gemm_ms(rows, max(m.vocab // tp, 1), m.hidden) * 1e-3
         head[0] = 0.0
         self._head: list[float] = head.tolist()
-        # Attention: the roofline per layer, heads sharded over TP.
         q_dim = (m.heads // tp) * m.head_dim
         kv_dim = max(m.kv_heads // tp, 1) * m.head_dim
         self._pair_flops = 4.0 * q_dim
@@ -111,7 +89,6 @@ class MeasuredCostModel(CostModel):
         self.attention_calibration = cal = calibrate_attention(self.profiles, self.gpu)
         if cal is None:
             attention = "attention: estimated (roofline at the hardware's efficiencies; no attention tables)"
-            # One form for both: attention = const + per_seq n + max(pairs flops / F, bytes / B).
             self._a0 = self._a1 = 0.0
             self._calibrated = False
         else:
@@ -122,8 +99,7 @@ class MeasuredCostModel(CostModel):
             self._F = 1.0 / cal.per_flop if cal.per_flop > 0 else float("inf")
             self._B = 1.0 / cal.per_byte if cal.per_byte > 0 else float("inf")
             self._calibrated = True
-        # Per-step cost: sim.profile's fitted engine overhead on this device if there is one,
-        # else the hardware spec's (estimated) step_overhead_s.
+        # sim.profile's fitted engine overhead on this device, else hardware.step_overhead_s.
         prof_ov = self.profiles.engine_overhead(self.gpu) if engine_overhead and overhead_s is None else None
         if prof_ov is None:
             self._o0, self._o1, self._o2 = self.overhead_s, 0.0, 0.0
@@ -143,26 +119,26 @@ class MeasuredCostModel(CostModel):
         n = len(table) - 1
         return table[i] if i <= n else table[n] * i / n
 
-    # -- the formula: the tables' fixed part + layers x attention ---------------------------------
-
     def step_fixed(self, num_seqs: int, new: float, num_logits: int, num_prefills: int) -> StepFixed:
         t = int(new)
         if not t:
-            return StepFixed(0.0, self.overhead_s, num_seqs, 0.0, 0.0, 0.0, 0.0, self.overhead_s, 0.0)
+            return StepFixed(0.0, 0.0, self.overhead_s, num_seqs=num_seqs, embedding_s=0.0, linear_s=0.0,
+                             lm_head_s=0.0, overhead_s=self.overhead_s)
         fixed, head, at = self._fixed, self._head, self._at
         overhead = self._o0 + self._o1 * num_seqs + self._o2 * num_prefills
         lm_head = head[num_logits] if num_logits < len(head) else at(head, num_logits)
         base = (fixed[t] if t < len(fixed) else at(fixed, t)) + lm_head + overhead
         L = self.shape.layers
-        return StepFixed(L, base, num_seqs, at(self._emb, t), L * at(self._layer, t), lm_head,
-                         L * at(self._ar, t) + at(self._pp, t), overhead, t)
+        # per_layer 0: the tables sum each token count's layers once, when the model is built.
+        return StepFixed(L, 0.0, base, num_seqs=num_seqs, new=t, embedding_s=at(self._emb, t),
+                         linear_s=L * at(self._layer, t), lm_head_s=lm_head,
+                         communication_s=L * at(self._ar, t) + at(self._pp, t), overhead_s=overhead)
 
     def layer_attention(self, f: StepFixed, pairs: float, cached: float) -> float:
-        """One layer's attention: the roofline, or its calibrated form (sum of the terms plus a
-        per-call and a per-request cost) where this GPU has attention tables."""
+        """The roofline, or its calibrated form (the terms' sum plus per-call and per-request costs)."""
         t = f.new
         a = self._pair_flops * pairs / self._F
         b = (self._kv_token * (cached + 2.0 * t) + self._q_token * t) / self._B
         if self._calibrated:
-            return self._a0 + self._a1 * f.b + a + b  # f.b: the step's requests
+            return self._a0 + self._a1 * f.num_seqs + a + b
         return max(a, b)

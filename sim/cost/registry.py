@@ -1,11 +1,5 @@
-"""Cost models by name, built from the simulator's `cost` section.
-
-A name is a file of conf/cost/ whose `_target_` is the class, as for every plug-in
-(varlen/registry.py); a class's dotted path (`cost.model=mypkg.costs.MyCost`) names a user's own.
-So a new cost model is its module and its yaml. Every model is built the same way:
-`cls.from_config(options, model_config, hardware, parallel)` (sim/cost/base.py), where `options`
-are the yaml's keys with the user's `cost.*` over them (unset ones left out).
-"""
+"""Cost models by name (conf/cost/<name>.yaml's `_target_`, or a class's dotted path), each built
+by `cls.from_config(options, model_config, hardware, parallel)` from the yaml's keys and `cost.*`."""
 
 from __future__ import annotations
 

@@ -16,19 +16,13 @@ from sim.cost.base import CostModel, load_path, one_gpu
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class ReplayCostModel(CostModel):
-    """Returns recorded step durations in order, whatever the batch.
-
-    Given the engine's own step times, a simulator that schedules exactly as the engine did sees
-    exactly the engine's clock, so any divergence in the batches is a scheduling difference.
-    With `starts` (the recorded step start times) the simulator also waits, as the real engine
-    did, between one step's end and the next one's start (bookkeeping outside the step, idle
-    time), so arrivals land between the same two steps as they did for real.
-    """
+    """Recorded step durations in order, whatever the batch: with the engine's clock, any
+    divergence in the batches is a scheduling difference. With `starts` the simulator also waits
+    between steps as the engine did, so arrivals land between the same two steps."""
 
     def __init__(self, durations: Sequence[float] | str | os.PathLike,
                  starts: Sequence[float] | None = None):
         if isinstance(durations, (str, os.PathLike)):
-            # A JSON list, or one number per line.
             text = Path(durations).read_text()
             values: Sequence[Any] = json.loads(text) if text.lstrip().startswith("[") else text.split()
         else:
@@ -48,8 +42,7 @@ class ReplayCostModel(CostModel):
 
     @classmethod
     def from_steps(cls, steps: Sequence[Any], timeline: bool = True) -> ReplayCostModel:
-        """From an engine's step log (StepRecord-like: .start, .duration); timeline=True also
-        replays the start times."""
+        """From an engine's step log; timeline=True also replays the start times."""
         return cls([s.duration for s in steps], [s.start for s in steps] if timeline else None)
 
     @property

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 from mypy_extensions import mypyc_attr
 from numpy.typing import ArrayLike
 
-from sim.cost.base import NOT_SPLIT, CostModel, StepFixed, StepSums, settings
+from sim.cost.base import CostModel, StepFixed, StepSums, settings
 from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
 
 
@@ -18,8 +18,8 @@ class StepEstimate:
     time_s: float
     flops: float
     bytes: float
-    compute_s: float  # sum over operators of FLOPs / achievable FLOP/s
-    memory_s: float  # sum over operators of bytes / achievable bandwidth
+    compute_s: float  # sum of FLOPs / achievable FLOP/s
+    memory_s: float  # sum of bytes / achievable bandwidth
 
     @property
     def bound(self) -> str:
@@ -28,16 +28,9 @@ class StepEstimate:
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class RooflineCostModel(CostModel):
-    """FLOPs and bytes of each step from the model's shape, exact per request.
-
-    Each layer is two operators that run one after the other: the linear layers (QKV, O, gated
-    MLP: 2 * params * tokens FLOPs, weights read once per step) and attention (QK^T and PV over
-    the exact causal query-key pairs; each request's cached + new K/V read, new K/V written).
-    An operator takes max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth); a step is
-    layers * (linear + attention) + LM head on the logit rows + the hardware's fixed overhead.
-    Modelling operators rather than whole layers matters for mixed batches: a long prefill's
-    GEMMs cannot hide the decodes' KV reads, since the attention kernel runs after them.
-    """
+    """A step is layers x (linear + attention) + LM head + overhead, each operator taking
+    max(FLOPs / FLOP/s, bytes / bandwidth), exact per request. Operators, not whole layers: a
+    long prefill's GEMMs cannot hide the decodes' KV reads, as attention runs after them."""
 
     def __init__(self, model_config: str | os.PathLike | Mapping[str, Any] = "tiny",
                  hardware: str | os.PathLike | Mapping[str, Any] | HardwareSpec = "h100_sxm",
@@ -51,9 +44,7 @@ class RooflineCostModel(CostModel):
         self._bw = self.hardware.bandwidth
         self._linear_params = m.layer_params - 2 * m.hidden
         self._weight_bytes_layer = m.layer_params * d
-        # Activations each linear block reads and writes per token: hidden in/out around the
-        # attention projections and the MLP, q/k/v out, attention output in, MLP gate/up out,
-        # activated product in. A rough count; it matters only for huge prefills on small models.
+        # Activation bytes a linear block moves per token (rough; matters for huge prefills only).
         self._act_bytes_token = d * (4 * m.hidden + 2 * m.q_dim + 2 * m.kv_dim + 3 * m.intermediate)
         self._kv_bytes_token_layer = 2 * m.kv_dim * d
         self._attn_flops_pair = 4 * m.q_dim  # QK^T and PV, 2 FLOPs per multiply-add each
@@ -62,8 +53,7 @@ class RooflineCostModel(CostModel):
     @classmethod
     def from_config(cls, options: dict[str, Any], model_config: dict[str, Any], hardware: Any,
                     parallel: Any) -> CostModel:
-        """The sharded shape on one GPU; with TP or PP wrapped with the communication of the
-        node's collective tables (cost.profiles: a folder of your own)."""
+        """The sharded shape on one GPU, with TP or PP plus the node's collectives (cost.profiles)."""
         from sim.cost.communication import CommunicationCostModel
         from sim.parallel import shard_config  # sim.parallel imports this module
 
@@ -83,39 +73,38 @@ class RooflineCostModel(CostModel):
         free = self.hardware.memory_bytes * memory_fraction - self.weight_bytes
         return max(0, int(free // self.shape.kv_bytes_per_token(self.dtype_bytes)))
 
-    # -- the operators' FLOPs and bytes: the formula ---------------------------------------------
-
     def linear_work(self, t: float) -> tuple[float, float]:
         """(FLOPs, bytes) of one layer's linear block over t tokens."""
         return 2.0 * self._linear_params * t, self._weight_bytes_layer + self._act_bytes_token * t
 
     def head_work(self, t: float, rows: int) -> tuple[float, float]:
-        """(FLOPs, bytes) of the LM head on `rows` logit rows: head weights, fp32 logits out, and
-        the embedding rows gathered for the t new tokens."""
+        """(FLOPs, bytes) of the LM head on `rows` logit rows, with the t tokens' embedding rows."""
         m, d = self.shape, self.dtype_bytes
         return 2.0 * rows * m.hidden * m.vocab, self._head_bytes + 4.0 * rows * m.vocab + t * m.hidden * d
 
     def attention_work(self, pairs: float, cached: float, t: float) -> tuple[float, float]:
-        """(FLOPs, bytes) of one layer's attention: cached + new K/V read, new K/V written, q in,
-        output out."""
+        """(FLOPs, bytes) of one layer's attention over `pairs` query-key pairs."""
         return (self._attn_flops_pair * pairs,
                 self._kv_bytes_token_layer * (cached + 2.0 * t) + 2.0 * self.shape.q_dim * self.dtype_bytes * t)
 
     def step_fixed(self, num_seqs: int, new: float, num_logits: int, num_prefills: int) -> StepFixed:
         if not new:  # nothing computed: the fixed overhead alone
-            return StepFixed(0.0, 0.0, 0.0, NOT_SPLIT, 0.0, 0.0, 0.0, self.overhead_s, 0.0)
+            return StepFixed(0.0, 0.0, self.overhead_s, num_seqs=num_seqs, linear_s=0.0, lm_head_s=0.0,
+                             overhead_s=self.overhead_s)
         F, B, L = self._flops, self._bw, self.shape.layers
         lin_f, lin_b = self.linear_work(new)
         head_f, head_b = self.head_work(new, num_logits)
         lin, head = max(lin_f / F, lin_b / B), max(head_f / F, head_b / B)
-        return StepFixed(L, lin, head, NOT_SPLIT, L * lin, head, 0.0, self.overhead_s, new)
+        return StepFixed(L, lin, head + self.overhead_s, num_seqs=num_seqs, new=new, linear_s=L * lin, lm_head_s=head,
+                         overhead_s=self.overhead_s)
 
     def layer_attention(self, f: StepFixed, pairs: float, cached: float) -> float:
         attn_f, attn_b = self.attention_work(pairs, cached, f.new)
         return max(attn_f / self._flops, attn_b / self._bw)
 
     def step_total(self, f: StepFixed, attention: float) -> float:
-        return f.layers * (f.a + attention) + f.b + f.overhead_s
+        # per_step added in its two parts: the order that keeps the clock bit for bit.
+        return f.layers * (f.per_layer + attention) + f.lm_head_s + f.overhead_s
 
     def estimate(self, new_tokens: ArrayLike, cached_tokens: ArrayLike,
                  num_logits: int | None = None) -> StepEstimate:
