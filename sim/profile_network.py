@@ -1,8 +1,7 @@
 """Collective timings for `python -m sim.profile --collectives N`: all-reduce over 2, 4, ... N
 workers and send/recv between two (half a ping-pong), rank 0's milliseconds per message size,
 written as DIR/network/<node>/{all_reduce,send_recv}.csv like the shipped tables
-(sim/profiles/README.md); the pipeline's
-stage-to-stage send is timed in sim/cost/collectives.py.
+(sim/profiles/README.md); sim/cost/collectives.py reads them.
 """
 
 from __future__ import annotations
