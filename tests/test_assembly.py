@@ -112,7 +112,7 @@ def test_llm_and_the_simulator_size_an_engine_alike(tiny_model_dirs, calls):
 
 
 def _cost():
-    from sim.cost_models import RooflineCostModel
+    from sim.cost.roofline import RooflineCostModel
 
     return RooflineCostModel(sim_run.load_sim_model("tiny"), "h100_sxm")
 
