@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_bench():
@@ -93,7 +93,7 @@ def test_gpu_check_runs_every_part_within_its_share(tmp_path):
     log = calls.read_text().splitlines()
     runs = [line.split(" | ")[0] for line in log if not line.startswith("python3 - ")]
     assert len(runs) == 6, log
-    assert all("tests/test_gpu_backends.py" in r and "-m gpu" in r for r in runs[:2])
+    assert all("tests/backends/test_gpu_backends.py" in r and "-m gpu" in r for r in runs[:2])
     assert "-k bf16" in runs[0] and "-k fp16" in runs[1]
     assert "-m varlen.run backend=triton engine.device=cuda" in runs[2]
     budget = int(re.search(r"--budget (\d+)", runs[3]).group(1))

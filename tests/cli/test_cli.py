@@ -46,7 +46,7 @@ def test_bad_choices_fail_in_one_clear_line(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Run directories: every run and every sweep gets its own (varlen.cli.ClaimRunDir)
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 SIM_SMALL = ["sim_model=tiny", "hardware=cpu_2core", "engine.num_blocks=256", "engine.max_model_len=1024",
              "sim_workload=synthetic", "workload.rate=20"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def run_main(module: str, args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:

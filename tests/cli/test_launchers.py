@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SWEEP = ["scheduler=chunked,sarathi", "workload.rate=2,8", "workload.limit=60", "engine.max_model_len=4096"]
 # Two deployment searches (sim.search composes each grid point's config inside its job).
 SEARCHES = ["search.target_rate=6,24", "workload.limit=40", "capacity.rel_tol=0.5", "search.hardware=[a40,h100_sxm]",

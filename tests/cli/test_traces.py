@@ -20,7 +20,7 @@ from varlen.traces import (
     MAX_LENGTH, LengthDist, TraceFormatError, TraceRequest, load_trace, synth_prompt_tokens,
 )
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 AZURE_CONV = DATA / "azure_conv_small.csv"
 AZURE_CODE = DATA / "azure_code_small.csv"
 MOONCAKE = DATA / "mooncake_conv_small.jsonl"

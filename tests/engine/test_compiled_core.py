@@ -19,7 +19,7 @@ import pytest
 import varlen.compiled as compiled
 from varlen.promises import PromiseWarning
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data"
 
 # Prints, as JSON, the core in use and a fingerprint of one simulation per configuration.

@@ -19,7 +19,7 @@ from sim.cost.registry import make_cost_model
 from sim.cost.replay import ReplayCostModel
 from sim.cost.roofline import RooflineCostModel
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Meta-Llama-3-8B's config.json numbers (8,030,261,248 parameters).
 LLAMA3_8B = dict(

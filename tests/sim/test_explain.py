@@ -18,7 +18,7 @@ from sim.explain import PARTS, breakdown
 from sim.cost.operators import ProfileError, load_profiles
 from sim.cost.registry import build_cost_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODELS = sorted(p.stem for p in (ROOT / "conf/sim_model").glob("*.yaml") if p.stem != "local")
 HARDWARE = sorted(p.stem for p in (ROOT / "conf/hardware").glob("*.yaml"))
 STEP = ([700, 1, 1, 1], [0, 30, 900, 5000])

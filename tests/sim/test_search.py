@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from sim.search import Point, pareto_front, replicas_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TARGET = 12.0
 # Llama-3-8B (16 GB of weights) in 30% of each GPU's memory: one A40 (14.4 GB) cannot hold it, two
 # can, an A100 or H100 can; cpu_2core has no price. Short trace, coarse bisection: seconds.

@@ -28,7 +28,7 @@ from varlen.sampling_params import SamplingParams
 from varlen.traces import load_trace
 from varlen.workload import trace_requests
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def synthetic(n=120, rate=40.0, seed=0):

@@ -18,7 +18,7 @@ from varlen.sampling_params import SamplingParams
 from varlen.traces import load_trace
 from varlen.workload import trace_requests
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 CASES = {
     # trace, scheduler, allocator, token budget, KV blocks (small: preemptions), max_model_len

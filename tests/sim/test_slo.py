@@ -71,7 +71,7 @@ def test_tbt_slo_is_checked_like_the_others(value):
 def test_both_commands_default_to_no_tbt_slo():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "conf"
+    root = Path(__file__).resolve().parents[2] / "conf"
     for f in ("run/config.yaml", "sim/sim.yaml"):
         slo = OmegaConf.load(root / f).slo
         assert "tbt_s" in slo and slo.tbt_s is None, f
