@@ -25,14 +25,13 @@ from varlen import registry
 from backends.base import BackendUnavailable
 from backends.torch_ref import TorchRefBackend
 from varlen.batch import ForwardBatch, SeqSlice, build_batch
+from varlen.testing.equivalence import GPU_BLOCK_SIZES
 
 pytestmark = pytest.mark.gpu
 
 ATOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
 DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
-# Block sizes each backend is exercised with: flash-attn 2.x pages must be multiples of 256;
-# FlashInfer and Triton take any size, including 1 and sizes that do not divide the lengths.
-BLOCK_SIZES = {"flash_attn": [256, 512], "flashinfer": [1, 7, 16, 256], "triton": [16, 1, 7, 256]}
+BLOCK_SIZES = GPU_BLOCK_SIZES
 GPU_BACKENDS = list(BLOCK_SIZES)
 # One head layout (GQA 4, head dim 128: what Llama-3-8B uses) keeps the number of kernel
 # variants that FlashInfer's and CuTe DSL's JIT compilers build on a fresh machine small.

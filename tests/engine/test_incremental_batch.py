@@ -16,7 +16,6 @@ import torch
 from hypothesis import given, strategies as st
 
 from test_batch import _same_batch
-from test_sim_fastforward import ALLOCATORS, POLICIES, policy_class
 from varlen.batch import SeqSlice, build_batch
 from varlen.clock import SimClock
 from varlen.engine import Engine
@@ -24,6 +23,7 @@ from varlen.executor import ModelExecutor
 from varlen.kv import PagedAllocator
 from varlen.request import Request
 from varlen.sampling_params import SamplingParams
+from varlen.testing.fast_forward import ALLOCATORS, POLICIES, policy_class
 
 VOCAB = 12
 EOS = 1

@@ -19,10 +19,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from varlen import registry
-from test_equivalence import assert_each_matches_alone, groupings, run_grouping, workloads
 from varlen.architectures import markdown_table, readme_table
 from varlen.model_attention import UnsupportedModel
 from varlen.model_runner import ATTN_NAME, ModelRunner, load_model, register_varlen_attention
+from varlen.testing.equivalence import assert_each_matches_alone, run_grouping
+from varlen.testing.strategies import batch_workloads as workloads, groupings
 from varlen.tiny_model import ARCHITECTURES, REFUSED_ARCHITECTURES, WINDOW, tiny_model, write_tiny_model
 
 CPU_BACKENDS = ["torch_ref", "torch_sdpa"]
@@ -75,6 +76,6 @@ def test_refused_architectures_say_why_in_one_line(arch):
 
 
 def test_readme_table_is_generated_from_the_matrix():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert readme_table(readme) == markdown_table(), \
         "README's architectures table is stale: run python -m varlen.architectures --write"

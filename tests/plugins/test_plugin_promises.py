@@ -13,7 +13,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-from test_sim_fastforward import ALLOCATORS, POLICIES, assert_same, policy_class, run_both, shared_prefix_requests, state
 
 import varlen.compiled as compiled
 from schedulers import ChunkedPolicy
@@ -25,6 +24,9 @@ from sim.simulator import simulate
 from sim.validate import fresh_copies
 from varlen.kv import ContiguousAllocator, KVAllocator, PagedAllocator
 from varlen.promises import PromiseWarning, broken_by
+from varlen.testing.fast_forward import (
+    ALLOCATORS, POLICIES, assert_same, policy_class, run_both, shared_prefix_requests, state,
+)
 
 CAP = 3  # what the overrides below cap: requests or tokens per step
 
@@ -366,7 +368,7 @@ def test_broken_by():
 @pytest.mark.skipif(not compiled.is_compiled(), reason=f"no compiled core: {compiled.status()}")
 def test_under_the_pure_core_too():
     """This file ran under the compiled core; run it again under the pure-Python one."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
                            "-k", "not under_the_pure_core"], cwd=root, env={**os.environ, "VARLEN_PURE": "1"},
                           capture_output=True, text=True, timeout=900)

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from test_equivalence import check_mixed_batches_match_each_request_alone, models  # noqa: F401 (a fixture)
 from varlen import LLM, SamplingParams, registry
+from varlen.testing.equivalence import check_mixed_batches_match_each_request_alone
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 FILES = {
     # The backend: one module...
@@ -114,7 +114,7 @@ def test_llm_runs_them(user_plugins, tiny_model_dirs):
 
 @settings(max_examples=10)
 @given(data=st.data())
-def test_the_user_backend_passes_the_batch_equivalence_check(user_plugins, models, data):  # noqa: F811
+def test_the_user_backend_passes_the_batch_equivalence_check(user_plugins, models, data):
     check_mixed_batches_match_each_request_alone(models, "fancy", data)
 
 

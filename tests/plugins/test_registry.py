@@ -144,8 +144,9 @@ def test_the_pool_caps_max_model_len_for_every_allocator():
 def test_every_shipped_backend_is_in_a_property_suite():
     """The CPU suite takes its backends from the group (usable here); the GPU suite lists its own
     with their block sizes: together they cover every backend shipped."""
-    from test_equivalence import CPU_BACKENDS, INTERPRETED
-    from test_gpu_backends import GPU_BACKENDS
+    from varlen.testing.equivalence import GPU_BLOCK_SIZES, INTERPRETED, cpu_backends
+
+    CPU_BACKENDS, GPU_BACKENDS = cpu_backends(), list(GPU_BLOCK_SIZES)
 
     shipped = {p.stem for p in conf_dir("backend").glob("*.yaml")}
     assert shipped <= {*CPU_BACKENDS, *INTERPRETED, *GPU_BACKENDS}, shipped - {*CPU_BACKENDS, *GPU_BACKENDS}

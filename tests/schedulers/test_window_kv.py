@@ -17,11 +17,12 @@ from hypothesis import given
 
 from sim.cost_models import RooflineCostModel
 from sim.executor import CostModelExecutor
-from test_sim_fastforward import POLICIES, assert_same, factory, policy_class, run_both, shared_prefix_requests, workloads
 from sim.fast_forward import FastForwardEngine
 from varlen import LLM, SamplingParams
 from varlen.kv import PagedAllocator
 from varlen.kv.windowed import WindowedPagedAllocator
+from varlen.testing.fast_forward import POLICIES, assert_same, factory, policy_class, run_both, shared_prefix_requests
+from varlen.testing.strategies import trace_workloads as workloads
 from varlen.tiny_model import WINDOW, write_tiny_model
 
 
