@@ -17,7 +17,7 @@ imported: every `@triton.jit` function, its own library's (`tl.zeros`, `tl.sum`,
 is made an interpreted or a compiled function according to TRITON_INTERPRET at that moment, and
 the two kinds cannot call each other. So TRITON_INTERPRET=1 must be in the environment before
 anything imports triton: set it in the shell (`TRITON_INTERPRET=1 python -m varlen.run
-backend=triton`), or, in a test module, in `os.environ` at its top (tests/test_equivalence.py
+backend=triton`), or, in a test module, in `os.environ` at its top (tests/engine/test_equivalence.py
 does so on machines without CUDA). This module never imports triton at import time; `check()`
 does, and refuses in one line a CPU run when Triton was imported without the interpreter.
 """

@@ -3,7 +3,7 @@
 Built from the tiny configs of `varlen.tiny_model` (supported: ARCHITECTURES; refused:
 REFUSED_ARCHITECTURES), by loading each in memory and reading its attention the way the model
 runner does; a backend column says whether the backend declares every feature the model's layers
-use. `tests/test_model_coverage.py` proves each supported row on the CPU backends (logits equal
+use. `tests/engine/test_model_coverage.py` proves each supported row on the CPU backends (logits equal
 the HF model's per request on mixed batches) and checks that README.md carries this exact table:
 
     python -m varlen.architectures            # print the table

@@ -182,7 +182,7 @@ class BatchBuffers:
                 num_blocks: int | None) -> ForwardBatch | None:
         """build() of a pure-decode step (one new token each: most steps of a serving loop) in a
         third of layout's array operations: each token is its request's, at position k. The
-        same ForwardBatch as layout's (tests/test_batch.py); None when a check fails, so that
+        same ForwardBatch as layout's (tests/engine/test_batch.py); None when a check fails, so that
         layout names the bad request."""
         B = len(k)
         blk = k // block_size  # each token's block, within its request

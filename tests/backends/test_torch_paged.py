@@ -2,7 +2,7 @@
 fallback when the kernel cannot be built, and that importing it builds nothing.
 
 (The model-level properties, mixed batches against HF per request and batch invariance, are
-tests/test_equivalence.py and tests/test_batch_invariance.py, parametrised over every backend.)
+tests/engine/test_equivalence.py and tests/engine/test_batch_invariance.py, parametrised over every backend.)
 """
 
 from __future__ import annotations

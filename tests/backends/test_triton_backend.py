@@ -4,7 +4,7 @@ Triton makes every `@triton.jit` function interpreted or compiled when triton is
 from TRITON_INTERPRET (see backends/triton_paged.py), so on a machine without CUDA this module sets
 it before anything imports triton (nothing does at collection: `import backends` never imports
 it). On a GPU machine it is left alone, the interpreter tests skip saying so, and
-tests/test_gpu_backends.py runs the compiled kernels. Without the triton package they skip with
+tests/backends/test_gpu_backends.py runs the compiled kernels. Without the triton package they skip with
 the install command; anything else that keeps the interpreter from running fails them.
 
 The interpreter runs each program of the grid in Python (~25 ms each here), so shapes are tiny.
@@ -13,7 +13,7 @@ groups 1-4 (3 is not a power of two), head dims that are not powers of two, bloc
 sizes that do not divide the lengths, contexts ending exactly on a block boundary, single-token
 prefills, and the split-KV path with its log-sum-exp merge (forced on tiny contexts).
 The model-level property tests (every request's logits vs the HF model alone) run this backend
-in tests/test_equivalence.py.
+in tests/engine/test_equivalence.py.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from varlen.batch import ForwardBatch, SeqSlice, build_batch  # noqa: E402
 # Skipped only where they cannot run by design; anything else that keeps the interpreter from
 # running (triton imported too early, a broken install) fails them, loudly.
 if torch.cuda.is_available():
-    REASON = "this machine has CUDA: Triton runs compiled here (tests/test_gpu_backends.py)"
+    REASON = "this machine has CUDA: Triton runs compiled here (tests/backends/test_gpu_backends.py)"
 elif importlib.util.find_spec("triton") is None:
     REASON = f"triton is not installed: {INSTALL_HINT}"
 else:

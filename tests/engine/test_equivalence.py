@@ -34,7 +34,7 @@ INTERPRETED_EXAMPLES = max(3, settings.default.max_examples // 8)
 # Skipped only where they cannot run by design; anything else that keeps them from running
 # (triton imported too early, a broken install) fails them, loudly.
 if torch.cuda.is_available():
-    NO_INTERPRETER = "this machine has CUDA: Triton runs compiled here (tests/test_gpu_backends.py)"
+    NO_INTERPRETER = "this machine has CUDA: Triton runs compiled here (tests/backends/test_gpu_backends.py)"
 elif importlib.util.find_spec("triton") is None:
     NO_INTERPRETER = 'triton is not installed: pip install -e ".[triton]"'
 else:

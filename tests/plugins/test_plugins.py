@@ -37,7 +37,7 @@ FILES = {
         ''',
     # ... and its yaml.
     "conf/backend/fancy.yaml": '''
-        # A user's backend (tests/test_plugins.py).
+        # A user's backend (tests/plugins/test_plugins.py).
         _target_: mybackends.fancy.FancyBackend
         ''',
     # The policy: one module...
@@ -62,7 +62,7 @@ FILES = {
         ''',
     # ... and its yaml.
     "conf/scheduler/mine.yaml": '''
-        # A user's policy (tests/test_plugins.py): chunked, fewest output tokens admitted first.
+        # A user's policy (tests/plugins/test_plugins.py): chunked, fewest output tokens admitted first.
         _target_: mypolicies.capped.FewestTokensFirst
         max_num_seqs: 64
         max_num_batched_tokens: 512
@@ -166,8 +166,9 @@ def max_new_tokens(steps_csv: Path) -> int:
 def test_the_suites_take_them_from_the_groups(user_plugins):
     """The property and invariant suites parametrise over registry.names(group): with the user's
     folder on VARLEN_CONFIG_PATH they run the user's backend and policy too, unchanged."""
-    suites = ["tests/test_equivalence.py", "tests/test_scheduling_invariants.py", "tests/test_sim_fastforward.py",
-              "tests/test_plugin_promises.py", "tests/test_policies.py"]
+    suites = ["tests/engine/test_equivalence.py", "tests/schedulers/test_scheduling_invariants.py",
+              "tests/sim/test_sim_fastforward.py", "tests/plugins/test_plugin_promises.py",
+              "tests/schedulers/test_policies.py"]
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "fancy or mine",
                           *suites], capture_output=True, text=True, env=user_plugins["env"], cwd=ROOT, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:]
