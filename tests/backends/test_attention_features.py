@@ -22,10 +22,11 @@ from backends.base import AttentionBackend, LayerAttention
 from backends.flash_attn import FlashAttnBackend
 from backends.flashinfer import FlashInferBackend
 from backends.torch_ref import TorchRefBackend
-from test_backend_metadata import ATOL, problems
 from varlen.batch import SeqSlice, build_batch
 from varlen.model_attention import UnsupportedModel, spec_from_call
 from varlen.model_runner import ATTN_NAME, ModelRunner, register_varlen_attention
+from varlen.testing.attention import ATOL
+from varlen.testing.strategies import problems
 from varlen.tiny_model import WINDOW, tiny_model
 
 

@@ -15,14 +15,13 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
-from test_backend_metadata import mixed_batches, problems, reference
 
 import backends.torch_paged as tp
 from varlen import registry
 from backends.torch_ref import TorchRefBackend
 from varlen.batch import SeqSlice, build_batch
-
-ATOL = 1e-5
+from varlen.testing.attention import ATOL, reference
+from varlen.testing.strategies import mixed_batches, problems
 
 
 def run_paged(p: dict, q: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):

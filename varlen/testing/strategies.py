@@ -1,17 +1,61 @@
-"""Hypothesis strategies: mixed-batch workloads for the model-level properties, small serving
-traces for the scheduling ones."""
+"""Hypothesis strategies: one mixed step for the backend-level properties, mixed-batch workloads
+for the model-level ones, small serving traces for the scheduling ones."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from hypothesis import strategies as st
 
 from sim.executor import SIM_TOKEN
+from varlen.batch import ForwardBatch, SeqSlice, build_batch
 from varlen.request import Request
 from varlen.sampling_params import SamplingParams
-from varlen.testing.fast_forward import ALLOCATORS, POLICIES
+
+
+@st.composite
+def mixed_batches(draw, pure_decode: bool | None = None) -> tuple[ForwardBatch, int]:
+    """(batch, pool size): a step of 1-8 requests, fresh prefills, later chunks and decodes over
+    scattered, shuffled blocks. Some requests hold spare blocks past what they need (an allocator
+    may reserve ahead), which no backend may read."""
+    block_size = draw(st.sampled_from([1, 2, 3, 4, 5, 7, 8, 16]), label="block_size")
+    n = draw(st.integers(1, 8), label="num_requests")
+    if pure_decode is None:
+        pure_decode = draw(st.booleans(), label="pure_decode")
+    shapes = []
+    for _ in range(n):
+        cached = draw(st.integers(0, 40))
+        new = 1 if pure_decode else draw(st.integers(1, 20))
+        spare = draw(st.integers(0, 2))
+        shapes.append((cached, new, -(-(cached + new) // block_size) + spare))
+    pool = sum(s[2] for s in shapes) + draw(st.integers(0, 8), label="free_blocks")
+    perm = draw(st.permutations(range(pool)), label="block_ids")
+    seqs, at = [], 0
+    for i, (cached, new, nblk) in enumerate(shapes):
+        seqs.append(SeqSlice(list(range(3, 3 + new)), cached, list(perm[at:at + nblk]), req_id=i))
+        at += nblk
+    return build_batch(seqs, block_size, pool), pool
+
+
+@st.composite
+def problems(draw, pure_decode: bool | None = None) -> dict:
+    """A batch plus random fp32 tensors: the KV pool's earlier contents and this step's q/k/v."""
+    batch, pool = draw(mixed_batches(pure_decode))
+    h_kv = draw(st.sampled_from([1, 2]), label="kv_heads")
+    group = draw(st.sampled_from([1, 2, 3]), label="gqa_group")
+    d = draw(st.sampled_from([4, 8]), label="head_dim")
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1), label="seed"))
+    n = batch.num_tokens
+    return dict(
+        batch=batch,
+        cache=torch.randn(2, pool, batch.block_size, h_kv, d, generator=gen),
+        q=torch.randn(n, h_kv * group, d, generator=gen),
+        k=torch.randn(n, h_kv, d, generator=gen),
+        v=torch.randn(n, h_kv, d, generator=gen),
+        scale=d ** -0.5,
+    )
 
 
 @dataclass
@@ -70,6 +114,8 @@ def groupings(n_steps: list[int]):
 def trace_workloads(draw):
     """A small trace and an engine to serve it: any policy and allocator, pools small enough for
     preemptions and rejections, prompts of few symbols (prefix hits)."""
+    from varlen.testing.fast_forward import ALLOCATORS, POLICIES  # builds the allocators: only when drawn
+
     n = draw(st.integers(1, 14))
     block_size = draw(st.sampled_from([1, 2, 4, 16]))
     max_model_len = draw(st.integers(8, 96))
