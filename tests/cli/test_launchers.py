@@ -95,6 +95,7 @@ def report(sweeps, name: str) -> pd.DataFrame:
     return table.sort_values("overrides").reset_index(drop=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["submitit_local", "ray"])
 def test_sweep_through_a_cluster_launcher_reports_what_joblib_reports(sweeps, name):
     reason = missing(LAUNCHERS[name][1])

@@ -366,6 +366,7 @@ def test_broken_by():
 
 
 @pytest.mark.skipif(not compiled.is_compiled(), reason=f"no compiled core: {compiled.status()}")
+@pytest.mark.slow
 def test_under_the_pure_core_too():
     """This file ran under the compiled core; run it again under the pure-Python one."""
     root = Path(__file__).resolve().parents[2]

@@ -108,6 +108,7 @@ def _env(tmp_path) -> dict:
     return dict(os.environ, VARLEN_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
 
 
+@pytest.mark.slow
 def test_varlen_run_with_sjf(tmp_path):
     res = subprocess.run([sys.executable, "-m", "varlen.run", "scheduler=sjf", f"hydra.run.dir={tmp_path / 'out'}",
                           "progress=false", "engine.threads=1", "workload.num_requests=5",

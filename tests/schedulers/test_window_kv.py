@@ -46,6 +46,7 @@ def generate(path: str, allocator, backend: str = "torch_sdpa", prompts=None, ma
     return [o.token_ids for o in outs], peak
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("backend", ["torch_ref", "torch_sdpa"])
 def test_window_freeing_keeps_tokens_and_bounds_memory(windowed_dirs, backend, caching):
@@ -59,6 +60,7 @@ def test_window_freeing_keeps_tokens_and_bounds_memory(windowed_dirs, backend, c
     assert freed_peak <= bound < plain_peak, (freed_peak, bound, plain_peak)
 
 
+@pytest.mark.slow
 def test_freeing_one_block_too_early_is_caught(windowed_dirs, monkeypatch):
     """The equality above is not vacuous: a window one block narrower changes the tokens (without
     prefix caching a freed block goes straight back to the top of the free stack, to be reused)."""

@@ -142,6 +142,7 @@ def test_bisection_refuses_bad_ranges(low, high, rel_tol):
         bisect_rate(lambda r: (True, {}), low, high, rel_tol)
 
 
+@pytest.mark.slow
 def test_sweep_command_and_report(tmp_path):
     """The sweep of the issue, small: one command, a Hydra multirun through the joblib launcher
     that ends with the report (sim.callbacks.SweepReport); sim.report alone redraws it."""
