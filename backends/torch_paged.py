@@ -129,7 +129,7 @@ def work_units(batch: ForwardBatch, tile: int, skip: np.ndarray | None = None) -
 
 
 def decode_units(seq_lens: np.ndarray) -> np.ndarray:
-    """work_units of a pure-decode step, cheaper: same units, same order (tests/test_torch_paged.py)."""
+    """work_units of a pure-decode step, cheaper: same units, same order (tests/backends/test_torch_paged.py)."""
     units = np.zeros((len(seq_lens), 3), dtype=np.int32)
     units[:, 0] = np.argsort(-seq_lens, kind="stable")  # lengths are positive: no overflow
     units[:, 2] = 1

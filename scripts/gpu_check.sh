@@ -102,7 +102,7 @@ for name in ("triton", "flashinfer", "flash_attn", "flash_attn.cute", "pytest", 
 EOF
 
 # --- 2. GPU tests, one dtype at a time so that a slow first JIT still leaves results
-mapfile -t gpu_files < <(grep -l "pytest.mark.gpu" tests/*.py)
+mapfile -t gpu_files < <(grep -rl --include="*.py" "pytest.mark.gpu" tests | sort)
 results=()
 dtypes=(${GPU_DTYPES:-bf16 fp16})
 for i in "${!dtypes[@]}"; do

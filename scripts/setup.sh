@@ -26,7 +26,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
 # triton: the tests run the triton backend's kernels in Triton's CPU interpreter (Linux wheels).
-# cluster: Hydra's submitit and Ray launchers, whose sweeps tests/test_launchers.py runs.
+# cluster: Hydra's submitit and Ray launchers, whose sweeps tests/cli/test_launchers.py runs.
 "$PY" -m pip install -q -e ".[test,fast,triton,cluster]"
 # The simulator's scheduling core compiled with mypyc (~2x faster, same decisions; see
 # varlen/compiled.py). Optional: without it the pure-Python core runs.

@@ -6,7 +6,7 @@ The simulator knows when the next arrival comes, so `FastForwardEngine` runs suc
 once: the executor times all its steps in one call (`FastForwardExecutor.decode_run`), the
 allocator is asked only the calls that matter (`KVAllocator.next_allocation_event`, or all at once
 with `grow_decodes`), and one `DecodeRun` record stands for the steps. The result is the same,
-request for request and step for step, as stepping one at a time (tests/test_sim_fastforward.py).
+request for request and step for step, as stepping one at a time (tests/sim/test_sim_fastforward.py).
 
 A real run never knows the next arrival, so none of this is in the core loop (varlen/engine.py).
 """

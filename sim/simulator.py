@@ -96,7 +96,7 @@ def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tupl
     fast_forward: tell each step when the next arrival comes, so that an engine runs a stretch
     of repeating pure-decode steps in one go (sim/fast_forward.py); make_engine must then build a
     FastForwardEngine. The result is the same, request for request and step for step
-    (tests/test_sim_fastforward.py); False steps one by one, on any Engine.
+    (tests/sim/test_sim_fastforward.py); False steps one by one, on any Engine.
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")

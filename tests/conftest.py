@@ -1,4 +1,4 @@
-"""Shared test setup: hypothesis profiles, thread count, and the tiny model folders."""
+"""Shared test setup: hypothesis profiles, thread count, the tiny model folders and their oracles."""
 
 from __future__ import annotations
 
@@ -25,3 +25,11 @@ def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
     root = tmp_path_factory.mktemp("models")
     return {arch: str(write_tiny_model(root / arch, arch)) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def models(request: pytest.FixtureRequest, tiny_model_dirs: dict[str, str]):
+    """(model, its HF SDPA oracle) of each tiny architecture: the mixed-batch properties' subjects."""
+    from varlen.testing.equivalence import load_pair
+
+    return load_pair(tiny_model_dirs[request.param])

@@ -1,7 +1,7 @@
 """Which decoder-only architectures of the installed transformers varlen runs, on which backends.
 
 Read from `varlen.tiny_model`'s configs the way the model runner reads attention;
-tests/test_model_coverage.py proves each row and checks README.md carries this table:
+tests/engine/test_model_coverage.py proves each row and checks README.md carries this table:
 
     python -m varlen.architectures            # print the table
     python -m varlen.architectures --write    # rewrite it in README.md (between the markers)

@@ -169,7 +169,7 @@ class BatchBuffers:
 
     def _decode(self, rows: np.ndarray, k: np.ndarray, needs_logits: np.ndarray, block_size: int,
                 num_blocks: int | None) -> ForwardBatch | None:
-        """build() of a pure-decode step, cheaper, same result as layout's (tests/test_batch.py);
+        """build() of a pure-decode step, cheaper, same result as layout's (tests/engine/test_batch.py);
         None when a check fails, so that layout names the bad request."""
         B = len(k)
         blk = k // block_size

@@ -4,7 +4,7 @@ The simulator spends its time in the engine loop, the policies and the allocator
 plain typed Python. mypyc compiles those modules as they are (no second implementation to keep
 in step), which makes a simulation about 2x faster. The build is optional: without it,
 or when it does not match the sources, the pure-Python modules run, with the same results
-(tests/test_compiled_core.py compares the two).
+(tests/engine/test_compiled_core.py compares the two).
 
     python -m varlen.compile           # build (needs `pip install -e ".[fast]"` and a C compiler)
     python -m varlen.compile --status  # which core an import gets, and why

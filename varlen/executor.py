@@ -138,7 +138,7 @@ class ModelExecutor(Executor):
         (tokens_written stays behind; the row's next step that is not a decode writes from
         there), a block table is copied only when a new token starts a block not yet copied, and
         block ids are checked as they are copied (so every id in the buffer is in the pool). The
-        batch is BatchBuffers.build's for the same step (tests/test_incremental_batch.py replays
+        batch is BatchBuffers.build's for the same step (tests/engine/test_incremental_batch.py replays
         random serving runs against a rebuild).
         """
         got = decode_inputs(scheduled, self.rows, self.slots_covered)

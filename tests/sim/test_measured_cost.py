@@ -1,0 +1,398 @@
+"""The measured operator cost model: shipped tables, interpolation, prediction from GEMM shapes,
+errors for GPUs without tables, user profile folders, the simulator's fast path."""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sim.cost.base import StepSums
+from sim.cost.hardware import HardwareSpec
+from sim.cost.measured import MeasuredCostModel
+from sim.cost.collectives import interp_size
+from sim.cost.gemm import layer_op_ms
+from sim.cost.profiles import (
+    LAYER_OPS, PER_LAYER, SHIPPED, ModelKey, ProfileError, interp_tokens, load_profiles, read_compute_table,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=32, vocab_size=32000)
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256)
+
+
+def test_shipped_tables_read_and_validate() -> None:
+    prof = load_profiles()
+    assert prof.gpus == ["a100", "a40", "h100"]
+    assert prof.nodes == ["a100_dgx", "a100_pairwise_nvlink", "a40_pairwise_nvlink", "h100_dgx", "h100_pairwise_nvlink"]
+    assert (SHIPPED / "LICENSE").read_text().count("MIT License") == 1
+    names = {g: sorted(t.name for t in prof.compute(g)) for g in prof.gpus}
+    assert names["a100"] == ["meta-llama/Llama-2-70b-hf", "meta-llama/Llama-2-7b-hf", "meta-llama/Meta-Llama-3-70B",
+                             "meta-llama/Meta-Llama-3-8B", "microsoft/phi-2"]
+    assert "meta-llama/Meta-Llama-3-8B" not in names["h100"]  # the gap the model predicts across
+    for g in prof.gpus:
+        for t in prof.compute(g):
+            assert sorted(t.by_tp) == ([1] if "phi-2" in t.name else [1, 2, 4, 8])
+            for tok, times in t.by_tp.values():
+                assert tok[0] == 1 and np.all(np.diff(tok) > 0) and tok[-1] >= 4096
+                assert all(np.all(v > 0) for v in times.values())
+    assert "all_reduce" not in prof.network("a40_pairwise_nvlink")
+    ar = prof.network("h100_dgx")["all_reduce"]
+    assert sorted(ar.curves) == [(2, 2), (4, 4), (8, 8)]
+
+
+def test_bad_tables_fail_with_the_file_and_the_problem(tmp_path: Path) -> None:
+    src = SHIPPED / "compute/a100/microsoft/phi-2/mlp.csv.gz"
+    lines = gzip.decompress(src.read_bytes()).decode().splitlines()
+    header = lines[0].split(",")
+    bad = tmp_path / "missing.csv"
+    i = header.index("time_stats.mlp_up_proj.median")
+    bad.write_text("\n".join(",".join(c for j, c in enumerate(r.split(",")) if j != i) for r in lines) + "\n")
+    with pytest.raises(ProfileError, match=r"missing.csv: missing columns \['time_stats.mlp_up_proj.median'\]"):
+        read_compute_table(bad, "x", "org/m")
+    neg = tmp_path / "negative.csv"
+    row = lines[1].split(",")
+    row[i] = "-1"
+    neg.write_text("\n".join([lines[0], ",".join(row), *lines[2:]]) + "\n")
+    with pytest.raises(ProfileError, match="mlp_up_proj has non-positive"):
+        read_compute_table(neg, "x", "org/m")
+    with pytest.raises(ProfileError, match="is not a folder"):
+        MeasuredCostModel(LLAMA2_7B, "a100_80gb_sxm", profiles=tmp_path / "nowhere")
+
+
+def test_interpolation_is_exact_at_profiled_points() -> None:
+    prof = load_profiles()
+    table = next(t for t in prof.compute("a100") if t.name == "meta-llama/Llama-2-7b-hf")
+    tok, times = table.by_tp[1]
+    m = MeasuredCostModel(LLAMA2_7B, "a100_80gb_sxm")
+    assert m.linear_source == "measured: a100/meta-llama/Llama-2-7b-hf TP1"
+    layer = sum(PER_LAYER[op] * times[op] for op in LAYER_OPS)
+    for i in (0, 5, 100, len(tok) - 1):
+        t = int(tok[i])
+        assert m._layer[t] == pytest.approx(layer[i] * 1e-3, rel=1e-12)
+        assert m._emb[t] == pytest.approx(times["emb"][i] * 1e-3, rel=1e-12)
+    # Between points: linear; past the last: time per token of the last point.
+    assert interp_tokens(np.array([1.0, 3.0]), np.array([2.0, 6.0]), [2.0, 6.0]).tolist() == [4.0, 12.0]
+    size, ms = np.array([1e3, 1e5]), np.array([0.01, 0.1])
+    assert interp_size(size, ms, [1e3, 1e4, 1e5, 2e5]).tolist() == pytest.approx([0.01, 0.01 * 10 ** 0.5, 0.1, 0.2])
+
+
+def test_step_time_is_the_sum_of_its_parts_and_grows_with_the_work() -> None:
+    m = MeasuredCostModel(LLAMA3_8B, "a100_80gb_sxm")
+    s = StepSums.of([300, 1, 1], [0, 100, 4000])
+    assert sum(m.parts(s).values()) == pytest.approx(m.step_time_sums(s), rel=1e-12)
+    assert m.step_time([300, 1, 1], [0, 100, 4000]) == m.step_time_sums(s)
+    assert m.step_time([600], [0]) > m.step_time([300], [0]) > m.step_time([1], [0])
+    assert m.step_time([1] * 8, [8000] * 8) > m.step_time([1] * 8, [100] * 8)
+    # Past the per-token grid: still defined and growing.
+    assert m.step_time([40000], [0]) > 2 * m.step_time([16000], [0])
+
+
+@pytest.mark.parametrize("batch", [1, 7, 64, 300])
+def test_decode_closure_equals_step_time_sums_bit_for_bit(batch: int) -> None:
+    m = MeasuredCostModel(LLAMA3_8B, "h100_sxm", tensor=2)
+    f = m.decode_step_time(batch)
+    for cached in (batch, 1000 * batch, 7919 * batch + 3):
+        assert f(cached) == m.step_time_sums(StepSums(batch, batch, cached, cached, batch, batch))
+
+
+def test_held_out_model_is_predicted_within_bounds() -> None:
+    """Leave-one-out on one case (benchmarks/sim_profiles.py does all): Llama-3-8B on an A100."""
+    prof = load_profiles()
+    table = next(t for t in prof.compute("a100") if t.name == "meta-llama/Meta-Llama-3-8B")
+    tok, times = table.by_tp[1]
+    pred, source = layer_op_ms(prof, "a100", table.key, 128, 1, tok, exclude=(table.key,))
+    assert source.startswith("predicted from GEMM shapes on a100")
+    meas = sum(PER_LAYER[op] * times[op] for op in LAYER_OPS)
+    err = np.abs(sum(PER_LAYER[op] * pred[op] for op in LAYER_OPS) / meas - 1)
+    assert np.median(err) < 0.06 and err.max() < 0.2
+
+
+def test_held_out_tables_do_not_leak_into_their_prediction(tmp_path: Path) -> None:
+    """Held-out tables (a shape at every TP degree, or at one) may be rewritten or deleted without
+    changing their prediction; a table not held out does change it (so the check can fail)."""
+    from sim.cost.gemm import _operator_model
+    from sim.cost.profiles import Profiles
+
+    src = SHIPPED / "compute" / "a100"
+    held = ("meta-llama/Llama-2-70b-hf", "meta-llama/Meta-Llama-3-70B")
+
+    def folder(name: str, scale: dict[str, float], drop: tuple[str, ...] = (), tp: int | None = None) -> Profiles:
+        """The shipped A100 tables, `scale`d or `drop`ped (at TP `tp` only, if given)."""
+        root = tmp_path / name / "compute" / "a100"
+        for f in sorted(src.glob("*/*/mlp.csv.gz")):
+            model = f"{f.parent.parent.name}/{f.parent.name}"
+            if model in drop and tp is None:
+                continue
+            lines = gzip.decompress(f.read_bytes()).decode().splitlines()
+            head = lines[0].split(",")
+            cols = [i for i, h in enumerate(head) if h.startswith("time_stats.") and h.endswith(".median")]
+            tp_col = head.index("num_tensor_parallel_workers")
+            out = [lines[0]]
+            for line in lines[1:]:
+                v = line.split(",")
+                mine = tp is None or int(float(v[tp_col])) == tp
+                if mine and model in drop:
+                    continue
+                for i in cols:
+                    v[i] = repr(float(v[i]) * (scale.get(model, 1.0) if mine else 1.0))
+                out.append(",".join(v))
+            (root / model).mkdir(parents=True)
+            (root / model / "mlp.csv").write_text("\n".join(out) + "\n")
+        return Profiles([tmp_path / name])
+
+    base = folder("base", {})
+    key = next(t.key for t in base.compute("a100") if t.name == held[0])
+    tok = np.array([1.0, 7.0, 64.0, 240.0, 1000.0, 4096.0, 9000.0])
+
+    def predict(prof: Profiles, exclude: tuple) -> dict[str, np.ndarray]:
+        _operator_model.cache_clear()
+        pred, source = layer_op_ms(prof, "a100", key, 128, 4, tok, exclude=exclude)
+        assert source.startswith("predicted from GEMM shapes")
+        return pred
+
+    def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+        return all(np.array_equal(a[op], b[op]) for op in a)
+
+    # The held-out shape at every TP degree (the shape's tables rewritten or gone).
+    want = predict(base, (key,))
+    for prof in (folder("scaled", {m: 3.0 for m in held}), folder("dropped", {}, drop=held)):
+        assert same(predict(prof, (key,)), want)
+    other = folder("other", {"meta-llama/Llama-2-7b-hf": 3.0})
+    assert not np.allclose(predict(other, (key,))["mlp_up_proj"], want["mlp_up_proj"])
+    # The held-out table alone (the shape at TP 4): its own rows rewritten or gone change
+    # nothing; the shape's TP 2 table, which the prediction rests on, does.
+    want = predict(base, ((key, 4),))
+    assert not same(want, predict(base, (key,)))
+    for prof in (folder("scaled4", {m: 3.0 for m in held}, tp=4), folder("dropped4", {}, drop=held, tp=4)):
+        assert same(predict(prof, ((key, 4),)), want)
+    sibling = predict(folder("scaled2", {m: 3.0 for m in held}, tp=2), ((key, 4),))
+    assert not np.allclose(sibling["mlp_up_proj"], want["mlp_up_proj"])
+    assert not np.allclose(sibling["input_layernorm"], want["input_layernorm"])
+
+
+def test_unprofiled_tp_degree_is_predicted_from_the_same_shapes_other_tp_tables() -> None:
+    """Llama-2-70B's hidden TP 2 table on the H100 is predicted with the shape's TP 1, 4 and 8
+    tables, says so, and comes closer than without them."""
+    prof = load_profiles()
+    table = next(t for t in prof.compute("h100") if t.name == "meta-llama/Llama-2-70b-hf")
+    tok, times = table.by_tp[2]
+    meas = sum(PER_LAYER[op] * times[op] for op in LAYER_OPS)
+    err = {}
+    for how, exclude in (("siblings", ((table.key, 2),)), ("shape", (table.key,))):
+        pred, source = layer_op_ms(prof, "h100", table.key, 128, 2, tok, exclude=exclude)
+        assert source.startswith("predicted from GEMM shapes on h100")
+        assert ("incl. this shape at TP 1, 4, 8" in source) == (how == "siblings")
+        err[how] = np.abs(sum(PER_LAYER[op] * pred[op] for op in LAYER_OPS) / meas - 1)
+    assert np.median(err["siblings"]) < 0.75 * np.median(err["shape"])
+    assert err["siblings"].max() < 0.75 * err["shape"].max()
+    # The cost model, for a TP degree no table has: the shape's four tables, named.
+    m = MeasuredCostModel(LLAMA2_7B, "a100_80gb_sxm", tensor=16)
+    assert m.linear_source.startswith("predicted from GEMM shapes on a100 incl. this shape at TP 1, 2, 4, 8")
+    t8 = MeasuredCostModel(LLAMA2_7B, "a100_80gb_sxm", tensor=8)
+    assert 0.3 * t8._layer[1024] < m._layer[1024] < t8._layer[1024]  # half the GEMMs of TP 8, and then some
+
+
+def test_gemms_that_follow_a_fixed_cost_plus_throughput_are_predicted_exactly() -> None:
+    """GEMMs taking 2 M (c0 + c1 N K): a shape larger than any profiled is predicted to rounding;
+    with a single profiled shape the local fit is used."""
+    from sim.cost.gemm import GpuOperatorModel, gemm_dims
+    from sim.cost.profiles import GEMMS, ComputeTable
+
+    c0, c1 = 8e-9, 1 / 400e12
+    tokens = np.array([1.0, 8.0, 64.0, 512.0, 4096.0])
+
+    def table(key: ModelKey, tps: tuple[int, ...]) -> ComputeTable:
+        by_tp = {tp: (tokens, {op: 2 * tokens * (c0 + c1 * n * k) * 1e3 for op, (n, k) in gemm_dims(key, 128, tp).items()})
+                 for tp in tps}
+        return ComputeTable("x", "org/m", Path("x"), key, 32000, by_tp)
+
+    small = [table(ModelKey(32, 32, 4096, 11008, True, 128), (1, 2, 4)), table(ModelKey(32, 8, 4096, 14336, True, 128), (1, 2))]
+    om = GpuOperatorModel("x", small)
+    assert om.affine_weight == pytest.approx(1.0, abs=1e-9)
+    big = ModelKey(64, 8, 8192, 28672, True, 128)
+    got = om.layer_gemm_ms(tokens, big, 128, 1)
+    for op in GEMMS:
+        n, k = gemm_dims(big, 128, 1)[op]
+        np.testing.assert_allclose(got[op], 2 * tokens * (c0 + c1 * n * k) * 1e3, rtol=1e-6)
+    assert GpuOperatorModel("x", small[:1]).affine_weight == 0.0
+
+
+def test_unprofiled_shapes_and_gpus_are_predicted_and_flagged() -> None:
+    qwen3_8b = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    m = MeasuredCostModel(qwen3_8b, "h100_sxm")
+    assert m.linear_source.startswith("predicted from GEMM shapes on h100")
+    assert any(n.startswith("attention: estimated") for n in m.notes)
+    # Llama-3-8B's shape has no H100 table: predicted, between 7B's and a larger model's time.
+    l3 = MeasuredCostModel(LLAMA3_8B, "h100_sxm")
+    l2 = MeasuredCostModel(LLAMA2_7B, "h100_sxm")
+    assert l3.linear_source.startswith("predicted") and l2.linear_source.startswith("measured")
+    assert l3._layer[2048] > l2._layer[2048]  # a wider MLP (14336 vs 11008) costs more
+    # A40: no all-reduce table, so TP's all-reduce is predicted, and says so.
+    a40 = MeasuredCostModel(LLAMA2_7B, "a40", tensor=2)
+    assert any("ring over send/recv" in n for n in a40.notes)
+
+
+@pytest.mark.parametrize("hw", ["h200_sxm", "cpu_2core"])
+def test_gpu_without_tables_fails_in_one_clear_line(hw: str) -> None:
+    with pytest.raises(ProfileError) as e:
+        MeasuredCostModel(LLAMA3_8B, hw)
+    msg = str(e.value)
+    assert f"no operator tables for hardware '{hw}'" in msg and "cost.profiles" in msg and "\n" not in msg
+    assert "a100, a40, h100" in msg
+
+
+def test_user_profiles_cover_a_new_gpu_and_override_shipped_tables(tmp_path: Path) -> None:
+    src = SHIPPED / "compute/a100/meta-llama/Meta-Llama-3-8B/mlp.csv.gz"
+    dst = tmp_path / "compute/h200_sxm/meta-llama/Meta-Llama-3-8B"
+    dst.mkdir(parents=True)
+    (dst / "mlp.csv").write_bytes(gzip.decompress(src.read_bytes()))
+    m = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path)
+    assert m.gpu == "h200_sxm" and m.linear_source == "measured: h200_sxm/meta-llama/Meta-Llama-3-8B TP1"
+    # A user's a100 table of a shipped shape wins over the shipped one.
+    lines = gzip.decompress(src.read_bytes()).decode().splitlines()
+    header = lines[0].split(",")
+    cols = [i for i, h in enumerate(header) if h.startswith("time_stats.")]
+    doubled = [lines[0]] + [",".join(str(2 * float(v)) if i in cols else v for i, v in enumerate(r.split(",")))
+                            for r in lines[1:]]
+    mine = tmp_path / "compute/a100/me/llama3-8b-slow"
+    mine.mkdir(parents=True)
+    (mine / "mlp.csv").write_text("\n".join(doubled) + "\n")
+    shipped = MeasuredCostModel(LLAMA3_8B, "a100_80gb_sxm")
+    user = MeasuredCostModel(LLAMA3_8B, "a100_80gb_sxm", profiles=tmp_path)
+    assert user.linear_source == "measured: a100/me/llama3-8b-slow TP1"
+    assert user._layer[512] == pytest.approx(2 * shipped._layer[512], rel=1e-9)
+    shutil.rmtree(tmp_path / "compute")
+
+
+def test_model_key_matches_configs_by_shape() -> None:
+    prof = load_profiles()
+    keys = {t.name: t.key for t in prof.compute("a100")}
+    assert keys["meta-llama/Llama-2-70b-hf"] == keys["meta-llama/Meta-Llama-3-70B"] == ModelKey(64, 8, 8192, 28672, True, 128)
+    assert not keys["microsoft/phi-2"].gated
+    assert HardwareSpec.load("a100_80gb_sxm").profile_gpu == "a100"
+
+
+def test_sim_run_with_the_measured_model_and_its_errors(tmp_path: Path) -> None:
+    base = [sys.executable, "-m", "sim.run", f"hydra.run.dir={tmp_path}", "workload.limit=40", "output.requests=false"]
+    ok = subprocess.run([*base, "cost.model=measured", "hardware=a100_80gb_sxm"], cwd=ROOT, capture_output=True,
+                        text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "40/40 finished" in ok.stdout
+    bad = subprocess.run([*base, "cost.model=measured", "hardware=h200_sxm"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: cost.model=measured: no operator tables for hardware 'h200_sxm'")
+    assert bad.stderr.strip().count("\n") == 0
+
+
+def test_profiler_writes_tables_the_measured_model_reads(tmp_path: Path) -> None:
+    """python -m sim.profile's table for the tiny model is valid and read back exactly."""
+    from sim.profile import main
+
+    assert main(["--model", "tiny", "--out", str(tmp_path), "--tokens", "1,8,64", "--repeats", "1", "--no-engine"]) == 0
+    path = tmp_path / "compute/cpu_2core/local/tiny/mlp.csv"
+    table = read_compute_table(path, "cpu_2core", "local/tiny")
+    assert table.key == ModelKey(4, 2, 64, 128, True, 16) and sorted(table.by_tp) == [1]
+    tok, times = table.by_tp[1]
+    assert tok.tolist() == [1.0, 8.0, 64.0] and set(times) == {*LAYER_OPS, "emb"}
+    m = MeasuredCostModel("tiny", "cpu_2core", profiles=tmp_path)
+    assert m.linear_source == "measured: cpu_2core/local/tiny TP1"
+    assert m._layer[8] == pytest.approx(sum(PER_LAYER[op] * times[op][1] for op in LAYER_OPS) * 1e-3, rel=1e-12)
+    # The backend's attention was profiled too, and calibrates the attention.
+    att = load_profiles(tmp_path).attention("cpu_2core")
+    assert len(att) == 1 and len(att[0][1]["batch_size"]) == 17
+    assert m.attention_calibration is not None and any(n.startswith("attention: calibrated on 17") for n in m.notes)
+    for b in (1, 9):
+        f = m.decode_step_time(b)
+        assert f(100 * b) == m.step_time_sums(StepSums(b, b, 100 * b, 100 * b, b, b))
+    assert main(["--model", str(tmp_path), "--out", str(tmp_path)]) == 2  # not a model folder
+
+
+def test_profiler_times_collectives_on_cpu_with_gloo(tmp_path: Path) -> None:
+    """python -m sim.profile --collectives 2 on CPU (gloo): tables in the shipped layout, read back."""
+    import csv
+
+    from sim.cost.collectives import Collectives
+    from sim.cost.profiles import Profiles, read_collective_table
+    from sim.profile import main
+
+    assert main(["--only-collectives", "--collectives", "2", "--node", "cpu_pair", "--sizes", "1024,65536",
+                 "--repeats", "2", "--out", str(tmp_path)]) == 0
+    folder = tmp_path / "network" / "cpu_pair"
+    shipped = gzip.decompress((SHIPPED / "network" / "h100_dgx" / "all_reduce.csv.gz").read_bytes()).decode()
+    for kind in ("all_reduce", "send_recv"):
+        with (folder / f"{kind}.csv").open() as f:
+            rows = list(csv.DictReader(f))
+        assert list(rows[0]) == shipped.splitlines()[0].replace("all_reduce", kind).split(",")
+        assert [(r["num_workers"], r["size"], r["devices_per_node"]) for r in rows] == [("2", "1024", "2"), ("2", "65536", "2")]
+        table = read_collective_table(folder / f"{kind}.csv", "cpu_pair", kind)
+        size, ms = table.curves[(2, 2)]
+        assert list(size) == [1024, 65536] and np.all(ms > 0)
+        assert list(ms) == [float(r[f"time_stats.{kind}.median"]) for r in rows]
+    comm = Collectives("cpu_pair", Profiles([tmp_path]))
+    np.testing.assert_allclose(comm.all_reduce_ms(np.array([1024.0, 65536.0]), 2),  # exp(log): to rounding
+                               read_collective_table(folder / "all_reduce.csv", "cpu_pair", "all_reduce").curves[(2, 2)][1],
+                               rtol=1e-12)
+    assert comm.has_measured_all_reduce(2) and comm.send_recv_ms(np.array([1024.0]))[0] > 0
+    assert main(["--only-collectives", "--collectives", "1", "--out", str(tmp_path)]) == 2
+
+
+def test_attention_calibration_recovers_the_rates_of_a_table(tmp_path: Path) -> None:
+    from sim.cost.attention import calibrate_attention
+    from sim.cost.profiles import ATTENTION_COLUMNS
+
+    const, per_seq, per_byte, per_flop = 20e-6, 3e-6, 1 / 50e9, 1 / 2e12
+    rows = []
+    for b, n, c in [(1, 1, 64), (1, 1, 4096), (16, 1, 512), (64, 1, 2048), (1, 512, 0), (1, 2048, 0), (4, 256, 1024)]:
+        pairs = b * (n * c + n * (n + 1) / 2)
+        nbytes = 2 * 1024 * 2 * b * (c + 2 * n) + 2 * 4096 * 2 * b * n
+        ms = (const + per_seq * b + per_byte * nbytes + per_flop * 4 * 4096 * pairs) * 1e3
+        rows.append([b, n, c, 32, 8, 128, 2, ms])
+    d = tmp_path / "compute/h200_sxm/me/m"
+    d.mkdir(parents=True)
+    (d / "attention.csv").write_text("\n".join([",".join(ATTENTION_COLUMNS)] + [",".join(map(str, r)) for r in rows]) + "\n")
+    cal = calibrate_attention(load_profiles(tmp_path), "h200_sxm")
+    assert cal is not None and cal.cases == 7
+    for got, want in zip((cal.const, cal.per_seq, cal.per_byte, cal.per_flop), (const, per_seq, per_byte, per_flop)):
+        assert got == pytest.approx(want, rel=1e-6)
+    assert calibrate_attention(load_profiles(), "a100") is None  # Vidur's tables time no attention
+
+
+def test_profiled_engine_overhead_replaces_the_estimate(tmp_path: Path) -> None:
+    src = SHIPPED / "compute/a100/meta-llama/Meta-Llama-3-8B/mlp.csv.gz"
+    d = tmp_path / "compute/h200_sxm/meta-llama/Meta-Llama-3-8B"
+    d.mkdir(parents=True)
+    (d / "mlp.csv").write_bytes(gzip.decompress(src.read_bytes()))
+    plain = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path)
+    (d / "overhead.csv").write_text("const_ms,per_seq_ms,per_prefill_ms,steps,step_mape_pct\n2.5,0.01,0.3,100,5\n")
+    eng = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path)
+    assert any(n.startswith("overhead: the engine's, profiled (meta-llama/Meta-Llama-3-8B): 2.5 ms") for n in eng.notes)
+    new, cached = [300, 1, 1, 1], [0, 10, 20, 30]
+    want = 2.5e-3 + 4 * 0.01e-3 + 1 * 0.3e-3 - plain.overhead_s
+    assert eng.step_time(new, cached) - plain.step_time(new, cached) == pytest.approx(want, rel=1e-9)
+    f = eng.decode_step_time(16)
+    assert f(3200) == eng.step_time_sums(StepSums(16, 16, 3200, 3200, 16, 16))
+    assert MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path, overhead_s=0.001).overhead_s == 0.001
+
+
+def test_engine_overhead_fit_recovers_a_known_cost(tmp_path: Path) -> None:
+    from sim.profile import fit_engine_overhead
+
+    src = SHIPPED / "compute/a100/meta-llama/Meta-Llama-3-8B/mlp.csv.gz"
+    d = tmp_path / "compute/h200_sxm/meta-llama/Meta-Llama-3-8B"
+    d.mkdir(parents=True)
+    (d / "mlp.csv").write_bytes(gzip.decompress(src.read_bytes()))
+    ops = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path, overhead_s=0.0)
+    steps = [([64], [0]), ([1] * 8, [100] * 8), ([200, 1, 1], [0, 50, 60]), ([1] * 32, [900] * 32), ([128, 128], [0, 64])]
+    rows = [(n, c, ops.step_time(n, c) + 2e-3 + 0.1e-3 * len(n) + 0.5e-3 * sum(x > 1 for x in n), None) for n, c in steps]
+    fit = fit_engine_overhead(rows, LLAMA3_8B, "h200_sxm", tmp_path)
+    assert (fit["const_ms"], fit["per_seq_ms"], fit["per_prefill_ms"]) == pytest.approx((2.0, 0.1, 0.5), rel=1e-6)
+    assert fit["step_mape_pct"] < 1e-6
