@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from varlen import registry
-from conf import conf_dir
+from varlen.registry import conf_dir
 
 
 @pytest.mark.parametrize("group", registry.GROUPS)
@@ -68,7 +68,7 @@ def test_user_config_folders_add_names_in_path_order(tmp_path, monkeypatch):
     monkeypatch.setenv(registry.CONFIG_PATH_ENV, f"{a}{os.pathsep}{os.pathsep}{b}")  # an empty entry is skipped
     assert "mine_a" in registry.names("scheduler") and "mine_a" not in registry.names("allocator")
     assert registry.files("allocator")["mine_b"] == b / "allocator" / "mine_b.yaml"
-    assert registry.search_path_urls() == [f"file://{a.resolve()}", f"file://{b.resolve()}"]
+    assert registry.search_path_urls() == ["pkg://varlen.conf", f"file://{a.resolve()}", f"file://{b.resolve()}"]
     assert registry.build("allocator", "mine_b")(num_blocks=4, block_size=2).num_blocks == 4
 
 

@@ -14,18 +14,26 @@ from __future__ import annotations
 
 import importlib
 import os
+from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
-
-from conf import conf_dir
 
 # The plug points and the simulator's pluggable parts; each is a folder of conf/.
 GROUPS = ("scheduler", "allocator", "backend", "router", "cost")
 
 #: os.pathsep-separated folders of the user's own configs, each holding <group>/<name>.yaml.
 CONFIG_PATH_ENV = "VARLEN_CONFIG_PATH"
+
+
+#: The shipped configs (the repository's conf/) as a package: Hydra finds them on its pkg:// search path.
+CONFIGS = "varlen.conf"
+
+
+def conf_dir(*parts: str) -> Path:
+    """A folder of the shipped configs, e.g. conf_dir("hardware"), wherever varlen is installed."""
+    return Path(str(resources.files(CONFIGS).joinpath(*parts)))
 
 
 def user_config_dirs() -> list[Path]:
@@ -43,8 +51,8 @@ def user_config_dirs() -> list[Path]:
 
 
 def search_path_urls() -> list[str]:
-    """The user's config folders as Hydra search path entries (file://...), for the CLIs."""
-    return [f"file://{d}" for d in user_config_dirs()]
+    """The CLIs' Hydra search path: the shipped groups, then the user's config folders."""
+    return [f"pkg://{CONFIGS}", *(f"file://{d}" for d in user_config_dirs())]
 
 
 def files(group: str) -> dict[str, Path]:

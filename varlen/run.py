@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from varlen.cli import SettingError, check_missing, check_slo, errors_to_exit, existing_file, fail, interrupted, number
 
-from conf import conf_dir
+from varlen.registry import conf_dir
 
 CONF = str(conf_dir("run"))  # this command's config root (package data)
 

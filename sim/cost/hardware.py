@@ -13,7 +13,7 @@ from typing import Any, Mapping
 def hardware_dir() -> Path:
     """conf/hardware/, package data (installed or in the source tree). Found from the conf
     package, not this module: compiled (varlen/compiled.py), this module's file is in the build cache."""
-    from conf import conf_dir
+    from varlen.registry import conf_dir
 
     return conf_dir("hardware")
 
