@@ -2,7 +2,7 @@
 
 The cache keeps the base layout, one [2, num_blocks, block_size, Hkv, D] tensor per layer, so
 `cache[0]` / `cache[1]` are exactly flash-attn's paged `k_cache` / `v_cache`
-([num_blocks, page_block_size, nheads_k, headdim]) and the base `write_kv` stores new tokens.
+([num_blocks, page_block_size, nheads_k, headdim]) and `backends.kv_write` stores new tokens.
 
 Two kernel libraries are understood, imported lazily (never when this module is imported):
 
@@ -36,8 +36,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from backends.base import first_line, write_kv
-from varlen.attention_api import AttentionBackend, AttentionMetadata, BackendUnavailable, LayerAttention
+from backends.kv_write import write_kv
+from varlen.attention_api import AttentionBackend, AttentionMetadata, BackendUnavailable, LayerAttention, first_line
 from varlen.batch import ForwardBatch
 
 INSTALL_HINT = 'pip install -e ".[flash-attn]"'

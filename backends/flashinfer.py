@@ -3,7 +3,7 @@
 Layout: FlashInfer's NHD paged cache accepts a `(k_cache, v_cache)` tuple of
 [num_pages, page_size, Hkv, D] tensors, which is exactly `cache[0], cache[1]` of the base
 [2, num_blocks, block_size, Hkv, D] layout. So this backend keeps the base `kv_cache_shape` and the
-base `write_kv`, and any block size works (FlashInfer has no page-size restriction).
+`write_kv` (backends/kv_write.py), and any block size works (FlashInfer has no page-size restriction).
 
 Page table: FlashInfer describes each request's pages in CSR form instead of a padded block
 table: `paged_kv_indptr` [B+1] (running sum of page counts), `paged_kv_indices` (the used pages of
@@ -33,8 +33,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from backends.base import first_line, write_kv
-from varlen.attention_api import AttentionBackend, AttentionMetadata, BackendUnavailable, LayerAttention
+from backends.kv_write import write_kv
+from varlen.attention_api import AttentionBackend, AttentionMetadata, BackendUnavailable, LayerAttention, first_line
 from varlen.batch import ForwardBatch
 
 INSTALL_HINT = 'pip install -e ".[flashinfer]"'

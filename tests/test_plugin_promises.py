@@ -17,7 +17,7 @@ from test_sim_fastforward import ALLOCATORS, POLICIES, assert_same, policy_class
 
 import varlen.compiled as compiled
 from schedulers import ChunkedPolicy
-from schedulers.base import SchedulerPolicy
+from varlen.scheduler_api import SchedulerPolicy
 from sim.cost_models import CostModel, ProfiledCostModel, ReplayCostModel, RooflineCostModel, StepSums
 from sim.executor import CostModelExecutor
 from sim.fast_forward import FastForwardEngine

@@ -1,5 +1,6 @@
 """Plug-ins are named only by their config group's yaml files (varlen/registry.py)."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -149,3 +150,21 @@ def test_every_shipped_backend_is_in_a_property_suite():
 
     shipped = {p.stem for p in conf_dir("backend").glob("*.yaml")}
     assert shipped <= {*CPU_BACKENDS, *INTERPRETED, *GPU_BACKENDS}, shipped - {*CPU_BACKENDS, *GPU_BACKENDS}
+
+
+@pytest.mark.parametrize("old, name, home", [
+    ("backends.base", "AttentionBackend", "varlen.attention_api"),
+    ("backends.base", "write_kv", "backends.kv_write"),
+    ("backends", "BackendUnavailable", "varlen.attention_api"),
+    ("schedulers.base", "SchedulerPolicy", "varlen.scheduler_api"),
+    ("schedulers", "SchedulerOutput", "varlen.scheduler_api"),
+])
+def test_an_old_import_path_warns_and_names_the_new_one(old, name, home):
+    """The README once documented backends.base and schedulers.base: a user's plug-in importing from
+    there still runs, warned once per import where the interface lives now."""
+    module = importlib.import_module(old)
+    with pytest.warns(DeprecationWarning, match=f"import {name} from {home}: {old}.{name} is deprecated"):
+        got = getattr(module, name)
+    assert got is getattr(importlib.import_module(home), name)
+    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
+        getattr(module, "Nothing")

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from schedulers import PriorityPolicy
-from schedulers.base import SchedulerPolicy
+from varlen.scheduler_api import SchedulerPolicy
 from sim.cost_models import RooflineCostModel
 from sim.executor import CostModelExecutor
 from sim.fast_forward import FastForwardEngine

@@ -24,6 +24,12 @@ class BackendUnavailable(RuntimeError):
     """The backend cannot run on this machine; the message says what is missing and how to install it."""
 
 
+def first_line(exc: BaseException) -> str:
+    """An import error in one line, for BackendUnavailable messages (a broken install's can run long)."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 @dataclass
 class AttentionMetadata:
     """What every backend needs on the device; backends subclass it to add their own."""

@@ -13,8 +13,8 @@ import argparse
 import numpy as np
 import torch
 
-from backends import BackendUnavailable
 from varlen import registry
+from varlen.attention_api import BackendUnavailable
 from varlen.batch import SeqSlice, build_batch
 from varlen.model_runner import ModelRunner, load_model
 from varlen.tiny_model import ARCHITECTURES, ensure_tiny_model
