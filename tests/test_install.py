@@ -82,9 +82,12 @@ def run_installed(inst: Install, cwd: Path, *args: str) -> subprocess.CompletedP
     return subprocess.run([inst.python, *args], cwd=cwd, env=inst.env, capture_output=True, text=True, timeout=300)
 
 
-def users_conf(cwd: Path) -> Path:
+def users_conf(cwd: Path, module: str = "varlen.run") -> Path:
     """A Hydra project's own conf/ (here even a Python package, with configs named like varlen's)
-    in the working directory, which `python -m` puts first on sys.path."""
+    in the working directory, which `python -m` puts first on sys.path; and bare folders named like
+    the framework's other packages (not the command's own: README, installing)."""
+    for name in {"backends", "schedulers", "sim"} - {module.split(".")[0]}:
+        (cwd / name).mkdir()
     for name in ("run", "sim"):
         (cwd / "conf" / name).mkdir(parents=True)
         (cwd / "conf" / name / f"{'config' if name == 'run' else 'run'}.yaml").write_text(
@@ -100,7 +103,7 @@ def entry_points(installed, tmp_path_factory) -> dict[str, tuple[subprocess.Pope
     procs = {}
     for module, args, _ in COMMANDS:
         cwd = tmp_path_factory.mktemp(module.replace(".", "_"))
-        users_conf(cwd)
+        users_conf(cwd, module)
         procs[module] = (subprocess.Popen([installed.python, "-m", module, *args], cwd=cwd, env=installed.env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), cwd)
     yield procs
@@ -112,7 +115,7 @@ def entry_points(installed, tmp_path_factory) -> dict[str, tuple[subprocess.Pope
 @wheel_test
 def test_installed_packages_come_from_the_install(installed, tmp_path):
     users_conf(tmp_path)
-    code = ("import importlib.util, sim, varlen, varlen.conf, backends, schedulers\n"
+    code = ("import varlen, varlen.conf, sim, backends, schedulers\n"  # varlen first: README, installing
             "from sim.run import CONF\nfrom sim.cost.hardware import hardware_dir\n"
             "from varlen.traces import default_traces_dir\n"
             "for x in (varlen.conf.__file__, sim.__file__, varlen.__file__, backends.__file__, schedulers.__file__, CONF, "
@@ -143,6 +146,7 @@ def test_entry_point_runs_from_a_directory_holding_conf(entry_points, module, ex
     assert proc.returncode == 0, f"{module}: rc={proc.returncode}\n{out[-3000:]}"
     assert expect in out and "user conf/ package" not in out, out[-2000:]
     assert sorted(p.name for p in (cwd / "conf").iterdir()) == ["__init__.py", "run", "sim"]  # read, not written
+    assert not [p for name in ("backends", "schedulers", "sim") if (cwd / name).is_dir() for p in (cwd / name).iterdir()]
 
 
 @wheel_test

@@ -6,6 +6,7 @@ where torch is not installed.
 """
 
 import sys
+from importlib.machinery import ModuleSpec, PathFinder
 from importlib.util import module_from_spec, spec_from_file_location
 from pathlib import Path
 
@@ -31,6 +32,28 @@ def _mount_source_configs() -> None:
 
 
 _mount_source_configs()
+
+
+class _SiblingsFirst:
+    """An editable install's finder comes after the working directory, so a bare folder named like
+    a sibling package there (a user's sim/, no __init__.py) would hide it; as in a wheel install,
+    the sibling next to varlen wins over such a folder. A user's regular package still wins."""
+
+    NAMES = ("backends", "schedulers", "sim")
+    root = str(Path(__file__).parent.parent)
+
+    @classmethod
+    def find_spec(cls, name: str, path: object = None, target: object = None) -> ModuleSpec | None:
+        if name not in cls.NAMES:
+            return None
+        spec = PathFinder.find_spec(name)
+        if spec is not None and spec.origin is not None:
+            return spec
+        return PathFinder.find_spec(name, [cls.root]) or spec
+
+
+if not any(getattr(f, "__qualname__", "") == "_SiblingsFirst" for f in sys.meta_path):  # once, if re-imported
+    sys.meta_path.insert(sys.meta_path.index(PathFinder) if PathFinder in sys.meta_path else 0, _SiblingsFirst)
 
 from varlen.sampling_params import SamplingParams  # noqa: E402
 
