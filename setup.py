@@ -3,5 +3,5 @@ package `varlen.conf`, so that no top-level `conf` is installed (nor shadowed by
 
 from setuptools import find_namespace_packages, setup
 
-setup(packages=[*find_namespace_packages(include=["varlen*", "backends*", "schedulers*", "sim*"]), "varlen.conf"],
+setup(packages=[*find_namespace_packages(include=["varlen*", "backends*", "schedulers*", "sim*", "hydra_plugins*"]), "varlen.conf"],
       package_dir={"varlen.conf": "conf"})

@@ -60,7 +60,7 @@ def installed(request, tmp_path_factory) -> Install:
     src.mkdir()
     for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for name in ("varlen", "backends", "schedulers", "sim", "conf"):
+    for name in ("varlen", "backends", "schedulers", "sim", "conf", "hydra_plugins"):
         shutil.copytree(ROOT / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     if request.param == "editable":
@@ -130,9 +130,9 @@ def test_installed_packages_come_from_the_install(installed, tmp_path):
     assert {"allocator", "backend", "hardware", "model", "scheduler", "workload"} <= {p.name for p in conf.iterdir()}
     assert sorted(p.name for p in (conf / "run").iterdir()) == ["config.yaml"]
     assert sorted(p.name for p in (conf / "sim").iterdir() if p.is_dir()) == ["hydra"]
-    if installed.kind == "wheel":  # no generic top-level `conf` installed beside the four packages
+    if installed.kind == "wheel":  # no generic top-level `conf`; Hydra's plug-in namespace
         assert sorted(p.name for p in installed.root.iterdir() if not p.name.endswith(".dist-info")) == [
-            "backends", "schedulers", "sim", "varlen"]
+            "backends", "hydra_plugins", "schedulers", "sim", "varlen"]
         assert sorted(p.name for p in (installed.root / "varlen" / "traces_data").iterdir()) == sorted(
             [f"{f}.gz" for f in NAMED_TRACES.values()] + ["README.md", "AzureLLMInferenceDataset2023.md",
                                                            "LICENSE-Apache-2.0.txt"])

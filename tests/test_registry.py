@@ -69,7 +69,7 @@ def test_user_config_folders_add_names_in_path_order(tmp_path, monkeypatch):
     monkeypatch.setenv(registry.CONFIG_PATH_ENV, f"{a}{os.pathsep}{os.pathsep}{b}")  # an empty entry is skipped
     assert "mine_a" in registry.names("scheduler") and "mine_a" not in registry.names("allocator")
     assert registry.files("allocator")["mine_b"] == b / "allocator" / "mine_b.yaml"
-    assert registry.search_path_urls() == ["pkg://varlen.conf", f"file://{a.resolve()}", f"file://{b.resolve()}"]
+    assert registry.search_path_urls() == [f"file://{a.resolve()}", f"file://{b.resolve()}"]
     assert registry.build("allocator", "mine_b")(num_blocks=4, block_size=2).num_blocks == 4
 
 
@@ -168,3 +168,18 @@ def test_an_old_import_path_warns_and_names_the_new_one(old, name, home):
     assert got is getattr(importlib.import_module(home), name)
     with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
         getattr(module, "Nothing")
+
+
+def test_the_shipped_groups_join_varlens_config_roots_only(tmp_path):
+    """hydra_plugins/varlen_configs puts pkg://varlen.conf after a varlen config root (a command, or
+    a test composing conf/sim directly) and leaves another Hydra app's search path alone."""
+    from hydra import compose, initialize_config_dir
+
+    (tmp_path / "app.yaml").write_text("x: 1\n")
+    with initialize_config_dir(str(tmp_path), version_base="1.3"):
+        cfg = compose("app", return_hydra_config=True)
+        assert "varlen.conf" not in str(cfg.hydra.runtime.config_sources)
+    with initialize_config_dir(str(conf_dir("sim")), version_base="1.3"):
+        cfg = compose("sim", overrides=["scheduler=sarathi"], return_hydra_config=True)
+        assert {"provider": "varlen", "path": "varlen.conf", "schema": "pkg"} in cfg.hydra.runtime.config_sources
+        assert cfg.scheduler._target_ == registry.spec("scheduler", "sarathi")._target_

@@ -18,7 +18,7 @@ GROUPS = ("scheduler", "allocator", "backend", "router", "cost")
 CONFIG_PATH_ENV = "VARLEN_CONFIG_PATH"
 
 
-#: The shipped configs (the repository's conf/), a package for Hydra's pkg:// search path.
+#: The shipped configs (the repository's conf/), a package on Hydra's search path as pkg://varlen.conf.
 CONFIGS = "varlen.conf"
 
 
@@ -42,8 +42,9 @@ def user_config_dirs() -> list[Path]:
 
 
 def search_path_urls() -> list[str]:
-    """The CLIs' Hydra search path: the shipped groups, then the user's config folders."""
-    return [f"pkg://{CONFIGS}", *(f"file://{d}" for d in user_config_dirs())]
+    """The user's config folders as Hydra search path entries, after the shipped groups
+    (pkg://varlen.conf, added by hydra_plugins/varlen_configs)."""
+    return [f"file://{d}" for d in user_config_dirs()]
 
 
 def files(group: str) -> dict[str, Path]:
