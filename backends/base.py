@@ -1,27 +1,23 @@
-"""What the attention backends share: the plug point's interface (re-exported from
-`varlen/attention_api.py`, where it sits below the backends and the model runner; README:
-layers) and the helpers several backends use.
-"""
+"""Deprecated import path: the attention interface lives in `varlen.attention_api`, `write_kv` in
+`backends.kv_write`. An old name still resolves here, with a DeprecationWarning naming its home."""
 
 from __future__ import annotations
 
-import torch
+import importlib
+import warnings
+from typing import Any
 
-from varlen.attention_api import (FEATURES, AttentionBackend, AttentionMetadata, BackendUnavailable,
-                                  LayerAttention)
-
-__all__ = ["FEATURES", "AttentionBackend", "AttentionMetadata", "BackendUnavailable", "LayerAttention", "first_line",
-           "write_kv"]
-
-
-def first_line(exc: BaseException) -> str:
-    """An import error in one line, for BackendUnavailable messages (a broken install's can run long)."""
-    text = f"{type(exc).__name__}: {exc}".strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+HOMES = {**dict.fromkeys(("FEATURES", "AttentionBackend", "AttentionMetadata", "BackendUnavailable", "LayerAttention",
+                          "first_line"), "varlen.attention_api"), "write_kv": "backends.kv_write"}
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store the new K/V of a [2, num_blocks, block_size, H, D] cache at their slots."""
-    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+def moved(old: str, name: str) -> Any:
+    """`name` from its home, with a warning that `old` no longer holds it."""
+    if name not in HOMES:
+        raise AttributeError(f"module {old!r} has no attribute {name!r}")
+    warnings.warn(f"import {name} from {HOMES[name]}: {old}.{name} is deprecated", DeprecationWarning, stacklevel=3)
+    return getattr(importlib.import_module(HOMES[name]), name)
+
+
+def __getattr__(name: str) -> Any:
+    return moved(__name__, name)

@@ -10,8 +10,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from backends.base import first_line, write_kv
-from varlen.attention_api import AttentionBackend, AttentionMetadata, BackendUnavailable, LayerAttention
+from backends.kv_write import write_kv
+from varlen.attention_api import AttentionBackend, AttentionMetadata, BackendUnavailable, LayerAttention, first_line
 from varlen.batch import ForwardBatch
 
 INSTALL_HINT = 'pip install -e ".[flashinfer]"'

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.base import write_kv
+from backends.kv_write import write_kv
 from varlen.attention_api import BATCH_INVARIANT, FEATURES, AttentionBackend, AttentionMetadata, LayerAttention
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from backends.base import write_kv
+from backends.kv_write import write_kv
 from varlen.attention_api import BATCH_INVARIANT, AttentionBackend, AttentionMetadata, LayerAttention
 from varlen.batch import ForwardBatch
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from varlen import registry
-from backends.base import AttentionBackend, BackendUnavailable
+from varlen.attention_api import AttentionBackend, BackendUnavailable
 from varlen.batch import ForwardBatch, SeqSlice, build_batch
 
 HQ, HKV, D = 32, 8, 128

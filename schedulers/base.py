@@ -1,9 +1,24 @@
-"""The scheduling plug point's interface, as `schedulers.base` has always offered it.
+"""Deprecated import path: the scheduling interface lives in `varlen.scheduler_api`. An old name
+still resolves here, with a DeprecationWarning naming its home."""
 
-`SchedulerPolicy` and `SchedulerOutput` live in `varlen/scheduler_api.py`, below both the engine
-and the policies (README: layers); a policy may import them from either place.
-"""
+from __future__ import annotations
 
-from varlen.scheduler_api import DECODE_PROMISE_BEHAVIOUR, SchedulerOutput, SchedulerPolicy, WaitingQueue
+import warnings
+from typing import Any
 
-__all__ = ["DECODE_PROMISE_BEHAVIOUR", "SchedulerOutput", "SchedulerPolicy", "WaitingQueue"]
+NAMES = ("DECODE_PROMISE_BEHAVIOUR", "SchedulerOutput", "SchedulerPolicy", "WaitingQueue")
+
+
+def moved(old: str, name: str) -> Any:
+    """`name` from varlen.scheduler_api, with a warning that `old` no longer holds it."""
+    if name not in NAMES:
+        raise AttributeError(f"module {old!r} has no attribute {name!r}")
+    warnings.warn(f"import {name} from varlen.scheduler_api: {old}.{name} is deprecated", DeprecationWarning,
+                  stacklevel=3)
+    from varlen import scheduler_api
+
+    return getattr(scheduler_api, name)
+
+
+def __getattr__(name: str) -> Any:
+    return moved(__name__, name)

@@ -46,7 +46,7 @@ def check_cluster(cfg: DictConfig) -> None:
             number(cfg, f"cluster.{pool}.{key}", low=1, integer=True, optional=True)
         hw = OmegaConf.select(cfg, f"cluster.{pool}.hardware")
         if hw is not None:
-            from conf import conf_dir
+            from varlen.registry import conf_dir
 
             names = sorted(p.stem for p in conf_dir("hardware").glob("*.yaml"))
             if str(hw) not in names:

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from varlen.cli import SettingError, check_missing, check_slo, existing_file, number
 
-from conf import conf_dir
+from varlen.registry import conf_dir
 
 CONF = str(conf_dir("sim"))
 

@@ -182,7 +182,7 @@ def _ints(cfg: DictConfig, key: str, none_ok: bool = False) -> list[int | None]:
 
 def hardware_prices(cfg: DictConfig) -> tuple[dict[str, float], list[str]]:
     """({name: USD per GPU-hour} of the hardware searched, lines saying what was left out)."""
-    from conf import conf_dir
+    from varlen.registry import conf_dir
 
     own = OmegaConf.to_container(cfg.search.get("cost_per_gpu_hour") or OmegaConf.create({}))
     if not isinstance(own, dict):

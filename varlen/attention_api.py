@@ -1,13 +1,5 @@
-"""The attention plug point: the interface every backend implements, and its metadata types.
-
-The backends themselves live in `backends/` and are named by `conf/backend/*.yaml`; this module
-sits below them and the model runner (README: layers), so neither imports the other.
-
-A backend owns its KV-cache layout and its per-step metadata. The model runner calls
-`prepare` once per step (host-side planning lives there) and `forward` once per layer.
-GPU backends import their kernel library lazily, inside the backend, so that importing this
-package never needs CUDA.
-"""
+"""The attention plug point: a backend owns its KV layout and per-step metadata; the model runner
+calls `prepare` once per step and `forward` once per layer. GPU kernels are imported lazily."""
 
 from __future__ import annotations
 
@@ -24,6 +16,12 @@ class BackendUnavailable(RuntimeError):
     """The backend cannot run on this machine; the message says what is missing and how to install it."""
 
 
+def first_line(exc: BaseException) -> str:
+    """An import error in one line, for BackendUnavailable messages (a broken install's can run long)."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 @dataclass
 class AttentionMetadata:
     """What every backend needs on the device; backends subclass it to add their own."""
@@ -32,25 +30,18 @@ class AttentionMetadata:
     batch: ForwardBatch  # the host-side description, for host-side loops and planning
 
 
-# The optional attention features a layer may use, beyond causal softmax(q·k * scale)·v (which
-# every backend computes, at whatever scale the model asks: e.g. Gemma's query_pre_attn_scalar).
+# Optional features a layer may use beyond causal softmax(q·k * scale)·v, which every backend computes.
 FEATURES = ("sliding_window", "softcap", "sinks")
 
-#: A capability a backend may declare in `features` beside those: its `batch_invariant=True`
-#: constructor option computes each request's attention bitwise as it would alone, whatever else
-#: is in the batch (the model runner then also makes the model's GEMMs batch-invariant).
+#: A capability for `features`: with `batch_invariant=True` each request's attention is bitwise as alone.
 BATCH_INVARIANT = "batch_invariant"
 
 
 @dataclass(frozen=True)
 class LayerAttention:
-    """What one layer's attention computes, as the model asks for it (transformers' conventions).
-
-    sliding_window: W, a query at position p sees keys p-W+1 .. p (W keys, itself included).
-    softcap: c, scores become c * tanh(scores / c) before the softmax (Gemma 2).
-    sinks: [Hq] learned logits, one per query head, that join each row's softmax denominator and
-        attend to nothing (gpt-oss `s_aux`): out = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink}).
-    """
+    """One layer's attention (transformers' conventions): sliding_window W, position p sees keys
+    p-W+1..p; softcap c, scores -> c*tanh(scores/c) (Gemma 2); sinks [Hq], per-head logits joining
+    the softmax denominator only (gpt-oss `s_aux`)."""
 
     scale: float
     sliding_window: int | None = None
@@ -68,9 +59,7 @@ class AttentionBackend(ABC):
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
     block_size_multiple: ClassVar[int] = 1  # e.g. 256 for PyPI flash-attn 2.x paged KV
-    # Which of FEATURES this backend implements, and whether it offers BATCH_INVARIANT. The
-    # default is none: a backend that does not declare a feature refuses, at bind time, every
-    # model that uses it, and refuses batch_invariant=True at construction.
+    # FEATURES it implements (and BATCH_INVARIANT); an undeclared one is refused at bind/construction.
     features: ClassVar[frozenset[str]] = frozenset()
     layers: tuple[LayerAttention, ...] = ()  # set by bind
     batch_invariant: bool = False  # the constructor option (only a backend declaring BATCH_INVARIANT takes True)
@@ -83,11 +72,7 @@ class AttentionBackend(ABC):
 
     def bind(self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
              device: torch.device | str, layers: Sequence[LayerAttention] = (), model_name: str = "model") -> None:
-        """Learn the model's attention once, before any step: shapes and each layer's spec.
-
-        Raises ValueError (one line) when a layer needs a feature this backend does not implement,
-        so a model is refused at start-up instead of getting silently wrong logits.
-        """
+        """The model's attention, once; a layer needing a missing feature is refused (not wrong logits)."""
         for feature in FEATURES:  # first: a missing feature is missing on every machine
             if feature in self.features:
                 continue
@@ -136,23 +121,16 @@ class AttentionBackend(ABC):
 
     @staticmethod
     def upload_slot_mapping(batch: ForwardBatch, device: torch.device | str) -> torch.Tensor:
-        """The step's slot mapping [N] int64 on `device` (every backend's metadata carries it)."""
         return torch.from_numpy(batch.slot_mapping).to(device, non_blocking=True)
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: Any, scale: float) -> torch.Tensor:
-        """q [N, Hq, D], k/v [N, Hkv, D] → [N, Hq, D]. Writes k/v at the slot mapping first.
-
-        A backend that declares features also takes `layer: LayerAttention` (keyword), which the
-        model runner passes only for layers that use one; a layer's keys older than its sliding
-        window may sit in blocks the allocator has handed to another request, so such a backend
-        must never read them (torch_ref and torch_sdpa gather from the window's first block).
-        """
+        """q [N, Hq, D], k/v [N, Hkv, D] → [N, Hq, D], k/v written at the slot mapping first. With
+        features, also `layer=` (LayerAttention); never read keys older than a sliding window."""
 
 
 def _ranges(idx: Sequence[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5': layer lists in one short line."""
     out, start = [], idx[0]
     for a, b in zip(idx, [*idx[1:], None]):
         if b != a + 1:

@@ -30,7 +30,20 @@ def _config_path() -> list[str]:
     return registry.search_path_urls()
 
 
+def _help_groups() -> str:
+    """--help's groups: those the command's defaults choose from, not every group of conf/."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    hc, loader = HydraConfig.get(), GlobalHydra.instance().config_loader()
+    groups = sorted(g for g in hc.runtime.choices if g != "hydra" and not g.startswith("hydra/"))
+    options = {g: loader.get_group_options(g, config_name=hc.job.config_name, overrides=list(hc.overrides.task))
+               for g in groups}  # the primary config's search path included
+    return "\n".join(f"{g}: {', '.join(sorted(o))}" for g, o in options.items())
+
+
 OmegaConf.register_new_resolver("varlen_config_path", _config_path, replace=True)
+OmegaConf.register_new_resolver("varlen_help_groups", _help_groups, replace=True)
 
 
 def check_config_path() -> None:

@@ -13,8 +13,8 @@ import argparse
 import numpy as np
 import torch
 
-from backends import BackendUnavailable
 from varlen import registry
+from varlen.attention_api import BackendUnavailable
 from varlen.batch import SeqSlice, build_batch
 from varlen.model_runner import ModelRunner, load_model
 from varlen.tiny_model import ARCHITECTURES, ensure_tiny_model
@@ -28,7 +28,6 @@ def main(argv: list[str] | None = None) -> float:
                                                           f"or a backend class's dotted path")
     p.add_argument("--block-size", type=int, default=4, help="tokens per KV block (>= 1)")
     a = p.parse_args(argv)
-    # One line each (argparse's own errors print the usage too).
     if a.block_size < 1:
         p.exit(2, f"error: --block-size {a.block_size} is not valid; give tokens per KV block >= 1 (e.g. 4)\n")
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -36,11 +35,11 @@ def main(argv: list[str] | None = None) -> float:
     bs = a.block_size
     lens = {"A": 31, "B": 6, "C": 20}  # tokens each request holds in the KV cache after step 2
     need = {k: -(-n // bs) for k, n in lens.items()}
-    num_blocks = 2 * sum(need.values())  # room to scatter them
+    num_blocks = 2 * sum(need.values())
     try:
         backend = registry.build("backend", a.backend)
         runner = ModelRunner(path, backend, bs, num_blocks=num_blocks)
-    except (ValueError, BackendUnavailable) as e:  # e.g. a GPU backend on a CPU-only machine
+    except (ValueError, BackendUnavailable) as e:
         p.exit(2, f"error: --backend {a.backend!r}: {' '.join(str(e).split())}\n")
     rng = np.random.default_rng(0)
     vocab = runner.config.vocab_size

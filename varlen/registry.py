@@ -1,31 +1,30 @@
-"""Plug-ins by name. A name is a file of a config group, `conf/<group>/<name>.yaml`, whose
-`_target_` is the class: nothing else lists plug-ins, so a new one is its module and its yaml, and
-the CLIs (Hydra's defaults lists), `LLM(...)`, the simulator and the tests all see it.
-
-A user's own plug-ins live outside the package: folders named in `VARLEN_CONFIG_PATH`
-(os.pathsep-separated, like PATH), each holding `<group>/<name>.yaml`, add names to the groups, for
-`LLM(...)` here and for the CLIs (their Hydra search path, varlen/cli.py). A user's name may not
-reuse a shipped one (or another folder's): that would silently pick one of two plug-ins.
-A class needs no yaml either: give its dotted path (`mypkg.policies.MyPolicy`) where a name goes,
-or `scheduler._target_=mypkg.policies.MyPolicy` on a command line.
-"""
+"""Plug-ins by name: a name is `conf/<group>/<name>.yaml`, whose `_target_` is the class; nothing
+else lists them. The folders of `VARLEN_CONFIG_PATH` add a user's names (never reusing one: that
+would pick one of two plug-ins silently); a class's dotted path works where a name goes."""
 
 from __future__ import annotations
 
 import importlib
 import os
+from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
-from conf import conf_dir
-
-# The plug points and the simulator's pluggable parts; each is a folder of conf/.
 GROUPS = ("scheduler", "allocator", "backend", "router", "cost")
 
 #: os.pathsep-separated folders of the user's own configs, each holding <group>/<name>.yaml.
 CONFIG_PATH_ENV = "VARLEN_CONFIG_PATH"
+
+
+#: The shipped configs (the repository's conf/), a package on Hydra's search path as pkg://varlen.conf.
+CONFIGS = "varlen.conf"
+
+
+def conf_dir(*parts: str) -> Path:
+    """A folder of the shipped configs, e.g. conf_dir("hardware"), wherever varlen is installed."""
+    return Path(str(resources.files(CONFIGS).joinpath(*parts)))
 
 
 def user_config_dirs() -> list[Path]:
@@ -43,7 +42,8 @@ def user_config_dirs() -> list[Path]:
 
 
 def search_path_urls() -> list[str]:
-    """The user's config folders as Hydra search path entries (file://...), for the CLIs."""
+    """The user's config folders as Hydra search path entries, after the shipped groups
+    (pkg://varlen.conf, added by hydra_plugins/varlen_configs)."""
     return [f"file://{d}" for d in user_config_dirs()]
 
 
@@ -66,7 +66,6 @@ def files(group: str) -> dict[str, Path]:
 
 
 def names(group: str) -> list[str]:
-    """The names `group` knows: its yaml files' stems (shipped and the user's), sorted."""
     return sorted(files(group))
 
 
@@ -85,7 +84,7 @@ def spec(group: str, choice: str | Mapping[str, Any]) -> DictConfig:
         if not isinstance(cfg, DictConfig) or "_target_" not in cfg:
             raise ValueError(f"{path}: a {group} config needs a _target_ (the class's dotted path)")
         return cfg
-    if "." in choice:  # a user's class, e.g. mypkg.policies.MyPolicy
+    if "." in choice:
         return OmegaConf.create({"_target_": choice})
     raise ValueError(f"unknown {group} {choice!r}; choose one of {', '.join(names(group))} "
                      f"(conf/{group}/*.yaml, or {group}/*.yaml in a folder of {CONFIG_PATH_ENV}), "
@@ -93,7 +92,6 @@ def spec(group: str, choice: str | Mapping[str, Any]) -> DictConfig:
 
 
 def target(group: str, choice: str | Mapping[str, Any]) -> Any:
-    """The class (or callable) a choice names, imported but not called."""
     dotted = str(spec(group, choice)._target_)
     module, _, attr = dotted.rpartition(".")
     try:
@@ -105,13 +103,12 @@ def target(group: str, choice: str | Mapping[str, Any]) -> Any:
 
 def build(group: str, choice: str | Mapping[str, Any], /, *, context: Mapping[str, Any] | None = None,
           **overrides: Any) -> Any:
-    """Instantiate a choice of `group` with `overrides` merged over its yaml. `context` is the
-    config the yaml's interpolations read (e.g. {"engine": {"max_model_len": 4096}})."""
+    """Instantiate a choice with `overrides` over its yaml; its interpolations read `context`."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     cfg = spec(group, choice)
-    target(group, cfg)  # a bad class path fails here, with the name in the message
+    target(group, cfg)  # a bad class path fails here, named
     if overrides:
         cfg = OmegaConf.merge(cfg, overrides)
     root = OmegaConf.create({**(dict(context) if context else {}), "__plugin__": cfg})

@@ -1,10 +1,6 @@
-"""`python -m varlen.run`: serve a workload with a chosen backend, scheduler and KV allocator.
-
-Composed by Hydra (`conf/run/config.yaml`): `python -m varlen.run backend=torch_ref scheduler=chunked
-allocator=paged workload=azure_conv`. `--help` lists the groups and their options. Prints a
-summary table and writes requests.csv, steps.csv, summary.json and the resolved config to the
-run's output directory.
-"""
+"""`python -m varlen.run backend=torch_ref scheduler=chunked allocator=paged workload=azure_conv`
+(conf/run/config.yaml): serve a workload; print a summary, write requests.csv, steps.csv,
+summary.json and the resolved config to the run's directory."""
 
 from __future__ import annotations
 
@@ -18,9 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from varlen.cli import SettingError, check_missing, check_slo, errors_to_exit, existing_file, fail, interrupted, number
 
-from conf import conf_dir
+from varlen.registry import conf_dir
 
-CONF = str(conf_dir("run"))  # this command's config root (package data)
+CONF = str(conf_dir("run"))
 
 
 def format_summary(row: dict, title: str) -> str:
@@ -41,8 +37,7 @@ def format_summary(row: dict, title: str) -> str:
 
 
 def check_settings(cfg: DictConfig) -> None:
-    """The settings this command reads itself, checked before the model loads (one-line errors);
-    the engine's own settings are checked by LLM(...)."""
+    """This command's own settings, checked before the model loads (LLM checks the engine's)."""
     check_missing(cfg)
     check_slo(cfg)
     if "path" in cfg.workload:
@@ -64,8 +59,8 @@ def serve(cfg: DictConfig) -> dict:
     from varlen.workload import load_workload
 
     check_settings(cfg)
-    settings = check_cli_settings(cfg)  # every engine setting, one clear line each, before anything is built
-    # The workload before the model: an empty or malformed one fails in a second, not after loading.
+    settings = check_cli_settings(cfg)
+    # The workload before the model: a bad one fails in a second, not after loading.
     trace, opts = load_workload(OmegaConf.to_container(cfg.workload, resolve=True))
     prompts = load_prompts(opts["path"]) if trace is None else None
     n = len(prompts) if trace is None else len(trace)
@@ -84,8 +79,7 @@ def serve(cfg: DictConfig) -> dict:
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     e = cfg.engine
-    # The groups' configs go to LLM unresolved, to be built as LLM builds a name: the scheduler's
-    # ${engine.max_model_len} is then the engine's (within what the KV pool holds), as for LLM(...).
+    # Unresolved, so that the scheduler's ${engine.max_model_len} is the engine's, as for LLM(...).
     llm = LLM(model=cfg.model.path, backend=_group(cfg, "backend"), scheduler=_group(cfg, "scheduler"),
               allocator=_group(cfg, "allocator"), block_size=e.block_size, num_blocks=e.num_blocks,
               kv_cache_memory=e.kv_cache_memory, max_model_len=e.max_model_len, dtype=e.dtype,
@@ -124,16 +118,14 @@ def _group(cfg: DictConfig, group: str) -> dict:
 
 
 def write_results(cfg: DictConfig, llm: Any, reqs: list, trace: Any, out: Path, partial: bool) -> dict:
-    """requests.csv, steps.csv, config_resolved.yaml, then summary.json (last: a run without it
-    did not finish writing). A partial run (Ctrl-C) lists every request, unfinished ones with
-    finish_reason `aborted`, and its summary says "partial": true."""
+    """The tables, then summary.json last (a run without it did not finish writing); after Ctrl-C,
+    unfinished requests are `aborted` and the summary says "partial": true."""
     from varlen.metrics import request_table, step_table, summarize
 
     eng = llm.engine
     row = summarize(reqs, eng.steps, eng.kv.capacity_tokens, cfg.slo.ttft_s, cfg.slo.tpot_s,
                     cfg.slo.get("tbt_s"))
     row["partial"] = partial
-    # Ctrl-C ends the requests still in flight `aborted` (Engine.run), so count what did not finish.
     row["unfinished"] = sum(r.finish_reason is None or r.finish_reason.value == "aborted" for r in reqs)
     if trace is not None:
         row.update({f"trace_{k}": getattr(trace.stats, k) for k in
@@ -153,7 +145,7 @@ def main(cfg: DictConfig) -> None:
     try:
         serve(cfg)
     except errors_to_exit((BackendUnavailable,)) as err:
-        fail(str(err))  # a setting or input problem: one clear line, not a traceback
+        fail(str(err))
     except KeyboardInterrupt:
         # Before serving started, or a second Ctrl-C while the partial tables were written.
         interrupted("no complete results written (a run's summary.json is written last)")

@@ -10,8 +10,8 @@ from typing import Any, Mapping
 
 
 def hardware_dir() -> Path:
-    """conf/hardware/ (found from the conf package: compiled, this file is in the build cache)."""
-    from conf import conf_dir
+    """conf/hardware/ (found from varlen.registry: compiled, this file is in the build cache)."""
+    from varlen.registry import conf_dir
 
     return conf_dir("hardware")
 

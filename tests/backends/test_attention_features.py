@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from varlen import registry
-from backends.base import AttentionBackend, LayerAttention
+from varlen.attention_api import AttentionBackend, LayerAttention
 from backends.flash_attn import FlashAttnBackend
 from backends.flashinfer import FlashInferBackend
 from backends.torch_ref import TorchRefBackend

@@ -35,7 +35,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from varlen import registry
-from backends.base import BackendUnavailable, LayerAttention, write_kv
+from backends.kv_write import write_kv
+from varlen.attention_api import BackendUnavailable, LayerAttention
 from backends.flash_attn import FlashAttnBackend, flash_attn_feature_args, flash_attn_inputs
 from backends.flashinfer import (FlashInferBackend, flashinfer_feature_args, flashinfer_plan_inputs, flashinfer_plans,
                                  layer_kind)

@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from varlen import registry
-from backends.base import BackendUnavailable
+from varlen.attention_api import BackendUnavailable
 from backends.torch_ref import TorchRefBackend
 from varlen.batch import ForwardBatch, SeqSlice, build_batch
 from varlen.testing.equivalence import GPU_BLOCK_SIZES

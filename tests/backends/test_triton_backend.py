@@ -34,7 +34,7 @@ import pytest  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from varlen import registry  # noqa: E402
-from backends.base import BackendUnavailable  # noqa: E402
+from varlen.attention_api import BackendUnavailable  # noqa: E402
 from backends.torch_ref import TorchRefBackend  # noqa: E402
 from backends.triton_paged import HOW_TO_RUN, INSTALL_HINT, TritonPagedBackend, plan_launch  # noqa: E402
 from varlen.batch import ForwardBatch, SeqSlice, build_batch  # noqa: E402
@@ -249,7 +249,7 @@ def test_no_cuda_says_so_in_one_line(monkeypatch):
 _STARTUP = """
 import os, sys, torch
 os.environ.pop("TRITON_INTERPRET", None)
-from backends.base import BackendUnavailable
+from varlen.attention_api import BackendUnavailable
 from backends.triton_paged import TritonPagedBackend
 def msg(device="cpu"):
     try:

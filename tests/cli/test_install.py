@@ -1,5 +1,6 @@
-"""An installed varlen (a wheel, not this checkout) runs from any directory: the configs and the
-public traces are package data, not paths relative to the source tree."""
+"""An installed varlen (a wheel, or an editable install of this checkout) runs from any directory,
+one holding a `conf/` folder of its own included: the configs are the package `varlen.conf` and
+the public traces package data, not paths relative to the source tree."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,8 +18,8 @@ import varlen
 from varlen.traces import NAMED_TRACES, default_traces_dir, load_trace, named_trace_path
 
 ROOT = Path(__file__).resolve().parents[2]
-# About 30 s of CPU in all (a wheel build, seven interpreters), minutes of wall time on a loaded
-# machine: `slow`, which CI still runs (.ci/run selects every test).
+# About 60 s of CPU in all (a wheel build, an editable install, the commands twice), minutes of
+# wall time on a loaded machine: `slow`, which CI still runs (.ci/run selects every test).
 wheel_test = pytest.mark.slow
 
 # Each entry point, small: (module, arguments, a line its output must hold).
@@ -28,51 +30,81 @@ COMMANDS = [
     ("sim.search", ["workload.limit=30", "capacity.rel_tol=0.5", "search.hardware=[h100_sxm]", "search.tensor=[1]",
                     "search.scheduler=[chunked]", "search.max_num_batched_tokens=[512]"], "cheapest"),
     ("sim.explain", [], "attention"),
+    ("sim.profile", ["--help"], "usage"),
     ("varlen.demo", [], "max"),
 ]
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> Path:
-    """The wheel of this checkout, installed without dependencies into a folder of its own; the
-    test environment's packages (torch, hydra, ...) serve as the dependencies."""
-    tmp = tmp_path_factory.mktemp("install")
-    # Built from a copy of the tracked layout: setuptools' build/ folder in the checkout may hold
-    # stale files that would travel into the wheel (and a build here leaves none behind).
+@dataclass(frozen=True)
+class Install:
+    kind: str  # "wheel" or "editable"
+    python: str
+    env: dict[str, str]
+    root: Path  # where its packages' files lie
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VARLEN_TRACES_DIR", "VARLEN_CONFIG_PATH")}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+@pytest.fixture(scope="module", params=["wheel", "editable"])
+def installed(request, tmp_path_factory) -> Install:
+    """This checkout installed without dependencies (the test environment's torch, hydra, ...
+    serve): a wheel into a folder of its own, or editable into a venv that sees the environment's
+    packages (its own varlen first)."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    # From a copy of the tracked layout: setuptools' build/ folder in the checkout may hold stale
+    # files that would travel into the wheel (and a build here leaves none behind).
     src = tmp / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for name in ("varlen", "backends", "schedulers", "sim", "conf"):
+    for name in ("varlen", "backends", "schedulers", "sim", "conf", "hydra_plugins"):
         shutil.copytree(ROOT / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    if request.param == "editable":
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(tmp / "venv")],
+                       check=True, capture_output=True, text=True)
+        python = str(tmp / "venv" / "bin" / "python")
+        subprocess.run([*pip, "--python", python, "install", "--no-deps", "--no-build-isolation", "-e", str(src)],
+                       check=True, capture_output=True, text=True)
+        return Install("editable", python, _env(), src)
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(src), "-w", str(tmp / "wheel")],
                    cwd=src, check=True, capture_output=True, text=True)
     (wheel,) = (tmp / "wheel").glob("varlen-*.whl")
     subprocess.run([*pip, "install", "--no-deps", "--target", str(tmp / "site"), str(wheel)],
                    check=True, capture_output=True, text=True)
-    return tmp / "site"
+    return Install("wheel", sys.executable, _env(PYTHONPATH=str(tmp / "site")), tmp / "site")
 
 
-def installed_env(site: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VARLEN_TRACES_DIR")}
-    env.update(PYTHONPATH=str(site), OMP_NUM_THREADS="1")
-    return env
+def run_installed(inst: Install, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([inst.python, *args], cwd=cwd, env=inst.env, capture_output=True, text=True, timeout=300)
 
 
-def run_installed(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=installed_env(site), capture_output=True,
-                          text=True, timeout=300)
+def users_conf(cwd: Path, module: str = "varlen.run") -> Path:
+    """A Hydra project's own conf/ (here even a Python package, with configs named like varlen's)
+    in the working directory, which `python -m` puts first on sys.path; and bare folders named like
+    the framework's other packages (not the command's own: README, installing)."""
+    for name in {"backends", "schedulers", "sim"} - {module.split(".")[0]}:
+        (cwd / name).mkdir()
+    for name in ("run", "sim"):
+        (cwd / "conf" / name).mkdir(parents=True)
+        (cwd / "conf" / name / f"{'config' if name == 'run' else 'run'}.yaml").write_text(
+            "defaults:\n  - hardware: nothing_here\n")
+    (cwd / "conf" / "__init__.py").write_text("raise ImportError('the user conf/ package was imported')\n")
+    return cwd / "conf"
 
 
 @pytest.fixture(scope="module")
 def entry_points(installed, tmp_path_factory) -> dict[str, tuple[subprocess.Popen[str], Path]]:
-    """All the commands started at once, each in an empty directory of its own (mostly they wait
-    on imports: together they take about as long as the slowest)."""
+    """All the commands started at once, each in a directory of its own holding a user's conf/
+    (mostly they wait on imports: together they take about as long as the slowest)."""
     procs = {}
     for module, args, _ in COMMANDS:
         cwd = tmp_path_factory.mktemp(module.replace(".", "_"))
-        procs[module] = (subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=installed_env(installed),
+        users_conf(cwd, module)
+        procs[module] = (subprocess.Popen([installed.python, "-m", module, *args], cwd=cwd, env=installed.env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), cwd)
     yield procs
     for p, _ in procs.values():
@@ -81,43 +113,61 @@ def entry_points(installed, tmp_path_factory) -> dict[str, tuple[subprocess.Pope
 
 
 @wheel_test
-def test_installed_packages_come_from_the_wheel(installed, tmp_path):
-    code = ("import conf, sim, varlen, backends, schedulers\n"
-            "from sim.run import CONF\nfrom sim.cost.hardware import hardware_dir\nfrom varlen.traces import default_traces_dir\n"
-            "for x in (conf.__file__, sim.__file__, varlen.__file__, backends.__file__, schedulers.__file__, CONF, "
+def test_installed_packages_come_from_the_install(installed, tmp_path):
+    users_conf(tmp_path)
+    code = ("import varlen, varlen.conf, sim, backends, schedulers\n"  # varlen first: README, installing
+            "from sim.run import CONF\nfrom sim.cost.hardware import hardware_dir\n"
+            "from varlen.traces import default_traces_dir\n"
+            "for x in (varlen.conf.__file__, sim.__file__, varlen.__file__, backends.__file__, schedulers.__file__, CONF, "
             "hardware_dir(), default_traces_dir()): print(x)")
     out = run_installed(installed, tmp_path, "-c", code)
     assert out.returncode == 0, out.stderr
     paths = out.stdout.split()
-    assert len(paths) == 8 and all(p.startswith(str(installed)) for p in paths), paths
-    # The commands' config roots are real folders in the wheel (setuptools copies the links).
-    for root, groups in (("run", ["allocator", "backend", "model", "scheduler", "workload", "workload_defaults"]),
-                         ("sim", ["allocator", "hardware", "hydra", "scheduler", "sim_model", "workload", "workload_defaults"])):
-        assert sorted(p.name for p in (installed / "conf" / root).iterdir() if p.is_dir()) == groups
-    assert sorted(p.name for p in (installed / "varlen" / "traces_data").iterdir()) == sorted(
-        [f"{f}.gz" for f in NAMED_TRACES.values()] + ["README.md", "AzureLLMInferenceDataset2023.md",
-                                                       "LICENSE-Apache-2.0.txt"])
+    assert len(paths) == 8 and all(p.startswith(str(installed.root)) for p in paths), paths
+    conf = Path(paths[0]).parent
+    assert conf == installed.root / ("varlen/conf" if installed.kind == "wheel" else "conf")
+    # Each group once, found on the commands' search path: the commands' roots hold no copies.
+    assert {"allocator", "backend", "hardware", "model", "scheduler", "workload"} <= {p.name for p in conf.iterdir()}
+    assert sorted(p.name for p in (conf / "run").iterdir()) == ["config.yaml", "workload_defaults"]
+    assert sorted(p.name for p in (conf / "sim").iterdir() if p.is_dir()) == ["hydra", "workload_defaults"]
+    if installed.kind == "wheel":  # no generic top-level `conf`; Hydra's plug-in namespace
+        assert sorted(p.name for p in installed.root.iterdir() if not p.name.endswith(".dist-info")) == [
+            "backends", "hydra_plugins", "schedulers", "sim", "varlen"]
+        assert sorted(p.name for p in (installed.root / "varlen" / "traces_data").iterdir()) == sorted(
+            [f"{f}.gz" for f in NAMED_TRACES.values()] + ["README.md", "AzureLLMInferenceDataset2023.md",
+                                                           "LICENSE-Apache-2.0.txt"])
 
 
 @wheel_test
 @pytest.mark.parametrize("module,expect", [(c[0], c[2]) for c in COMMANDS], ids=[c[0] for c in COMMANDS])
-def test_entry_point_runs_from_another_directory(entry_points, module, expect):
+def test_entry_point_runs_from_a_directory_holding_conf(entry_points, module, expect):
     proc, cwd = entry_points[module]
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, f"{module}: rc={proc.returncode}\n{out[-3000:]}"
-    assert expect in out, out[-2000:]
-    assert not (cwd / "conf").exists()  # nothing read from, or written as, a source tree here
+    assert expect in out and "user conf/ package" not in out, out[-2000:]
+    assert sorted(p.name for p in (cwd / "conf").iterdir()) == ["__init__.py", "run", "sim"]  # read, not written
+    assert not [p for name in ("backends", "schedulers", "sim") if (cwd / name).is_dir() for p in (cwd / name).iterdir()]
 
 
 @wheel_test
 def test_help_of_an_installed_command_lists_only_its_groups(installed, tmp_path):
-    # A Hydra project's own conf/ folder (no __init__.py) in the working directory, which
-    # `python -m` puts first on sys.path, must not stand in for the installed configs.
-    (tmp_path / "conf" / "run").mkdir(parents=True)
-    (tmp_path / "conf" / "run" / "config.yaml").write_text("defaults:\n  - hardware: nothing_here\n")
-    out = run_installed(installed, tmp_path, "-m", "varlen.run", "--help")
-    groups = out.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
-    assert out.returncode == 0 and "scheduler:" in groups and "hardware:" not in groups and "sim_model:" not in groups
+    users_conf(tmp_path)
+    for module, own in (("varlen.run", "scheduler:"), ("sim.run", "hardware:")):
+        out = run_installed(installed, tmp_path, "-m", module, "--help")
+        groups = out.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+        assert out.returncode == 0 and own in groups and "chunked" in groups, out.stdout + out.stderr
+        assert ("hardware:" in groups) == (module == "sim.run") and ("backend:" in groups) == (module == "varlen.run")
+
+
+@wheel_test
+def test_user_config_folders_work_installed(installed, tmp_path):
+    """VARLEN_CONFIG_PATH adds a user's names next to the shipped ones (pkg://varlen.conf)."""
+    mine = tmp_path / "mine"
+    (mine / "scheduler").mkdir(parents=True)
+    (mine / "scheduler" / "my_fifo.yaml").write_text("_target_: schedulers.continuous.ContinuousPolicy\n")
+    inst = Install(installed.kind, installed.python, {**installed.env, "VARLEN_CONFIG_PATH": str(mine)}, installed.root)
+    out = run_installed(inst, tmp_path, "-m", "sim.run", "--help")
+    assert out.returncode == 0 and "my_fifo" in out.stdout.split("== Config ==")[0], out.stdout + out.stderr
 
 
 def test_named_traces_ship_gzipped_with_their_licences(monkeypatch) -> None:

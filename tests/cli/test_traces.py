@@ -517,7 +517,7 @@ def _compose(root: str, name: str, overrides: list[str]) -> dict:
     from omegaconf import OmegaConf
 
     import varlen.cli  # noqa: F401  (registers the configs' resolvers)
-    from conf import conf_dir
+    from varlen.registry import conf_dir
 
     with initialize_config_dir(str(conf_dir(root)), version_base="1.3"):
         return OmegaConf.to_container(compose(name, overrides=overrides).workload)

@@ -198,3 +198,13 @@ def test_scheduling_core_and_simulator_import_no_torch():
     code = f"import sys\nfor m in {mods!r}: __import__(m)\nprint(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_no_cycle_among_the_packages(graph):
+    """varlen, backends, schedulers and sim as four nodes, every import counted: the framework
+    package (varlen) imports none of the others, which import it (its interfaces and core)."""
+    edges: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        edges.setdefault(m.split(".")[0], set()).update(d.split(".")[0] for d in deps if d.split(".")[0] != m.split(".")[0])
+    assert not cycle(edges), " -> ".join(cycle(edges))
+    assert not edges["varlen"], f"varlen imports {sorted(edges['varlen'])}: import their interfaces from varlen"

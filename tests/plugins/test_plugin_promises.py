@@ -16,7 +16,7 @@ import pytest
 
 import varlen.compiled as compiled
 from schedulers import ChunkedPolicy
-from schedulers.base import SchedulerPolicy
+from varlen.scheduler_api import SchedulerPolicy
 from sim.cost.base import CostModel, StepSums
 from sim.cost.fitted import ProfiledCostModel
 from sim.cost.replay import ReplayCostModel

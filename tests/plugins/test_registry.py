@@ -1,5 +1,6 @@
 """Plug-ins are named only by their config group's yaml files (varlen/registry.py)."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import textwrap
 import pytest
 
 from varlen import registry
-from conf import conf_dir
+from varlen.registry import conf_dir
 
 
 @pytest.mark.parametrize("group", registry.GROUPS)
@@ -150,3 +151,36 @@ def test_every_shipped_backend_is_in_a_property_suite():
 
     shipped = {p.stem for p in conf_dir("backend").glob("*.yaml")}
     assert shipped <= {*CPU_BACKENDS, *INTERPRETED, *GPU_BACKENDS}, shipped - {*CPU_BACKENDS, *GPU_BACKENDS}
+
+
+@pytest.mark.parametrize("old, name, home", [
+    ("backends.base", "AttentionBackend", "varlen.attention_api"),
+    ("backends.base", "write_kv", "backends.kv_write"),
+    ("backends", "BackendUnavailable", "varlen.attention_api"),
+    ("schedulers.base", "SchedulerPolicy", "varlen.scheduler_api"),
+    ("schedulers", "SchedulerOutput", "varlen.scheduler_api"),
+])
+def test_an_old_import_path_warns_and_names_the_new_one(old, name, home):
+    """The README once documented backends.base and schedulers.base: a user's plug-in importing from
+    there still runs, warned once per import where the interface lives now."""
+    module = importlib.import_module(old)
+    with pytest.warns(DeprecationWarning, match=f"import {name} from {home}: {old}.{name} is deprecated"):
+        got = getattr(module, name)
+    assert got is getattr(importlib.import_module(home), name)
+    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
+        getattr(module, "Nothing")
+
+
+def test_the_shipped_groups_join_varlens_config_roots_only(tmp_path):
+    """hydra_plugins/varlen_configs puts pkg://varlen.conf after a varlen config root (a command, or
+    a test composing conf/sim directly) and leaves another Hydra app's search path alone."""
+    from hydra import compose, initialize_config_dir
+
+    (tmp_path / "app.yaml").write_text("x: 1\n")
+    with initialize_config_dir(str(tmp_path), version_base="1.3"):
+        cfg = compose("app", return_hydra_config=True)
+        assert "varlen.conf" not in str(cfg.hydra.runtime.config_sources)
+    with initialize_config_dir(str(conf_dir("sim")), version_base="1.3"):
+        cfg = compose("sim", overrides=["scheduler=sarathi"], return_hydra_config=True)
+        assert {"provider": "varlen", "path": "varlen.conf", "schema": "pkg"} in cfg.hydra.runtime.config_sources
+        assert cfg.scheduler._target_ == registry.spec("scheduler", "sarathi")._target_

@@ -8,7 +8,8 @@ import random
 import pytest
 import yaml
 
-from schedulers import ContinuousPolicy, SchedulerPolicy, StaticPolicy, VllmV0Policy
+from schedulers import ContinuousPolicy, StaticPolicy, VllmV0Policy
+from varlen.scheduler_api import SchedulerPolicy
 from varlen import registry
 from varlen.clock import SimClock
 from varlen.engine import Engine, Executor

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from schedulers import PriorityPolicy
-from schedulers.base import SchedulerPolicy
+from varlen.scheduler_api import SchedulerPolicy
 from sim.cost.roofline import RooflineCostModel
 from sim.executor import CostModelExecutor
 from sim.fast_forward import FastForwardEngine
