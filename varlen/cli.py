@@ -36,7 +36,8 @@ def _help_groups() -> str:
     from hydra.core.hydra_config import HydraConfig
 
     hc, loader = HydraConfig.get(), GlobalHydra.instance().config_loader()
-    groups = sorted(g for g in hc.runtime.choices if g != "hydra" and not g.startswith("hydra/"))
+    # "group@package" entries are a command's own per-choice defaults (workload_defaults), not a choice.
+    groups = sorted(g for g in hc.runtime.choices if g != "hydra" and not g.startswith("hydra/") and "@" not in g)
     options = {g: loader.get_group_options(g, config_name=hc.job.config_name, overrides=list(hc.overrides.task))
                for g in groups}  # the primary config's search path included
     return "\n".join(f"{g}: {', '.join(sorted(o))}" for g, o in options.items())

@@ -134,8 +134,8 @@ def test_one_clear_line_and_exit_2(case, files, tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("module, own, others", [
-    ("varlen.run", ["model", "backend", "scheduler", "allocator", "workload", "workload_defaults"], ["hardware", "sim_model", "sim_workload"]),
-    ("sim.run", ["hardware", "sim_model", "workload", "workload_defaults", "scheduler", "allocator"], ["model", "backend", "sim_workload"]),
+    ("varlen.run", ["model", "backend", "scheduler", "allocator", "workload"], ["hardware", "sim_model", "sim_workload", "workload_defaults"]),
+    ("sim.run", ["hardware", "sim_model", "workload", "scheduler", "allocator"], ["model", "backend", "sim_workload", "workload_defaults"]),
 ])
 def test_help_lists_only_the_groups_the_command_uses(module, own, others, monkeypatch, capsys):
     """varlen.run --help listed hardware, sim_model and sim_workload, which it cannot use: each

@@ -200,11 +200,21 @@ def test_scheduling_core_and_simulator_import_no_torch():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+#: The test kit (properties and the command that runs them on a plug-in) sits above every package
+#: it checks: a node of its own, which no other module may import.
+TEST_KIT = ("varlen.testing", "varlen.check")
+
+
+def node(module: str) -> str:
+    return "test kit" if any(module == k or module.startswith(k + ".") for k in TEST_KIT) else module.split(".")[0]
+
+
 def test_no_cycle_among_the_packages(graph):
-    """varlen, backends, schedulers and sim as four nodes, every import counted: the framework
-    package (varlen) imports none of the others, which import it (its interfaces and core)."""
+    """varlen, backends, schedulers, sim and the test kit as nodes, every import counted: the
+    framework package (varlen) imports none of the others, which import it (its interfaces and core)."""
     edges: dict[str, set[str]] = {}
     for m, deps in graph.items():
-        edges.setdefault(m.split(".")[0], set()).update(d.split(".")[0] for d in deps if d.split(".")[0] != m.split(".")[0])
+        edges.setdefault(node(m), set()).update(node(d) for d in deps if node(d) != node(m))
     assert not cycle(edges), " -> ".join(cycle(edges))
     assert not edges["varlen"], f"varlen imports {sorted(edges['varlen'])}: import their interfaces from varlen"
+    assert not any("test kit" in deps for deps in edges.values()), "only tests may import the test kit"
