@@ -4,8 +4,8 @@ Between two arrivals, a policy that promises it (`SchedulerPolicy.next_decode_ba
 every running request for one token, step after step, until one finishes or an allocation fails.
 The simulator knows when the next arrival comes, so `FastForwardEngine` runs such a stretch at
 once: the executor times all its steps in one call (`FastForwardExecutor.decode_run`), the
-allocator is asked only the calls that matter (`KVAllocator.next_allocation_event`, or all at once
-with `grow_decodes`), and one `DecodeRun` record stands for the steps. The result is the same,
+allocator is asked only the calls that matter (`DecodeGrowth.next_allocation_event`, or all at once
+with `grow_decodes`, when it has them), and one `DecodeRun` record stands for the steps. The result is the same,
 request for request and step for step, as stepping one at a time (tests/test_sim_fastforward.py).
 
 A real run never knows the next arrival, so none of this is in the core loop (varlen/engine.py).
@@ -20,7 +20,7 @@ from typing import Sequence
 from mypy_extensions import mypyc_attr
 
 from varlen.engine import Engine, Executor
-from varlen.kv.base import ALLOCATION_PROMISE_BEHAVIOUR, KVAllocator
+from varlen.kv.base import ALLOCATION_PROMISE_BEHAVIOUR, DecodeGrowth, KVAllocator
 from varlen.promises import keeps_promise
 from varlen.request import Request
 from varlen.scheduler_api import SchedulerPolicy
@@ -53,6 +53,7 @@ class FastForwardEngine(Engine):
         super().__init__(policy, kv, executor, clock, max_model_len, eos_token_id, vocab_size)
         self.num_fast_forwarded_steps = 0  # steps run by _decode_run rather than one by one
         self._decode_promises = -1  # whether the allocator's and executor's promises are their own (-1: not checked)
+        self._growth: DecodeGrowth | None = None  # the allocator, if it has DecodeGrowth's methods
 
     def step(self, start: float | None = None, until: float | None = None) -> list[Request]:
         """One step, then, given `until` (the next time anything outside the engine happens: the
@@ -90,6 +91,7 @@ class FastForwardEngine(Engine):
                     isinstance(ex, FastForwardExecutor)
                     and keeps_promise(ex, "decode_run", ("execute",), FastForwardExecutor)]
             self._decode_promises = int(all(kept))
+            self._growth = kv if isinstance(kv, DecodeGrowth) else None
         return self._decode_promises > 0
 
     def _decode_run(self, batch: list[Request] | None, until: float) -> list[Request]:
@@ -137,7 +139,8 @@ class FastForwardEngine(Engine):
         reserved, live_before = usage.reserved_slots, usage.live_tokens
         changed: dict[int, int] = {}  # run step -> reserved slots after its allocations
         failed = False
-        bulk = kv.grow_decodes(batch, base, k)
+        growth = self._growth
+        bulk = growth.grow_decodes(batch, base, k) if growth is not None else None
         asked = base[:]  # each one's last count asked of the allocator
         if bulk is not None:
             ok, changed = bulk
@@ -198,10 +201,10 @@ class FastForwardEngine(Engine):
         as that step finds it; fills `changed` (step -> reserved slots after its allocations) and
         `asked` (each one's last count that succeeded). Returns (steps whose calls all succeeded,
         whether one failed)."""
-        kv = self.kv
+        kv, growth = self.kv, self._growth
         events = []  # (run step asking for the count, batch position, count)
         for p, r in enumerate(batch):
-            m = kv.next_allocation_event(r, base[p])
+            m = growth.next_allocation_event(r, base[p]) if growth is not None else base[p] + 1
             if m - base[p] - 1 < k:
                 events.append((m - base[p] - 1, p, m))
         heapq.heapify(events)
@@ -215,7 +218,7 @@ class FastForwardEngine(Engine):
             if not kv.allocate(r, m):
                 return j, True  # step j is the policy's to decide (it preempts)
             asked[p] = m
-            m = kv.next_allocation_event(r, m)
+            m = growth.next_allocation_event(r, m) if growth is not None else m + 1
             if m - base[p] - 1 < k:
                 heapq.heappush(events, (m - base[p] - 1, p, m))
             if not events or events[0][0] != j:  # step j's last allocation

@@ -9,11 +9,93 @@ from typing import Sequence
 import numpy as np
 
 from varlen.batch import BatchBuffers, ForwardBatch
-from varlen.engine import Executor, decode_inputs, step_inputs
+from varlen.engine import Executor
 from varlen.kv.base import KVAllocator
 from varlen.model_runner import ModelRunner
 from varlen.request import Request
 from varlen.sampler import Sampler
+
+
+def decode_inputs(scheduled: Sequence[tuple[Request, int]], rows: dict[object, int], covered: list[int]
+                  ) -> tuple[list[Request], list[int], list[int], list[int], list[int]] | None:
+    """What a real executor reads of a pure-decode step's requests, in one pass.
+
+    None unless every request brings one new token, its last known one, on a buffer row it holds
+    (`rows`: request id -> row). Else: the requests, their rows, positions (the cached counts),
+    new token ids, and the indices of those whose position is not below `covered[row]` (the
+    positions whose block ids the row's buffer holds: a block table to copy first).
+    """
+    reqs: list[Request] = []
+    row_of: list[int] = []
+    positions: list[int] = []
+    tokens: list[int] = []
+    lacking: list[int] = []
+    for r, n in scheduled:
+        k = r.num_computed_tokens
+        if n != 1 or k + 1 != r.num_tokens:
+            return None  # a prefill or a chunk of one
+        row = rows.get(r.req_id)
+        if row is None:
+            return None
+        out = r.output_token_ids
+        # The token at position num_tokens - 1: the last output token, or the prompt's last.
+        tokens.append(out[-1] if out else int(r.prompt_token_ids[-1]))
+        if k >= covered[row]:
+            lacking.append(len(reqs))
+        reqs.append(r)
+        row_of.append(row)
+        positions.append(k)
+    return reqs, row_of, positions, tokens, lacking
+
+
+def step_inputs(scheduled: Sequence[tuple[Request, int]], rows: dict[object, int], tokens_written: list[int],
+                covered: list[int]) -> tuple[list[int], list[int], list[int], list[bool], list[Request], list[int],
+                                             list[int], list[int], list[int]]:
+    """What a real executor reads of any step's requests, in one pass.
+
+    Per request: its buffer row (-1: none yet), cached count, new count and whether its logits
+    are wanted (its step ends at its last known token); then the requests whose logits are
+    wanted; `todo`, the indices of requests whose row the executor must set up or fill first (no
+    row yet, prompt tokens not in the buffer, or positions past `covered[row]`, the ones whose
+    block ids the row holds); and the writes that bring every other row's tokens up to its
+    request's last (rows, positions, token ids: output tokens after `tokens_written[row]`).
+    """
+    row_of: list[int] = []
+    cached: list[int] = []
+    new: list[int] = []
+    wants: list[bool] = []
+    sampled: list[Request] = []
+    todo: list[int] = []
+    write_rows: list[int] = []
+    write_cols: list[int] = []
+    write_ids: list[int] = []
+    i = 0
+    for r, n in scheduled:
+        c = r.num_computed_tokens
+        num_tokens = r.num_tokens
+        row = rows.get(r.req_id, -1)
+        row_of.append(row)
+        cached.append(c)
+        new.append(n)
+        w = c + n == num_tokens
+        wants.append(w)
+        if w:
+            sampled.append(r)
+        if row < 0 or c + n > covered[row]:
+            todo.append(i)
+        else:
+            written = tokens_written[row]
+            p = r.num_prompt_tokens
+            if written < p:
+                todo.append(i)
+            else:
+                out = r.output_token_ids
+                for pos in range(written, num_tokens):
+                    write_rows.append(row)
+                    write_cols.append(pos)
+                    write_ids.append(out[pos - p])
+        i += 1
+    return row_of, cached, new, wants, sampled, todo, write_rows, write_cols, write_ids
 
 
 class ModelExecutor(Executor):
@@ -92,7 +174,7 @@ class ModelExecutor(Executor):
             timings["forward"] += t2 - t1
             timings["sample"] += t3 - t2
             return out
-        # One pass of the compiled core over the requests; Python only for the rows to set up.
+        # One pass over the requests (step_inputs); per-row Python only for the rows to set up.
         rows, cached, new, wants, sampled_reqs, todo, wr, wc, wv = step_inputs(
             scheduled, self.rows, self.tokens_written, self.slots_covered)
         if wr:  # decode tokens, and the output tokens of decode steps since the row's last write
@@ -133,8 +215,7 @@ class ModelExecutor(Executor):
         one: every request brings one new token, its last known one (so its logits are wanted),
         on a buffer row it already holds, whose table covers that token's position.
 
-        No Python call per request (the requests are read in one compiled pass, decode_inputs)
-        and a dozen array operations in all. A decode's token is not written to the buffer
+        One pass over the requests (decode_inputs) and a dozen array operations in all. A decode's token is not written to the buffer
         (tokens_written stays behind; the row's next step that is not a decode writes from
         there), a block table is copied only when a new token starts a block not yet copied, and
         block ids are checked as they are copied (so every id in the buffer is in the pool). The

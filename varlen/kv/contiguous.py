@@ -69,6 +69,10 @@ class ContiguousAllocator(KVAllocator):
         run = self.runs.get(req.req_id)
         return run[1] * self.block_size + 1 if run else num_tokens + 1
 
+    def grow_decodes(self, reqs: Sequence[Request], counts: Sequence[int],
+                     num_steps: int) -> tuple[int, dict[int, int]] | None:
+        return None  # no bulk form: next_allocation_event already skips every call but the last
+
     def free(self, req: Request) -> None:
         run = self.runs.pop(req.req_id, None)
         self._forget_count(req.req_id)
