@@ -18,13 +18,9 @@ from varlen.sampler import Sampler
 
 def decode_inputs(scheduled: Sequence[tuple[Request, int]], rows: dict[object, int], covered: list[int]
                   ) -> tuple[list[Request], list[int], list[int], list[int], list[int]] | None:
-    """What a real executor reads of a pure-decode step's requests, in one pass.
-
-    None unless every request brings one new token, its last known one, on a buffer row it holds
-    (`rows`: request id -> row). Else: the requests, their rows, positions (the cached counts),
-    new token ids, and the indices of those whose position is not below `covered[row]` (the
-    positions whose block ids the row's buffer holds: a block table to copy first).
-    """
+    """A pure-decode step's inputs in one pass, or None unless each request brings its last known
+    token on a row it holds: requests, rows, positions, token ids, and the indices whose position
+    is past `covered[row]` (a block table to copy first)."""
     reqs: list[Request] = []
     row_of: list[int] = []
     positions: list[int] = []
@@ -38,7 +34,6 @@ def decode_inputs(scheduled: Sequence[tuple[Request, int]], rows: dict[object, i
         if row is None:
             return None
         out = r.output_token_ids
-        # The token at position num_tokens - 1: the last output token, or the prompt's last.
         tokens.append(out[-1] if out else int(r.prompt_token_ids[-1]))
         if k >= covered[row]:
             lacking.append(len(reqs))
@@ -51,15 +46,9 @@ def decode_inputs(scheduled: Sequence[tuple[Request, int]], rows: dict[object, i
 def step_inputs(scheduled: Sequence[tuple[Request, int]], rows: dict[object, int], tokens_written: list[int],
                 covered: list[int]) -> tuple[list[int], list[int], list[int], list[bool], list[Request], list[int],
                                              list[int], list[int], list[int]]:
-    """What a real executor reads of any step's requests, in one pass.
-
-    Per request: its buffer row (-1: none yet), cached count, new count and whether its logits
-    are wanted (its step ends at its last known token); then the requests whose logits are
-    wanted; `todo`, the indices of requests whose row the executor must set up or fill first (no
-    row yet, prompt tokens not in the buffer, or positions past `covered[row]`, the ones whose
-    block ids the row holds); and the writes that bring every other row's tokens up to its
-    request's last (rows, positions, token ids: output tokens after `tokens_written[row]`).
-    """
+    """Any step's inputs in one pass: per request its row (-1: none), cached and new counts and
+    whether it samples; the sampling requests; `todo`, the indices whose row must be set up or
+    filled first; and the token writes (rows, positions, ids) that bring the other rows up to date."""
     row_of: list[int] = []
     cached: list[int] = []
     new: list[int] = []
@@ -109,11 +98,9 @@ class ModelExecutor(Executor):
         self.buffers = BatchBuffers(max_num_seqs, max_model_len + 1, -(-(max_model_len + 1) // bs))
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
-        # Per row, as Python ints (a numpy scalar costs more to read than the rest of a decode's
-        # bookkeeping): tokens written to the buffer, and blocks of the table copied to it.
+        # Per row, Python ints (cheaper to read than numpy scalars): tokens and table blocks written.
         self.tokens_written = [0] * max_num_seqs
         self.blocks_written = [0] * max_num_seqs
-        # Per row: the positions whose block ids are in the buffer (blocks_written * block_size).
         self.slots_covered = [0] * max_num_seqs
         self.timings: dict[str, float] = defaultdict(float)  # wall seconds per phase
         self._checked_kv: KVAllocator | None = None
@@ -211,17 +198,10 @@ class ModelExecutor(Executor):
 
     def _decode_step(self, scheduled: Sequence[tuple[Request, int]],
                      kv: KVAllocator) -> tuple[ForwardBatch, list[Request]] | None:
-        """The batch of a pure-decode step (most steps of a serving loop), or None if this is not
-        one: every request brings one new token, its last known one (so its logits are wanted),
-        on a buffer row it already holds, whose table covers that token's position.
-
-        One pass over the requests (decode_inputs) and a dozen array operations in all. A decode's token is not written to the buffer
-        (tokens_written stays behind; the row's next step that is not a decode writes from
-        there), a block table is copied only when a new token starts a block not yet copied, and
-        block ids are checked as they are copied (so every id in the buffer is in the pool). The
-        batch is BatchBuffers.build's for the same step (tests/test_incremental_batch.py replays
-        random serving runs against a rebuild).
-        """
+        """The batch of a pure-decode step (decode_inputs), or None if it is not one. A decode's
+        token is written later (tokens_written stays behind); a block table is copied, and its ids
+        checked, only when a token starts a new block. Same batch as BatchBuffers.build's
+        (tests/test_incremental_batch.py)."""
         got = decode_inputs(scheduled, self.rows, self.slots_covered)
         if got is None:
             return None

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Sequence
 
 from mypy_extensions import mypyc_attr
 
 from varlen.request import Request
 
-#: What DecodeGrowth's methods promise about: a subclass overriding one of these below the class
+#: What DecodeGrowth's methods (varlen/kv/growth.py) promise about: a subclass overriding one of these below the class
 #: defining them does not inherit the promise (varlen/promises.py).
 ALLOCATION_PROMISE_BEHAVIOUR = ("allocate", "free", "match_prefix", "usage")
 
@@ -96,20 +96,3 @@ class KVAllocator(ABC):
         """The longest request (prompt + output) this pool can ever hold on its own."""
         return min(self.capacity_tokens, self.max_model_len)
 
-
-@runtime_checkable
-class DecodeGrowth(Protocol):
-    """Optional, for the simulator's decode fast-forward (sim/fast_forward.py): an allocator with
-    both methods is asked only the calls that matter; without them, every call is made."""
-
-    def next_allocation_event(self, req: Request, num_tokens: int) -> int:
-        """For `req`, holding slots for `num_tokens` and growing one token at a time (a decode):
-        the smallest m > num_tokens for which `allocate(req, m)` may do more than record m (take
-        a block, register a full block, fail or raise); calls in between may be skipped."""
-
-    def grow_decodes(self, reqs: Sequence[Request], counts: Sequence[int],
-                     num_steps: int) -> tuple[int, dict[int, int]] | None:
-        """`num_steps` decode steps' calls at once: at step j, allocate(reqs[p], counts[p] + j + 1)
-        for each p in order, until one fails. Returns (steps whose calls all succeeded, {step:
-        reserved slots after its calls} for the steps that changed them), the allocator left as
-        those calls would; None: not offered, the caller makes the calls."""
