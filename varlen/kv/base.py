@@ -1,7 +1,5 @@
-"""The KV allocator plug point: hands out KV slots to requests as block tables.
-
-Whatever the allocator's strategy (paged blocks, one contiguous run), its answer is a block table,
-so attention backends never care which allocator is in use. Pure Python, no torch.
+"""The KV allocator plug point: hands out KV slots to requests as block tables, whatever the
+strategy, so attention backends never care which allocator is in use. No torch.
 """
 
 from __future__ import annotations
@@ -14,8 +12,7 @@ from mypy_extensions import mypyc_attr
 
 from varlen.request import Request
 
-#: What DecodeGrowth's methods (varlen/kv/growth.py) promise about: a subclass overriding one of these below the class
-#: defining them does not inherit the promise (varlen/promises.py).
+#: What DecodeGrowth's methods (varlen/kv/growth.py) promise about (varlen/promises.py).
 ALLOCATION_PROMISE_BEHAVIOUR = ("allocate", "free", "match_prefix", "usage")
 
 

@@ -1,7 +1,4 @@
-"""The allocator's optional decode-growth protocol, for the simulator's fast-forward only.
-
-Interpreted on purpose: mypyc cannot build a runtime-checkable Protocol.
-"""
+"""The allocator's optional decode-growth protocol (interpreted: mypyc cannot build a runtime-checkable Protocol)."""
 
 from __future__ import annotations
 
@@ -22,7 +19,5 @@ class DecodeGrowth(Protocol):
 
     def grow_decodes(self, reqs: Sequence[Request], counts: Sequence[int],
                      num_steps: int) -> tuple[int, dict[int, int]] | None:
-        """`num_steps` decode steps' calls at once: at step j, allocate(reqs[p], counts[p] + j + 1)
-        for each p in order, until one fails. Returns (steps whose calls all succeeded, {step:
-        reserved slots after its calls} for the steps that changed them), the allocator left as
-        those calls would; None: not offered, the caller makes the calls."""
+        """At step j < num_steps, allocate(reqs[p], counts[p] + j + 1) for each p, until one fails:
+        (steps whose calls all succeeded, {step: reserved slots after it} where changed); None: not offered."""
