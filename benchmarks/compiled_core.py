@@ -94,8 +94,8 @@ def main() -> None:
             for v in variants:
                 for w in workloads:
                     row = timed(v, w, Path(tmp) / f"{v}-{w}-{r}")
-                    print(f"  {v:>12} {w:>10} #{r}: wall {row['wall']:.2f} s, cpu {row['cpu']:.2f} s",
-                          file=sys.stderr, flush=True)
+                    print(f"  {v:>12} {w:>10} #{r}: wall {row['wall']:.2f} s, cpu {row['cpu']:.2f} s, "
+                          f"loop {row['loop']:.2f} s, RSS {row['rss_mb']:.0f} MB", file=sys.stderr, flush=True)
                     runs.setdefault((v, w), []).append(row)
     print(f"{'variant':>12} {'workload':>10} {'compiled groups':>40} {'wall s':>7} {'cpu s':>7} {'loop s':>7} "
           f"{'RSS MB':>7} {'cpu vs all':>10}")
