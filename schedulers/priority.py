@@ -1,10 +1,7 @@
 """Priority scheduling: continuous batching where waiting requests are admitted by (priority,
 arrival) and, when memory runs out, the least important running request is preempted first
-(lower `priority` value = more important; ties broken by later arrival).
-
-Both queues are kept in rank order as requests come and go, so a step costs O(log n) per
-admission however long the waiting queue grows (sorting it every step made this policy ~9x
-slower than chunked under overload, for the very same decisions).
+(lower `priority` value = more important; ties broken by later arrival). Both queues are kept in
+rank order as requests come and go: O(log n) per admission, however long the queue.
 """
 
 from __future__ import annotations
@@ -26,10 +23,8 @@ def _rank(r: Request) -> tuple[int, float]:
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class RankedQueue:
-    """Waiting requests in rank order (here (priority, arrival); a subclass overrides `rank`),
-    ties in the order a deque would hold them (appended at the back, preempted ones put back at
-    the front): the order a stable sort of that deque gives, kept sorted instead of sorted every
-    step. O(log n) comparisons per insertion or removal (bisection; the list move is a memmove)."""
+    """Waiting requests in rank order (`rank`, here (priority, arrival)), ties as a deque would hold
+    them (preempted ones at the front): a stable sort of that deque, kept sorted by bisection."""
 
     def __init__(self) -> None:
         self._keys: list[tuple[float, float, int]] = []

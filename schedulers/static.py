@@ -32,7 +32,6 @@ class StaticPolicy(SchedulerPolicy):
 
     def _may_admit(self) -> bool:
         # Newcomers wait for the whole batch to finish; only a preempted member re-enters early.
-        # (Preempted members go back to the front of the queue, where schedule() looks for them.)
         if not self.members:
             return bool(self.waiting)
         return bool(self.waiting) and self.waiting[0].req_id in self.members

@@ -1,9 +1,6 @@
 """vLLM V0's default scheduler (vLLM 0.x before chunked prefill, the PagedAttention paper's
-system): whole prompts, and a step is either prefills or decodes, never both. When waiting
-requests fit (seats, the token budget for their prompts, KV memory), the step runs their
-prefills only and the running requests skip it; otherwise it decodes every running request.
-Prefill-first keeps batches full but stalls every running generation for each prefill step:
-the stall Sarathi-Serve's chunked prefill removes."""
+system): whole prompts, and a step is either prefills (when waiting requests fit) or decodes of
+every running request, never both: the stall Sarathi-Serve's chunked prefill removes."""
 
 from mypy_extensions import mypyc_attr
 

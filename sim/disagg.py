@@ -155,8 +155,9 @@ def receiving(cls: type) -> type:
     sub = _receiving_classes.get(cls)
     if sub is None:
         base: Any = cls
-        ns = {"next_allocation_event": base.next_allocation_event, "grow_decodes": base.grow_decodes,
-              "__module__": __name__}
+        # The decode-growth methods (varlen/kv/growth.py) come from cls, not ReceivingAllocator, where cls has them.
+        ns = {n: getattr(base, n) for n in ("next_allocation_event", "grow_decodes") if hasattr(base, n)}
+        ns["__module__"] = __name__
 
         def __init__(self: Any, *a: Any, **kw: Any) -> None:
             base.__init__(self, *a, **kw)

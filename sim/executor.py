@@ -28,10 +28,7 @@ class CostModelExecutor(FastForwardExecutor):
 
     def __init__(self, cost: CostModel, clock: SimClock):
         self.cost, self.clock = cost, clock
-        # A cost model's shortcuts hold only for the class that defines them (varlen/promises.py):
-        # its formula (and a step_time_sums of its own) promise to be step_time, decode_step_time
-        # to be step_time_sums. A subclass overriding the slow form alone is timed by it, not by
-        # an inherited shortcut. A replayed timeline (its own next_start) goes step by step.
+        # A cost model's shortcuts hold only for the class defining them (varlen/promises.py).
         self._sums = cost.uses_sums and keeps_promise(cost, ("step_time_sums", *FORMULA), ("step_time",), CostModel)
         self._decode = (self._sums and type(cost).next_start is CostModel.next_start
                         and keeps_promise(cost, "decode_step_time", ("step_time_sums",), CostModel))

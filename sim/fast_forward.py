@@ -1,14 +1,10 @@
 """The simulator's decode fast-forward: a stretch of repeating pure-decode steps run in one go.
 
-Between two arrivals, a policy that promises it (`SchedulerPolicy.next_decode_batch`) schedules
-every running request for one token, step after step, until one finishes or an allocation fails.
-The simulator knows when the next arrival comes, so `FastForwardEngine` runs such a stretch at
-once: the executor times all its steps in one call (`FastForwardExecutor.decode_run`), the
-allocator is asked only the calls that matter (`KVAllocator.next_allocation_event`, or all at once
-with `grow_decodes`), and one `DecodeRun` record stands for the steps. The result is the same,
-request for request and step for step, as stepping one at a time (tests/sim/test_sim_fastforward.py).
-
-A real run never knows the next arrival, so none of this is in the core loop (varlen/engine.py).
+Between arrivals, a policy that promises it (`SchedulerPolicy.next_decode_batch`) decodes every
+running request step after step. The simulator knows the next arrival, so `FastForwardEngine`
+times the stretch in one call (`FastForwardExecutor.decode_run`), asks the allocator only the
+calls that matter (`varlen/kv/growth.py`, when it has them) and logs one `DecodeRun`: the same
+results, step for step (tests/sim/test_sim_fastforward.py). A real run never knows the next arrival.
 """
 
 from __future__ import annotations
@@ -21,6 +17,7 @@ from mypy_extensions import mypyc_attr
 
 from varlen.engine import Engine, Executor
 from varlen.kv.base import ALLOCATION_PROMISE_BEHAVIOUR, KVAllocator
+from varlen.kv.growth import DecodeGrowth
 from varlen.promises import keeps_promise
 from varlen.request import Request
 from varlen.scheduler_api import SchedulerPolicy
@@ -32,14 +29,9 @@ class FastForwardExecutor(Executor):
     """An executor that may time many pure-decode steps in one call (the simulator's cost model)."""
 
     def decode_run(self, batch: Sequence[Request], max_steps: int, until: float) -> tuple[int, list[float]] | None:
-        """Time up to `max_steps` pure-decode steps of `batch` (one token per request per step,
-        each step's caches one token longer), starting on the clock's now, keeping only steps that
-        start before `until`: (the token every request samples each step, each step's end time).
-
-        The clock is not moved (the engine does, once it knows how many steps it keeps). None:
-        this executor steps one at a time, the default. A subclass that overrides `execute` does
-        not inherit its parent's decode_run (varlen/promises.py).
-        """
+        """Time up to `max_steps` pure-decode steps of `batch` from the clock's now, keeping those
+        that start before `until`: (the token sampled each step, each step's end). The clock is not
+        moved. None (the default): this executor steps one at a time."""
         return None
 
 
@@ -53,16 +45,11 @@ class FastForwardEngine(Engine):
         super().__init__(policy, kv, executor, clock, max_model_len, eos_token_id, vocab_size)
         self.num_fast_forwarded_steps = 0  # steps run by _decode_run rather than one by one
         self._decode_promises = -1  # whether the allocator's and executor's promises are their own (-1: not checked)
+        self._growth: DecodeGrowth | None = None  # the allocator, if it has DecodeGrowth's methods
 
     def step(self, start: float | None = None, until: float | None = None) -> list[Request]:
-        """One step, then, given `until` (the next time anything outside the engine happens: the
-        next arrival, inf for none), the pure-decode steps the policy promises
-        (`SchedulerPolicy.next_decode_batch`), finishes leaving the batch, up to an allocation
-        failure or a step starting at `until` (`_decode_run`), when the executor can time them.
-        None for `until`: exactly Engine.step.
-
-        A failure in the decode run ends every running request aborted, then propagates.
-        """
+        """One step, then the pure-decode steps the policy promises up to `until` (the next
+        arrival; None: exactly Engine.step). A failure there aborts every running request."""
         before, preemptions = len(self.steps), self.num_preemptions
         finished = super().step(start)
         if until is None or len(self.steps) == before or self.num_preemptions != preemptions:
@@ -80,22 +67,19 @@ class FastForwardEngine(Engine):
         return finished
 
     def _promises_kept(self) -> bool:
-        """The allocator's and the executor's decode promises are made by their own classes
-        (varlen/promises.py; the policy checks its own in next_decode_batch). Checked once."""
+        """The allocator's and executor's decode promises are their own classes' (varlen/promises.py)."""
         if self._decode_promises < 0:
             kv, ex = self.kv, self.executor
-            # Both asked, so that each broken promise is said (a PromiseWarning), not only the first.
             kept = [keeps_promise(kv, ("next_allocation_event", "grow_decodes"), ALLOCATION_PROMISE_BEHAVIOUR,
                                   KVAllocator),
                     isinstance(ex, FastForwardExecutor)
                     and keeps_promise(ex, "decode_run", ("execute",), FastForwardExecutor)]
             self._decode_promises = int(all(kept))
+            self._growth = kv if isinstance(kv, DecodeGrowth) else None
         return self._decode_promises > 0
 
     def _decode_run(self, batch: list[Request] | None, until: float) -> list[Request]:
-        """Run the pure-decode steps the policy promises (`next_decode_batch`) in one go, exactly
-        as step() would one at a time, until a step would start at `until` (the next arrival)
-        or an allocation fails; a request that finishes leaves and the rest go on."""
+        """The promised pure-decode steps, as step() would run them, until `until` or a failed allocation."""
         finished: list[Request] = []
         while batch:
             done, go_on = self._decode_segment(batch, until)
@@ -106,20 +90,12 @@ class FastForwardEngine(Engine):
         return finished
 
     def _decode_segment(self, batch: list[Request], until: float) -> tuple[list[Request], bool]:
-        """Steps of `batch` up to its first finish: (the finished requests, whether a next step
-        of the remaining batch still starts before `until` with every allocation so far made).
-
-        The allocator calls the steps would make go in one bulk call when the allocator offers
-        one (`grow_decodes`); else only those it names as events (`next_allocation_event`) are
-        made, in step and batch order, each with the request as that step finds it, and the
-        others only record a count, which one call per request at the end records too. A call
-        that fails ends the segment before that step, whose allocations the policy then asks
-        again (allocate is idempotent) and preempts for.
-        """
+        """Steps of `batch` up to its first finish: (the finished requests, whether a next step still
+        starts before `until`). Allocations go in one bulk call (`grow_decodes`) or as the events
+        the allocator names; a failed call ends the segment before its step (the policy preempts)."""
         max_len = self.max_model_len
         base = [r.num_computed_tokens for r in batch]  # = each one's count at the allocator
         n_out = [len(r.output_token_ids) for r in batch]
-        # Steps until _stop_reason ends each by length (the last included).
         stop_at = [min(r.sampling.max_tokens - n, max_len - r.num_prompt_tokens - n) for r, n in zip(batch, n_out)]
         ex = self.executor
         assert isinstance(ex, FastForwardExecutor)  # _promises_kept checked it
@@ -137,7 +113,8 @@ class FastForwardEngine(Engine):
         reserved, live_before = usage.reserved_slots, usage.live_tokens
         changed: dict[int, int] = {}  # run step -> reserved slots after its allocations
         failed = False
-        bulk = kv.grow_decodes(batch, base, k)
+        growth = self._growth
+        bulk = growth.grow_decodes(batch, base, k) if growth is not None else None
         asked = base[:]  # each one's last count asked of the allocator
         if bulk is not None:
             ok, changed = bulk
@@ -182,8 +159,7 @@ class FastForwardEngine(Engine):
         reserved_after += [reserved] * (k - done)
         live_last = live_before + len(batch) * k
         if not failed:
-            # After the finishes freed their blocks. (A failed event leaves no finish in the run,
-            # but allocations of the step it failed in, which are not the run's to record.)
+            # After the finishes freed their blocks (a failed step's allocations are not the run's).
             usage = kv.usage()
             reserved_after[-1], live_last = usage.reserved_slots, usage.live_tokens
         self.steps.append(DecodeRun(
@@ -194,14 +170,12 @@ class FastForwardEngine(Engine):
 
     def _decode_allocations(self, batch: list[Request], base: list[int], n_out: list[int], tok: int, k: int,
                             changed: dict[int, int], asked: list[int]) -> tuple[int, bool]:
-        """The allocator calls of k decode steps that it names as events, each with the request
-        as that step finds it; fills `changed` (step -> reserved slots after its allocations) and
-        `asked` (each one's last count that succeeded). Returns (steps whose calls all succeeded,
-        whether one failed)."""
-        kv = self.kv
+        """The event calls of k decode steps; fills `changed` (step -> reserved slots) and `asked`.
+        Returns (steps whose calls all succeeded, whether one failed)."""
+        kv, growth = self.kv, self._growth
         events = []  # (run step asking for the count, batch position, count)
         for p, r in enumerate(batch):
-            m = kv.next_allocation_event(r, base[p])
+            m = growth.next_allocation_event(r, base[p]) if growth is not None else base[p] + 1
             if m - base[p] - 1 < k:
                 events.append((m - base[p] - 1, p, m))
         heapq.heapify(events)
@@ -215,7 +189,7 @@ class FastForwardEngine(Engine):
             if not kv.allocate(r, m):
                 return j, True  # step j is the policy's to decide (it preempts)
             asked[p] = m
-            m = kv.next_allocation_event(r, m)
+            m = growth.next_allocation_event(r, m) if growth is not None else m + 1
             if m - base[p] - 1 < k:
                 heapq.heappush(events, (m - base[p] - 1, p, m))
             if not events or events[0][0] != j:  # step j's last allocation

@@ -1,11 +1,9 @@
 """Discrete-event simulation: request arrivals, replicas behind a router, and on each replica the
 unmodified engine loop (`varlen.engine.Engine`) with a cost-model executor and a simulated clock.
 
-Time advances only through events: an arrival (routed to a replica; an idle replica's clock
-jumps to it) or a replica's next step (its clock advances by the cost model's step time). Events
-are taken in time order, and an arrival at the very instant a step starts is seen by that step,
-as `Engine.run` sees arrivals with `arrival <= now`. With one replica this is `Engine.run`
-exactly; a test checks it.
+Time advances only through events, in time order: an arrival (routed; an idle replica's clock
+jumps to it) or a replica's next step. A step sees arrivals at its very start, as `Engine.run`
+does: with one replica this is `Engine.run` exactly.
 """
 
 from __future__ import annotations
@@ -43,13 +41,8 @@ class Replica:
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector off for the block. A simulation allocates millions of small
-    long-lived objects (requests, token times, step records) and no cycles worth collecting;
-    the collector would rescan them all, again and again (~15% of a run's time).
-
-    On the way out the survivors are frozen (gc.freeze: never scanned again; reference counting
-    still frees them): re-enabled as they are, the collector's first pass would walk all of
-    them at once, ~0.5 s after a whole-trace run."""
+    """The cyclic collector off for the block (millions of long-lived objects, no cycles worth
+    collecting); the survivors are frozen on the way out, so its next pass does not walk them all."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -85,18 +78,10 @@ class SimResult:
 def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tuple[Engine, CostModelExecutor]],
              num_replicas: int = 1, router: str | Router = "round_robin", fast_forward: bool = True,
              router_options: dict | None = None) -> SimResult:
-    """Serve `requests` (by arrival time) on `num_replicas` engines built by make_engine(clock).
-
-    make_engine must build the Engine around the executor it returns (a CostModelExecutor on the
-    given clock); each replica gets its own policy, allocator and cost-model state.
-
-    router: a conf/router name (options: its settings over the yaml's) or a router callable
-    (sim/routers.py).
-
-    fast_forward: tell each step when the next arrival comes, so that an engine runs a stretch
-    of repeating pure-decode steps in one go (sim/fast_forward.py); make_engine must then build a
-    FastForwardEngine. The result is the same, request for request and step for step
-    (tests/sim/test_sim_fastforward.py); False steps one by one, on any Engine.
+    """Serve `requests` (by arrival time) on `num_replicas` engines: make_engine(clock) returns
+    (engine, its executor), each replica with its own policy, allocator and cost-model state.
+    router: a conf/router name (options over its yaml) or a router callable (sim/routers.py).
+    fast_forward: tell each step the next arrival (sim/fast_forward.py; needs a FastForwardEngine).
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
@@ -152,8 +137,7 @@ def _event_loop(pending: list[Request], replicas: list[Replica], route: Router, 
         eng = rep.engine
         rep.clock.sleep_until(t)
         before = len(eng.steps)
-        # Replicas interact only through the router, at arrivals: a replica may run ahead of the
-        # others until the next arrival, never past it.
+        # Replicas interact only through the router: one may run ahead until the next arrival.
         if fast_forward:
             assert isinstance(eng, FastForwardEngine)  # simulate checked it
             eng.step(t, pending[i].arrival if i < n else inf)

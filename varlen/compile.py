@@ -31,8 +31,10 @@ def build(force: bool = False) -> Path:
         for rel in MODULES:
             (work / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, work / rel)
-        for pkg in PACKAGES:  # empty package markers: module names come from the folders
-            (work.joinpath(*pkg.split(".")) / "__init__.py").touch()
+        for pkg in PACKAGES:  # empty package markers, parents included: module names come from the folders
+            parts = pkg.split(".")
+            for i in range(1, len(parts) + 1):
+                (work.joinpath(*parts[:i]) / "__init__.py").touch()
         # Imports from outside MODULES (numpy, hydra, ...) are taken as untyped.
         cmd = [sys.executable, "-m", "mypyc", "--ignore-missing-imports", "--follow-imports=skip", *MODULES]
         print(f"compiling {len(MODULES)} modules with mypyc (about a minute) ...", file=sys.stderr, flush=True)
@@ -58,9 +60,8 @@ def build(force: bool = False) -> Path:
     return target
 
 
-#: Builds kept in the cache (each ~2 MB): one per recently built version of the sources, so
-#: switching between a few branches or worktrees does not rebuild each time.
-KEEP_BUILDS = 5
+#: Builds kept in the cache (each ~2 MB): switching branches or VARLEN_CORE groups reuses them.
+KEEP_BUILDS = 8
 
 
 def prune(keep: int) -> None:

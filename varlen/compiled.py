@@ -1,23 +1,23 @@
-"""The scheduling core compiled with mypyc: the very same source, run as C extension modules.
-
-The simulator spends its time in the engine loop, the policies and the allocators, which are
-plain typed Python. mypyc compiles those modules as they are (no second implementation to keep
-in step), which makes a simulation about 2x faster. The build is optional: without it,
-or when it does not match the sources, the pure-Python modules run, with the same results
-(tests/engine/test_compiled_core.py compares the two).
+"""The scheduling core compiled with mypyc: the same source, run as C extension modules.
 
     python -m varlen.compile           # build (needs `pip install -e ".[fast]"` and a C compiler)
     python -m varlen.compile --status  # which core an import gets, and why
 
-A build lives in a cache folder named by a hash of the compiled sources and the Python build, so
-editing any core module makes the build unused (never stale) until it is rebuilt.
-VARLEN_PURE=1 forces the pure-Python core; VARLEN_CACHE_DIR moves the cache (default
-$XDG_CACHE_HOME/varlen or ~/.cache/varlen).
+The build is optional: without it, or when it does not match the sources, the pure-Python modules
+run with the same results (tests/engine/test_compiled_core.py compares the two). A build lives in a cache
+folder named by a hash of its modules' sources and the Python build, so an edit never runs stale.
+VARLEN_PURE=1 forces pure Python; VARLEN_CORE=engine,policies (names from GROUPS) compiles only
+those groups (benchmarks/compiled_core.py measures each); VARLEN_CACHE_DIR moves the cache.
 
-Each package of the core (PACKAGES, from MODULES) calls `package_path` from its __init__ so that
-its modules are looked up in the build folder first. Either every core module
-is compiled or none is: compiled modules call each other's classes natively, and would reject
-pure-Python instances of them.
+Rules for code in a compiled module (the pure core runs it too, so it stays plain typed Python):
+- A class users may subclass carries @mypyc_attr(allow_interpreted_subclasses=True).
+- A compiled class may subclass only classes of compiled groups (an interpreted base crashes the
+  build's classes: NEEDS); it may take and return interpreted objects freely.
+- Fields are type-checked on assignment: convert numpy numbers at the constructor, whose
+  parameters are `object` where a caller may pass one, so the check gives its one-line message.
+- A dataclass built every step gets `init=False` and a written __init__ (the generated one runs
+  interpreted).
+- Loops that may run long call varlen.interrupt.poll(): compiled code never sees Ctrl-C otherwise.
 """
 
 from __future__ import annotations
@@ -34,26 +34,49 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]  # the folder holding the varlen, schedulers and sim packages
 
-#: The compiled modules: the hot ones, which a simulation step runs (everything else, such as
-#: configuration, trace loading and reports, stays Python). Classes meant to be subclassed
-#: (policies, allocators, executors, cost models) allow interpreted subclasses, so user code plugs
-#: in as before.
-MODULES = (
-    # the engine loop and the types it touches every step
-    "varlen/request.py", "varlen/sampling_params.py", "varlen/clock.py", "varlen/steplog.py", "varlen/engine.py",
-    # the policies
-    "varlen/scheduler_api.py", "schedulers/chunked.py", "schedulers/continuous.py", "schedulers/static.py",
-    "schedulers/priority.py", "schedulers/vllm_v0.py", "schedulers/sarathi.py",
-    # the allocators
-    "varlen/kv/base.py", "varlen/kv/paged.py", "varlen/kv/contiguous.py",
-    # the simulator's event loop, its executor and the decode fast-forward
-    "sim/simulator.py", "sim/executor.py", "sim/fast_forward.py",
-    # the cost models' step-time code, and the shapes it reads (compiled, its arithmetic stays on
-    # native floats and ints: read from an uncompiled class, each value is an object, and the
-    # whole formula boxed)
-    "sim/cost/base.py", "sim/cost/roofline.py", "sim/cost/fitted.py", "sim/cost/replay.py", "sim/cost/measured.py",
-    "sim/cost/communication.py", "sim/cost/hardware.py",
-)
+#: The modules each group compiles: the code a simulation step runs (configuration, trace loading
+#: and reports stay Python).
+GROUPS: dict[str, tuple[str, ...]] = {
+    "engine": ("varlen/request.py", "varlen/sampling_params.py", "varlen/clock.py", "varlen/steplog.py",
+               "varlen/engine.py"),
+    "policies": ("varlen/scheduler_api.py", "schedulers/chunked.py", "schedulers/continuous.py",
+                 "schedulers/static.py", "schedulers/priority.py", "schedulers/vllm_v0.py", "schedulers/sarathi.py"),
+    "allocators": ("varlen/kv/base.py", "varlen/kv/paged.py", "varlen/kv/contiguous.py"),
+    "simulator": ("sim/simulator.py", "sim/executor.py", "sim/fast_forward.py"),
+    "cost": ("sim/cost/base.py", "sim/cost/roofline.py", "sim/cost/fitted.py", "sim/cost/replay.py",
+             "sim/cost/measured.py", "sim/cost/communication.py", "sim/cost/hardware.py"),
+}
+#: Groups another group's classes subclass (FastForwardEngine(Engine)), so must be compiled with it.
+NEEDS: dict[str, tuple[str, ...]] = {"simulator": ("engine",)}
+#: The groups compiled when VARLEN_CORE is unset: each gains >= 10% (benchmarks/compiled_core.py).
+DEFAULT_GROUPS: tuple[str, ...] = tuple(GROUPS)
+
+
+def core_groups(spec: str | None = None) -> tuple[str, ...]:
+    """The groups named by `spec` (VARLEN_CORE's syntax; default: the variable, else DEFAULT_GROUPS)."""
+    spec = os.environ.get("VARLEN_CORE", "") if spec is None else spec
+    if not spec.strip():
+        return DEFAULT_GROUPS
+    names = tuple(g for g in GROUPS if g in {s.strip() for s in spec.split(",")})
+    unknown = {s.strip() for s in spec.split(",")} - set(GROUPS)
+    if unknown:
+        raise ValueError(f"VARLEN_CORE={spec}: unknown group(s) {sorted(unknown)}; choose from {', '.join(GROUPS)}")
+    for g in names:
+        missing = [n for n in NEEDS.get(g, ()) if n not in names]
+        if missing:
+            raise ValueError(f"VARLEN_CORE={spec}: group {g!r} subclasses {missing}'s classes; add {','.join(missing)}")
+    return names
+
+
+#: Shipped plug-ins kept interpreted on purpose, and why (tests/engine/test_compiled_core.py holds every
+#: plug-in to be compiled or listed here).
+INTERPRETED: dict[str, str] = {
+    "schedulers/sjf.py": "compiled, the whole Azure trace took no less CPU (its base classes are compiled)",
+    "varlen/kv/windowed.py": "only models with a sliding window use it; a subclass of the compiled PagedAllocator",
+    "sim/routers.py": "called once per arrival, not per step",
+}
+#: The compiled modules, in GROUPS order.
+MODULES = tuple(rel for g in core_groups() for rel in GROUPS[g])
 #: The packages holding them (each calls `package_path` from its __init__), derived from MODULES.
 PACKAGES = tuple(sorted({".".join(Path(rel).parent.parts) for rel in MODULES}))
 
@@ -93,7 +116,8 @@ def _decide() -> tuple[Path | None, str]:
                 if (d / "COMPLETE").is_file():
                     sys.path.append(str(d / "lib"))  # the modules' shared runtime library (top level)
                     sys.meta_path.insert(0, _OwnAbcCaches())
-                    _state = (d, f"compiled ({d})")
+                    part = "" if set(MODULES) == {m for g in GROUPS.values() for m in g} else f"groups {','.join(core_groups())}, "
+                    _state = (d, f"compiled ({part}{d})")
                 else:
                     _state = (None, "pure Python (no compiled build of these sources: "
                                     "`python -m varlen.compile` makes one)")
@@ -105,12 +129,8 @@ MODULE_NAMES = frozenset(".".join(Path(rel).with_suffix("").parts) for rel in MO
 
 
 class _OwnAbcCaches:
-    """Gives each class of a compiled module its own ABC caches. mypyc builds a class without
-    ABCMeta.__new__, so a compiled class inherits its base's `_abc_impl` (ultimately abc.ABC's):
-    the caches of isinstance/issubclass are then shared, and one answer leaks into another (after
-    issubclass(PagedAllocator, KVAllocator), issubclass(PagedAllocator, SchedulerPolicy) was True).
-    A meta-path finder wraps the compiled modules' loader and, once a module has run, initialises
-    each class as ABCMeta would have (abc._abc_init)."""
+    """Needed: mypyc skips ABCMeta.__new__, so compiled classes share abc.ABC's isinstance caches
+    and answers leak between them; this finder gives each class its own once its module ran."""
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         if name not in MODULE_NAMES:
@@ -130,8 +150,7 @@ class _AbcInitLoader(importlib.abc.Loader):
 
     def exec_module(self, module: Any) -> None:
         self.inner.exec_module(module)
-        # Every compiled module loaded so far: a compiled module imports others of its build
-        # without the finders, so they are seen here, after the import that loaded them.
+        # All loaded so far: a compiled module imports the others of its build past the finders.
         for name in MODULE_NAMES & sys.modules.keys():
             for obj in list(vars(sys.modules[name]).values()):
                 if isinstance(obj, abc.ABCMeta) and obj.__module__ == name and any(

@@ -1,9 +1,8 @@
 """The engine loop: schedule → execute → update, the same object in a real run and in the simulator.
 
-Only the executor (a real forward and sampler, or a cost model) and the clock (wall or simulated)
-differ, so the simulator's scheduling decisions are the engine's by construction. No torch here.
-The simulator's shortcut through stretches of pure-decode steps is its own subclass
-(sim/fast_forward.py), so this loop is only what a real run does.
+Only the executor (a forward or a cost model) and the clock differ, so the simulator's decisions
+are the engine's by construction. No torch here; the simulator's decode fast-forward is its own
+subclass (sim/fast_forward.py).
 """
 
 from __future__ import annotations
@@ -35,97 +34,12 @@ class Executor(ABC):
         """Forget per-request state: the request finished, was aborted or was preempted."""
 
 
-def decode_inputs(scheduled: Sequence[tuple[Request, int]], rows: dict[object, int], covered: list[int]
-                  ) -> tuple[list[Request], list[int], list[int], list[int], list[int]] | None:
-    """What a real executor reads of a pure-decode step's requests, in one pass (compiled with the
-    core: a few ns per request where interpreted comprehensions take microseconds in all).
-
-    None unless every request brings one new token, its last known one, on a buffer row it holds
-    (`rows`: request id -> row). Else: the requests, their rows, positions (the cached counts),
-    new token ids, and the indices of those whose position is not below `covered[row]` (the
-    positions whose block ids the row's buffer holds: a block table to copy first).
-    """
-    reqs: list[Request] = []
-    row_of: list[int] = []
-    positions: list[int] = []
-    tokens: list[int] = []
-    lacking: list[int] = []
-    for r, n in scheduled:
-        k = r.num_computed_tokens
-        if n != 1 or k + 1 != r.num_tokens:
-            return None  # a prefill or a chunk of one
-        row = rows.get(r.req_id)
-        if row is None:
-            return None
-        out = r.output_token_ids
-        # The token at position num_tokens - 1: the last output token, or the prompt's last.
-        tokens.append(out[-1] if out else int(r.prompt_token_ids[-1]))
-        if k >= covered[row]:
-            lacking.append(len(reqs))
-        reqs.append(r)
-        row_of.append(row)
-        positions.append(k)
-    return reqs, row_of, positions, tokens, lacking
-
-
-def step_inputs(scheduled: Sequence[tuple[Request, int]], rows: dict[object, int], tokens_written: list[int],
-                covered: list[int]) -> tuple[list[int], list[int], list[int], list[bool], list[Request], list[int],
-                                             list[int], list[int], list[int]]:
-    """What a real executor reads of any step's requests, in one pass of the compiled core.
-
-    Per request: its buffer row (-1: none yet), cached count, new count and whether its logits
-    are wanted (its step ends at its last known token); then the requests whose logits are
-    wanted; `todo`, the indices of requests whose row the executor must set up or fill first (no
-    row yet, prompt tokens not in the buffer, or positions past `covered[row]`, the ones whose
-    block ids the row holds); and the writes that bring every other row's tokens up to its
-    request's last (rows, positions, token ids: output tokens after `tokens_written[row]`).
-    """
-    row_of: list[int] = []
-    cached: list[int] = []
-    new: list[int] = []
-    wants: list[bool] = []
-    sampled: list[Request] = []
-    todo: list[int] = []
-    write_rows: list[int] = []
-    write_cols: list[int] = []
-    write_ids: list[int] = []
-    i = 0
-    for r, n in scheduled:
-        c = r.num_computed_tokens
-        num_tokens = r.num_tokens
-        row = rows.get(r.req_id, -1)
-        row_of.append(row)
-        cached.append(c)
-        new.append(n)
-        w = c + n == num_tokens
-        wants.append(w)
-        if w:
-            sampled.append(r)
-        if row < 0 or c + n > covered[row]:
-            todo.append(i)
-        else:
-            written = tokens_written[row]
-            p = r.num_prompt_tokens
-            if written < p:
-                todo.append(i)
-            else:
-                out = r.output_token_ids
-                for pos in range(written, num_tokens):
-                    write_rows.append(row)
-                    write_cols.append(pos)
-                    write_ids.append(out[pos - p])
-        i += 1
-    return row_of, cached, new, wants, sampled, todo, write_rows, write_cols, write_ids
-
-
 @mypyc_attr(allow_interpreted_subclasses=True)
 class Engine:
     def __init__(self, policy: SchedulerPolicy, kv: KVAllocator, executor: Executor, clock=None,
                  max_model_len: int | None = None, eos_token_id: int | Sequence[int] | None = None,
                  vocab_size: int | None = None):
-        """`eos_token_id`: one id or several (Llama 3 and many chat models end on any of a few);
-        `vocab_size`: the model's, to reject prompts and stop ids outside it (a real model);
-        None (the simulator) checks no token id."""
+        """`eos_token_id`: one id or several; `vocab_size`: rejects token ids outside it (None: no check)."""
         self.policy, self.kv, self.executor = policy, kv, executor
         self.clock = WallClock() if clock is None else clock
         if max_model_len is not None and max_model_len < 1:
@@ -136,26 +50,21 @@ class Engine:
             (int(eos_token_id),) if isinstance(eos_token_id, int) else tuple(int(t) for t in eos_token_id)
         self.vocab_size = vocab_size
         if not policy.chunked_prefill and policy.max_num_batched_tokens < self.max_model_len:
-            # A request preempted late must be recomputed in one step, so the budget must hold it.
             raise ValueError(
                 f"scheduler {policy.name} computes a prompt in one step, so max_num_batched_tokens "
                 f"({policy.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}); "
                 f"raise it, lower max_model_len, or use the chunked scheduler")
-        # The unfinished requests: a finished one is the caller's, so a long-lived engine holds
-        # only what it serves (and run() starts a new step log).
+        # Unfinished requests only: a long-lived engine holds only what it serves.
         self.requests: dict[str, Request] = {}
         self.steps = StepLog()  # reads as a list of StepRecords
         self.num_preemptions = 0
-        # Wall seconds spent in each phase of step() (profiling, whatever the clock is).
-        self.timings: dict[str, float] = defaultdict(float)
-        # The step under way, for step()'s failure handling: its batch once decided.
+        self.timings: dict[str, float] = defaultdict(float)  # wall seconds per phase of step()
         self._scheduled: list[tuple[Request, int]] | None = None
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, req: Request, now: float | None = None) -> None:
         """Queue `req`, or end it `rejected` (with the reason) if it can never run. An arrival of
-        0 means "now": `now` when given (run() passes the instant it polled arrivals, so that a
-        step started then never precedes an arrival), else the clock's."""
+        0 means `now` (run() passes the instant it polled arrivals), else the clock's."""
         if req.req_id in self.requests:
             raise ValueError(f"duplicate request id {req.req_id!r} (an unfinished request has it)")
         if not req.arrival:
@@ -197,8 +106,7 @@ class Engine:
         self._finish(req, FinishReason.ABORTED, message)
 
     def _finish(self, req: Request, reason: FinishReason, message: str = "", failed: bool = False) -> None:
-        """End `req`; `failed`: in a step that raised, so its newest KV may never have been written
-        (the allocator must not offer those blocks to anyone by their content)."""
+        """End `req`; `failed`: its step raised, so its newest KV may be unwritten (kv.discard)."""
         req.finish(reason, self.clock.now(), message)
         self.requests.pop(req.req_id, None)
         self.policy.remove(req)
@@ -215,20 +123,13 @@ class Engine:
     def step(self, start: float | None = None) -> list[Request]:
         """Run one step; return the requests that finished in it.
 
-        If anything in it raises (the executor, the policy, an interrupt), the step's requests
-        end `aborted` with the error's message, every queue and the KV pool are left consistent,
-        and the error propagates: the engine is ready for the next step or run. A failure before
-        the batch was decided (in the policy) aborts every unfinished request, since the policy's
-        queues can no longer be trusted.
-
-        `start`: the time arrivals were last polled (Engine.run passes it), so a step's recorded
-        start is exactly the instant that decided which requests it could see. A simulator
-        replaying recorded start times then sees the same arrivals.
+        If it raises, the step's requests (all unfinished ones, if the policy raised) end `aborted`
+        with the error, queues and KV pool stay consistent, and the error propagates. `start`: when
+        arrivals were last polled (Engine.run passes it), the step's recorded start.
         """
         if start is None:
             start = self.clock.now()
-        # _scheduled is None on entry (the finally resets it); assigning it here would let mypy
-        # narrow it to None in `except`, and mypyc would then check that it is.
+        # Not assigned here: mypy would narrow _scheduled to None in `except`.
         try:
             return self._step(start)
         except BaseException as err:
@@ -243,7 +144,6 @@ class Engine:
             self._scheduled = None
 
     def _fail(self, reqs: list[Request], err: BaseException, what: str) -> None:
-        """End the unfinished ones of `reqs` aborted, saying `what` happened and the error."""
         message = _error_message(what, err)
         for r in reqs:
             if not r.is_finished:
@@ -302,15 +202,13 @@ class Engine:
         if self._is_stop_token(r, tok):
             return FinishReason.STOP
         sp = r.sampling
-        # r.num_output_tokens and r.num_tokens, inlined: this runs for every sampled token.
         n_out = len(r.output_token_ids)
         if n_out >= sp.max_tokens or r.num_prompt_tokens + n_out >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
     def _unstick(self) -> list[Request]:
-        """Nothing could be scheduled. With nothing running, nothing will ever free room for the
-        head of the queue, so it is aborted with the reason rather than waiting forever."""
+        """Nothing could be scheduled: with nothing running, the queue's head can never run; abort it."""
         if self.policy.running or not self.policy.waiting:
             return []
         head = self.policy.waiting[0]
@@ -322,13 +220,8 @@ class Engine:
 
     # -- driving ---------------------------------------------------------------------------
     def run(self, requests: Iterable[Request] = (), on_step: Callable[[list[Request]], None] | None = None) -> None:
-        """Replay `requests` by arrival time (0 = at once) and run until every request has ended.
-
-        `steps` then holds this run's steps only. If the run stops on an error or an interrupt,
-        every request of it (and any other unfinished one) ends `aborted` with the reason before
-        the error propagates: the next run starts on an idle, consistent engine and never
-        finishes an old batch first.
-        """
+        """Replay `requests` by arrival time (0 = at once) until every one has ended; `steps` holds
+        this run's steps. On an error or interrupt every unfinished request ends `aborted` first."""
         reqs = list(requests)
         for r in reqs:
             if not math.isfinite(r.arrival):  # would never arrive, or hang the replay
@@ -341,7 +234,7 @@ class Engine:
                 now = self.clock.now()
                 while pending and pending[0].arrival <= now:
                     self.add_request(pending[0], now)
-                    pending.popleft()  # after: an interrupt in between leaves it in one place at least
+                    pending.popleft()
                 if not self.has_unfinished():
                     if pending:
                         self.clock.sleep_until(pending[0].arrival)

@@ -9,11 +9,82 @@ from typing import Sequence
 import numpy as np
 
 from varlen.batch import BatchBuffers, ForwardBatch
-from varlen.engine import Executor, decode_inputs, step_inputs
+from varlen.engine import Executor
 from varlen.kv.base import KVAllocator
 from varlen.model_runner import ModelRunner
 from varlen.request import Request
 from varlen.sampler import Sampler
+
+
+def decode_inputs(scheduled: Sequence[tuple[Request, int]], rows: dict[object, int], covered: list[int]
+                  ) -> tuple[list[Request], list[int], list[int], list[int], list[int]] | None:
+    """A pure-decode step's inputs in one pass, or None unless each request brings its last known
+    token on a row it holds: requests, rows, positions, token ids, and the indices whose position
+    is past `covered[row]` (a block table to copy first)."""
+    reqs: list[Request] = []
+    row_of: list[int] = []
+    positions: list[int] = []
+    tokens: list[int] = []
+    lacking: list[int] = []
+    for r, n in scheduled:
+        k = r.num_computed_tokens
+        if n != 1 or k + 1 != r.num_tokens:
+            return None  # a prefill or a chunk of one
+        row = rows.get(r.req_id)
+        if row is None:
+            return None
+        out = r.output_token_ids
+        tokens.append(out[-1] if out else int(r.prompt_token_ids[-1]))
+        if k >= covered[row]:
+            lacking.append(len(reqs))
+        reqs.append(r)
+        row_of.append(row)
+        positions.append(k)
+    return reqs, row_of, positions, tokens, lacking
+
+
+def step_inputs(scheduled: Sequence[tuple[Request, int]], rows: dict[object, int], tokens_written: list[int],
+                covered: list[int]) -> tuple[list[int], list[int], list[int], list[bool], list[Request], list[int],
+                                             list[int], list[int], list[int]]:
+    """Any step's inputs in one pass: per request its row (-1: none), cached and new counts and
+    whether it samples; the sampling requests; `todo`, the indices whose row must be set up or
+    filled first; and the token writes (rows, positions, ids) that bring the other rows up to date."""
+    row_of: list[int] = []
+    cached: list[int] = []
+    new: list[int] = []
+    wants: list[bool] = []
+    sampled: list[Request] = []
+    todo: list[int] = []
+    write_rows: list[int] = []
+    write_cols: list[int] = []
+    write_ids: list[int] = []
+    i = 0
+    for r, n in scheduled:
+        c = r.num_computed_tokens
+        num_tokens = r.num_tokens
+        row = rows.get(r.req_id, -1)
+        row_of.append(row)
+        cached.append(c)
+        new.append(n)
+        w = c + n == num_tokens
+        wants.append(w)
+        if w:
+            sampled.append(r)
+        if row < 0 or c + n > covered[row]:
+            todo.append(i)
+        else:
+            written = tokens_written[row]
+            p = r.num_prompt_tokens
+            if written < p:
+                todo.append(i)
+            else:
+                out = r.output_token_ids
+                for pos in range(written, num_tokens):
+                    write_rows.append(row)
+                    write_cols.append(pos)
+                    write_ids.append(out[pos - p])
+        i += 1
+    return row_of, cached, new, wants, sampled, todo, write_rows, write_cols, write_ids
 
 
 class ModelExecutor(Executor):
@@ -27,11 +98,9 @@ class ModelExecutor(Executor):
         self.buffers = BatchBuffers(max_num_seqs, max_model_len + 1, -(-(max_model_len + 1) // bs))
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
-        # Per row, as Python ints (a numpy scalar costs more to read than the rest of a decode's
-        # bookkeeping): tokens written to the buffer, and blocks of the table copied to it.
+        # Per row, Python ints (cheaper to read than numpy scalars): tokens and table blocks written.
         self.tokens_written = [0] * max_num_seqs
         self.blocks_written = [0] * max_num_seqs
-        # Per row: the positions whose block ids are in the buffer (blocks_written * block_size).
         self.slots_covered = [0] * max_num_seqs
         self.timings: dict[str, float] = defaultdict(float)  # wall seconds per phase
         self._checked_kv: KVAllocator | None = None
@@ -92,7 +161,7 @@ class ModelExecutor(Executor):
             timings["forward"] += t2 - t1
             timings["sample"] += t3 - t2
             return out
-        # One pass of the compiled core over the requests; Python only for the rows to set up.
+        # One pass over the requests (step_inputs); per-row Python only for the rows to set up.
         rows, cached, new, wants, sampled_reqs, todo, wr, wc, wv = step_inputs(
             scheduled, self.rows, self.tokens_written, self.slots_covered)
         if wr:  # decode tokens, and the output tokens of decode steps since the row's last write
@@ -129,18 +198,10 @@ class ModelExecutor(Executor):
 
     def _decode_step(self, scheduled: Sequence[tuple[Request, int]],
                      kv: KVAllocator) -> tuple[ForwardBatch, list[Request]] | None:
-        """The batch of a pure-decode step (most steps of a serving loop), or None if this is not
-        one: every request brings one new token, its last known one (so its logits are wanted),
-        on a buffer row it already holds, whose table covers that token's position.
-
-        No Python call per request (the requests are read in one compiled pass, decode_inputs)
-        and a dozen array operations in all. A decode's token is not written to the buffer
-        (tokens_written stays behind; the row's next step that is not a decode writes from
-        there), a block table is copied only when a new token starts a block not yet copied, and
-        block ids are checked as they are copied (so every id in the buffer is in the pool). The
-        batch is BatchBuffers.build's for the same step (tests/engine/test_incremental_batch.py replays
-        random serving runs against a rebuild).
-        """
+        """The batch of a pure-decode step (decode_inputs), or None if it is not one. A decode's
+        token is written later (tokens_written stays behind); a block table is copied, and its ids
+        checked, only when a token starts a new block. Same batch as BatchBuffers.build's
+        (tests/engine/test_incremental_batch.py)."""
         got = decode_inputs(scheduled, self.rows, self.slots_covered)
         if got is None:
             return None

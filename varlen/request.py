@@ -28,9 +28,6 @@ class FinishReason(str, enum.Enum):
     REJECTED = "rejected"
 
 
-# init=False and an explicit __init__: the constructor is where a caller's values become the field
-# types (a numpy int priority an int, a numpy float arrival a float). Compiled (varlen/compiled.py),
-# a field refuses any other type on assignment, which the pure core would let through.
 @dataclass(init=False, slots=True, eq=False)
 class Request:
     req_id: str
@@ -53,17 +50,14 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     _hashes: list[int] = field(default_factory=list, repr=False)
-    # len(prompt_token_ids), kept: the scheduling core reads it for every request every step,
-    # and len() of an array prompt is a slow generic call (compiled, this is a native field).
+    # len(prompt_token_ids), kept: read every step, and len() of an array is slow.
     num_prompt_tokens: int = field(init=False, repr=False)
 
     def __init__(self, req_id: object, prompt_token_ids: list[int] | np.ndarray, sampling: object = None,
                  arrival: object = 0.0, priority: object = 0, prompt: str | None = None,
                  expected_output_len: object = None) -> None:
-        """Raises ValueError (one line naming the request, the field and the value) for a field of
-        the wrong kind; integers and reals may be numpy's. The prompt's ids are checked by the
-        engine, which rejects the request rather than raising. (The parameters are `object`:
-        compiled, a typed parameter would refuse a numpy int before it could be converted.)"""
+        """Raises a one-line ValueError for a field of the wrong kind (numpy numbers are fine); the
+        engine checks the prompt's ids, rejecting rather than raising."""
         if not isinstance(req_id, str):
             raise ValueError(f"request id {req_id!r}: must be a string")
         p = _integer(priority)
@@ -124,10 +118,7 @@ class Request:
         return [*self.prompt_token_ids[start:], *self.output_token_ids[max(0, start - p):end - p]]
 
     def block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
-        """Chained content hashes of the first `num_blocks` full blocks (computed once, extended lazily).
-
-        Each hash covers the block's tokens and its parent's hash, so equal hashes mean equal prefixes.
-        """
+        """Chained content hashes of the first `num_blocks` full blocks (equal hashes: equal prefixes)."""
         hashes = self._hashes
         if len(hashes) < num_blocks:
             toks = np.asarray(self.token_ids(0, num_blocks * block_size), dtype=np.int64)

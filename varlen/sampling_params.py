@@ -38,9 +38,8 @@ Normalized = tuple[int, float, int, float, "int | None", tuple[int, ...], bool]
 
 def check_sampling(max_tokens: object, temperature: object, top_k: object, top_p: object, seed: object,
                    stop_token_ids: object, ignore_eos: object) -> Normalized | str:
-    """The settings as their field types, or what is wrong with them: one line naming the field,
-    the value and the fix. Shared by the constructor (which raises) and the engine (which rejects
-    a request whose params were changed after construction)."""
+    """The settings as their field types, or one line naming the wrong field, its value and the fix
+    (the constructor raises it; the engine rejects a request whose params changed since)."""
     n = _integer(max_tokens)
     if n is None or n < 1:
         return f"max_tokens={max_tokens!r}: must be an integer >= 1"
@@ -71,8 +70,6 @@ def check_sampling(max_tokens: object, temperature: object, top_k: object, top_p
     return n, t, k, p, s, tuple(stops), bool(ignore_eos)
 
 
-# init=False and an explicit __init__: compiled (varlen/compiled.py), a dataclass's generated
-# __init__ would run as interpreted Python and could not convert before the typed fields check.
 @dataclass(init=False, slots=True)
 class SamplingParams:
     max_tokens: int
@@ -83,8 +80,6 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
 
-    # The arguments are `object`: a numpy integer or a wrong type must reach the check (and its
-    # one-line message), not fail on the compiled signature's type check.
     def __init__(self, max_tokens: object = 16, temperature: object = 1.0, top_k: object = 0, top_p: object = 1.0,
                  seed: object = None, stop_token_ids: object = (), ignore_eos: object = False) -> None:
         ok = check_sampling(max_tokens, temperature, top_k, top_p, seed, stop_token_ids, ignore_eos)
@@ -94,8 +89,7 @@ class SamplingParams:
          self.ignore_eos) = ok
 
     def problem(self) -> str:
-        """What is wrong with these settings now ("" if nothing): they are plain fields, so a
-        caller may have set one after construction."""
+        """What is wrong with these settings now ("" if nothing): fields may be set after construction."""
         ok = check_sampling(self.max_tokens, self.temperature, self.top_k, self.top_p, self.seed,
                             self.stop_token_ids, self.ignore_eos)
         return ok if isinstance(ok, str) else ""

@@ -1,18 +1,9 @@
 """The scheduling plug point: each step, which requests run and how many new tokens each gets.
 
-This is the interface (and the shared mechanics every policy inherits); the policies themselves
-live in `schedulers/` and are named by `conf/scheduler/*.yaml`. It sits below both the engine
-and the policies (README: layers), so neither imports the other.
-
-Policies are pure: no wall clock, no model, no tensors, so the simulator runs them as they are.
-A policy owns the waiting and running queues and asks the KV allocator for room. When the
-allocator has none for a running request, the policy preempts by recompute: the victim's blocks
-are freed and it goes back to the front of the waiting queue, to be computed again from scratch
-(the prefix cache usually gives much of it back).
-
-Victim choice (documented, policy-overridable via `victim_order`): the running request admitted
-last goes first (LIFO, as in vLLM): it has made the least progress, so recomputing it wastes the
-least work, and the oldest requests keep their latency.
+The interface and the mechanics every policy inherits (policies: `schedulers/`). Policies are
+pure (no clock, model or tensors), so the simulator runs them as they are. A policy owns the
+waiting and running queues; when the allocator has no room for a running request it preempts by
+recompute, victim the last admitted (LIFO, as in vLLM: least progress lost; `victim_order`).
 """
 
 from __future__ import annotations
@@ -59,8 +50,6 @@ class WaitingQueue(Protocol):
     def __contains__(self, req: object) -> bool: ...
 
 
-# init=False and an explicit __init__: compiled (varlen/compiled.py), a dataclass's generated
-# __init__ would still run as interpreted Python, and this is built in the hot loop.
 @dataclass(init=False, slots=True)
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]]  # (request, new tokens), batch order
@@ -85,13 +74,9 @@ class SchedulerPolicy(ABC):
     #: False: a prompt is computed in one step (so it must fit the token budget whole).
     chunked_prefill: ClassVar[bool] = False
 
-    #: Opt-in promise that lets the simulator fast-forward (see next_decode_batch): with no
-    #: admission possible (`_may_admit`) and every running request needing exactly one token, my decision is
-    #: every running request for one token, in `running` order, and stays so (less the requests
-    #: that finish) while no request arrives and every allocation succeeds. True for the shipped
-    #: policies; a policy that looks at anything else (time, step counts, randomness, state
-    #: outside the queues) must leave it False. Held only by the class that declares it: a
-    #: subclass overriding a method of DECODE_PROMISE_BEHAVIOUR must declare it again to keep it.
+    #: Opt-in promise (next_decode_batch): with no admission possible and every running request
+    #: needing one token, I schedule every running request for one token, in order, until an
+    #: arrival or a failed allocation. A policy reading time, randomness or other state leaves it False.
     repeats_decode_batches: ClassVar[bool] = False
 
     def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
@@ -125,21 +110,16 @@ class SchedulerPolicy(ABC):
     # -- the decision ----------------------------------------------------------------------
     def schedule(self, kv: KVAllocator) -> SchedulerOutput:
         """Choose this step's batch: running requests first, then admissions from the waiting queue.
-
-        A whole-prompt policy (no chunked prefill) gives its admissions the full token budget,
-        not what the running decodes left of it: were it shared, a prompt near the budget (the
-        budget is max_model_len by default) could start only once the batch had drained, and the
-        whole FCFS queue would wait behind it while the KV pool sat mostly empty. A chunked
-        policy shares one budget, as its prompts take whatever the decodes leave."""
+        A whole-prompt policy admits with the full budget (shared, a prompt near it would wait for
+        the batch to drain, and the queue behind it); a chunked one shares one budget."""
         out = SchedulerOutput()
         budget = self._schedule_running(kv, out, self.max_num_batched_tokens)
         self._admit_waiting(kv, out, budget if self.chunked_prefill else self.max_num_batched_tokens)
         return out
 
     def next_decode_batch(self) -> list[Request] | None:
-        """The batch my next `schedule` returns if it is certain to be a pure decode of every
-        running request (the promise of `repeats_decode_batches`), else None. The engine then
-        runs such steps without asking me each one (`FastForwardEngine.step` with `until`, sim/fast_forward.py)."""
+        """The batch my next `schedule` returns if it is certainly a pure decode of every running
+        request (`repeats_decode_batches`), else None (sim/fast_forward.py)."""
         running = self.running
         if self._repeats < 0:  # checked on first use: a real run, which never asks, says nothing
             self._repeats = int(self.repeats_decode_batches and keeps_promise(
@@ -166,15 +146,13 @@ class SchedulerPolicy(ABC):
 
     # -- shared mechanics ------------------------------------------------------------------
     def _grant(self, req: Request, budget: int) -> int:
-        # req.num_pending, inlined: this runs for every request in every step.
         pending = req.num_prompt_tokens + len(req.output_token_ids) - req.num_computed_tokens
         return min(pending, budget) if self.chunked_prefill else (pending if pending <= budget else 0)
 
     def _schedule_running(self, kv: KVAllocator, out: SchedulerOutput, budget: int) -> int:
         """Give every running request its next tokens, preempting when the pool is full."""
         for req in list(self.running):
-            # Preempted as a victim earlier in this loop (only _preempt takes a request out of
-            # `running` here, and it lists it in out.preempted: a short list, unlike `running`).
+            # Preempted as a victim earlier in this loop (out.preempted is short; `running` is not).
             if out.preempted and req in out.preempted:
                 continue
             n = self._grant(req, budget)
@@ -198,29 +176,16 @@ class SchedulerPolicy(ABC):
         out.preempted.append(victim)
 
     def _rest_fits(self, kv: KVAllocator, req: Request, hit: int) -> bool:
-        """Whether the free KV blocks hold all of `req`'s tokens past its `hit` cached ones.
-
-        Asked before admitting a request whose step gets only a chunk of its prompt. Admitting it
-        on the strength of its first chunk when the rest cannot fit thrashes under KV pressure:
-        its next chunk finds no room, it is the newest running request, so it preempts itself and
-        loses every chunk it computed, then comes back with a first chunk, again and again
-        (measured on the Azure conversation trace at 600 blocks: one request preempted 79 times,
-        493% of the needed tokens computed again). So a chunked admission needs room for the whole
-        rest, as a whole-prompt admission does (vLLM V0's admission rule; vLLM V1 admits by chunk
-        but keeps a self-preempted prompt's chunks in its prefix cache, which has much the same
-        effect when prefix caching is on).
-        """
+        """Whether the free KV blocks hold all of `req`'s tokens past its `hit` cached ones: a
+        chunked admission needs room for its whole prompt, or it preempts itself chunk after chunk
+        (docs/decisions.md, 2026-12-01)."""
         bs = kv.block_size
         return -(-(req.num_prompt_tokens + len(req.output_token_ids)) // bs) - hit // bs <= kv.usage().free_slots // bs
 
     def _admit_waiting(self, kv: KVAllocator, out: SchedulerOutput, budget: int,
                        limit: int | None = None) -> int:
-        """Admit waiting requests in `waiting_order` while seats, budget and memory last.
-
-        Stops at the first request that does not fit (no overtaking), so a long prompt is not
-        starved by a stream of short ones. A request given only a chunk of its prompt must have
-        room for all of it (`_rest_fits`).
-        """
+        """Admit waiting requests in `waiting_order` while seats, budget and memory last; stops at
+        the first that does not fit (no overtaking: a long prompt is not starved)."""
         seats = self.max_num_seqs - len(self.running)
         if limit is not None:
             seats = min(seats, limit)
@@ -228,8 +193,7 @@ class SchedulerPolicy(ABC):
             return budget
         preempted = set(map(id, out.preempted))
         if type(self).waiting_order is SchedulerPolicy.waiting_order:
-            # FCFS: at most `seats` requests can be looked at (each admission takes a seat, the
-            # first refusal stops), so copy only those rather than a long queue every step.
+            # FCFS: at most `seats` requests can be looked at; copy only those.
             order: list[Request] = list(islice(self.waiting, seats))
         else:
             order = self.waiting_order()

@@ -1,10 +1,6 @@
-"""The engine's per-step log: one StepRecord per step, with runs of repeating pure-decode steps
-(the simulator's fast-forward) kept as one compact DecodeRun each.
-
-A long simulation takes hundreds of thousands of steps, most of them decodes of an unchanged
-batch; writing each as its own record with per-request lists costs more than deciding it. The
-log reads as a sequence of StepRecords all the same (iteration, len, indexing expand runs), and
-`columns()` gives the per-step figures the metrics need as arrays without expanding anything.
+"""The engine's per-step log: one StepRecord per step, a run of repeating pure-decode steps (the
+simulator's fast-forward) as one compact DecodeRun. It reads as a sequence of StepRecords; columns()
+gives the metrics' per-step arrays without expanding runs.
 """
 
 from __future__ import annotations
@@ -16,8 +12,6 @@ from typing import Iterable, Iterator
 import numpy as np
 
 
-# init=False and an explicit __init__: compiled (varlen/compiled.py), a dataclass's generated
-# __init__ would still run as interpreted Python, and this is built in the hot loop.
 @dataclass(init=False, slots=True)
 class StepRecord:
     step: int
@@ -42,8 +36,6 @@ class StepRecord:
         self.num_sampled, self.num_running = num_sampled, num_running
 
 
-# init=False and an explicit __init__: compiled (varlen/compiled.py), a dataclass's generated
-# __init__ would still run as interpreted Python, and this is built in the hot loop.
 @dataclass(init=False, slots=True)
 class DecodeRun:
     """Steps step .. step + len(ends) - 1: each decodes every request of `req_ids` by one token
@@ -87,10 +79,7 @@ class StepLog:
         self.entries: list[StepRecord | DecodeRun] = []
         self._first: list[int] = []  # index of each entry's first step
         self._len = 0
-        # columns() is asked for by each metric at a run's end (seconds on a long run): kept
-        # while the log has as many entries as when they were computed (entries are only ever
-        # appended). A concatenation remembers its parts and their lengths: the parts' columns,
-        # computed for per-replica tables anyway, are its own end to end.
+        # columns(), cached until the next append; a concatenation reuses its parts' columns.
         self._columns: dict[str, np.ndarray] | None = None
         self._columns_at = -1  # len(entries) when _columns was computed
         self._columns_tokens = False  # whether _columns holds the token sums
@@ -140,17 +129,14 @@ class StepLog:
         return self._len > 0
 
     def columns(self, tokens: bool = True) -> dict[str, np.ndarray]:
-        """Per-step arrays (start, duration, num_seqs, num_new_tokens, num_cached_tokens,
-        kv_reserved_slots, kv_live_tokens, num_waiting), equal to reading them off the records.
-        Read-only: they are computed once and shared by every caller until the next append.
-        tokens=False leaves out num_new_tokens and num_cached_tokens, the two that add up every
-        request's tokens of every step (a third of the time; no headline metric needs them)."""
+        """Per-step read-only arrays (start, duration, num_seqs, num_new_tokens, num_cached_tokens,
+        kv_reserved_slots, kv_live_tokens, num_waiting), as read off the records. tokens=False
+        leaves out the two token sums (a third of the time)."""
         n_entries = len(self.entries)
         if self._columns is None or self._columns_at != n_entries or (tokens and not self._columns_tokens):
             parts = self._parts
             if (parts and sum(n for _, n in parts) == n_entries
                     and all(len(log.entries) == n for log, n in parts)):
-                # A part's first step starts where recorded, so the parts' columns join end to end.
                 cols = [log.columns(tokens) for log, _ in parts]
                 self._columns = {k: np.concatenate([c[k] for c in cols]) for k in cols[0]}
             else:
@@ -164,10 +150,7 @@ class StepLog:
         return {k: v for k, v in self._columns.items() if k not in ("num_new_tokens", "num_cached_tokens")}
 
     def _compute_columns(self, tokens: bool = True) -> dict[str, np.ndarray]:
-        """columns(), computed.
-
-        One pass over the entries gathers a few figures per entry (a record is a run of one
-        step); numpy spreads them over the steps: a long simulation has ~10^6 steps."""
+        """columns(): a few figures per entry in one pass, spread over the steps by numpy."""
         # Per entry (a record is one step):
         steps: list[int] = []
         seqs: list[int] = []

@@ -56,8 +56,8 @@ CONFIGS = [
 ]
 
 
-def run_sim(pure: bool) -> dict:
-    env = {**os.environ, "VARLEN_PURE": "1" if pure else ""}
+def run_sim(pure: bool, **env_extra: str) -> dict:
+    env = {**os.environ, "VARLEN_PURE": "1" if pure else "", **env_extra}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CONFIGS)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -130,9 +130,10 @@ def test_every_core_package_looks_in_the_build_first():
     """PACKAGES comes from MODULES; each one's __init__ must put the build's folder on its path, or
     its compiled modules would never be imported (silently pure)."""
     assert set(compiled.PACKAGES) == {".".join(Path(m).parent.parts) for m in compiled.MODULES}
-    for rel in compiled.MODULES:
+    every = [rel for mods in compiled.GROUPS.values() for rel in mods]
+    for rel in every:
         assert (REPO / rel).is_file(), rel
-    for pkg in compiled.PACKAGES:
+    for pkg in {".".join(Path(m).parent.parts) for m in every}:
         init = (REPO.joinpath(*pkg.split(".")) / "__init__.py").read_text()
         assert "__path__ = package_path(__name__, __path__)" in init, pkg
 
@@ -261,3 +262,45 @@ def test_compiled_core_decides_exactly_as_pure_python():
     rows = [r["row"] for r in fast["runs"]]
     assert rows[0]["preemptions"] > 0 and rows[1]["preemptions"] > 0, rows
     assert any(req[5] > 0 for req in fast["runs"][0]["requests"])  # prefix cache hits
+
+
+def test_core_groups_are_checked():
+    assert compiled.core_groups("") == compiled.DEFAULT_GROUPS
+    assert compiled.core_groups("cost, policies") == ("policies", "cost")  # GROUPS order
+    with pytest.raises(ValueError, match=r"unknown group\(s\) \['kv'\]; choose from engine, policies"):
+        compiled.core_groups("policies,kv")
+    with pytest.raises(ValueError, match="group 'simulator' subclasses \\['engine'\\]'s classes; add engine"):
+        compiled.core_groups("simulator,cost")
+    for group, needs in compiled.NEEDS.items():
+        assert group in compiled.GROUPS and set(needs) <= set(compiled.GROUPS)
+
+
+@pytest.mark.slow
+def test_a_partial_build_decides_exactly_as_pure_python(tmp_path):
+    """VARLEN_CORE compiles some groups only: the allocators compiled, everything calling them pure
+    (compiled code takes interpreted instances: what it does not compile is untyped to it)."""
+    env = {"VARLEN_CACHE_DIR": str(tmp_path), "VARLEN_CORE": "allocators"}
+    subprocess.run([sys.executable, "-m", "varlen.compile"], cwd=REPO, env={**os.environ, **env, "VARLEN_PURE": ""},
+                   check=True, capture_output=True, timeout=900)
+    part, pure = run_sim(pure=False, **env), run_sim(pure=True)
+    assert part["status"].startswith("compiled (groups allocators, "), part["status"]
+    assert all(f.endswith(".py") for f in part["files"]), part["files"]  # engine, policy, simulator: pure
+    kv = subprocess.run([sys.executable, "-c", "import varlen.kv.paged as m, varlen.request as r; print(m.__file__, r.__file__)"],
+                        cwd=REPO, env={**os.environ, **env, "VARLEN_PURE": ""}, capture_output=True, text=True, check=True)
+    paged, request = kv.stdout.split()
+    assert paged.endswith(".so") and request.endswith(".py")
+    for config, a, b in zip(CONFIGS, part["runs"], pure["runs"]):
+        assert (a["steps"], a["requests"], a["row"]) == (b["steps"], b["requests"], b["row"]), config
+
+
+def test_every_shipped_plug_in_is_compiled_or_deliberately_interpreted():
+    from varlen import registry
+
+    left_out = {rel for g, mods in compiled.GROUPS.items() if g not in compiled.DEFAULT_GROUPS for rel in mods}
+    seen = set()
+    for group in ("scheduler", "allocator", "cost", "router"):
+        for name in registry.names(group):
+            rel = registry.target(group, name).__module__.replace(".", "/") + ".py"
+            seen.add(rel)
+            assert (rel in compiled.MODULES) != (rel in compiled.INTERPRETED or rel in left_out), (group, name, rel)
+    assert set(compiled.INTERPRETED) <= seen  # no stale entry

@@ -1,7 +1,5 @@
-"""The KV allocator plug point: hands out KV slots to requests as block tables.
-
-Whatever the allocator's strategy (paged blocks, one contiguous run), its answer is a block table,
-so attention backends never care which allocator is in use. Pure Python, no torch.
+"""The KV allocator plug point: hands out KV slots to requests as block tables, whatever the
+strategy, so attention backends never care which allocator is in use. No torch.
 """
 
 from __future__ import annotations
@@ -14,14 +12,10 @@ from mypy_extensions import mypyc_attr
 
 from varlen.request import Request
 
-#: What `next_allocation_event` and `grow_decodes` promise about: a subclass that overrides any of
-#: these below the class defining the promise does not inherit it (varlen/promises.py); the
-#: interface's own defaults (every call matters, no bulk form) hold for any allocator.
+#: What DecodeGrowth's methods (varlen/kv/growth.py) promise about (varlen/promises.py).
 ALLOCATION_PROMISE_BEHAVIOUR = ("allocate", "free", "match_prefix", "usage")
 
 
-# init=False and an explicit __init__: compiled (varlen/compiled.py), a dataclass's generated
-# __init__ would still run as interpreted Python, and this is built in the hot loop.
 @dataclass(init=False, slots=True)
 class KVUsage:
     live_tokens: int  # tokens requests have asked slots for (a shared block counts once per holder)
@@ -73,31 +67,6 @@ class KVAllocator(ABC):
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Make `req`'s first `num_tokens` positions have slots. All or nothing: False if no room."""
 
-    def next_allocation_event(self, req: Request, num_tokens: int) -> int:
-        """For `req`, which has been given slots for `num_tokens` and grows one token at a time (a
-        decode): the smallest count m > num_tokens for which `allocate(req, m)` may do more than
-        record m (take a block, register a full block, fail or raise).
-
-        Calls for counts in between only record the count (usage().live_tokens counts each holder's
-        largest asked count), so a caller may skip them and make only the last one; the engine's
-        decode fast-forward does, to step many decodes at once. The default, num_tokens + 1, says
-        every call may matter: always exact, never a saving. A subclass that overrides `allocate`
-        (or another of ALLOCATION_PROMISE_BEHAVIOUR) does not inherit its parent's: it defines its own.
-        """
-        return num_tokens + 1
-
-    def grow_decodes(self, reqs: Sequence[Request], counts: Sequence[int],
-                     num_steps: int) -> tuple[int, dict[int, int]] | None:
-        """Optional bulk form of `num_steps` decode steps' calls: at step j, allocate(reqs[p],
-        counts[p] + j + 1) for each p in order (counts: what each has now), until one fails.
-
-        Returns (steps whose calls all succeeded, {step: reserved slots after its calls} for the
-        steps that changed them) and leaves the allocator as those calls would have, the failed
-        step's earlier calls included. None, the default: not offered, the caller makes the
-        calls (skipping those next_allocation_event says only record a count).
-        """
-        return None
-
     @abstractmethod
     def free(self, req: Request) -> None:
         """Give back every block `req` holds (finished, aborted or preempted)."""
@@ -123,3 +92,4 @@ class KVAllocator(ABC):
     def max_request_tokens(self) -> int:
         """The longest request (prompt + output) this pool can ever hold on its own."""
         return min(self.capacity_tokens, self.max_model_len)
+

@@ -1,10 +1,7 @@
 """Contiguous reservation: one run of consecutive blocks per request, sized at admission.
 
-This is static preallocation as early serving systems did it. The reservation policy decides the
-run's length: `max` (max_model_len, what a system that does not know the output length must
-do), `pow2` (the request's own maximum, prompt + max_tokens, rounded up to a power of two) or
-`oracle` (its true final length: the trace's output length when known, else prompt + max_tokens).
-Reserved-but-unused slots are internal fragmentation; gaps between runs are external.
+Static preallocation, as early serving systems did. The run's length: `max` (max_model_len),
+`pow2` (prompt + max_tokens rounded up to a power of two) or `oracle` (the true final length).
 """
 
 from __future__ import annotations
@@ -32,8 +29,7 @@ class ContiguousAllocator(KVAllocator):
         self.free_blocks = num_blocks  # sum of the extents' lengths, kept as it changes: usage() runs every step
 
     def reserve_tokens(self, req: Request) -> int:
-        # The longest request the pool holds, not max_model_len alone: a max_model_len beyond the
-        # pool would make every `max` reservation too long to ever fit.
+        # Capped by the pool, or every `max` reservation would be too long to fit.
         longest = self.max_request_tokens()
         if self.reservation == "max":
             n = longest
@@ -58,7 +54,6 @@ class ContiguousAllocator(KVAllocator):
             else:
                 return False
         if -(-num_tokens // self.block_size) > run[1]:
-            # The reservation was sized to cover the request's whole life, so this is a caller bug.
             raise ValueError(f"request {req.req_id!r} needs {num_tokens} tokens but reserved "
                              f"{run[1] * self.block_size} ({self.reservation} policy)")
         self._record_count(req.req_id, num_tokens)
@@ -68,6 +63,10 @@ class ContiguousAllocator(KVAllocator):
         # The run was reserved at admission; only a count past its end does more (it raises).
         run = self.runs.get(req.req_id)
         return run[1] * self.block_size + 1 if run else num_tokens + 1
+
+    def grow_decodes(self, reqs: Sequence[Request], counts: Sequence[int],
+                     num_steps: int) -> tuple[int, dict[int, int]] | None:
+        return None  # no bulk form: next_allocation_event already skips every call but the last
 
     def free(self, req: Request) -> None:
         run = self.runs.pop(req.req_id, None)

@@ -1,11 +1,8 @@
 """Paged KV allocation: a pool of fixed-size blocks, reference counts, prefix caching.
 
-Prefix caching: every full block is registered under a chained hash of its content (its tokens
-and its parent's hash). A new request walks its own chain and reuses registered blocks, after
-checking their tokens (hashes can collide). Freed blocks keep their content and stay findable
-until reused; reuse takes the least recently freed first (LRU), and blocks with no cached content
-go before any cached one. The free blocks are kept in two structures for that order: a stack of
-content-free blocks (taken and returned in bulk, the common case) and an LRU of cached ones.
+Every full block is registered under a chained hash of its content; a new request reuses
+registered blocks after checking their tokens. Freed blocks stay findable until reused: content-free
+blocks (a stack) go first, then cached ones least recently freed first (an LRU).
 """
 
 from __future__ import annotations
@@ -102,8 +99,7 @@ class PagedAllocator(KVAllocator):
         return True
 
     def next_allocation_event(self, req: Request, num_tokens: int) -> int:
-        # A decode asks allocate(req, req.num_tokens): it takes a block when the count passes the
-        # table's last slot, and registers a block when the count fills one (prefix caching).
+        # A decode takes a block past the table's last slot, and registers one it fills.
         bs = self.block_size
         held = max(len(self.tables.get(req.req_id, ())), -(-num_tokens // bs))
         event = held * bs + 1
@@ -116,9 +112,7 @@ class PagedAllocator(KVAllocator):
                      num_steps: int) -> tuple[int, dict[int, int]] | None:
         if self.enable_prefix_caching:
             return None  # decodes fill blocks that must be registered as they fill: call by call
-        # Without prefix caching a decode call only takes a block when its count passes the
-        # table's last slot, and every free block is a plain one: list the takes, step then batch
-        # order, and hand out blocks from the top of the stack in that order.
+        # Without prefix caching only takes matter: list them, step then batch order, off the stack.
         bs, tables, plain = self.block_size, self.tables, self.free_plain
         takes = []
         for p, r in enumerate(reqs):
@@ -151,8 +145,7 @@ class PagedAllocator(KVAllocator):
         return ok, changed
 
     def _register_full_blocks(self, req: Request, num_tokens: int) -> None:
-        # Blocks filled by the end of this step become findable now: within one forward every
-        # layer writes all new K/V before any attention reads, so a same-step hit is safe.
+        # Findable now: a forward writes all new K/V before any attention reads them.
         if not self.enable_prefix_caching:
             return
         bs, table = self.block_size, self.tables[req.req_id]
@@ -187,8 +180,7 @@ class PagedAllocator(KVAllocator):
         self._release(table)
 
     def _release(self, blocks: list[int]) -> None:
-        """Drop one holder of each block; a block nobody holds goes to the plain stack, or to the
-        LRU of cached blocks if it holds a registered prefix."""
+        """Drop one holder of each block; a block nobody holds goes to the stack, or the LRU if cached."""
         rc, plain, block_hash = self.ref_count, self.free_plain, self.block_hash
         for b in reversed(blocks):  # a prefix's tail is evicted before its head
             c = rc[b] - 1

@@ -1,21 +1,10 @@
 """Sliding-window KV: a paged allocator that gives back the blocks every layer's window has passed.
 
-A layer with a sliding window of W reads, for a query at position p, the keys p-W+1 .. p only. So
-when every layer is windowed (Mistral, Gemma 3 text configs whose layers all slide), a request's
-K/V older than the widest window is dead: a step whose first new token is at position c reads
-nothing before c - W + 1, nor does any later step. This allocator frees the blocks wholly before
-that point, at the request's next `allocate`, so a long generation holds about W / block_size + 1
-blocks instead of one per block_size tokens. If any layer attends to the whole context, nothing
-may be freed early: the model runner refuses this allocator for such a model (and for a window
-smaller than the model's), so freeing can never change a logit.
-
-A freed block's entry stays in the request's block table (positions keep their index) and may
-name a block that now holds another request's K/V; backends never let keys outside a layer's
-window count (see `AttentionBackend.forward`). Blocks with cached prefix content stay findable
-until reused, as any freed block. The decode fast-forward stays exact: `next_allocation_event`
-names the counts at which a block is freed, and the bulk `grow_decodes` is not offered.
-`usage().live_tokens` keeps counting what requests asked slots for, released positions included
-(the fast-forward's step log relies on each decode adding one); `reserved_slots` is what they hold.
+When every layer slides (window W), K/V older than c - W + 1, c a step's first new position, is
+never read again: its blocks are freed at the request's next `allocate` (about W / block_size + 1
+held). The model runner refuses this allocator if any layer sees the whole context. A freed
+block's id stays in the table (backends mask keys outside the window); `live_tokens` still counts
+released positions (the fast-forward relies on each decode adding one).
 """
 
 from __future__ import annotations
@@ -39,8 +28,7 @@ class WindowedPagedAllocator(PagedAllocator):
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
         if req.req_id in self.tables:
-            # Before taking blocks, so the room freed serves this very step. The earliest query of
-            # this step is at num_computed_tokens (never past num_tokens - 1).
+            # Before taking blocks, so the room freed serves this very step.
             self._release_passed(req, min(req.num_computed_tokens, num_tokens - 1))
         return super().allocate(req, num_tokens)
 
@@ -58,8 +46,7 @@ class WindowedPagedAllocator(PagedAllocator):
         self.released[rid] = k
 
     def next_allocation_event(self, req: Request, num_tokens: int) -> int:
-        # A decode's call allocate(req, m) runs with num_computed_tokens = m - 1, and frees block
-        # `done` once m - 1 - W + 1 >= (done + 1) * block_size.
+        # allocate(req, m) runs at num_computed_tokens = m - 1: block `done` goes once m - W >= (done + 1) * bs.
         event = super().next_allocation_event(req, num_tokens)
         if req.req_id in self.tables:
             free_at = (self.released.get(req.req_id, 0) + 1) * self.block_size + self.sliding_window
