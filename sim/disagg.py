@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from sim.executor import CostModelExecutor
+from sim.route_check import check_route
 from sim.routers import Router, make_router
 from sim.simulator import Replica, gc_paused
 from varlen.clock import SimClock
@@ -359,7 +360,7 @@ class _Loop:
 
     def arrive(self, req: Request) -> None:
         prefills = self.reps[:self.P]
-        k = self.route(prefills, req) if self.P > 1 else 0
+        k = check_route(self.route, self.route(prefills, req), self.P) if self.P > 1 else 0
         self.res.routed[req.req_id] = k
         self.orig[req.req_id] = req
         copy = Request(req.req_id, req.prompt_token_ids, dataclasses.replace(req.sampling, max_tokens=1),

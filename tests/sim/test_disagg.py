@@ -266,3 +266,15 @@ def test_request_longer_than_the_decode_pool_is_rejected_up_front():
     assert all(r.num_prompt_tokens > 320 and "longer than max_model_len (320 tokens)" in r.finish_message
                for r in rejected)
 
+
+@pytest.mark.parametrize("value", [-1, True, 99, None, 1.0])
+def test_a_router_returning_no_prefill_instance_is_one_line_naming_it(value):
+    """Checked where it enters: no prefill copy reaches a decode instance (-1 was the last one)."""
+    def bad_router(replicas, req):
+        return value
+
+    reqs = trace(40)
+    with pytest.raises(ValueError, match=rf"router .*bad_router returned {value!r} .*\[0, 1\]") as e:
+        simulate_disaggregated(reqs, factory("prefill", 600), factory("decode", 600), 2, 1, Link("t", 450, 5e-6),
+                               1024.0, router=bad_router)
+    assert "\n" not in str(e.value)
