@@ -20,10 +20,18 @@ A request's path, each step at its own instance's simulated time:
    contention: each prefill instance sends one transfer at a time and each decode instance
    receives one at a time (FIFO per port); the network between them is not modelled.
 5. Transfer end: the prefill instance frees the copy's blocks; the decode instance queues the
-   request at the front of its waiting queue (it needs no memory: its blocks are held), with its
-   prompt marked cached (`ReceivingAllocator.match_prefix` answers the received tokens), so the
-   decode policy admits it with one token to compute and never recomputes the prefill. Preempted
-   there later, it is recomputed on the decode instance, as in vLLM.
+   request as its policy queues any arrival, with its prompt marked cached
+   (`ReceivingAllocator.match_prefix` answers the received tokens), so the decode policy admits it
+   with one token to compute and never recomputes the prefill. Preempted there later, it is
+   recomputed on the decode instance, as in vLLM.
+
+A received request holds its blocks while it waits, which a colocated engine's waiting requests
+never do; two rules keep a decode instance serving what a colocated engine with its pool serves:
+- a decode instance with a waiting request that needs memory (one preempted there) starts no
+  transfer: the room it frees goes to that request first, as a colocated engine's would;
+- an idle decode instance whose policy schedules nothing takes back the blocks of its waiting
+  received requests, the last in the policy's order first, until the policy schedules one: each
+  is then recomputed there like a preempted request (`DisaggEngine.num_evicted`).
 
 Events are taken in time order; a decode instance may fast-forward its pure-decode steps only up
 to the next event that could reach it (an arrival, a prefill step, a prefill completion or a
@@ -40,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from sim.executor import CostModelExecutor
+from sim.route_check import check_route
 from sim.routers import Router, make_router
 from sim.simulator import Replica, gc_paused
 from varlen.clock import SimClock
@@ -71,14 +80,18 @@ class DisaggEngine(FastForwardEngine):
     """The engine of one instance of a disaggregated pool; changes only what a pool needs.
 
     Prefill (`keep_finished_kv`): a finished request's blocks are `held` until sent. Decode:
-    `receive` queues a request whose KV has arrived. An idle engine whose queue head does not fit
-    waits, rather than aborting it, while blocks held or reserved for transfers will come back."""
+    `receive` queues a request whose KV has arrived; an idle engine whose policy schedules nothing
+    takes back the blocks of waiting received requests (module doc) before giving up on its queue's
+    head. An idle engine waits, rather than aborting its head, while blocks held or reserved for
+    transfers will come back."""
 
     def __init__(self, *args: Any, keep_finished_kv: bool = False, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.keep_finished_kv = keep_finished_kv
         self.held: dict[str, Request] = {}
         self.incoming = 0  # transfers under way here, their blocks reserved
+        self.num_evicted = 0  # received requests whose blocks an idle engine took back
+        self._retry = False
 
     def _finish(self, req: Request, reason: FinishReason, message: str = "", failed: bool = False) -> None:
         if not self.keep_finished_kv or failed or reason not in (FinishReason.LENGTH, FinishReason.STOP):
@@ -95,23 +108,44 @@ class DisaggEngine(FastForwardEngine):
         self.kv.free(self.held.pop(req_id))
 
     def receive(self, req: Request) -> None:
-        """Queue `req` (its KV already reserved here) ahead of the other waiting requests, behind
-        those received before it: it needs no memory, so it never waits behind one its blocks keep out."""
+        """Queue `req`, its KV already reserved here, as the policy queues any arrival."""
         kv = self.kv
         if not isinstance(kv, ReceivingAllocator) or req.req_id not in kv.received:
             raise AssertionError(f"request {req.req_id!r} received without blocks reserved for its KV")
         self.requests[req.req_id] = req
-        waiting = self.policy.waiting
         self.policy.add(req)
-        waiting.remove(req)
-        earlier = []
-        while waiting and kv.holds_received(waiting[0]):
-            earlier.append(waiting.popleft())
-        waiting.appendleft(req)
-        for r in reversed(earlier):
-            waiting.appendleft(r)
+
+    def needs_memory_waiting(self) -> bool:
+        """Whether a waiting request here needs blocks (preempted or evicted here, not holding its KV)."""
+        kv = self.kv
+        if not isinstance(kv, ReceivingAllocator):
+            return bool(self.policy.waiting)
+        return any(not kv.holds_received(r) for r in self.policy.waiting)
+
+    def _step(self, start: float) -> list[Request]:
+        # _unstick asks for another try after each eviction (a loop: there may be many to evict).
+        while True:
+            self._retry = False
+            finished = super()._step(start)
+            if not self._retry:
+                return finished
 
     def _unstick(self) -> list[Request]:
+        if self.policy.running or not self.policy.waiting:
+            return []
+        kv = self.kv
+        if isinstance(kv, ReceivingAllocator):
+            # The queue's head may need blocks that requests waiting behind it hold: a colocated
+            # engine's waiting requests hold none, so take them back, the last to be admitted first.
+            for req in reversed(list(self.policy.waiting)):
+                if kv.holds_received(req):
+                    kv.free(req)
+                    del kv.received[req.req_id]
+                    req.reset_for_recompute()
+                    self.num_preemptions += 1
+                    self.num_evicted += 1
+                    self._retry = True
+                    return []
         if self.held or self.incoming:
             return []  # blocks come back when the transfers end
         return super()._unstick()
@@ -326,7 +360,7 @@ class _Loop:
 
     def arrive(self, req: Request) -> None:
         prefills = self.reps[:self.P]
-        k = self.route(prefills, req) if self.P > 1 else 0
+        k = check_route(self.route, self.route(prefills, req), self.P) if self.P > 1 else 0
         self.res.routed[req.req_id] = k
         self.orig[req.req_id] = req
         copy = Request(req.req_id, req.prompt_token_ids, dataclasses.replace(req.sampling, max_tokens=1),
@@ -393,6 +427,8 @@ class _Loop:
     def admit_transfers(self, d: int, now: float) -> None:
         """Start the transfers decode instance `d` has room for, in order (no overtaking)."""
         queue, eng = self.waiting_kv[d], self.reps[d].engine
+        if queue and eng.needs_memory_waiting():  # type: ignore[attr-defined]
+            return  # the room it frees goes to those first (module doc)
         kv = eng.kv
         while queue:
             req, k = queue[0]

@@ -193,7 +193,8 @@ def test_report_keeps_cluster_designs_apart(tmp_path):
     assert list(gather([tmp_path])["policy"]) == ["chunked/paged"]  # one design: the label as before
 
 
-def test_received_requests_queue_ahead_of_others_in_arrival_order():
+def test_received_requests_queue_as_the_policy_queues_arrivals():
+    """The framework never reorders a policy's queue (static's preempted member stays at its head)."""
     from varlen.clock import SimClock
     from varlen.request import Request
 
@@ -207,8 +208,73 @@ def test_received_requests_queue_ahead_of_others_in_arrival_order():
         assert eng.kv.reserve(r, r.num_prompt_tokens)
         eng.receive(r)
         got.append(r)
-    assert [r.req_id for r in eng.policy.waiting] == ["a", "b", "c", "other"]
+    assert [r.req_id for r in eng.policy.waiting] == ["other", "a", "b", "c"]
     eng.step()  # admitted with the prompt cached: one token each, nothing recomputed
     assert [(rec.req_ids, rec.new_tokens, rec.cached_tokens) for rec in eng.steps][0][:2] == (
-        ["a", "b", "c", "other"], [1, 1, 1, 40])
+        ["other", "a", "b", "c"], [40, 1, 1, 1])
     assert all(r.num_output_tokens == 2 for r in got)
+
+
+def test_idle_decode_instance_takes_back_received_blocks_its_queue_head_needs():
+    """A request needing memory at the head, received ones holding the pool behind it, nothing
+    running: the last received is recomputed here, the head runs, nothing is aborted."""
+    from varlen.clock import SimClock
+    from varlen.request import Request
+
+    eng, _ = factory("decode", 10)(SimClock())  # 160 slots
+    head = Request("head", list(range(60)), SamplingParams(max_tokens=2, ignore_eos=True))
+    eng.add_request(head)  # as a request preempted here: it needs blocks
+    got = []
+    for k, name in enumerate(("a", "b", "c")):
+        r = Request(name, list(range(100 * k + 100, 100 * k + 132)), SamplingParams(max_tokens=3, ignore_eos=True))
+        r.output_token_ids.append(0)
+        assert eng.kv.reserve(r, r.num_prompt_tokens)  # 3 blocks each: 9 of 10 held
+        eng.receive(r)
+        got.append(r)
+    eng.step()
+    assert eng.steps[0].req_ids == ["head", "a", "b"] and eng.num_evicted == 1
+    assert got[2].num_preemptions == 1 and "c" not in eng.kv.received
+    while eng.has_unfinished():
+        eng.step()
+    assert all(r.finish_reason.value == "length" for r in [head, *got])
+    assert [r.num_output_tokens for r in got] == [3, 3, 3] and eng.kv.usage().reserved_slots == 0
+
+
+# The issue's runs (decode pool of 300 blocks, 150 requests at 100 req/s): a request preempted on
+# the decode instance waited at the head for blocks that received requests behind it held.
+@pytest.mark.parametrize("decode", [["cluster.decode.scheduler=static"], ["cluster.decode.scheduler=sjf"],
+                                    ["cluster.decode.scheduler=priority"],
+                                    ["cluster.decode.scheduler=chunked", "cluster.decode.max_num_seqs=2"]])
+def test_tight_decode_pool_serves_every_request(decode):
+    cfg = sim_cfg("cluster.mode=disaggregated", "cluster.decode.num_blocks=300", "workload.limit=150",
+                  "workload.rate=100", *decode)
+    res, row = sim_run.simulate_config(cfg)
+    bad = [(r.req_id, r.finish_reason.value, r.finish_message) for r in res.requests
+           if r.finish_reason.value != "length" or r.num_output_tokens != r.sampling.max_tokens]
+    assert not bad and row["finished"] == 150
+    assert res.decode[0].engine.num_preemptions > 0  # the tight case it is meant to be
+    assert not res.decode[0].engine.kv.received and not res.decode[0].engine.requests
+
+
+def test_request_longer_than_the_decode_pool_is_rejected_up_front():
+    cfg = sim_cfg("cluster.mode=disaggregated", "cluster.decode.num_blocks=20", "workload.limit=40",
+                  "workload.rate=100")
+    res, row = sim_run.simulate_config(cfg)
+    reasons = {r.finish_reason.value for r in res.requests}
+    rejected = [r for r in res.requests if r.finish_reason.value == "rejected"]
+    assert reasons == {"length", "rejected"} and rejected
+    assert all(r.num_prompt_tokens > 320 and "longer than max_model_len (320 tokens)" in r.finish_message
+               for r in rejected)
+
+
+@pytest.mark.parametrize("value", [-1, True, 99, None, 1.0])
+def test_a_router_returning_no_prefill_instance_is_one_line_naming_it(value):
+    """Checked where it enters: no prefill copy reaches a decode instance (-1 was the last one)."""
+    def bad_router(replicas, req):
+        return value
+
+    reqs = trace(40)
+    with pytest.raises(ValueError, match=rf"router .*bad_router returned {value!r} .*\[0, 1\]") as e:
+        simulate_disaggregated(reqs, factory("prefill", 600), factory("decode", 600), 2, 1, Link("t", 450, 5e-6),
+                               1024.0, router=bad_router)
+    assert "\n" not in str(e.value)
