@@ -5,6 +5,7 @@ Also the API's input checks: arrivals out of range, a call whose requests are al
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 import warnings
@@ -167,6 +168,48 @@ def test_a_step_error_reaches_generate_and_aborts_the_whole_call(model_dir, seri
     assert all(r.finish_reason.value == "aborted" for r in reqs)
     llm.engine.executor = inner
     assert [o.token_ids for o in llm.generate(CALLERS[2], GREEDY)] == serial[2]
+    assert_idle(llm)
+
+
+class PausingExecutor(Executor):
+    """After its first step, each step waits for `resume`."""
+
+    def __init__(self, inner: Executor):
+        self.inner, self.resume, self.calls = inner, threading.Event(), 0
+        self.rows = getattr(inner, "rows", None)
+
+    def execute(self, scheduled, kv):
+        self.calls += 1
+        if self.calls > 1:
+            assert self.resume.wait(60), "the test never resumed the loop"
+        return self.inner.execute(scheduled, kv)
+
+    def release(self, req):
+        self.inner.release(req)
+
+
+def test_ctrl_c_aborts_the_callers_requests_and_the_loop_stays_usable(model_dir, serial):
+    llm = make_llm(model_dir)
+    inner = llm.engine.executor
+    llm.engine.executor = pausing = PausingExecutor(inner)
+    reqs = llm.make_requests(CALLERS[0], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+
+    def ctrl_c() -> None:  # SIGINT to the caller (the main thread) while its requests run
+        wait_for(lambda: pausing.calls >= 2, "the second step")
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        wait_for(lambda: len(llm.loop._aborts) == len(reqs), "the caller asking for the aborts")
+        pausing.resume.set()
+
+    helper = threading.Thread(target=ctrl_c)
+    helper.start()
+    with pytest.raises(KeyboardInterrupt) as e:
+        llm.run(reqs)
+    helper.join(60)
+    assert any("3 of this call's 3 requests ended aborted" in n for n in e.value.__notes__)
+    assert all(r.finish_reason.value == "aborted" and r.finish_message == "the run stopped: KeyboardInterrupt"
+               and r.output_token_ids for r in reqs)
+    llm.engine.executor = inner
+    assert [o.token_ids for o in llm.generate(CALLERS[0], GREEDY)] == serial[0]
     assert_idle(llm)
 
 
