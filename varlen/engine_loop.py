@@ -150,6 +150,22 @@ class EngineLoop:
 
     # -- the loop's thread -------------------------------------------------------------------
     def _serve(self) -> None:
+        try:
+            self._loop()
+        except BaseException as err:  # a bug outside a step: no caller may wait forever
+            with self.cond:
+                self._thread = None
+                for s in [*self._live.values(), *(p[2] for p in self._pending)]:
+                    if not s.request.is_finished:
+                        s.request.finish(FinishReason.ABORTED, self.engine.clock.now(),
+                                         _error_message("the engine loop failed", err))
+                    s.error, s._done = err, True
+                self._live.clear()
+                self._pending.clear()
+                self.cond.notify_all()
+            raise
+
+    def _loop(self) -> None:
         eng = self.engine
         while True:
             with self.cond:
@@ -197,7 +213,12 @@ class EngineLoop:
                 heapq.heapify(self._pending)
                 s.request.finish(FinishReason.ABORTED, max(self.engine.clock.now(), s.request.arrival), message)
                 return
-        self.engine.abort(req_id, message)
+        try:
+            self.engine.abort(req_id, message)
+        except BaseException as err:  # a policy's remove() raising: the request still ends
+            s = self._live.get(req_id)
+            if s is not None and not s.request.is_finished:
+                s.request.finish(FinishReason.ABORTED, self.engine.clock.now(), f"{message} ({_error_message('abort', err)})")
 
     def _stop_calls_of_failed(self, err: BaseException) -> None:
         """A step failed: the other requests submitted with its requests end `aborted` too (that
