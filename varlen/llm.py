@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import itertools
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -13,6 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from varlen import registry
 from varlen.assembly import allocator_factory, build_engine, is_choice
 from varlen.attention_api import AttentionBackend
+from varlen.engine import _error_message
+from varlen.engine_loop import EngineLoop, RequestStream, arrival_problem
 from varlen.executor import ModelExecutor
 from varlen.kv.base import KVAllocator
 from varlen.metrics import RequestMetrics
@@ -26,14 +30,19 @@ from varlen.settings import DEFAULT_MAX_NUM_SEQS, EngineSettings, check_engine_s
 
 @dataclass
 class RequestOutput:
+    """A request's output; while it streams, `finish_reason` and `metrics` are None."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: str | None
     finish_message: str
-    metrics: RequestMetrics
+    metrics: RequestMetrics | None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 def resolve_model(model: str) -> str:
@@ -119,7 +128,8 @@ class LLM:
                                    vocab_size=hf.get_input_embeddings().num_embeddings)
         self.executor: ModelExecutor = self.engine.executor  # type: ignore[assignment]
         self._tokenizer = None
-        self._next_id = 0
+        self._ids = itertools.count()  # next() is atomic: threads may make requests at once
+        self.loop = EngineLoop(self.engine)
 
     @property
     def tokenizer(self):
@@ -143,6 +153,10 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         if arrivals is not None and len(arrivals) != len(prompts):
             raise ValueError(f"{len(arrivals)} arrival times for {len(prompts)} prompts")
+        for i, a in enumerate(arrivals or ()):
+            problem = arrival_problem(float(a))
+            if problem:
+                raise ValueError(f"arrivals[{i}]: {problem}")
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if not isinstance(sp, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] is a {type(sp).__name__}, not a SamplingParams")
@@ -155,46 +169,85 @@ class LLM:
                 ids = self.tokenizer(p, add_special_tokens=False).input_ids
             else:  # as given: int() would turn 5.7 into 5
                 ids = p if isinstance(p, np.ndarray) else list(p)
-            reqs.append(Request(str(self._next_id), ids, sp,
+            reqs.append(Request(str(next(self._ids)), ids, sp,
                                 arrival=arrivals[i] if arrivals is not None else 0.0,
                                 prompt=p if isinstance(p, str) else None))
-            self._next_id += 1
         return reqs
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str | Sequence[int],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in input order. A bad request ends
-        `rejected`; on an error or Ctrl-C the call's requests end `aborted` and the next call starts idle."""
+        """Generate for every prompt (text or token ids); outputs in input order. Thread-safe: calls
+        from several threads are batched together on one engine loop. A bad request ends `rejected`
+        (a warning when all of them are); on an error or Ctrl-C the call's requests end `aborted`."""
         reqs = self.make_requests(prompts, sampling_params)
         self.run(reqs, use_tqdm)
+        rejected = [r for r in reqs if r.finish_reason is not None and r.finish_reason.value == "rejected"]
+        if reqs and len(rejected) == len(reqs):
+            warnings.warn(f"all {len(reqs)} requests of this generate call were rejected; the first: "
+                          f"{rejected[0].finish_message}", stacklevel=2)
         return [self.output(r) for r in reqs]
 
+    def submit(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
+               arrival: float = 0.0) -> RequestStream[RequestOutput]:
+        """Queue one prompt on the engine loop and return at once: `.result()` waits for its output,
+        iterating yields its outputs as tokens come, `.abort()` ends it. `arrival`: seconds from now."""
+        [req] = self.make_requests([prompt], sampling_params, None if not arrival else [arrival])
+        [stream] = self.loop.submit([req], self.output)
+        return stream
+
+    def abort(self, request_id: str, message: str = "aborted by the caller") -> None:
+        """End a submitted request `aborted` after the current step, freeing its KV; no-op if it has ended."""
+        self.loop.abort(request_id, message)
+
     def run(self, reqs: Sequence[Request], use_tqdm: bool = False) -> None:
-        """Serve `reqs` to the end (Engine.run: by arrival time, 0 = at once); `engine.steps` holds this call's steps."""
+        """Serve `reqs` to the end on the engine loop, each at its `arrival` (seconds after this call,
+        0 = at once); `engine.steps` holds the steps since the loop was last idle. If a step serving
+        them raises, or Ctrl-C comes, the rest end `aborted` too and the error propagates."""
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
             bar = tqdm(total=len(reqs), unit="req", desc="requests")
+        streams = self.loop.submit(reqs, self.output)
         try:
-            self.engine.run(reqs, on_step=(lambda done: bar.update(len(done))) if bar else None)
-        except BaseException as err:
-            aborted = sum(r.finish_reason is not None and r.finish_reason.value == "aborted" for r in reqs)
-            err.add_note(f"varlen: {aborted} of this call's {len(reqs)} requests ended aborted; "
-                         f"the LLM is idle and ready for the next call")
-            raise
+            try:
+                self.loop.wait(streams, on_done=bar.update if bar is not None else None)
+            except BaseException as err:  # Ctrl-C while waiting
+                self._stop(streams, err)
+                raise
+            failed = next((s.error for s in streams if s.error is not None), None)
+            if failed is not None:
+                self._stop(streams, failed)
+                raise failed
         finally:
             if bar is not None:
-                bar.update(bar.total - bar.n)
-                bar.close()
+                bar.close()  # where it stands: after Ctrl-C it says how many ended
 
-    def output(self, r: Request) -> RequestOutput:
+    def _stop(self, streams: list[RequestStream[RequestOutput]], err: BaseException) -> None:
+        """End every unfinished request of a call `aborted` (the loop does it after its step), note it on `err`."""
+        for s in streams:
+            if not s.done():
+                s.abort(_error_message("the run stopped", err))
+        while True:
+            try:
+                self.loop.wait(streams)
+                break
+            except KeyboardInterrupt:  # a second Ctrl-C: the requests must still end before returning
+                continue
+        aborted = sum(s.request.finish_reason is not None and s.request.finish_reason.value == "aborted"
+                      for s in streams)
+        err.add_note(f"varlen: {aborted} of this call's {len(streams)} requests ended aborted; "
+                     f"the LLM is ready for the next call")
+
+    def output(self, r: Request, num_tokens: int | None = None, finished: bool = True) -> RequestOutput:
+        """`r`'s output; `num_tokens`, `finished`: a snapshot while it streams."""
+        ids = list(r.output_token_ids if num_tokens is None else r.output_token_ids[:num_tokens])
         return RequestOutput(
-            request_id=r.req_id, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids),
-            token_ids=list(r.output_token_ids),
-            text=self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True),
-            finish_reason=r.finish_reason.value, finish_message=r.finish_message, metrics=RequestMetrics.of(r))
+            request_id=r.req_id, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids), token_ids=ids,
+            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            finish_reason=r.finish_reason.value if finished else None,
+            finish_message=r.finish_message if finished else "", metrics=RequestMetrics.of(r) if finished else None)
 
 
 def _is_one_prompt(prompts: object) -> bool:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 import pytest
@@ -31,12 +33,14 @@ CORES = [
 ]
 
 
-def interrupt_when(cmd: list[str], ready: str, env: dict[str, str], after_s: float = 0.3):
-    """Start cmd, send SIGINT `after_s` after it prints a line containing `ready`; return
-    (exit code, seconds from SIGINT to exit, stdout, stderr)."""
+def interrupt_when(cmd: list[str], ready: str, env: dict[str, str], after_s: float = 0.3,
+                   ready_err: Callable[[str], bool] | None = None):
+    """Start cmd, send SIGINT `after_s` after it prints a line containing `ready` (and then, if
+    given, a stderr line for which `ready_err` is true); return (exit code, seconds from SIGINT to
+    exit, stdout, stderr)."""
     e = dict(os.environ, OMP_NUM_THREADS="1", **env)
     p = subprocess.Popen(cmd, cwd=ROOT, env=e, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    seen = []
+    seen, seen_err = [], []
     for line in p.stdout:
         seen.append(line)
         if ready in line:
@@ -44,6 +48,14 @@ def interrupt_when(cmd: list[str], ready: str, env: dict[str, str], after_s: flo
     else:
         p.wait()
         pytest.fail(f"never printed {ready!r}: {''.join(seen)} {p.stderr.read()}")
+    if ready_err is not None:
+        for line in p.stderr:  # text mode: a progress bar's "\r" ends a line too
+            seen_err.append(line)
+            if ready_err(line):
+                break
+        else:
+            p.wait()
+            pytest.fail(f"never printed the awaited stderr line: {''.join(seen_err)[-2000:]}")
     time.sleep(after_s)
     assert p.poll() is None, "finished before the interrupt: make the workload longer"
     p.send_signal(signal.SIGINT)
@@ -54,7 +66,7 @@ def interrupt_when(cmd: list[str], ready: str, env: dict[str, str], after_s: flo
         p.kill()
         out, err = p.communicate()
         pytest.fail(f"still running 60 s after SIGINT: {err[-2000:]}")
-    return p.returncode, time.perf_counter() - t0, "".join(seen) + out, err
+    return p.returncode, time.perf_counter() - t0, "".join(seen) + out, "".join(seen_err) + err
 
 
 @pytest.mark.parametrize("core", CORES)
@@ -75,13 +87,20 @@ def test_sim_run_stops_within_a_second(core, tmp_path):
 def test_varlen_run_writes_the_finished_requests_marked_partial(core, tmp_path):
     out_dir = tmp_path / "run"
     n = 400
-    cmd = [sys.executable, "-m", "varlen.run", "progress=false", "engine.threads=1", f"workload.limit={n}",
+    cmd = [sys.executable, "-m", "varlen.run", "progress=true", "engine.threads=1", f"workload.limit={n}",
            "workload.prompt_len=uniform:16:64", "workload.output_len=uniform:32:128", "scheduler.max_num_seqs=8",
            f"hydra.run.dir={out_dir}", f"+VARLEN_HOME_UNUSED={tmp_path}"]
-    code, took, out, err = interrupt_when(cmd, "serving", core, after_s=1.5)
+    bar = re.compile(rf"^requests: .*\| *(\d+)/{n} \[")
+
+    def a_request_finished(line: str) -> bool:  # the progress bar has counted one
+        m = bar.match(line.strip())
+        return m is not None and int(m.group(1)) > 0
+
+    code, took, out, err = interrupt_when(cmd, "serving", core, after_s=0, ready_err=a_request_finished)
     assert code == 130, err
     assert took < STOP_WITHIN_S, f"took {took:.1f} s to stop"
-    lines = err.strip().splitlines()
+    bars = [int(m.group(1)) for ln in err.splitlines() if (m := bar.match(ln.strip()))]
+    lines = [ln for ln in err.strip().splitlines() if ln.strip() and not bar.match(ln.strip())]
     assert len(lines) == 1 and lines[0].startswith("interrupted: wrote the") and "partial" in lines[0], err
     summary = json.loads((out_dir / "summary.json").read_text())
     reqs = pd.read_csv(out_dir / "requests.csv")
@@ -89,6 +108,8 @@ def test_varlen_run_writes_the_finished_requests_marked_partial(core, tmp_path):
     done = reqs[reqs.finish_reason.isin(["length", "stop"])]
     assert 0 < summary["finished"] == len(done) < n and summary["unfinished"] == n - len(done)
     assert f"wrote the {summary['finished']} requests finished of {n}" in lines[0]
+    # the bar stops where the run stopped: at the requests that ended, not filled to n
+    assert bars[-1] == summary["finished"] < n
     # every other request ended aborted by the interrupt, none is left without an end
     assert (done.output_tokens > 0).all() and (reqs.drop(done.index).finish_reason == "aborted").all()
 

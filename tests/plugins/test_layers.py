@@ -35,7 +35,7 @@ FLOORS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
         "backends": ("backends", "backends.*"),
         "allocators": ("varlen.kv", "varlen.kv.*"),
         "cost models": ("sim.cost", "sim.cost.*", "sim.parallel"),  # parallel: TP/PP timing and memory
-        "engine": ("varlen.engine", "varlen.assembly", "varlen.executor", "varlen.model_runner",
+        "engine": ("varlen.engine", "varlen.engine_loop", "varlen.assembly", "varlen.executor", "varlen.model_runner",
                    "varlen.linear_kernels", "varlen.model_attention", "varlen.sampler"),
     }),
     ("simulator", {"simulator": ("sim.*",)}),
