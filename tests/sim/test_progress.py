@@ -141,3 +141,14 @@ def test_command_refuses_a_huge_workload_with_exit_2(tmp_path):
     assert r.stderr.startswith("error: workload of 100,000,000 requests needs an estimated") and \
         r.stderr.count("\n") == 1, r.stderr
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_capacity_search_shows_each_probe(tmp_path):
+    cmd = [sys.executable, "-m", "sim.capacity", f"hydra.run.dir={tmp_path}", "workload=synthetic",
+           "workload.limit=200", "capacity.rel_tol=0.5", "progress.interval_s=0"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ends = [line for line in r.stderr.splitlines() if LINE.match(line) and "200/200" in line]
+    assert ends and all(line.startswith("capacity probe: ") for line in ends)
+    probes = (tmp_path / "capacity_probes.csv").read_text().count("\n") - 1
+    assert len(ends) == probes  # one closing line per simulated probe
