@@ -80,7 +80,7 @@ class Progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, unit="req", desc=settings.label, file=self.stream, leave=False,
-                            dynamic_ncols=True)
+                            dynamic_ncols=True, mininterval=min(0.1, settings.interval_s))
         self.t0 = self.last = time.monotonic()
         self.lines = 0
 
@@ -111,6 +111,8 @@ class Progress:
     def close(self, sim_time: float, done: int) -> None:
         """The run ended: a last line when the run was long enough to have shown any."""
         if self.bar is not None:
+            self.show(sim_time, done)
+            self.bar.refresh()  # the last figures, whatever tqdm's own pacing skipped
             self.bar.close()
         elif time.monotonic() - self.t0 >= self.settings.interval_s:
             self.show(sim_time, done)

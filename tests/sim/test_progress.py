@@ -72,7 +72,7 @@ def test_terminal_gets_a_tqdm_bar():
     with progress.showing(interval_s=0, label="bar", stream=out, tty=True):
         simulate_config(_cfg())
     text = out.getvalue()
-    assert "bar:" in text and "/1500" in text and "req" in text and "simulated" in text
+    assert "bar:" in text and "1500/1500" in text and "req" in text and "simulated" in text
     assert not LINE.search(text)
 
 
