@@ -99,7 +99,8 @@ def main(cfg: DictConfig) -> None:
     import pandas as pd
     from hydra.core.hydra_config import HydraConfig
 
-    from sim.run import hydra_labels
+    from sim.progress import showing
+    from sim.run import hydra_labels, progress_settings
     from varlen.cli import errors_to_exit, fail, interrupted
 
     labels = hydra_labels()
@@ -109,7 +110,8 @@ def main(cfg: DictConfig) -> None:
         check_capacity_settings(cfg)
         print(f"capacity search: {labels['scheduler']}/{labels['allocator']}, SLO {slo_text(cfg)} "
               f"for {cfg.capacity.attainment:.0%} of requests")
-        best, probes = capacity_search(cfg, labels, done)
+        with showing(**progress_settings(cfg), label="capacity probe"):
+            best, probes = capacity_search(cfg, labels, done)
     except errors_to_exit() as err:
         fail(str(err))
     except KeyboardInterrupt:

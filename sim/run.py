@@ -24,14 +24,21 @@ from varlen.registry import conf_dir
 CONF = str(conf_dir("sim"))
 
 
-def load_requests(workload: Mapping[str, Any], vocab_size: int):
-    """(trace, requests) from the workload config (varlen/workload.py)."""
+def load_requests(workload: Mapping[str, Any], vocab_size: int, memory_limit_gb: float | None = None,
+                  check_memory: bool = False):
+    """(trace, requests) from the workload config (varlen/workload.py); check_memory: refuse a
+    workload estimated to need more than memory_limit_gb (null: the memory available) first."""
+    from sim.memory import check_synthetic, check_trace
     from varlen.sampling_params import SamplingParams
     from varlen.workload import load_workload, trace_requests
 
+    if check_memory:
+        check_synthetic(workload, memory_limit_gb)
     trace, opts = load_workload(workload)
     if trace is None:
         raise SettingError(NO_PROMPT_FILES)
+    if check_memory:
+        check_trace(trace, bool(opts.get("token_ids")), memory_limit_gb)
     # ignore_eos: the trace's output length is the request's length, as in the real engine's replay.
     reqs = trace_requests(trace, vocab_size, SamplingParams(ignore_eos=True), token_ids=bool(opts.get("token_ids")))
     return trace, reqs
@@ -200,7 +207,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
         if num_blocks < 1:
             raise ValueError(f"engine.num_blocks={e['num_blocks']} is less than one block for each of the "
                              f"parallel.pipeline={par.pipeline} in-flight batches")
-    trace, reqs = load_requests(c["workload"], int(model_config["vocab_size"]))
+    trace, reqs = load_requests(c["workload"], int(model_config["vocab_size"]), c.get("memory_limit_gb"), True)
     if not reqs:
         raise SettingError(f"no requests: the workload {c['workload'].get('source')!r} gave none "
                            f"(limit={c['workload'].get('limit')}, {trace.stats.num_read} read); nothing to simulate")
@@ -370,6 +377,16 @@ def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig,
     (out / "summary.json").write_text(json.dumps(dict(row), indent=2, default=str))  # last: marks a complete run
 
 
+def progress_settings(cfg: DictConfig) -> dict[str, Any]:
+    """sim.progress.showing's arguments from the `progress` settings."""
+    enabled = OmegaConf.select(cfg, "progress.enabled", default=True)
+    if not isinstance(enabled, bool):
+        raise SettingError(f"progress.enabled={enabled!r}: give true or false")
+    interval = number(cfg, "progress.interval_s", low=0, optional=True,
+                      hint=" (seconds between progress lines when not on a terminal, e.g. 5)")
+    return dict(enabled=enabled, interval_s=5.0 if interval is None else interval)
+
+
 def format_row(row: Mapping[str, Any]) -> str:
     ms = lambda k: f"{row[k] * 1e3:.0f}" if row.get(k) == row.get(k) else "nan"  # noqa: E731
     s = (f"{row.get('scheduler')}/{row.get('allocator')} @ {row['rate']:.3g} req/s: "
@@ -389,12 +406,14 @@ def main(cfg: DictConfig) -> float:
 
     from hydra.core.hydra_config import HydraConfig
 
+    from sim.progress import showing
     from varlen.cli import errors_to_exit, fail, interrupted
 
     out = Path(HydraConfig.get().runtime.output_dir)
     t0 = time.perf_counter()
     try:
-        res, row, latencies = _simulate_paused(cfg, hydra_labels(), announce=True)
+        with showing(**progress_settings(cfg)):
+            res, row, latencies = _simulate_paused(cfg, hydra_labels(), announce=True)
     except errors_to_exit() as err:
         fail(str(err))
     except KeyboardInterrupt:

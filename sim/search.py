@@ -393,7 +393,8 @@ def main(cfg: DictConfig) -> None:
 
     from sim.capacity import slo_text
     from sim.report import pareto_table, plot_pareto
-    from sim.run import hydra_labels, write_outputs
+    from sim.progress import showing
+    from sim.run import hydra_labels, progress_settings, write_outputs
     from varlen.cli import errors_to_exit, fail, interrupted
 
     hc = HydraConfig.get()
@@ -416,7 +417,8 @@ def main(cfg: DictConfig) -> None:
               f"{cfg.workload.source} (limit {cfg.workload.limit})", flush=True)
         search = Search(cfg, lambda o: compose(config_name="search", overrides=[*task, *o]), hydra_labels(),
                         log=lambda s: print(s, flush=True))
-        chosen, res, row, ccfg = search.run(points)
+        with showing(**progress_settings(cfg), label="search simulation"):
+            chosen, res, row, ccfg = search.run(points)
     except errors_to_exit() as err:
         fail(str(err))
     except KeyboardInterrupt:

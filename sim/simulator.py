@@ -18,6 +18,7 @@ from typing import Callable, Iterator, Sequence
 from sim.executor import CostModelExecutor
 from sim.routers import Router, make_router
 from sim.fast_forward import FastForwardEngine
+from sim.progress import for_run
 from varlen.clock import SimClock
 from varlen.engine import Engine
 from varlen.interrupt import poll
@@ -99,15 +100,18 @@ def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tupl
         replicas.append(Replica(i, engine, clock, executor))
     pending = sorted(requests, key=lambda r: r.arrival)
     routed: dict[str, int] = {}
+    progress = for_run(len(pending))
     t0 = time.perf_counter()
     with gc_paused():
-        _event_loop(pending, replicas, route, routed, fast_forward)
+        _event_loop(pending, replicas, route, routed, fast_forward, progress)
     wall = time.perf_counter() - t0
+    if progress is not None:
+        progress.close(max(r.clock.now() for r in replicas), len(pending))
     return SimResult(list(requests), replicas, wall, routed)
 
 
 def _event_loop(pending: list[Request], replicas: list[Replica], route: Router, routed: dict[str, int],
-                fast_forward: bool) -> None:
+                fast_forward: bool, progress: Callable[[float, int, list[Replica]], None] | None = None) -> None:
     num_replicas = len(replicas)
     busy: list[tuple[float, int]] = []  # (time of the replica's next step, replica index)
     is_busy = [False] * num_replicas
@@ -116,9 +120,11 @@ def _event_loop(pending: list[Request], replicas: list[Replica], route: Router, 
     events = 0
     while i < n or busy:
         events += 1
+        t_step = busy[0][0] if busy else inf
         if events & 1023 == 0:
             poll()  # Ctrl-C: compiled, this loop would not see it otherwise (varlen/interrupt.py)
-        t_step = busy[0][0] if busy else inf
+            if progress is not None:
+                progress(min(t_step, pending[i].arrival) if i < n else t_step, i, replicas)
         if i < n and pending[i].arrival <= t_step:
             req = pending[i]
             i += 1

@@ -1,0 +1,131 @@
+"""Simulator scale: wall time, requests/s and peak memory as the fleet grows (issue 26's grid).
+
+    python benchmarks/sim_scale.py [--quick] [--time-limit 600] [--capacity R] [--points 10000x1,100000x10]
+
+Synthetic requests (the default lengths) on `replicas` replicas of Llama-3-8B on an H100, chunked
+policy, `least_outstanding` routing, arriving at 80% of the fleet's capacity: 0.8 x replicas x one
+replica's sustainable rate at the default SLOs (found first by sim.capacity's bisection on 2,000
+requests, or given with --capacity). The grid: requests {10k, 100k, 1M} x replicas {1, 10, 100},
+plus 1,000 replicas at 1M; --quick runs 10k x {1, 10, 100} only. Each point is its own process
+(peak memory is the process's), stopped after --time-limit seconds; a point the memory guard
+refuses (sim/memory.py: more than the memory available) is shown as refused, with the estimate.
+Goal: 1M requests on 100 replicas in <= 60 s wall on one core and <= 2 GB peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# This checkout's packages, not an installed one's: run from a worktree, time that worktree's code.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GRID = [(n, r) for n in (10_000, 100_000, 1_000_000) for r in (1, 10, 100)] + [(1_000_000, 1000)]
+QUICK = [(10_000, r) for r in (1, 10, 100)]
+LOAD = 0.8
+VIDUR = "Vidur: 330-455 requests/s of wall time on this machine (issue 26, whole Azure conversation trace)"
+
+
+def overrides(requests: int, replicas: int, rate: float) -> list[str]:
+    return ["workload=synthetic", f"workload.limit={requests}", f"workload.rate={rate}",
+            f"cluster.replicas={replicas}", "cluster.router=least_outstanding", "output.requests=false"]
+
+
+def child(args: argparse.Namespace) -> None:
+    """One point in this process; prints its figures as JSON (exit 2 with one line if refused)."""
+    from hydra import compose, initialize_config_dir
+
+    from sim.run import CONF, simulate_config
+    from varlen.cli import SettingError
+    from varlen.compiled import status
+
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("sim", overrides=overrides(args.requests, args.replicas, args.rate))
+    try:
+        _, row = simulate_config(cfg)
+    except SettingError as e:
+        print(e, file=sys.stderr)
+        sys.exit(2)
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    print(json.dumps({"loop_s": row["sim_wall_s"], "finished": row["finished"], "requests": row["requests"],
+                      "slo_attainment": row.get("slo_attainment"), "cpu_s": ru.ru_utime + ru.ru_stime,
+                      "peak_mb": ru.ru_maxrss / 1024, "core": status()}))
+
+
+def one_replica_capacity() -> float:
+    """Requests/s one replica sustains at the default SLOs (sim.capacity's bisection, 2,000 requests)."""
+    from hydra import compose, initialize_config_dir
+
+    from sim.capacity import capacity_search
+    from sim.run import CONF
+
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("sim", overrides=[*overrides(2000, 1, 1.0), "capacity.rel_tol=0.02"])
+    best, _ = capacity_search(cfg)
+    if best is None:
+        raise SystemExit("one replica meets the SLOs at no rate of the search range")
+    return best
+
+
+def run_point(requests: int, replicas: int, rate: float, limit_s: float) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--requests", str(requests), "--replicas", str(replicas),
+           "--rate", repr(rate)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s, env=os.environ)
+    except subprocess.TimeoutExpired:
+        return {"status": f"stopped after {limit_s:.0f} s"}
+    wall = time.perf_counter() - t0
+    if proc.returncode == 2:
+        return {"status": "refused: " + proc.stderr.strip().splitlines()[-1]}
+    if proc.returncode != 0:
+        raise SystemExit(f"point {requests} x {replicas} failed:\n{proc.stderr[-3000:]}")
+    return {"status": "ok", "wall_s": wall, **json.loads(proc.stdout.splitlines()[-1])}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="10k requests on 1, 10 and 100 replicas only")
+    p.add_argument("--points", help="requests x replicas, comma-separated (e.g. 10000x1,100000x10)")
+    p.add_argument("--time-limit", type=float, default=600.0, help="seconds per point before it is stopped")
+    p.add_argument("--capacity", type=float, help="one replica's capacity in req/s (default: found by bisection)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--requests", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--replicas", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--rate", type=float, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+    points = ([tuple(int(x) for x in s.split("x")) for s in args.points.split(",")] if args.points
+              else QUICK if args.quick else GRID)
+    cap = args.capacity if args.capacity else one_replica_capacity()
+    print(f"one replica of Llama-3-8B on H100 (chunked, default SLOs): {cap:.3g} req/s; "
+          f"each point at {LOAD:.0%} of replicas x that")
+    print(f"{'requests':>9} {'replicas':>8} {'rate':>8} {'wall s':>8} {'loop s':>8} {'CPU s':>7} "
+          f"{'req/s':>8} {'loop req/s':>10} {'req/CPU s':>9} {'peak MB':>8} {'SLO att.':>8}  status", flush=True)
+    core = None
+    for requests, replicas in points:
+        rate = LOAD * replicas * cap
+        r = run_point(requests, replicas, rate, args.time_limit)
+        core = r.get("core", core)
+        if r["status"] != "ok":
+            print(f"{requests:>9} {replicas:>8} {rate:>8.4g}  {r['status']}", flush=True)
+            continue
+        att = r["slo_attainment"]
+        print(f"{requests:>9} {replicas:>8} {rate:>8.4g} {r['wall_s']:>8.2f} {r['loop_s']:>8.2f} {r['cpu_s']:>7.2f} "
+              f"{requests / r['wall_s']:>8.0f} {requests / r['loop_s']:>10.0f} {requests / r['cpu_s']:>9.0f} "
+              f"{r['peak_mb']:>8.0f} "
+              f"{att if att is None else f'{att:.1%}':>8}  ok", flush=True)
+    print(f"req/s: requests per second of the whole process's wall time (loop: of the event loop's; CPU s: the "
+          f"process's user + system time, steadier on a shared machine); {VIDUR}")
+    print(f"goal: 1,000,000 requests on 100 replicas in <= 60 s wall on one core, <= 2 GB peak; core: {core}")
+
+
+if __name__ == "__main__":
+    main()

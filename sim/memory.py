@@ -1,0 +1,79 @@
+"""The memory a simulation will need, estimated before it starts, and the refusal of a workload
+that would not fit (`memory_limit_gb`; null: the memory available when the run starts)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from varlen.cli import SettingError
+
+# Peak resident bytes a simulated request adds: a fixed part, one per output token (its token time
+# and step records) and, with token_ids=true, one per prompt token id. Fitted to the peak RSS of
+# synthetic runs of 2,000 and 10,000 requests with 16- and 512-token outputs (main f329750);
+# refit when what a request keeps changes.
+BYTES_PER_REQUEST = 3_300
+BYTES_PER_OUTPUT_TOKEN = 97
+BYTES_PER_PROMPT_TOKEN_ID = 8
+SAMPLE = 4096  # synthetic lengths are estimated from this many generated requests
+
+
+def estimate_bytes(requests: int, mean_prompt: float, mean_output: float, token_ids: bool) -> float:
+    per = BYTES_PER_REQUEST + BYTES_PER_OUTPUT_TOKEN * mean_output
+    if token_ids:
+        per += BYTES_PER_PROMPT_TOKEN_ID * mean_prompt
+    return requests * per
+
+
+def available_bytes() -> float | None:
+    """MemAvailable (Linux), else None: no default limit where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def limit_bytes(limit_gb: float | None) -> tuple[float | None, str]:
+    """(the limit in bytes or None for none, how it was set)."""
+    if limit_gb is not None:
+        if isinstance(limit_gb, bool) or not isinstance(limit_gb, (int, float)) or not limit_gb > 0:
+            raise SettingError(f"memory_limit_gb={limit_gb!r}: give a size in GB above 0, or null for the "
+                               "memory available")
+        return float(limit_gb) * 1e9, "memory_limit_gb"
+    return available_bytes(), "the memory available now; memory_limit_gb sets it"
+
+
+def check_trace(trace: Any, token_ids: bool, limit_gb: float | None, requests: int | None = None) -> None:
+    """Refuse (one-line SettingError) the requests of `trace`, or `requests` of its kind (the trace
+    a sample), when their estimated memory exceeds the limit."""
+    limit, how = limit_bytes(limit_gb)
+    rows = trace.requests
+    if limit is None or not rows:
+        return
+    n = len(rows) if requests is None else requests
+    mean_prompt = sum(r.prompt_len for r in rows) / len(rows)
+    mean_output = sum(r.output_len for r in rows) / len(rows)
+    need = estimate_bytes(n, mean_prompt, mean_output, token_ids)
+    if need <= limit:
+        return
+    per = need / n
+    fits = int(limit // per)
+    raise SettingError(
+        f"workload of {n:,} requests needs an estimated {need / 1e9:,.1f} GB ({per / 1e3:,.1f} KB a request, "
+        f"{mean_output:,.0f} output tokens on average) but the limit is {limit / 1e9:,.1f} GB ({how}); "
+        f"set workload.limit={fits} or fewer, or raise memory_limit_gb")
+
+
+def check_synthetic(workload: Mapping[str, Any], limit_gb: float | None) -> None:
+    """Before generating a large synthetic workload: its lengths from a sample, its size from `limit`."""
+    from varlen.workload import load_workload
+
+    n = workload.get("limit")
+    if str(workload.get("source", "synthetic")) != "synthetic" or n is None or n <= SAMPLE:
+        return
+    sample, _ = load_workload({**workload, "limit": SAMPLE})
+    if sample is not None:
+        check_trace(sample, bool(workload.get("token_ids")), limit_gb, requests=int(n))
