@@ -7,6 +7,7 @@ VARLEN_CONFIG_PATH folder or a name defined twice (Hydra would silently take the
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -62,10 +63,78 @@ class SettingError(ValueError):
     """A setting or input that cannot work; the message is one line naming it and the fix."""
 
 
+EXIT_PLUGIN = 1  # a user's plug-in raised: its exception, not a setting, is the problem
+
+
 def fail(message: str) -> NoReturn:
-    """One line on stderr, exit 2: the CLI form of a bad setting."""
-    print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
+    """One line on stderr, exit 2: the CLI form of a bad setting. Called while handling an exception
+    that a user's plug-in raised (not a SettingError), the plug-in's exception and its traceback
+    trimmed to the user's frames follow the line instead, exit 1."""
+    line = " ".join(str(message).split())
+    raised = plugin_exception(sys.exc_info()[1])
+    if raised is not None:
+        kind = type(raised).__name__
+        print(f"error in a plug-in: {line if kind in line else f'{kind}: {line}'}", file=sys.stderr)
+        print(user_traceback(raised), file=sys.stderr, end="")
+        sys.exit(EXIT_PLUGIN)
+    print(f"error: {line}", file=sys.stderr)
     sys.exit(EXIT_USAGE)
+
+
+# Where an exception was raised: the framework's own packages, libraries (stdlib, site-packages) or
+# the user's code (a plug-in named by a config's _target_, wherever it lives).
+_FRAMEWORK = tuple(str(Path(__file__).resolve().parents[1] / d) + os.sep
+                   for d in ("varlen", "sim", "schedulers", "backends", "hydra_plugins", "conf"))
+
+
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> tuple[str, ...]:
+    import site
+    import sysconfig
+
+    paths = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    paths.update(site.getsitepackages() + [site.getusersitepackages()])
+    return tuple(str(Path(p).resolve()) + os.sep for p in paths if p)
+
+
+def is_user_file(filename: str) -> bool:
+    """A frame's file is the user's: not the framework's and not a library's."""
+    if filename.startswith("<"):  # <frozen ...>, <string>: the interpreter's
+        return False
+    f = str(Path(filename).resolve())
+    return not f.startswith(_FRAMEWORK) and not f.startswith(_library_dirs())
+
+
+def plugin_exception(exc: BaseException | None) -> BaseException | None:
+    """The exception in `exc`'s chain (causes, contexts) raised in the user's code, or None. "Raised
+    in" is its innermost frame outside the libraries: a plug-in's ValueError, or one numpy raised for
+    it; not the framework's own check of what the plug-in was given. A SettingError is a deliberate
+    one-line message wherever it comes from."""
+    import traceback
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if not isinstance(exc, SettingError):
+            frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _is_library(f.filename)]
+            if frames and is_user_file(frames[-1].filename):
+                return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _is_library(filename: str) -> bool:
+    return filename.startswith("<") or str(Path(filename).resolve()).startswith(_library_dirs())
+
+
+def user_traceback(exc: BaseException) -> str:
+    """`exc` as Python prints it, its traceback trimmed to the frames in the user's files."""
+    import traceback
+
+    frames = traceback.StackSummary.from_list(
+        [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)])
+    return ("Traceback (most recent call last; the framework's and libraries' frames left out):\n"
+            + "".join(frames.format()) + "".join(traceback.format_exception_only(type(exc), exc)))
 
 
 def interrupted(message: str) -> NoReturn:
