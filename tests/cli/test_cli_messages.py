@@ -5,7 +5,6 @@ errors, a sweep with one bad job. Run in this process through `run_cli`, as `pyt
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -147,3 +146,64 @@ def test_a_setting_error_a_plugin_raises_on_purpose_stays_one_line_exit_2(picky,
     code, out, err = run_cli_main("sim.run", args, monkeypatch, capsys)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "scheduler.window=101" in lines[0], err
+
+
+# ---------------------------------------------------------------------------------------------
+# Hydra's own config errors: one line, exit 2, with the closest name
+
+@pytest.mark.parametrize("module, arg, expect", [
+    ("sim.run", "schedular=chunked", ["schedular is not a setting", "did you mean scheduler=chunked?", "hardware"]),
+    ("sim.run", "scheduler=chunkd", ["scheduler=chunkd is unknown", "did you mean scheduler=chunked?",
+                                     "sarathi", "VARLEN_CONFIG_PATH"]),
+    ("sim.run", "engine.max_num_seq=3", ["engine.max_num_seq is not a setting",
+                                         "did you mean scheduler.max_num_seqs=3?", "block_size"]),
+    ("sim.run", "scheduler.max_num_seqz=3", ["did you mean scheduler.max_num_seqs=3?"]),
+    ("sim.run", "engine.block_size=[1", ["engine.block_size=[1: cannot parse it"]),
+    ("varlen.run", "backendd=torch_sdpa", ["did you mean backend=torch_sdpa?"]),
+    ("varlen.run", "allocator=pagd", ["did you mean allocator=paged?", "contiguous", "VARLEN_CONFIG_PATH"]),
+])
+def test_hydras_config_errors_are_one_line_with_the_closest_name_exit_2(module, arg, expect, tmp_path,
+                                                                        monkeypatch, capsys):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    code, out, err = run_cli_main(module, [arg, f"hydra.run.dir={tmp_path / 'out'}"], monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, err)
+    assert all(e in lines[0] for e in expect), lines[0]
+    assert "+schedular" not in lines[0] and "HYDRA_FULL_ERROR" not in err
+    assert "HYDRA_FULL_ERROR" not in __import__("os").environ  # run_cli leaves the environment as it was
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweeps: every job checked before any starts, under every launcher
+
+LAUNCHERS = {"basic": ["hydra/launcher=basic"], "joblib": [],  # joblib: sim.yaml's default
+             "submitit_local": ["hydra/launcher=submitit_local"], "ray": ["hydra/launcher=ray"]}
+PLUGINS = {"submitit_local": "hydra_plugins.hydra_submitit_launcher", "ray": "hydra_plugins.hydra_ray_launcher"}
+
+SWEEPS = {  # module: (arguments, the bad jobs' numbers, what each bad line names)
+    "sim.run": ([*SIM, *SYNTHETIC, "workload.rate=1,-1", "scheduler=chunked,sarathi"], [2, 3], "workload.rate=-1"),
+    "sim.capacity": ([*SIM, *SYNTHETIC, "slo.ttft_s=1", "capacity.rel_tol=0.1,0"], [1], "capacity.rel_tol=0"),
+    "sim.search": ([*SYNTHETIC, "search.target_rate=-2,6"], [0], "search.target_rate=-2"),
+    "varlen.run": (["workload.limit=4,-1", "progress=false", "engine.threads=1"], [1], "workload.limit=-1"),
+    "sim.run typo": ([*SIM, *SYNTHETIC, "scheduler=chunked,chunkd"], [1], "did you mean scheduler=chunked?"),
+}
+
+
+@pytest.mark.parametrize("sweep, launcher", [(s, "basic") for s in SWEEPS] + [("sim.run", n) for n in LAUNCHERS
+                                                                             if n != "basic"])
+def test_a_sweep_with_a_bad_job_names_each_in_one_line_and_starts_none_exit_2(sweep, launcher, tmp_path,
+                                                                              monkeypatch, capsys):
+    import importlib.util
+
+    if launcher in PLUGINS and importlib.util.find_spec(PLUGINS[launcher]) is None:
+        pytest.skip(f"{PLUGINS[launcher]} is not installed (the cluster extra: pip install -e '.[cluster]')")
+    module, (args, bad, names) = sweep.split()[0], SWEEPS[sweep]
+    out = tmp_path / "sweep"
+    code, stdout, err = run_cli_main(module, ["-m", *LAUNCHERS[launcher], *args, f"hydra.sweep.dir={out}"],
+                                     monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2, (code, stdout, err)
+    assert [int(ln.split()[2]) for ln in lines] == bad, err  # "error: job N (...): ..."
+    assert all(ln.startswith("error: job ") and names in ln for ln in lines), err
+    assert not list(tmp_path.rglob("*.csv")) and not list(tmp_path.rglob("summary.json"))  # no job ran
+    assert "simulating" not in stdout and "Launching" not in stdout
