@@ -289,16 +289,23 @@ class CheckSweep(Callback):
         loader, hydra_cfg = GlobalHydra.instance().config_loader(), HydraConfig.instance().cfg
         varying = [k for k in dict.fromkeys(o.split("=", 1)[0] for job in jobs for o in job)
                    if len({o for job in jobs for o in job if o.split("=", 1)[0] == k}) > 1]
+        from hydra.errors import HydraException
+
         bad = []
-        for num, job in enumerate(jobs):
-            label = " ".join(o for o in job if o.split("=", 1)[0] in varying) or " ".join(job)
-            try:
-                check(_job_config(loader, config, job, num))
-            except errors_to_exit() as e:
-                bad.append(f"error: job {num} ({label}): {' '.join(str(e).split())}")
-            except Exception as e:  # a composition error: an unknown group option, a key not in the config
-                bad.append(f"error: job {num} ({label}): {hydra_error_line(e)}")
-        HydraConfig.instance().cfg = hydra_cfg  # the sweep's, as Hydra set it
+        try:
+            for num, job in enumerate(jobs):
+                label = " ".join(o for o in job if o.split("=", 1)[0] in varying) or " ".join(job)
+                try:
+                    job_cfg = _job_config(loader, config, job, num)
+                except HydraException as e:  # an unknown group option, a key not in the config
+                    bad.append(f"error: job {num} ({label}): {hydra_error_line(e)}")
+                    continue
+                try:
+                    check(job_cfg)
+                except errors_to_exit() as e:
+                    bad.append(f"error: job {num} ({label}): {' '.join(str(e).split())}")
+        finally:
+            HydraConfig.instance().cfg = hydra_cfg  # the sweep's, as Hydra set it
         if bad:
             print("\n".join(bad), file=sys.stderr)
             sys.exit(EXIT_USAGE)
