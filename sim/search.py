@@ -477,11 +477,16 @@ def main(cfg: DictConfig) -> None:
               f"estimated; {len(front)} of {sum(p.status == 'ok' for p in points)} deployments):")
         print(pareto_table(front, chosen))
     if chosen is None:
-        # Nothing to deploy: exit 1 (not 2, the settings were valid) so a script sees it; the tables are written.
+        # Nothing to deploy: exit 1 (not 2, the settings were valid) so a script sees it; the tables are
+        # written. A sweep's job only says so: the other searches of the sweep go on.
+        from hydra.types import RunMode
+
         print(f"written to {out} (search.csv says why each design was left out)")
         print(nothing_met(points, search.target, search.attainment, int(cfg.search.max_gpus),
                           int(cfg.search.max_verify)), file=sys.stderr)
-        sys.exit(1)
+        if hc.mode != RunMode.MULTIRUN:
+            sys.exit(1)
+        return
     else:
         print(f"\ncheapest: {chosen.label()} {chosen.size_text()} = {chosen.gpus} GPUs, "
               f"${chosen.cost_per_hour:.2f}/h; at {search.target:g} req/s SLO attainment "

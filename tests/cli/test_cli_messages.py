@@ -52,6 +52,16 @@ def test_a_search_that_finds_nothing_says_what_bound_it_in_one_line_exit_1(tmp_p
     assert (tmp_path / "search.csv").is_file() and (tmp_path / "search.json").is_file()
 
 
+def test_in_a_sweep_a_search_that_finds_nothing_says_so_and_the_others_go_on(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "sweep"
+    code, stdout, err = run_cli_main("sim.search", ["-m", "hydra/launcher=basic", *ONE_POINT, "slo.tpot_s=null",
+                                                    "slo.ttft_s=0.0001,1", f"hydra.sweep.dir={out}"],
+                                     monkeypatch, capsys)
+    assert code == 0, (code, stdout, err)
+    assert [ln for ln in err.splitlines() if ln.startswith("no deployment")] != [], err
+    assert "cheapest: h100_sxm TP1 PP1 chunked/512" in stdout and len(list(out.glob("*/search.json"))) == 2
+
+
 def test_nothing_met_names_the_bound_of_the_closest_candidate():
     from sim.search import Point, nothing_met
 
