@@ -1,5 +1,7 @@
 """What every command-line entry point shares (`varlen.run`, `sim.run`, `sim.capacity`): a run
-directory of its own, settings checked before any work, one-line errors (exit 2), Ctrl-C that says
+directory of its own, settings checked before any work (every job of a sweep before any starts:
+`CheckSweep`), one-line errors (exit 2; Hydra's own config errors too, with the closest name), a
+user plug-in's exception with its traceback trimmed to the user's frames (exit 1), Ctrl-C that says
 what was written (exit 130). No torch. `ClaimRunDir` claims an empty run directory exclusively
 (Hydra names them to the second), else the next free `<dir>-1`, ...; `run_cli` refuses a missing
 VARLEN_CONFIG_PATH folder or a name defined twice (Hydra would silently take the first).
