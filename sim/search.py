@@ -14,9 +14,11 @@ Writes search.csv, search.json, pareto.png and the checked run (verified/) to th
 
 from __future__ import annotations
 
+import collections
 import heapq
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -56,6 +58,7 @@ class Point:
     status: str = "pending"  # ok | does not fit | misses SLOs | over max_gpus | skipped | error
     reason: str = ""
     replica_capacity: float | None = None  # req/s one replica sustains within the SLOs
+    low_attainment: float | None = None  # misses SLOs: the SLO attainment at capacity.low
     capacity_at_top: bool = False  # the bisection's top (capacity.high) met the SLOs: a lower bound
     probes: int = 0
     replicas: int | None = None  # colocated: replicas; disaggregated: units of the P:D split
@@ -320,6 +323,7 @@ class Search:
             return
         p.probes = len(probes)
         if best is None:
+            p.low_attainment = probes[0].get("slo_attainment") if probes else None
             p.status, p.reason = "misses SLOs", f"misses the SLOs even at capacity.low={c.capacity.low} req/s"
             return
         p.replica_capacity, p.capacity_at_top = best, best >= float(c.capacity.high)
@@ -375,6 +379,36 @@ class Search:
             else:
                 self.log(f"[{k}/{len(points)}] {p.label()}: {p.status}: {p.reason}")
         return self.cheapest_verified(points)
+
+
+def nothing_met(points: Sequence[Point], target: float, attainment: float, max_gpus: int, max_verify: int) -> str:
+    """The one line of a search that found no deployment: what bound its closest candidate."""
+    head = f"no deployment met the SLOs ({attainment:.0%} of requests) at {target:g} req/s"
+    checked = [p for p in points if p.checks]
+    if checked:  # simulated at the target and missed: the best attainment reached
+        p = max(checked, key=lambda q: q.checks[-1].get("slo_attainment", 0.0))
+        last = p.checks[-1]
+        why = (f"one replica more exceeds search.max_gpus={max_gpus}" if p.status == "over max_gpus"
+               else f"search.max_verify={max_verify} checks used up")
+        return (f"{head}; closest: {p.label()} {p.size_text(last['replicas'])} reached "
+                f"{last.get('slo_attainment', math.nan):.1%} ({why})")
+    big = [p for p in points if p.status == "over max_gpus"]
+    if big:  # fits and meets the SLOs at some rate, but the target needs too many GPUs
+        p = min(big, key=lambda q: (q.gpus or q.gpus_per_replica, q.cost_per_gpu_hour))
+        return f"{head}; closest: {p.label()}: {p.reason} (raise search.max_gpus)"
+    slow = [p for p in points if p.status == "misses SLOs"]
+    if slow:  # even one replica at the lowest rate misses: the SLOs themselves bind
+        p = max(slow, key=lambda q: -1.0 if q.low_attainment is None else q.low_attainment)
+        reached = "" if p.low_attainment is None else f", reaching {p.low_attainment:.1%}"
+        return f"{head}; closest: {p.label()} {p.reason}{reached} (loosen the SLOs or lower capacity.low)"
+    unchecked = [p for p in points if p.status == "ok"]
+    if unchecked:
+        p = min(unchecked, key=lambda q: q.cost_per_hour)
+        return (f"{head}: {len(unchecked)} estimated to meet them were not checked (search.max_verify={max_verify}); "
+                f"cheapest: {p.label()} {p.size_text()}")
+    counts = ", ".join(f"{n} {st}" for st, n in sorted(collections.Counter(p.status for p in points).items()))
+    first = next((p for p in points), None)
+    return f"{head}; every design was left out ({counts})" + (f", e.g. {first.label()}: {first.reason}" if first else "")
 
 
 def sim_run_args(task: Sequence[str], cfg: DictConfig, p: Point) -> list[str]:
@@ -440,12 +474,21 @@ def main(cfg: DictConfig) -> None:
                                                      "sim_run": " ".join(sim_run_args(task, cfg, chosen))},
               "pareto": [p.row() for p in front]}
     (out / "search.json").write_text(json.dumps(result, indent=2, default=str))
-    print(f"\nPareto set (cost vs capacity; capacity = replicas x one replica's (P:D: units x one unit's), estimated; "
-          f"{len(front)} of {sum(p.status == 'ok' for p in points)} deployments):")
-    print(pareto_table(front, chosen))
+    if front:
+        print(f"\nPareto set (cost vs capacity; capacity = replicas x one replica's (P:D: units x one unit's), "
+              f"estimated; {len(front)} of {sum(p.status == 'ok' for p in points)} deployments):")
+        print(pareto_table(front, chosen))
     if chosen is None:
-        print(f"\nno deployment was checked to meet the SLOs at {search.target:g} req/s "
-              f"(search.max_verify={cfg.search.max_verify}, search.max_gpus={cfg.search.max_gpus}); see search.csv")
+        # Nothing to deploy: exit 1 (not 2, the settings were valid) so a script sees it; the tables are
+        # written. A sweep's job only says so: the other searches of the sweep go on.
+        from hydra.types import RunMode
+
+        print(f"written to {out} (search.csv says why each design was left out)")
+        print(nothing_met(points, search.target, search.attainment, int(cfg.search.max_gpus),
+                          int(cfg.search.max_verify)), file=sys.stderr)
+        if hc.mode != RunMode.MULTIRUN:
+            sys.exit(1)
+        return
     else:
         print(f"\ncheapest: {chosen.label()} {chosen.size_text()} = {chosen.gpus} GPUs, "
               f"${chosen.cost_per_hour:.2f}/h; at {search.target:g} req/s SLO attainment "

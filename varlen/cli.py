@@ -1,5 +1,7 @@
 """What every command-line entry point shares (`varlen.run`, `sim.run`, `sim.capacity`): a run
-directory of its own, settings checked before any work, one-line errors (exit 2), Ctrl-C that says
+directory of its own, settings checked before any work (every job of a sweep before any starts:
+`CheckSweep`), one-line errors (exit 2; Hydra's own config errors too, with the closest name), a
+user plug-in's exception with its traceback trimmed to the user's frames (exit 1), Ctrl-C that says
 what was written (exit 130). No torch. `ClaimRunDir` claims an empty run directory exclusively
 (Hydra names them to the second), else the next free `<dir>-1`, ...; `run_cli` refuses a missing
 VARLEN_CONFIG_PATH folder or a name defined twice (Hydra would silently take the first).
@@ -7,6 +9,7 @@ VARLEN_CONFIG_PATH folder or a name defined twice (Hydra would silently take the
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -62,10 +65,78 @@ class SettingError(ValueError):
     """A setting or input that cannot work; the message is one line naming it and the fix."""
 
 
+EXIT_PLUGIN = 1  # a user's plug-in raised: its exception, not a setting, is the problem
+
+
 def fail(message: str) -> NoReturn:
-    """One line on stderr, exit 2: the CLI form of a bad setting."""
-    print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
+    """One line on stderr, exit 2: the CLI form of a bad setting. Called while handling an exception
+    that a user's plug-in raised (not a SettingError), the plug-in's exception and its traceback
+    trimmed to the user's frames follow the line instead, exit 1."""
+    line = " ".join(str(message).split())
+    raised = plugin_exception(sys.exc_info()[1])
+    if raised is not None:
+        kind = type(raised).__name__
+        print(f"error in a plug-in: {line if kind in line else f'{kind}: {line}'}", file=sys.stderr)
+        print(user_traceback(raised), file=sys.stderr, end="")
+        sys.exit(EXIT_PLUGIN)
+    print(f"error: {line}", file=sys.stderr)
     sys.exit(EXIT_USAGE)
+
+
+# Where an exception was raised: the framework's own packages, libraries (stdlib, site-packages) or
+# the user's code (a plug-in named by a config's _target_, wherever it lives).
+_FRAMEWORK = tuple(str(Path(__file__).resolve().parents[1] / d) + os.sep
+                   for d in ("varlen", "sim", "schedulers", "backends", "hydra_plugins", "conf"))
+
+
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> tuple[str, ...]:
+    import site
+    import sysconfig
+
+    paths = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    paths.update(site.getsitepackages() + [site.getusersitepackages()])
+    return tuple(str(Path(p).resolve()) + os.sep for p in paths if p)
+
+
+def is_user_file(filename: str) -> bool:
+    """A frame's file is the user's: not the framework's and not a library's."""
+    if filename.startswith("<"):  # <frozen ...>, <string>: the interpreter's
+        return False
+    f = str(Path(filename).resolve())
+    return not f.startswith(_FRAMEWORK) and not f.startswith(_library_dirs())
+
+
+def plugin_exception(exc: BaseException | None) -> BaseException | None:
+    """The exception in `exc`'s chain (causes, contexts) raised in the user's code, or None. "Raised
+    in" is its innermost frame outside the libraries: a plug-in's ValueError, or one numpy raised for
+    it; not the framework's own check of what the plug-in was given. A SettingError is a deliberate
+    one-line message wherever it comes from."""
+    import traceback
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if not isinstance(exc, SettingError):
+            frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _is_library(f.filename)]
+            if frames and is_user_file(frames[-1].filename):
+                return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _is_library(filename: str) -> bool:
+    return filename.startswith("<") or str(Path(filename).resolve()).startswith(_library_dirs())
+
+
+def user_traceback(exc: BaseException) -> str:
+    """`exc` as Python prints it, its traceback trimmed to the frames in the user's files."""
+    import traceback
+
+    frames = traceback.StackSummary.from_list(
+        [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)])
+    return ("Traceback (most recent call last; the framework's and libraries' frames left out):\n"
+            + "".join(frames.format()) + "".join(traceback.format_exception_only(type(exc), exc)))
 
 
 def interrupted(message: str) -> NoReturn:
@@ -77,10 +148,21 @@ def interrupted(message: str) -> NoReturn:
 def run_cli(main: Callable[[], Any]) -> None:
     """A command's `__main__`: after Ctrl-C, flush and leave at once (the interpreter's teardown takes
     seconds once torch is loaded); a Ctrl-C outside a run gets its one line here."""
+    from hydra.errors import ConfigCompositionException, OverrideParseException
+
     check_config_path()
     check_renamed(sys.argv[1:])
+    # Hydra's own errors propagate to here (it prints them on several lines otherwise, with advice that
+    # does not fit a typo); a user who set HYDRA_FULL_ERROR gets Hydra's full report as before.
+    own = "HYDRA_FULL_ERROR" not in os.environ
+    if own:
+        os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         main()
+    except (ConfigCompositionException, OverrideParseException) as e:
+        if not own:
+            raise
+        fail(hydra_error_line(e))
     except SystemExit as e:
         if e.code != EXIT_INTERRUPTED:
             raise
@@ -89,6 +171,9 @@ def run_cli(main: Callable[[], Any]) -> None:
         print("interrupted: stopped; runs that had finished kept their results, the others wrote none "
               "(a run's summary is written last)", file=sys.stderr)
         _leave_now()
+    finally:
+        if own:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
 
 
 #: Old command-line names: before Hydra, whose own error would not say what they became.
@@ -177,6 +262,144 @@ class ClaimRunDir(Callback):
             fail(f"hydra.sweep.subdir={subdir!r} could give several jobs one directory; include "
                  "${hydra.job.num} (e.g. hydra.sweep.subdir='${hydra.job.num}_${hydra.job.override_dirname}')")
         self._claim(config, "hydra.sweep.dir")
+
+
+class CheckSweep(Callback):
+    """Before any job of a multirun starts (whatever the launcher: Hydra calls this in the launching
+    process), every job's config is composed and given the checks its command runs; one line per
+    bad job, exit 2. Without it, one bad value fails its job mid-sweep and takes the others with it.
+    `checks`: Hydra's job name (the command's module, e.g. run, capacity) -> the dotted path of a
+    function that raises on a bad config (a SettingError or another of `errors_to_exit`)."""
+
+    def __init__(self, checks: dict[str, str]) -> None:
+        self.checks = dict(checks)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra.utils import get_method
+
+        path = self.checks.get(str(config.hydra.job.name))
+        if path is None:
+            return
+        check = get_method(path)
+        jobs = sweep_jobs(config)
+        if jobs is None:
+            return  # another sweeper chooses its jobs as it goes: each job checks its own settings
+        from hydra.core.global_hydra import GlobalHydra
+
+        from hydra.core.hydra_config import HydraConfig
+
+        loader, hydra_cfg = GlobalHydra.instance().config_loader(), HydraConfig.instance().cfg
+        varying = [k for k in dict.fromkeys(o.split("=", 1)[0] for job in jobs for o in job)
+                   if len({o for job in jobs for o in job if o.split("=", 1)[0] == k}) > 1]
+        from hydra.errors import HydraException
+
+        bad = []
+        try:
+            for num, job in enumerate(jobs):
+                label = " ".join(o for o in job if o.split("=", 1)[0] in varying) or " ".join(job)
+                try:
+                    job_cfg = _job_config(loader, config, job, num)
+                except HydraException as e:  # an unknown group option, a key not in the config
+                    bad.append(f"error: job {num} ({label}): {hydra_error_line(e)}")
+                    continue
+                try:
+                    check(job_cfg)
+                except errors_to_exit() as e:
+                    bad.append(f"error: job {num} ({label}): {' '.join(str(e).split())}")
+        finally:
+            HydraConfig.instance().cfg = hydra_cfg  # the sweep's, as Hydra set it
+        if bad:
+            print("\n".join(bad), file=sys.stderr)
+            sys.exit(EXIT_USAGE)
+
+
+def _job_config(loader: Any, config: DictConfig, job: list[str], num: int) -> DictConfig:
+    """Job `num`'s config as its task function will see it: without the `hydra` node, which stays
+    HydraConfig's (for the checks that read the job's overrides) until the sweep starts."""
+    from hydra.core.hydra_config import HydraConfig
+
+    cfg = loader.load_sweep_config(config, list(job))
+    with open_dict(cfg):  # as the launcher sets them (hydra.sweep.subdir reads them)
+        cfg.hydra.job.num, cfg.hydra.job.id = num, f"check_{num}"
+    HydraConfig.instance().set_config(cfg)
+    with read_write(cfg), open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
+    """Each job's overrides, as Hydra's basic sweeper will launch them; None for another sweeper."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    target = str(OmegaConf.select(config, "hydra.sweeper._target_") or "")
+    if not target.endswith("BasicSweeper"):
+        return None
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    overrides = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+    batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)
+    return [list(job) for batch in batches for job in batch]
+
+
+def hydra_error_line(e: BaseException) -> str:
+    """One line for Hydra's error composing the config: an unknown group option or key gets the
+    closest name ("did you mean"), the group's options or the section's keys; an unknown option
+    names VARLEN_CONFIG_PATH, where a plug-in's yaml is looked for."""
+    import difflib
+    import re
+
+    from hydra.errors import MissingConfigException, OverrideParseException
+
+    def squash(text: str) -> str:
+        return " ".join(text.split("\nConfig search path:")[0].split())
+
+    if isinstance(e, MissingConfigException) and e.options and e.missing_cfg_file and "/" in e.missing_cfg_file:
+        group, _, name = e.missing_cfg_file.rpartition("/")
+        close = difflib.get_close_matches(name, e.options, n=1)
+        mean = f"did you mean {group}={close[0]}? " if close else ""
+        folders = os.environ.get("VARLEN_CONFIG_PATH") or "unset"
+        return (f"{group}={name} is unknown: {mean}{group} is one of {', '.join(e.options)}; a plug-in of your own "
+                f"is found as {group}/{name}.yaml in a folder on VARLEN_CONFIG_PATH (now {folders})")
+    if isinstance(e, OverrideParseException):
+        return f"{e.override}: cannot parse it ({squash(e.message.split(chr(10))[0])}); quote a value with spaces or brackets"
+    cause = e.__cause__
+    parent, key = getattr(cause, "parent_node", None), getattr(cause, "key", None)
+    if isinstance(parent, DictConfig) and isinstance(key, str):
+        full = str(getattr(cause, "full_key", None) or key)
+        section = full.rpartition(".")[0]
+        keys = [str(k) for k in parent.keys() if str(k) != "hydra" and not str(k).startswith("_")]
+        given = re.search(r"use \+(\S+)", str(e))
+        value = given.group(1).partition("=")[2] if given else "..."
+        close = [f"{section + '.' if section else ''}{k}" for k in difflib.get_close_matches(key, keys, n=1)]
+        if not close:  # a key of another section: engine.max_num_seqs for scheduler.max_num_seqs
+            paths = _key_paths(OmegaConf.to_container(parent._get_root(), resolve=False))
+            near = difflib.get_close_matches(key, [p.rpartition(".")[2] for p in paths], n=1, cutoff=0.8)
+            close = [p for p in paths if near and p.rpartition(".")[2] == near[0]][:1]
+        where = f"{section} has" if section else "the settings and groups are"
+        fix = f"did you mean {close[0]}={value}? " if close else f"to add a key of your own: +{full}={value}; "
+        return f"{full} is not a setting: {fix}{where} {', '.join(keys)}"
+    return squash(str(e))
+
+
+def _key_paths(node: Any, prefix: str = "") -> list[str]:
+    """The dotted paths of a config's keys, the hydra node left out."""
+    if not isinstance(node, dict):
+        return []
+    out = []
+    for k, v in node.items():
+        if (not prefix and k == "hydra") or str(k).startswith("_"):
+            continue
+        out += [f"{prefix}{k}", *_key_paths(v, f"{prefix}{k}.")]
+    return out
+
+
+def check_varlen_run(cfg: DictConfig) -> None:
+    """What `python -m varlen.run` checks before loading the model."""
+    from varlen.run import check_settings
+    from varlen.settings import check_cli_settings
+
+    check_settings(cfg)
+    check_cli_settings(cfg)
 
 
 # Settings, checked before the work starts

@@ -497,6 +497,32 @@ def test_a_damaged_or_stale_cache_entry_is_never_used(tmp_path, monkeypatch):
     assert len(list((tmp_path / "cache").glob("azure-*.npz"))) == 2
 
 
+def test_a_forged_cache_entry_is_read_again_saying_so(tmp_path, monkeypatch, capsys):
+    """A valid .npz with other columns (or another file's whole entry) under an entry's name is
+    caught by the entry's digest: the source is read again, in one line on stderr, and cached anew."""
+    monkeypatch.setenv("VARLEN_TRACE_CACHE", str(tmp_path / "cache"))
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    a.write_text(AZ_HEADER + AZ_OK + "2023-11-16 18:15:48.0,20,4\n")
+    b.write_text(AZ_HEADER + AZ_OK + "2023-11-16 18:15:49.0,30,7\n")
+    first = _as_tuple(load_trace(a))
+    (entry_a,) = (tmp_path / "cache").glob("azure-*.npz")
+    _as_tuple(load_trace(b))
+    (entry_b,) = set((tmp_path / "cache").glob("azure-*.npz")) - {entry_a}
+    capsys.readouterr()
+    forgeries = {
+        "other columns": lambda: np.savez(entry_a, arrival=np.array([0.0, 5.0]), prompt=np.array([1, 2], np.int64),
+                                          output=np.array([3, 4], np.int64)),
+        "another file's entry": lambda: entry_a.write_bytes(entry_b.read_bytes()),
+    }
+    for what, forge in forgeries.items():
+        forge()
+        assert _as_tuple(load_trace(a)) == first, what
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "does not match its digest" in err[0] and str(a) in err[0], (what, err)
+        assert _as_tuple(load_trace(a)) == first  # cached anew: read without a word
+        assert capsys.readouterr().err == ""
+
+
 def test_a_cached_gzip_trace_under_a_plain_name_is_still_an_error(tmp_path, monkeypatch):
     monkeypatch.setenv("VARLEN_TRACE_CACHE", str(tmp_path / "cache"))
     gz = tmp_path / "t.csv.gz"
