@@ -149,8 +149,9 @@ class SteadyState:
 
     warmup_fraction: float = 0.1     # of the arrival window, at least; more when latencies are longer
     warmup_latency_quantile: float = 0.9  # warm-up lasts at least this quantile of end-to-end latency
-    min_completion_ratio: float = 0.9  # completions / arrivals within the judged window
+    min_completion_ratio: float = 0.95  # completion rate / arrival rate within the judged window
     max_queue_growth: float = 0.1    # growth of the unscheduled queue, per arrival (slope / arrival rate)
+    max_warmup_fraction: float = 0.5  # a longer warm-up leaves too short a window to see a slow overload
     min_window_requests: int = 20    # fewer arrivals than this in the judged window: cannot tell, fails
 
     @classmethod
@@ -161,7 +162,7 @@ class SteadyState:
             raise ValueError(f"capacity.steady_state: unknown setting(s) {', '.join(sorted(unknown))}; "
                              f"the settings are {', '.join(cls.__dataclass_fields__)}")
         s = cls(**opts)
-        for k in ("warmup_fraction", "warmup_latency_quantile", "min_completion_ratio"):
+        for k in ("warmup_fraction", "warmup_latency_quantile", "min_completion_ratio", "max_warmup_fraction"):
             v = getattr(s, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise ValueError(f"capacity.steady_state.{k}={v!r} must be a fraction in [0, 1]")
@@ -175,11 +176,13 @@ class SteadyState:
 
 
 def steady_state(requests: Any, s: SteadyState = SteadyState()) -> Verdict:
-    """Whether completions keep up with arrivals and the queue of unscheduled requests does not grow,
-    judged over the arrival window (first to last arrival) less a warm-up: at least warmup_fraction
-    of the window, and at least the warmup_latency_quantile of end-to-end latency, so that in a
-    steady state the requests finishing inside the judged window arrived inside the trace. The
-    drain (after the last arrival) is never judged."""
+    """Whether completions keep up with arrivals (the requests in the system do not grow) and the
+    queue of unscheduled requests does not grow, judged over the arrival window (first to last
+    arrival) less a warm-up: at least warmup_fraction of the window and at least the
+    warmup_latency_quantile of end-to-end latency, so that in a steady state the requests finishing
+    inside the judged window arrived inside the trace. A warm-up over max_warmup_fraction of the
+    window fails: a pool filling slowly looks steady over a short window. The drain (after the
+    last arrival) is never judged."""
     arrival = requests["arrival"].to_numpy(np.float64)
     finish = requests["finish"].to_numpy(np.float64)
     t0, t1 = float(arrival.min()), float(arrival.max())
@@ -187,29 +190,35 @@ def steady_state(requests: Any, s: SteadyState = SteadyState()) -> Verdict:
     e2e = e2e[~np.isnan(e2e)]
     latency = float(np.quantile(e2e, s.warmup_latency_quantile)) if len(e2e) else math.inf
     start = t0 + max(s.warmup_fraction * (t1 - t0), latency)
+    if start - t0 > s.max_warmup_fraction * (t1 - t0):
+        return Verdict(False, "throughput",
+                       f"steady state cannot be judged: the p{s.warmup_latency_quantile * 100:g} latency {latency:.3g} s "
+                       f"is over {s.max_warmup_fraction:.0%} of the {t1 - t0:.3g} s arrival window, too short to "
+                       f"show a slow overload; the rate is not shown sustainable (a longer trace, workload.limit, tells)")
     in_window = (arrival >= start) & (arrival <= t1)
     arrived = int(in_window.sum())
     if arrived < s.min_window_requests:
         return Verdict(False, "throughput",
-                       f"completions cannot be judged: {arrived} arrivals after the warm-up "
-                       f"({start - t0:.3g} s of a {t1 - t0:.3g} s arrival window; p{s.warmup_latency_quantile * 100:g} "
-                       f"latency {latency:.3g} s) < {s.min_window_requests}: the rate is not shown sustainable")
-    completed = int(((finish >= start) & (finish <= t1)).sum())
-    ratio = completed / arrived
-    if ratio < s.min_completion_ratio:
-        return Verdict(False, "throughput", f"completions {ratio:.0%} of arrivals after the warm-up "
-                                            f"(need >= {s.min_completion_ratio:.0%})")
-    # The unscheduled queue at evenly spaced times: its least-squares slope against the arrival rate.
-    sched = requests["first_scheduled"].to_numpy(np.float64)
-    left = np.where(np.isnan(sched), finish, sched)  # a rejected request leaves the queue when it ends
-    left = np.where(np.isnan(left), np.inf, left)
-    times = np.linspace(start, t1, 64)
-    queue = (np.searchsorted(np.sort(arrival), times, side="right")
-             - np.searchsorted(np.sort(left), times, side="right")).astype(np.float64)
+                       f"steady state cannot be judged: {arrived} arrivals after the {start - t0:.3g} s warm-up "
+                       f"< {s.min_window_requests}: the rate is not shown sustainable (a longer trace tells)")
+    # Requests in the system and those not yet scheduled, at evenly spaced times of the judged window;
+    # a least-squares slope uses every point, where a count of completions rests on its two ends.
+    times = np.linspace(start, t1, 256)
+    arrived_by = np.searchsorted(np.sort(arrival), times, side="right")
+
+    def slope(leave: np.ndarray) -> float:
+        leave = np.sort(np.where(np.isnan(leave), np.inf, leave))
+        count = (arrived_by - np.searchsorted(leave, times, side="right")).astype(np.float64)
+        return float(np.polyfit(times, count, 1)[0]) if t1 > start else 0.0
+
     rate = arrived / max(t1 - start, 1e-12)
-    slope = float(np.polyfit(times, queue, 1)[0]) if t1 > start else 0.0
-    growth = slope / rate
+    ratio = 1 - slope(finish) / rate  # completion rate / arrival rate
+    if ratio < s.min_completion_ratio:
+        return Verdict(False, "throughput", f"completions keep up with {ratio:.0%} of arrivals after the warm-up "
+                                            f"(need >= {s.min_completion_ratio:.0%})")
+    sched = requests["first_scheduled"].to_numpy(np.float64)
+    growth = slope(np.where(np.isnan(sched), finish, sched)) / rate  # a rejected request leaves when it ends
     if growth > s.max_queue_growth:
-        return Verdict(False, "queue_growth", f"the queue grows by {growth:.2f} per arrival after the warm-up "
-                                              f"(need <= {s.max_queue_growth:g})")
-    return Verdict(True, None, f"steady: completions {ratio:.0%} of arrivals, queue growth {growth:+.2f} per arrival")
+        return Verdict(False, "queue_growth", f"the unscheduled queue grows by {growth:.2f} per arrival after "
+                                              f"the warm-up (need <= {s.max_queue_growth:g})")
+    return Verdict(True, None, f"steady: completions keep up with {ratio:.0%} of arrivals, queue growth {growth:+.2f} per arrival")
