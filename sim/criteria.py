@@ -201,15 +201,20 @@ def steady_state(requests: Any, s: SteadyState = SteadyState()) -> Verdict:
         return Verdict(False, "throughput",
                        f"steady state cannot be judged: {arrived} arrivals after the {start - t0:.3g} s warm-up "
                        f"< {s.min_window_requests}: the rate is not shown sustainable (a longer trace tells)")
-    # Requests in the system and those not yet scheduled, at evenly spaced times of the judged window;
-    # a least-squares slope uses every point, where a count of completions rests on its two ends.
+    # Requests in the system and those not yet scheduled, at evenly spaced times of the judged window,
+    # less what a steady state with these times in the system would hold there (the longest requests
+    # still accumulate after the warm-up); a least-squares slope uses every point, where a count of
+    # completions rests on the window's two ends.
     times = np.linspace(start, t1, 256)
     arrived_by = np.searchsorted(np.sort(arrival), times, side="right")
 
     def slope(leave: np.ndarray) -> float:
-        leave = np.sort(np.where(np.isnan(leave), np.inf, leave))
-        count = (arrived_by - np.searchsorted(leave, times, side="right")).astype(np.float64)
-        return float(np.polyfit(times, count, 1)[0]) if t1 > start else 0.0
+        leave = np.where(np.isnan(leave), np.inf, leave)
+        stay = np.sort(leave - arrival)
+        since = times[:, None] - arrival[None, :]  # each time, each request that had arrived by then
+        expected = np.where(since >= 0, 1 - np.searchsorted(stay, since, side="right") / len(stay), 0).sum(axis=1)
+        count = (arrived_by - np.searchsorted(np.sort(leave), times, side="right")).astype(np.float64)
+        return float(np.polyfit(times, count - expected, 1)[0]) if t1 > start else 0.0
 
     rate = arrived / max(t1 - start, 1e-12)
     ratio = 1 - slope(finish) / rate  # completion rate / arrival rate
