@@ -58,6 +58,7 @@ class Point:
     replica_capacity: float | None = None  # req/s one replica sustains within the SLOs
     capacity_at_top: bool = False  # the bisection's top (capacity.high) met the SLOs: a lower bound
     probes: int = 0
+    bound_by: str | None = None  # the condition that bound replica_capacity (sim.capacity.bound_by)
     replicas: int | None = None  # colocated: replicas; disaggregated: units of the P:D split
     verified: bool | None = None  # None: not checked
     verified_attainment: float | None = None
@@ -290,7 +291,7 @@ class Search:
         return None
 
     def replica_capacity(self, p: Point) -> None:
-        from sim.capacity import bisect_rate, probe_rate
+        from sim.capacity import bisect_rate, bound_by, probe_rate
 
         if p.split is not None and p.pipeline != 1:
             p.status, p.reason = "skipped", (f"cluster.mode=disaggregated does not model pipeline parallelism "
@@ -312,7 +313,7 @@ class Search:
         except (ValueError, KeyError) as e:  # a setting of this point the simulation refuses (SettingError too)
             p.status, p.reason = "error", " ".join(str(e).split())[:300]
             return
-        p.probes = len(probes)
+        p.probes, p.bound_by = len(probes), bound_by(best, probes, float(c.capacity.high))
         if best is None:
             p.status, p.reason = "misses SLOs", f"misses the SLOs even at capacity.low={c.capacity.low} req/s"
             return
