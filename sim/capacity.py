@@ -191,8 +191,14 @@ def main(cfg: DictConfig) -> None:
     done: list[dict[str, Any]] = []
     try:
         check_capacity_settings(cfg)
+        from sim.criteria import SloAttainment
+
+        crit = criterion(cfg)
+        slos = (", ".join(f"{k[:-2].upper()} <= {v:g} s" for k, v in crit.slos.items() if v is not None)
+                if isinstance(crit, SloAttainment) else "")
+        slos = f" (SLO {slos} for {crit.attainment:.0%} of requests)" if slos else ""
         print(f"capacity search: {labels['scheduler']}/{labels['allocator']}, criterion "
-              f"{cfg.capacity.get('criterion', 'slo_attainment')} (SLO {slo_text(cfg) or 'none set'}), steady state required")
+              f"{cfg.capacity.get('criterion', 'slo_attainment')}{slos}, steady state required")
         best, probes = capacity_search(cfg, labels, done)
     except errors_to_exit() as err:
         fail(str(err))
@@ -207,7 +213,7 @@ def main(cfg: DictConfig) -> None:
     result = {**labels, "capacity_requests_per_s": best, "bound_by": bound,
               "criterion": str(cfg.capacity.get("criterion", "slo_attainment")), "slo_ttft_s": cfg.slo.ttft_s,
               "slo_tpot_s": cfg.slo.tpot_s, "slo_tbt_s": cfg.slo.get("tbt_s"), "attainment": cfg.capacity.attainment,
-              "steady_state": OmegaConf.to_container(cfg.capacity.get("steady_state"), resolve=True),
+              "steady_state": vars(steady_settings(cfg)),
               "search_high": cfg.capacity.high, "probes": len(probes)}
     (out / "capacity.json").write_text(json.dumps(result, indent=2))
     if best is None:
