@@ -15,13 +15,16 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from sim.run import CONF
 from varlen.cli import SettingError, number
+
+if TYPE_CHECKING:
+    from sim.criteria import Criterion, SteadyState
 
 
 MAX_PROBES = 40  # 40 halvings in log space narrow any sane range far below rel_tol
@@ -105,23 +108,31 @@ def check_capacity_settings(cfg: DictConfig) -> None:
         raise SettingError(str(e)) from None
 
 
-def steady_settings(cfg: DictConfig) -> Any:
+def _mapping(cfg: DictConfig, key: str) -> dict[str, Any] | None:
+    """The mapping at `key`, resolved (None when unset); a SettingError when it is not one."""
+    node = OmegaConf.select(cfg, key)
+    if node is None:
+        return None
+    if not OmegaConf.is_dict(node):
+        raise SettingError(f"{key}={node}: give a mapping of settings, e.g. {key}={{}}")
+    return {str(k): v for k, v in OmegaConf.to_container(node, resolve=True).items()}  # type: ignore[union-attr]
+
+
+def steady_settings(cfg: DictConfig) -> "SteadyState":
+    """The steady-state test's thresholds (capacity.steady_state over SteadyState's defaults)."""
     from sim.criteria import SteadyState
 
-    s = cfg.capacity.get("steady_state")
-    return SteadyState.of(OmegaConf.to_container(s, resolve=True) if s is not None else None)
+    return SteadyState.of(_mapping(cfg, "capacity.steady_state"))
 
 
-def criterion(cfg: DictConfig) -> Any:
+def criterion(cfg: DictConfig) -> "Criterion":
     """The capacity criterion `capacity.criterion` names, built against this config."""
     from sim.criteria import build_criterion
 
-    c = cfg.capacity
-    opts = c.get("criterion_options")
-    context = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(context, dict)
-    return build_criterion(c.get("criterion", "slo_attainment"),
-                           OmegaConf.to_container(opts, resolve=True) if opts is not None else None, context)
+    context = _mapping(cfg, "")
+    assert context is not None
+    return build_criterion(cfg.capacity.get("criterion", "slo_attainment"), _mapping(cfg, "capacity.criterion_options"),
+                           context)
 
 
 def slo_text(cfg: DictConfig) -> str:
@@ -193,10 +204,10 @@ def main(cfg: DictConfig) -> None:
         check_capacity_settings(cfg)
         from sim.criteria import SloAttainment
 
-        crit = criterion(cfg)
-        slos = (", ".join(f"{k[:-2].upper()} <= {v:g} s" for k, v in crit.slos.items() if v is not None)
-                if isinstance(crit, SloAttainment) else "")
-        slos = f" (SLO {slos} for {crit.attainment:.0%} of requests)" if slos else ""
+        crit, slos = criterion(cfg), ""
+        if isinstance(crit, SloAttainment):
+            text = ", ".join(f"{k[:-2].upper()} <= {v:g} s" for k, v in crit.slos.items() if v is not None)
+            slos = f" (SLO {text} for {crit.attainment:.0%} of requests)"
         print(f"capacity search: {labels['scheduler']}/{labels['allocator']}, criterion "
               f"{cfg.capacity.get('criterion', 'slo_attainment')}{slos}, steady state required")
         best, probes = capacity_search(cfg, labels, done)

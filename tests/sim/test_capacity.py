@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.capacity import bisect_rate, bound_by
-from sim.criteria import Criterion, NormalizedLatency, SloAttainment, SteadyState, TbtP99SchedDelay, Verdict, \
+from sim.criteria import Criterion, NormalizedLatency, SloAttainment, SteadyState, TbtP99SchedDelay, \
     build_criterion, checked, steady_state
 
 # ShareGPT-like lengths (the vLLM paper's means), a 7B model on an A100 (no OPT-13B yaml ships),
