@@ -1,7 +1,11 @@
-"""`python -m sim.capacity`: the highest arrival rate that still meets the SLOs, by bisection.
+"""`python -m sim.capacity`: the highest arrival rate the system sustains while meeting a capacity
+criterion, by bisection.
 
-Same config as sim.run; a rate passes when `capacity.attainment` of the requests meet every SLO
-set. Writes capacity.json and capacity_probes.csv to the run's directory.
+Same config as sim.run. A rate passes when the run is in a steady state (completions keep up with
+arrivals and the unscheduled queue does not grow: capacity.steady_state, sim/criteria.py) and the
+criterion `capacity.criterion` passes (default slo_attainment: `capacity.attainment` of the requests
+meet every SLO set). The answer is then verified by probing below it (capacity.verify_below).
+Writes capacity.json (with `bound_by`, the condition that bound it) and capacity_probes.csv.
 
     python -m sim.capacity scheduler=chunked workload.limit=2000 slo.ttft_s=1 slo.tpot_s=0.05
 """
@@ -11,46 +15,75 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import hydra
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from sim.run import CONF
 from varlen.cli import SettingError, number
 
+if TYPE_CHECKING:
+    from sim.criteria import Criterion, SteadyState
+
 
 MAX_PROBES = 40  # 40 halvings in log space narrow any sane range far below rel_tol
+VERIFY_BELOW = (0.8, 0.5)
 
 
 def bisect_rate(meets: Callable[[float], tuple[bool, dict[str, Any]]], low: float, high: float,
-                rel_tol: float = 0.05, max_probes: int = MAX_PROBES) -> tuple[float | None, list[dict[str, Any]]]:
-    """(highest rate found to meet the SLOs, or None when even `low` fails, probes). Ends after
-    `max_probes`, or when floats leave no midpoint strictly between the bounds."""
+                rel_tol: float = 0.05, max_probes: int = MAX_PROBES,
+                verify_below: Sequence[float] = VERIFY_BELOW) -> tuple[float | None, list[dict[str, Any]]]:
+    """(highest rate found to meet the criterion, or None when even `low` fails, probes). The answer
+    is verified at each fraction in `verify_below` of it: passing is not monotone in the rate on a
+    finite trace, so a failure below the answer withdraws it and the search goes on below that
+    failure. Ends after `max_probes`, or when floats leave no midpoint strictly between the bounds."""
     if not 0 < low < high or not math.isfinite(high):
         raise ValueError(f"a rate search needs 0 < low < high, got low={low}, high={high}")
     if not rel_tol > 0:
         raise ValueError(f"rel_tol must be > 0, got {rel_tol}")
-    probes = []
+    fractions = sorted((float(f) for f in verify_below), reverse=True)
+    if any(not 0 < f < 1 for f in fractions):
+        raise ValueError(f"verify_below holds fractions of the answer in (0, 1), got {list(verify_below)}")
+    probes: list[dict[str, Any]] = []
+    seen: dict[float, bool] = {}
 
     def probe(rate: float) -> bool:
-        ok, row = meets(rate)
-        probes.append({"rate": rate, "meets": ok, **row})
-        return ok
+        if rate not in seen:
+            ok, row = meets(rate)
+            probes.append({"rate": rate, "meets": ok, **row})
+            seen[rate] = ok
+        return seen[rate]
 
     if not probe(low):
         return None, probes
-    if probe(high):
-        return high, probes
-    while high / low - 1 > rel_tol and len(probes) < max_probes:
-        mid = math.sqrt(low * high)
-        if not low < mid < high:
-            break
-        if probe(mid):
-            low = mid
-        else:
-            high = mid
-    return low, probes
+    lo, hi = (high, None) if probe(high) else (low, high)
+    while True:
+        while hi is not None and hi / lo - 1 > rel_tol and len(probes) < max_probes - len(fractions):
+            mid = math.sqrt(lo * hi)
+            if not lo < mid < hi:
+                break
+            if probe(mid):
+                lo = mid
+            else:
+                hi = mid
+        failed = next((lo * f for f in fractions if low < lo * f and not probe(lo * f)), None)
+        if failed is None or len(probes) >= max_probes:
+            # Out of probes with a failure below: the highest rate that passed below every failure.
+            return (lo if failed is None else max(r for r, ok in seen.items() if ok and r < failed)), probes
+        hi = failed
+        lo = max(r for r, ok in seen.items() if ok and r < failed)
+
+
+def bound_by(best: float | None, probes: Sequence[dict[str, Any]], high: float) -> str:
+    """Which condition bound the answer: that of the lowest failing probe above it (of the probe at
+    capacity.low when nothing passed); `search_high` when capacity.high itself passed."""
+    if best is not None and best >= high:
+        return "search_high"
+    above = [p for p in probes if not p["meets"] and (best is None or p["rate"] > best)]
+    if not above:
+        return "search_high"
+    return str(min(above, key=lambda p: p["rate"]).get("bound_by") or "unknown")
 
 
 def check_capacity_settings(cfg: DictConfig) -> None:
@@ -63,8 +96,43 @@ def check_capacity_settings(cfg: DictConfig) -> None:
     number(cfg, "capacity.attainment", low=0, low_open=True, high=1,
            hint=" (the fraction of requests that must meet the SLOs, e.g. 0.9)")
     number(cfg, "capacity.rel_tol", low=0, low_open=True, hint=" (stop when high / low - 1 < rel_tol, e.g. 0.05)")
-    if cfg.slo.ttft_s is None and cfg.slo.tpot_s is None and cfg.slo.get("tbt_s") is None:
-        raise SettingError("a capacity search needs an SLO: set slo.ttft_s, slo.tpot_s and/or slo.tbt_s (seconds)")
+    verify = cfg.capacity.get("verify_below", list(VERIFY_BELOW))
+    if not OmegaConf.is_list(verify) and not isinstance(verify, (list, tuple)) or any(
+            isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < 1 for f in verify):
+        raise SettingError(f"capacity.verify_below={verify}: give fractions of the answer in (0, 1) to probe "
+                           f"below it, e.g. [0.8,0.5] ([] for none)")
+    try:
+        steady_settings(cfg)
+        criterion(cfg)
+    except ValueError as e:
+        raise SettingError(str(e)) from None
+
+
+def _mapping(cfg: DictConfig, key: str) -> dict[str, Any] | None:
+    """The mapping at `key`, resolved (None when unset); a SettingError when it is not one."""
+    node = OmegaConf.select(cfg, key)
+    if node is None:
+        return None
+    if not OmegaConf.is_dict(node):
+        raise SettingError(f"{key}={node}: give a mapping of settings, e.g. {key}={{}}")
+    return {str(k): v for k, v in OmegaConf.to_container(node, resolve=True).items()}  # type: ignore[union-attr]
+
+
+def steady_settings(cfg: DictConfig) -> "SteadyState":
+    """The steady-state test's thresholds (capacity.steady_state over SteadyState's defaults)."""
+    from sim.criteria import SteadyState
+
+    return SteadyState.of(_mapping(cfg, "capacity.steady_state"))
+
+
+def criterion(cfg: DictConfig) -> "Criterion":
+    """The capacity criterion `capacity.criterion` names, built against this config."""
+    from sim.criteria import build_criterion
+
+    context = _mapping(cfg, "")
+    assert context is not None
+    return build_criterion(cfg.capacity.get("criterion", "slo_attainment"), _mapping(cfg, "capacity.criterion_options"),
+                           context)
 
 
 def slo_text(cfg: DictConfig) -> str:
@@ -73,25 +141,52 @@ def slo_text(cfg: DictConfig) -> str:
     return ", ".join(f"{n} <= {cfg.slo.get(k)} s" for n, k in names if cfg.slo.get(k) is not None)
 
 
-def capacity_search(cfg: DictConfig, labels: dict[str, Any] | None = None,
-                    probes_out: list[dict[str, Any]] | None = None) -> tuple[float | None, list[dict]]:
-    from sim.run import simulate_config
+KEEP = ("slo_attainment", "requests_per_s", "ttft_p90", "tpot_p90", "tbt_p99", "normalized_latency_mean",
+        "scheduling_delay_p50", "sim_wall_s")
 
-    check_capacity_settings(cfg)
-    c = cfg.capacity
+
+def probe_rate(cfg: DictConfig, labels: dict[str, Any] | None = None,
+               log: Callable[[str], None] | None = None) -> Callable[[float], tuple[bool, dict[str, Any]]]:
+    """meets(rate) for bisect_rate: simulate `cfg` at that rate; it passes when the criterion passes
+    and the run is steady. Its row says which condition failed first (bound_by) and why."""
+    from sim.criteria import checked, steady_state
+    from sim.run import _simulate_paused
+    from varlen.metrics import request_table
+
+    crit, steady = criterion(cfg), steady_settings(cfg)
 
     def meets(rate: float) -> tuple[bool, dict[str, Any]]:
         with open_dict(cfg):
             cfg.workload.rate = rate
-        _, row = simulate_config(cfg, labels)
-        keep = ("slo_attainment", "requests_per_s", "ttft_p90", "tpot_p90", "tbt_p99", "sim_wall_s")
-        print(f"  rate {rate:8.3f} req/s: SLO attainment {row['slo_attainment']:.1%}", flush=True)
-        ok, kept = row["slo_attainment"] >= c.attainment, {k: row[k] for k in keep}
+        res, row, latencies = _simulate_paused(cfg, labels, False)
+        table = request_table(res.requests, latencies)
+        verdicts = [checked(crit, table, row), steady_state(table, steady)]
+        failed = next((v for v in verdicts if not v.ok), None)
+        kept = {k: row.get(k) for k in KEEP}
+        kept.update(bound_by=failed.bound_by if failed else None, reason="; ".join(v.reason for v in verdicts))
+        if log is not None:
+            log(f"  rate {rate:8.3f} req/s: {'meets' if failed is None else 'fails (bound_by ' + str(failed.bound_by) + ')'}"
+                f": {kept['reason']}")
+        return failed is None, kept
+
+    return meets
+
+
+def capacity_search(cfg: DictConfig, labels: dict[str, Any] | None = None,
+                    probes_out: list[dict[str, Any]] | None = None) -> tuple[float | None, list[dict]]:
+    """(capacity or None, probes); each probe row carries bound_by and reason (see bound_by())."""
+    check_capacity_settings(cfg)
+    c = cfg.capacity
+    meets = probe_rate(cfg, labels, lambda line: print(line, flush=True))
+
+    def recorded(rate: float) -> tuple[bool, dict[str, Any]]:
+        ok, kept = meets(rate)
         if probes_out is not None:
             probes_out.append({"rate": rate, "meets": ok, **kept})
         return ok, kept
 
-    return bisect_rate(meets, c.low, c.high, c.rel_tol)
+    return bisect_rate(recorded, c.low, c.high, c.rel_tol,
+                       verify_below=list(c.get("verify_below", VERIFY_BELOW)))
 
 
 @hydra.main(config_path=CONF, config_name="run", version_base="1.3")
@@ -108,8 +203,14 @@ def main(cfg: DictConfig) -> None:
     done: list[dict[str, Any]] = []
     try:
         check_capacity_settings(cfg)
-        print(f"capacity search: {labels['scheduler']}/{labels['allocator']}, SLO {slo_text(cfg)} "
-              f"for {cfg.capacity.attainment:.0%} of requests")
+        from sim.criteria import SloAttainment
+
+        crit, slos = criterion(cfg), ""
+        if isinstance(crit, SloAttainment):
+            text = ", ".join(f"{k[:-2].upper()} <= {v:g} s" for k, v in crit.slos.items() if v is not None)
+            slos = f" (SLO {text} for {crit.attainment:.0%} of requests)"
+        print(f"capacity search: {labels['scheduler']}/{labels['allocator']}, criterion "
+              f"{cfg.capacity.get('criterion', 'slo_attainment')}{slos}, steady state required")
         with showing(**progress_settings(cfg), label="capacity probe"):
             best, probes = capacity_search(cfg, labels, done)
     except errors_to_exit() as err:
@@ -121,16 +222,19 @@ def main(cfg: DictConfig) -> None:
                     (f"those probes written to {out / 'capacity_probes.csv'}, no capacity.json" if done
                      else f"nothing written to {out}"))
     pd.DataFrame(probes).to_csv(out / "capacity_probes.csv", index=False)
-    result = {**labels, "capacity_requests_per_s": best, "slo_ttft_s": cfg.slo.ttft_s,
+    bound = bound_by(best, probes, cfg.capacity.high)
+    result = {**labels, "capacity_requests_per_s": best, "bound_by": bound,
+              "criterion": str(cfg.capacity.get("criterion", "slo_attainment")), "slo_ttft_s": cfg.slo.ttft_s,
               "slo_tpot_s": cfg.slo.tpot_s, "slo_tbt_s": cfg.slo.get("tbt_s"), "attainment": cfg.capacity.attainment,
+              "steady_state": vars(steady_settings(cfg)),
               "search_high": cfg.capacity.high, "probes": len(probes)}
     (out / "capacity.json").write_text(json.dumps(result, indent=2))
     if best is None:
-        print(f"even {cfg.capacity.low} req/s misses the SLOs")
+        print(f"even {cfg.capacity.low} req/s fails (bound_by {bound})")
     elif best == cfg.capacity.high:
-        print(f"capacity >= {best:.3g} req/s (the top of the search range; raise capacity.high)")
+        print(f"capacity >= {best:.3g} req/s (the top of the search range, bound_by {bound}; raise capacity.high)")
     else:
-        print(f"capacity: {best:.3g} req/s")
+        print(f"capacity: {best:.3g} req/s (bound_by {bound})")
     print(f"written to {out}")
 
 

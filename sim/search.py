@@ -61,6 +61,7 @@ class Point:
     low_attainment: float | None = None  # misses SLOs: the SLO attainment at capacity.low
     capacity_at_top: bool = False  # the bisection's top (capacity.high) met the SLOs: a lower bound
     probes: int = 0
+    bound_by: str | None = None  # the condition that bound replica_capacity (sim.capacity.bound_by)
     replicas: int | None = None  # colocated: replicas; disaggregated: units of the P:D split
     verified: bool | None = None  # None: not checked
     verified_attainment: float | None = None
@@ -293,8 +294,7 @@ class Search:
         return None
 
     def replica_capacity(self, p: Point) -> None:
-        from sim.capacity import bisect_rate
-        from sim.run import simulate_config
+        from sim.capacity import bisect_rate, bound_by, probe_rate
 
         if p.split is not None and p.pipeline != 1:
             p.status, p.reason = "skipped", (f"cluster.mode=disaggregated does not model pipeline parallelism "
@@ -310,18 +310,13 @@ class Search:
             p.status, p.reason = "does not fit", why
             return
 
-        def meets(rate: float) -> tuple[bool, dict[str, Any]]:
-            with open_dict(c):
-                c.workload.rate = rate
-            _, row = simulate_config(c, self._labels(p))
-            return row["slo_attainment"] >= self.attainment, {"slo_attainment": row["slo_attainment"]}
-
-        try:
-            best, probes = bisect_rate(meets, float(c.capacity.low), float(c.capacity.high), float(c.capacity.rel_tol))
+        try:  # the capacity's own pass test: the criterion and a steady state (sim.capacity.probe_rate)
+            best, probes = bisect_rate(probe_rate(c, self._labels(p)), float(c.capacity.low), float(c.capacity.high),
+                                       float(c.capacity.rel_tol), verify_below=list(c.capacity.get("verify_below", [])))
         except (ValueError, KeyError) as e:  # a setting of this point the simulation refuses (SettingError too)
             p.status, p.reason = "error", " ".join(str(e).split())[:300]
             return
-        p.probes = len(probes)
+        p.probes, p.bound_by = len(probes), bound_by(best, probes, float(c.capacity.high))
         if best is None:
             p.low_attainment = probes[0].get("slo_attainment") if probes else None
             p.status, p.reason = "misses SLOs", f"misses the SLOs even at capacity.low={c.capacity.low} req/s"

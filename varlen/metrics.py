@@ -44,6 +44,8 @@ def request_columns(requests: Sequence[Request], latencies: dict[str, np.ndarray
     request_latencies(requests), when the caller has it already (it is the costly part)."""
     lat = request_latencies(requests) if latencies is None else latencies
     out_tokens = np.array([r.num_output_tokens for r in requests], np.float64)
+    first_scheduled = np.array([np.nan if r.first_scheduled is None else r.first_scheduled for r in requests],
+                               np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         normalized = np.where(out_tokens > 0, lat["e2e"] / out_tokens, np.nan)
     return dict(
@@ -51,7 +53,7 @@ def request_columns(requests: Sequence[Request], latencies: dict[str, np.ndarray
         output_tokens=[r.num_output_tokens for r in requests],
         finish_reason=[r.finish_reason.value if r.finish_reason else None for r in requests],
         finish_message=[r.finish_message for r in requests], arrival=lat["arrival"],
-        first_scheduled=[np.nan if r.first_scheduled is None else r.first_scheduled for r in requests],
+        first_scheduled=first_scheduled, scheduling_delay=first_scheduled - lat["arrival"],
         first_token=lat["first_token"], finish=lat["finish"], ttft=lat["ttft"], tpot=lat["tpot"], e2e=lat["e2e"],
         normalized_latency=normalized, max_tbt=lat["max_tbt"], num_preemptions=[r.num_preemptions for r in requests],
         prefix_hit_tokens=[r.num_prefix_hit_tokens for r in requests], priority=[r.priority for r in requests])
@@ -178,6 +180,18 @@ def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
             row[f"{name}_p{q}"] = v
     # Over all inter-token gaps, as Sarathi-Serve reports it: the same figure as itl_p99.
     row["tbt_p99"] = row["itl_p99"]
+    # Each request's longest gap: a rare stall shows here, where tbt_p99 over all gaps hides it.
+    max_tbt = lat["max_tbt"][~np.isnan(lat["max_tbt"])]
+    for q, v in zip((50, 90, 99), _pcts(max_tbt, (50, 90, 99))):
+        row[f"max_tbt_p{q}"] = v
+    # Queueing before the first step that serves a request (Sarathi-Serve's scheduling delay).
+    sched = np.array([r.first_scheduled - r.arrival for r in done if r.first_scheduled is not None], np.float64)
+    for q, v in zip((50, 99), _pcts(sched, (50, 99))):
+        row[f"scheduling_delay_p{q}"] = v
+    # vLLM's mean normalized latency: end-to-end latency over output length, averaged over requests.
+    out = np.array([r.num_output_tokens for r in done], np.float64)
+    fin = ~np.isnan(finish) & (out > 0)
+    row["normalized_latency_mean"] = float(np.mean(lat["e2e"][fin] / out[fin])) if fin.any() else float("nan")
     if ttft_slo is not None or tpot_slo is not None or tbt_slo is not None:
         ok_ttft = np.ones(len(done), bool) if ttft_slo is None else has & (np.nan_to_num(ttft_all, nan=np.inf) <= ttft_slo)
         ok_tpot = np.ones(len(done), bool) if tpot_slo is None else ~many | (np.nan_to_num(tpot_all) <= tpot_slo)

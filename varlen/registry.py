@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
-GROUPS = ("scheduler", "allocator", "backend", "router", "cost")
+GROUPS = ("scheduler", "allocator", "backend", "router", "cost", "criterion")
 
 #: os.pathsep-separated folders of the user's own configs, each holding <group>/<name>.yaml.
 CONFIG_PATH_ENV = "VARLEN_CONFIG_PATH"

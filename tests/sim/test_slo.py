@@ -122,3 +122,19 @@ def test_report_draws_the_tbt_cdf_and_reads_runs_without_it(tmp_path):
         pd.DataFrame({"replica": [0, 0], "time": [0.0, 1.0], "kv_usage": [0.1, 0.2]}).to_csv(d / "kv_usage.csv")
     df = report([tmp_path])
     assert (tmp_path / "tbt_cdf.png").stat().st_size > 0 and "tbt_p99" in df
+
+
+def test_summary_reports_scheduling_delay_longest_gap_percentiles_and_normalized_latency():
+    reqs = [finished("a", [1.0, 1.1, 1.5], arrival=0.0), finished("b", [3.0, 3.1, 3.2, 3.3], arrival=2.0),
+            finished("c", [4.0], arrival=3.5)]
+    for r, s in zip(reqs, (0.5, 2.75, 3.9)):
+        r.first_scheduled = s
+    row = summarize(reqs, [], 1)
+    delays = [0.5, 0.75, 0.4]
+    assert row["scheduling_delay_p50"] == pytest.approx(np.percentile(delays, 50))
+    assert row["scheduling_delay_p99"] == pytest.approx(np.percentile(delays, 99))
+    for q in (50, 90, 99):  # over each request's longest gap: a and b (c has none)
+        assert row[f"max_tbt_p{q}"] == pytest.approx(np.percentile([0.4, 0.1], q))
+    assert row["normalized_latency_mean"] == pytest.approx(np.mean([1.5 / 3, 1.3 / 4, 0.5 / 1]))
+    table = request_table(reqs).set_index("req_id")
+    assert table["scheduling_delay"].tolist() == pytest.approx(delays)
