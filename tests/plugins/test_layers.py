@@ -42,7 +42,7 @@ FLOORS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
     ("entry points", {"entry points": (
         "varlen",  # the package's facade: LLM, lazily
         "varlen.llm", "varlen.run", "varlen.demo", "varlen.compile", "varlen.architectures",
-        "sim.run", "sim.capacity", "sim.explain", "sim.search", "sim.profile",
+        "sim.run", "sim.capacity", "sim.explain", "sim.search", "sim.profile", "sim.fit",
         "varlen.testing", "varlen.testing.*",  # the property suites: they drive every layer
     )}),
 ]
