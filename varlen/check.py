@@ -21,46 +21,18 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import yaml
 
+from varlen import check_properties as cp
+from varlen.check_properties import NotApplicable, Property, Subject, hypothesis_settings
+
 KINDS = ("scheduler", "allocator", "backend", "cost", "router")
-GROUP = {"scheduler": "scheduler", "allocator": "allocator", "backend": "backend", "cost": "cost", "router": "router"}
 
 
 class CheckInputError(ValueError):
     """Bad input, said in one line with the fix."""
-
-
-class NotApplicable(Exception):
-    """A property that does not apply to this plug-in (said, not failed)."""
-
-
-@dataclass
-class Subject:
-    kind: str
-    name: str
-    options: dict[str, Any]  # KIND.key=value overrides of its yaml
-    examples: int | None  # --examples: every property's example count; None: each its default
-    sim_model: str = "tiny"
-    hardware: str = "cpu_2core"
-    info: list[str] = field(default_factory=list)
-
-    def build(self, **extra: Any) -> Any:
-        from varlen import registry
-
-        return registry.build(GROUP[self.kind], self.name, **{**self.options, **extra})
-
-    def n(self, default: int) -> int:
-        return self.examples if self.examples is not None else default
-
-
-@dataclass
-class Property:
-    name: str  # what holds, said as a claim
-    run: Callable[[Subject, Any], None]  # (subject, hypothesis settings) -> raises on failure
-    examples: int  # default example count (about 3 min in all on 2 shared cores)
 
 
 @dataclass
@@ -71,25 +43,6 @@ class Outcome:
     error: str = ""
     counterexample: list[str] = field(default_factory=list)
     applies: bool = True
-
-
-SHRINK = True  # --no-shrink: report the first failing example as found (faster, larger)
-DERANDOMIZE = False  # --derandomize: the same examples every run
-
-
-def hypothesis_settings(examples: int, stateful_steps: int | None = None) -> Any:
-    from hypothesis import HealthCheck, Phase, settings
-
-    # One failure (the simplest found) per property: its counterexample is what the user reads.
-    kw: dict[str, Any] = dict(max_examples=examples, deadline=None, database=None, print_blob=False,
-                              report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
-    if DERANDOMIZE:
-        kw["derandomize"] = True
-    if not SHRINK:
-        kw["phases"] = [p for p in Phase if p is not Phase.shrink]
-    if stateful_steps is not None:
-        kw["stateful_step_count"] = stateful_steps
-    return settings(**kw)
 
 
 def run_property(subject: Subject, prop: Property) -> Outcome:
@@ -117,12 +70,6 @@ def run_property(subject: Subject, prop: Property) -> Outcome:
             msg = f"{frame.line} (at {frame.filename}:{frame.lineno})"
         return Outcome(prop.name, False, time.perf_counter() - t, msg, list(dict.fromkeys(example)))
     return Outcome(prop.name, True, time.perf_counter() - t)
-
-
-def properties(kind: str) -> list[Property]:
-    from varlen import check_properties as cp
-
-    return cp.PROPERTIES[kind]
 
 
 def parse(argv: Sequence[str] | None) -> tuple[Subject, argparse.Namespace]:
@@ -155,8 +102,7 @@ def parse(argv: Sequence[str] | None) -> tuple[Subject, argparse.Namespace]:
         options[setting] = yaml.safe_load(value)
     if args.examples is not None and args.examples < 1:
         raise CheckInputError(f"--examples {args.examples}: give at least 1")
-    global SHRINK, DERANDOMIZE
-    SHRINK, DERANDOMIZE = not args.no_shrink, args.derandomize
+    cp.SHRINK, cp.DERANDOMIZE = not args.no_shrink, args.derandomize
     return Subject(kind, name, options, args.examples, args.sim_model, args.hardware), args
 
 
@@ -165,7 +111,7 @@ def resolve(subject: Subject) -> None:
     from varlen import registry
 
     try:
-        registry.target(GROUP[subject.kind], subject.name)
+        registry.target(subject.kind, subject.name)
     except ValueError as e:
         raise CheckInputError(" ".join(str(e).split())) from None
 
@@ -179,9 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         subject, _ = parse(argv)
         resolve(subject)
-        props = properties(subject.kind)
-        from varlen import check_properties as cp
-
+        props = cp.PROPERTIES[subject.kind]
         cp.prepare(subject)
     except (CheckInputError, ValueError) as e:
         print(f"varlen.check: {' '.join(str(e).split())}", file=sys.stderr)
@@ -209,7 +153,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module's main: the properties import varlen.check, which must be this one.
-    from varlen.check import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -8,14 +8,65 @@ import math
 import time
 import warnings
 from numbers import Integral
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from varlen.check import NotApplicable, Property, Subject
 
 EOS = 1  # the stand-in executor's end-of-sequence token (varlen/testing/invariants.py)
 MAX_LEN = 64  # the real-model property's max_model_len: the tiny model, short requests
 
 _cache: dict[str, Any] = {}
+
+
+class NotApplicable(Exception):
+    """A property that does not apply to this plug-in (said, not failed)."""
+
+
+@dataclass
+class Subject:
+    kind: str
+    name: str
+    options: dict[str, Any]  # KIND.key=value overrides of its yaml
+    examples: int | None  # --examples: every property's example count; None: each its default
+    sim_model: str = "tiny"
+    hardware: str = "cpu_2core"
+    info: list[str] = field(default_factory=list)
+
+    def build(self, **extra: Any) -> Any:
+        from varlen import registry
+
+        return registry.build(self.kind, self.name, **{**self.options, **extra})
+
+    def n(self, default: int) -> int:
+        return self.examples if self.examples is not None else default
+
+
+@dataclass
+class Property:
+    name: str  # what holds, said as a claim
+    run: Callable[[Subject, Any], None]  # (subject, hypothesis settings) -> raises on failure
+    examples: int  # default example count (about 3 min in all on 2 shared cores)
+
+
+SHRINK = True  # --no-shrink: report the first failing example as found (faster, larger)
+DERANDOMIZE = False  # --derandomize: the same examples every run
+
+
+def hypothesis_settings(examples: int, stateful_steps: int | None = None) -> Any:
+    from hypothesis import HealthCheck, Phase, settings
+
+    # One failure (the simplest found) per property: its counterexample is what the user reads.
+    kw: dict[str, Any] = dict(max_examples=examples, deadline=None, database=None, print_blob=False,
+                              report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
+    if DERANDOMIZE:
+        kw["derandomize"] = True
+    if not SHRINK:
+        kw["phases"] = [p for p in Phase if p is not Phase.shrink]
+    if stateful_steps is not None:
+        kw["stateful_step_count"] = stateful_steps
+    return settings(**kw)
+
+
 
 
 # -- the plug-in's pieces, as each property needs them ------------------------------------------
@@ -145,9 +196,7 @@ def shipped(names: list[str], group: str) -> list[str]:
 def prop_invariants(subject: Subject, s: Any) -> None:
     from hypothesis.stateful import run_state_machine_as_test
 
-    from varlen.check import hypothesis_settings
-
-    run_state_machine_as_test(machine_for(subject), settings=hypothesis_settings(s.max_examples, 40))
+    run_state_machine_as_test(machine_for(subject), settings=hypothesis_settings(s.max_examples, 60))
 
 
 def _workload_for(subject: Subject, w: dict) -> tuple[str | None, str | None]:
@@ -522,9 +571,7 @@ def _sim_figures(subject: Subject, policy: str | None, allocator: str | None) ->
 
 
 def info_scheduling(subject: Subject) -> list[str]:
-    from varlen.check import Subject as S
-
-    base = S("scheduler", "chunked", {}, None)
+    base = Subject("scheduler", "chunked", {}, None)
     mine = (None, "paged-cache") if subject.kind == "scheduler" else ("chunked", None)
     share, us, said = _sim_figures(subject, *mine)
     _, base_us, _ = _sim_figures(base, None, "paged-cache")
