@@ -57,15 +57,16 @@ def run_property(subject: Subject, prop: Property) -> Outcome:
             prop.run(subject, hypothesis_settings(subject.n(prop.examples)))
     except NotApplicable as e:
         return Outcome(prop.name, True, time.perf_counter() - t, str(e), applies=False)
-    except Exception as e:  # noqa: BLE001 (a property's failure, whatever its kind, is its result)
-        if isinstance(e, BaseExceptionGroup) and e.exceptions:  # several distinct failures: the first
-            e = e.exceptions[0]
-        notes = [ln for n in getattr(e, "__notes__", []) for ln in str(n).splitlines()]
+    except Exception as caught:  # noqa: BLE001 (a property's failure, whatever its kind, is its result)
+        err: BaseException = caught
+        if isinstance(err, BaseExceptionGroup) and err.exceptions:  # several distinct failures: the first
+            err = err.exceptions[0]
+        notes = [ln for n in getattr(err, "__notes__", []) for ln in str(n).splitlines()]
         example = [ln for ln in (*lines, *notes) if ln.strip() and "Trying example" not in ln]
-        msg = " ".join(str(e).split())
-        frame = traceback.extract_tb(e.__traceback__)[-1]
-        if not isinstance(e, AssertionError):
-            msg = f"{type(e).__name__}: {msg} (at {frame.filename}:{frame.lineno})"
+        msg = " ".join(str(err).split())
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        if not isinstance(err, AssertionError):
+            msg = f"{type(err).__name__}: {msg} (at {frame.filename}:{frame.lineno})"
         elif not msg:  # a bare assert: its line says what broke
             msg = f"{frame.line} (at {frame.filename}:{frame.lineno})"
         return Outcome(prop.name, False, time.perf_counter() - t, msg, list(dict.fromkeys(example)))

@@ -77,22 +77,24 @@ def policy_maker(subject: Subject, drawn: str | None) -> Callable[[int, int], An
 
     if subject.kind == "scheduler":
         return lambda seats, budget: subject.build(max_num_seqs=seats, max_num_batched_tokens=budget)
+    assert drawn is not None
     cls = policy_class(drawn)
     return lambda seats, budget: cls(max_num_seqs=seats, max_num_batched_tokens=budget)
 
 
 def chunked(subject: Subject, drawn: str | None) -> bool:
-    from varlen.testing.fast_forward import policy_class
-
-    return bool(type(policy_maker(subject, drawn)(1, 1)).chunked_prefill if subject.kind == "scheduler"
-                else policy_class(drawn).chunked_prefill)
+    """Whether the policy splits prompts (else its budget must hold a whole prompt)."""
+    return bool(getattr(policy_maker(subject, drawn)(1, 1), "chunked_prefill"))
 
 
 def allocator_maker(subject: Subject, drawn: str | None) -> Callable[..., Any]:
     """(num_blocks=, block_size=, max_model_len=) -> an allocator: the subject's or a drawn shipped one."""
     from varlen.testing.fast_forward import ALLOCATORS
 
-    return subject.build() if subject.kind == "allocator" else ALLOCATORS[drawn]
+    if subject.kind == "allocator":
+        return subject.build()
+    assert drawn is not None
+    return ALLOCATORS[drawn]
 
 
 def sim_factory(subject: Subject, policy: str | None, allocator: str | None, num_blocks: int, block_size: int,
@@ -565,7 +567,7 @@ def _sim_figures(subject: Subject, policy: str | None, allocator: str | None) ->
     t = time.perf_counter()
     slow = simulate(fresh_copies(reqs), make, fast_forward=False)
     wall = time.perf_counter() - t
-    eng = fast.replicas[0].engine
+    eng: Any = fast.replicas[0].engine
     said = list(dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, PromiseWarning)))
     return eng.num_fast_forwarded_steps / max(len(eng.steps), 1), wall / max(slow.num_steps, 1) * 1e6, said
 
