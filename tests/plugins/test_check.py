@@ -65,6 +65,19 @@ FILES = {
                 self.n += 1
                 return len(replicas) if self.n % 3 == 0 else 0
         ''',
+    "pkgs/checkme/alloc.py": '''
+        from varlen.kv import PagedAllocator
+
+        class Forgetful(PagedAllocator):
+            """paged, but every third request's blocks are never given back."""
+            freed = 0
+
+            def free(self, req):
+                type(self).freed += 1
+                if type(self).freed % 3:
+                    super().free(req)
+        ''',
+    "conf/allocator/forgetful.yaml": "_target_: checkme.alloc.Forgetful\n_partial_: true\n",
     "conf/scheduler/fastlane.yaml": "_target_: checkme.policies.FastLane\nmax_num_seqs: 64\nmax_num_batched_tokens: 512\n",
     "conf/scheduler/onetoomany.yaml": "_target_: checkme.policies.OneTooMany\n",
     "conf/backend/scaled.yaml": "_target_: checkme.backend.Scaled\n",
@@ -114,6 +127,12 @@ def test_a_policy_one_token_over_budget_fails_named(plugins, capsys):
     assert any("scheduling invariants" in ln for ln in failed), out
     assert out.splitlines()[-1].startswith(f"{4 - len(failed)} passed, {len(failed)} failed: ")
     assert "| Falsifying example:" in out and "| state.step()" in out  # the steps that broke it
+
+
+def test_an_allocator_leaking_blocks_fails_named(plugins, capsys):
+    code, out = check(capsys, "allocator=forgetful", examples=10)
+    assert code == 1
+    assert "FAIL  scheduling invariants" in out, out
 
 
 def test_a_backend_with_a_wrong_answer_fails(plugins, capsys):
