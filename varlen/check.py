@@ -146,9 +146,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for line in out.counterexample[:40]:
                 print(f"        | {line}")
     failed = [o for o in outcomes if not o.ok]
+    skipped = sum(not o.applies for o in outcomes)
     for line in cp.information(subject):
         print(f"  info  {line}")
-    print(f"{len(outcomes) - len(failed)} passed, {len(failed)} failed"
+    print(f"{len(outcomes) - len(failed) - skipped} passed, " + (f"{skipped} n/a, " if skipped else "")
+          + f"{len(failed)} failed"
           + (f": {', '.join(o.prop for o in failed)}" if failed else ""))
     return 1 if failed else 0
 

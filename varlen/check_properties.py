@@ -324,6 +324,15 @@ def prop_backend_vs_reference(subject: Subject, s: Any) -> None:
     from varlen.testing.attention import ATOL, reference
     from varlen.testing.strategies import problems
 
+    # The properties' KV pool is torch_ref's layout, [2, blocks, block_size, kv_heads, head_dim].
+    from varlen.attention_api import AttentionBackend
+
+    cls = type(subject.build())
+    if (cls.allocate_kv_cache is not AttentionBackend.allocate_kv_cache
+            or cls.kv_cache_shape is not AttentionBackend.kv_cache_shape):
+        raise NotApplicable("its KV cache layout is its own (kv_cache_shape / allocate_kv_cache): the "
+                            "model-level properties below check it through the model runner")
+
     @s
     @given(problems())
     def same_output_and_cache_as_torch_ref(p):
@@ -600,10 +609,11 @@ def info_backend(subject: Subject) -> list[str]:
     batch = build_batch(seqs, 16, 8 * len(seqs))
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch.num_tokens, h, 64, generator=gen) for h in (8, 4, 4))
-    cache = torch.randn(2, 8 * len(seqs), 16, 4, 64, generator=gen)
 
     def per_step(backend) -> float:
-        backend.forward(q, k, v, cache.clone(), backend.prepare(batch, "cpu"), 0.125)
+        # In the backend's own layout (as the model runner allocates it).
+        cache = backend.allocate_kv_cache(1, 8 * len(seqs), 16, 4, 64, torch.float32, "cpu")[0]
+        cache.normal_(generator=gen)
         t, n = time.perf_counter(), 20
         for _ in range(n):
             backend.forward(q, k, v, cache, backend.prepare(batch, "cpu"), 0.125)
