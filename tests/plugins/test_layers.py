@@ -42,8 +42,9 @@ FLOORS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
     ("entry points", {"entry points": (
         "varlen",  # the package's facade: LLM, lazily
         "varlen.llm", "varlen.run", "varlen.demo", "varlen.compile", "varlen.architectures",
-        "sim.run", "sim.capacity", "sim.explain", "sim.search", "sim.profile",
+        "sim.run", "sim.capacity", "sim.explain", "sim.search", "sim.profile", "sim.fit",
         "varlen.testing", "varlen.testing.*",  # the property suites: they drive every layer
+        "varlen.check", "varlen.check_properties",  # the command that runs them on one plug-in
     )}),
 ]
 
@@ -202,7 +203,7 @@ def test_scheduling_core_and_simulator_import_no_torch():
 
 #: The test kit (properties and the command that runs them on a plug-in) sits above every package
 #: it checks: a node of its own, which no other module may import.
-TEST_KIT = ("varlen.testing", "varlen.check")
+TEST_KIT = ("varlen.testing", "varlen.check", "varlen.check_properties")
 
 
 def node(module: str) -> str:

@@ -11,6 +11,7 @@ from collections import Counter
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from varlen import registry
 from varlen.clock import SimClock
 from varlen.engine import Engine, Executor
 from varlen.kv import ContiguousAllocator, PagedAllocator
@@ -42,12 +43,21 @@ class SchedulingMachine(RuleBasedStateMachine):
         chunked = policy_class(policy).chunked_prefill
         self.budget = 8 if chunked else self.max_len
         self.policy = policy_class(policy)(max_num_seqs=seats, max_num_batched_tokens=self.budget)
-        self.kv = (PagedAllocator(num_blocks, block_size, self.max_len) if allocator == "paged"
-                   else ContiguousAllocator(num_blocks, block_size, self.max_len, reservation))
+        self.kv = self.make_allocator(allocator, num_blocks, block_size, reservation)
         self.exe = RecordingExecutor()
         self.engine = Engine(self.policy, self.kv, self.exe, SimClock(), self.max_len, eos_token_id=EOS)
         self.reqs: list[Request] = []
         self.prefixes = [[7] * 20, list(range(3, 40))]
+
+    def make_allocator(self, allocator: str, num_blocks: int, block_size: int, reservation: str):
+        """paged, contiguous (with `reservation`), or any other name of the allocator group
+        (varlen.check runs the machine on a user's)."""
+        if allocator == "paged":
+            return PagedAllocator(num_blocks, block_size, self.max_len)
+        if allocator == "contiguous":
+            return ContiguousAllocator(num_blocks, block_size, self.max_len, reservation)
+        return registry.build("allocator", allocator)(num_blocks=num_blocks, block_size=block_size,
+                                                      max_model_len=self.max_len)
 
     @rule(n=st.integers(0, 40), share=st.sampled_from([None, 0, 1]), max_tokens=st.integers(1, 20),
           priority=st.integers(0, 3), ignore_eos=st.booleans())
@@ -107,6 +117,14 @@ class SchedulingMachine(RuleBasedStateMachine):
                 assert (b in free) == (held[b] == 0), f"block {b} leaked or double-listed"
             for t in self.kv.tables.values():
                 assert len(set(t)) == len(t)
+        elif not isinstance(self.kv, ContiguousAllocator):
+            # An allocator of another kind: what its interface shows (a leak shows at teardown).
+            usage = self.kv.usage()
+            assert 0 <= usage.free_slots <= usage.total_slots == self.kv.capacity_tokens
+            for r in self.policy.running:
+                t = list(self.kv.block_table(r))
+                assert len(set(t)) == len(t), f"{r.req_id}: a block twice in its table"
+                assert all(0 <= b < self.kv.num_blocks for b in t), f"{r.req_id}: a block id outside the pool"
         else:
             assert set(self.kv.runs) == holders
             assert self.kv.live_tokens == sum(self.kv.num_tokens.values())
