@@ -1,6 +1,5 @@
 """Hydra callbacks of `python -m sim.run`: a sweep ends with its report written. Apart from
-sim.report so that a single simulation never imports matplotlib. Also the checks each sim command
-runs before its work, which varlen.cli.CheckSweep gives every job of a sweep before any starts."""
+sim.report so that a single simulation never imports matplotlib."""
 
 from __future__ import annotations
 
@@ -20,23 +19,3 @@ class SweepReport(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         if any(sweep_dir.rglob("summary.json")):  # nothing to gather if every job failed
             main([str(sweep_dir)])
-
-
-def check_run(cfg: DictConfig) -> None:
-    from sim.run import check_settings
-
-    check_settings(cfg)
-
-
-def check_capacity(cfg: DictConfig) -> None:
-    from sim.capacity import check_capacity_settings
-
-    check_capacity_settings(cfg)
-
-
-def check_search(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
-    from sim.search import check_search_settings
-
-    check_search_settings(cfg, list(HydraConfig.get().overrides.task))

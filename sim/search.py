@@ -212,6 +212,13 @@ def hardware_prices(cfg: DictConfig) -> tuple[dict[str, float], list[str]]:
     return prices, left_out
 
 
+def check_sweep_job(cfg: DictConfig) -> None:
+    """A sweep's search job, checked before any job starts (varlen.cli.CheckSweep)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    check_search_settings(cfg, list(HydraConfig.get().overrides.task))
+
+
 def check_search_settings(cfg: DictConfig, task_overrides: Iterable[str] = ()) -> None:
     from sim.capacity import check_capacity_settings
 

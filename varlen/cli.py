@@ -393,15 +393,6 @@ def _key_paths(node: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def check_varlen_run(cfg: DictConfig) -> None:
-    """What `python -m varlen.run` checks before loading the model."""
-    from varlen.run import check_settings
-    from varlen.settings import check_cli_settings
-
-    check_settings(cfg)
-    check_cli_settings(cfg)
-
-
 # Settings, checked before the work starts
 
 

@@ -46,6 +46,15 @@ def check_settings(cfg: DictConfig) -> None:
         number(cfg, "workload.limit", low=0, integer=True, optional=True)
 
 
+def check_sweep_job(cfg: DictConfig) -> None:
+    """What a sweep's job is checked for before any job starts (varlen.cli.CheckSweep): this
+    command's settings and the engine's."""
+    from varlen.settings import check_cli_settings
+
+    check_settings(cfg)
+    check_cli_settings(cfg)
+
+
 def load_prompts(path: str) -> list[str]:
     try:
         text = Path(path).read_text(encoding="utf-8-sig")

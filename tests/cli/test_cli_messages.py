@@ -37,7 +37,7 @@ def run_cli_main(module: str, args: list[str], monkeypatch, capsys) -> tuple[int
 # sim.search with nothing that qualifies
 
 ONE_POINT = ["search.hardware=[h100_sxm]", "search.tensor=[1]", "search.scheduler=[chunked]",
-             "search.max_num_batched_tokens=[512]", "workload.limit=20", "capacity.rel_tol=0.5"]
+             "search.max_num_batched_tokens=[512]", "workload.limit=200", "capacity.rel_tol=0.5"]
 
 
 def test_a_search_that_finds_nothing_says_what_bound_it_in_one_line_exit_1(tmp_path, monkeypatch, capsys):
