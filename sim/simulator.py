@@ -19,9 +19,9 @@ from sim.executor import CostModelExecutor
 from sim.routers import Router, make_router
 from sim.fast_forward import FastForwardEngine
 from varlen.clock import SimClock
-from varlen.engine import Engine
+from varlen.engine import Engine, _error_message
 from varlen.interrupt import poll
-from varlen.request import Request
+from varlen.request import FinishReason, Request
 from varlen.steplog import StepLog
 
 
@@ -101,9 +101,23 @@ def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tupl
     routed: dict[str, int] = {}
     t0 = time.perf_counter()
     with gc_paused():
-        _event_loop(pending, replicas, route, routed, fast_forward)
+        try:
+            _event_loop(pending, replicas, route, routed, fast_forward)
+        except BaseException as err:
+            _end_all(pending, replicas, err)
+            raise
     wall = time.perf_counter() - t0
     return SimResult(list(requests), replicas, wall, routed)
+
+
+def _end_all(pending: list[Request], replicas: list[Replica], err: BaseException) -> None:
+    """The simulation stopped: every request not ended yet ends `aborted`, saying why (as Engine.run)."""
+    for rep in replicas:
+        eng = rep.engine
+        eng._fail(list(eng.requests.values()), err, "the simulation stopped")
+    for r in pending:
+        if not r.is_finished:
+            r.finish(FinishReason.ABORTED, r.arrival, _error_message("the simulation stopped before this request arrived", err))
 
 
 def _event_loop(pending: list[Request], replicas: list[Replica], route: Router, routed: dict[str, int],
