@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from sim.executor import CostModelExecutor
+from sim.route_check import check_route
 from sim.routers import Router, make_router
 from sim.fast_forward import FastForwardEngine
 from varlen.clock import SimClock
@@ -123,6 +124,7 @@ def _end_all(pending: list[Request], replicas: list[Replica], err: BaseException
 def _event_loop(pending: list[Request], replicas: list[Replica], route: Router, routed: dict[str, int],
                 fast_forward: bool) -> None:
     num_replicas = len(replicas)
+    pick: Callable[[list[Replica], Request], object] = route  # compiled: no int cast before check_route
     busy: list[tuple[float, int]] = []  # (time of the replica's next step, replica index)
     is_busy = [False] * num_replicas
     inf = float("inf")
@@ -136,7 +138,7 @@ def _event_loop(pending: list[Request], replicas: list[Replica], route: Router, 
         if i < n and pending[i].arrival <= t_step:
             req = pending[i]
             i += 1
-            k = route(replicas, req) if num_replicas > 1 else 0
+            k = check_route(route, pick(replicas, req), num_replicas) if num_replicas > 1 else 0
             rep = replicas[k]
             routed[req.req_id] = k
             if not is_busy[k]:

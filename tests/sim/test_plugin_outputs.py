@@ -66,3 +66,58 @@ def test_a_wrong_grant_ends_the_simulation_with_every_request_ended():
     with pytest.raises(ValueError, match="AlteringPolicy"):
         simulate(reqs, factory(altering(lambda n: n + 1000)), fast_forward=True)
     assert all(r.finish_reason is FinishReason.ABORTED and "AlteringPolicy" in r.finish_message for r in reqs)
+
+
+class BadStepTime(RooflineCostModel):
+    """A user's cost model: the roofline's formula, its answer replaced."""
+
+    def __init__(self, value):
+        super().__init__("tiny", "cpu_2core")
+        self.value = value
+
+    def step_time_sums(self, s):
+        return self.value
+
+
+@pytest.mark.parametrize("value", [-0.5, float("nan"), float("inf")])
+@pytest.mark.parametrize("fast_forward", [False, True])
+def test_a_bad_step_time_is_refused_naming_the_cost_model_and_value(value, fast_forward):
+    """Today's main advanced the clock by it: negative TTFTs, 5e10 req/s, exit 0."""
+    reqs = tiny_requests()
+    with pytest.raises(ValueError) as err:
+        simulate(reqs, factory(cost=BadStepTime(value)), fast_forward=fast_forward)
+    msg = str(err.value)
+    assert "\n" not in msg and "BadStepTime" in msg and repr(value) in msg
+    assert all(r.finish_reason is FinishReason.ABORTED for r in reqs)
+
+
+def test_a_bad_decode_step_time_is_refused_in_the_fast_forward():
+    """The decode fast-forward times its steps through decode_step_time: checked there too."""
+
+    class BadDecode(RooflineCostModel):
+        def decode_step_time(self, num_seqs):
+            return lambda cached: -1.0
+
+    reqs = tiny_requests()
+    with pytest.raises(ValueError, match=r"cost model BadDecode returned a step time of -1\.0"):
+        simulate(reqs, factory(cost=BadDecode("tiny", "cpu_2core")), fast_forward=True)
+
+
+@pytest.mark.parametrize("value", [-1, True, 99, None, 1.0, 3])
+def test_a_router_answer_outside_the_replicas_is_refused(value):
+    """Today's main: -1 picked the last replica silently, True was stored as the replica, 99 and
+    None raised raw IndexError/TypeError, 1.0 a TypeError."""
+    def wrong(replicas, req):
+        return value
+
+    reqs = tiny_requests()
+    with pytest.raises(ValueError) as err:
+        simulate(reqs, factory(), num_replicas=3, router=wrong)
+    assert str(err.value) == f"router {wrong.__qualname__} returned {value!r}; a router returns a replica index in [0, 3)"
+    assert all(r.is_finished for r in reqs)
+
+
+def test_check_route_returns_an_index_in_range():
+    from sim.route_check import check_route
+
+    assert check_route(lambda *a: 0, 2, 3) == 2
