@@ -119,7 +119,7 @@ def check_window(cfg: DictConfig) -> None:
     window = number(cfg, "allocator.sliding_window", low=1, integer=True,
                     hint=" (positions: the model's widest window, e.g. 4096 for Mistral-7B-v0.1)")
     need = config_kv_window(load_sim_model(cfg.sim_model.config))
-    if need is None or window < need:
+    if need is None or (window or 0) < need:  # window: an int (not optional)
         why = ("some layers attend to the whole context, so nothing may be freed early" if need is None
                else f"its widest window is {need}")
         fix = "use allocator=paged" if need is None else f"set allocator.sliding_window={need}"
