@@ -113,11 +113,6 @@ def test_a_router_answer_outside_the_replicas_is_refused(value):
     reqs = tiny_requests()
     with pytest.raises(ValueError) as err:
         simulate(reqs, factory(), num_replicas=3, router=wrong)
-    assert str(err.value) == f"router {wrong.__qualname__} returned {value!r}; a router returns a replica index in [0, 3)"
+    msg = str(err.value)
+    assert "\n" not in msg and f"{wrong.__qualname__} returned {value!r}" in msg and "[0, 2]" in msg
     assert all(r.is_finished for r in reqs)
-
-
-def test_check_route_returns_an_index_in_range():
-    from sim.route_check import check_route
-
-    assert check_route(lambda *a: 0, 2, 3) == 2
