@@ -24,6 +24,11 @@ def check_cluster(cfg: DictConfig) -> None:
         raise SettingError(f"cluster.mode={mode!r} is unknown; choose colocated or disaggregated")
     if mode == "colocated":
         return
+    replicas = OmegaConf.select(cfg, "cluster.replicas")
+    if replicas != 1:
+        raise SettingError(f"cluster.replicas={replicas!r} sizes a colocated cluster; with cluster.mode=disaggregated "
+                           f"use cluster.prefill_replicas and cluster.decode_replicas (and cluster.prefill.* / "
+                           f"cluster.decode.* for each pool's settings)")
     number(cfg, "cluster.prefill_replicas", low=1, integer=True, hint=" (prefill instances)")
     number(cfg, "cluster.decode_replicas", low=1, integer=True, hint=" (decode instances)")
     if (OmegaConf.select(cfg, "parallel.pipeline") or 1) != 1:

@@ -5,6 +5,7 @@ a simulation is the engine's own."""
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 from mypy_extensions import mypyc_attr
@@ -52,7 +53,8 @@ class CostModelExecutor(FastForwardExecutor):
                     sampled += 1
                 else:
                     out.append(None)
-            dt = self.cost.step_time_sums(StepSums(len(scheduled), tn, tc, tnc, tnn, sampled, prefills))
+            sums = StepSums(len(scheduled), tn, tc, tnc, tnn, sampled, prefills)
+            dt = step_seconds(self.cost, self.cost.step_time_sums(sums))
         else:
             new, cached = [], []
             for r, n in scheduled:
@@ -64,7 +66,7 @@ class CostModelExecutor(FastForwardExecutor):
                     sampled += 1
                 else:
                     out.append(None)
-            dt = self.cost.step_time(new, cached, sampled)
+            dt = step_seconds(self.cost, self.cost.step_time(new, cached, sampled))
         self.clock.advance(dt)
         return out
 
@@ -72,7 +74,7 @@ class CostModelExecutor(FastForwardExecutor):
         if not self._decode:
             return None
         num_seqs = len(batch)
-        step_time = self._decode_fns.get(num_seqs)
+        step_time: Callable[[int], object] | None = self._decode_fns.get(num_seqs)
         if step_time is None:
             step_time = self._decode_fns[num_seqs] = self.cost.decode_step_time(num_seqs)
         t = self.clock.now()
@@ -82,11 +84,27 @@ class CostModelExecutor(FastForwardExecutor):
         for _ in range(max_steps):
             if t >= until:
                 break
-            t += step_time(cached)
+            t += step_seconds(self.cost, step_time(cached))
             ends.append(t)
             cached += num_seqs
         return SIM_TOKEN, ends
 
     def ready_time(self, now: float) -> float:
         """When the next step may start: now, unless the cost model replays a recorded timeline."""
-        return self.cost.next_start(now)
+        t: object = self.cost.next_start(now)
+        if isinstance(t, (int, float)) and not isinstance(t, bool) and now <= t < math.inf:
+            return float(t)
+        raise ValueError(f"cost model {type(self.cost).__name__} returned next_start({now!r}) = {t!r}; "
+                         f"a step starts at a finite time no earlier than now")
+
+
+def step_seconds(cost: CostModel, dt: object) -> float:
+    """A cost model's step time, as it enters the clock: a finite number of seconds >= 0, or one line
+    naming the model and the value (a negative or NaN time would corrupt every latency silently)."""
+    if isinstance(dt, float):
+        if 0.0 <= dt < math.inf:
+            return dt
+    elif isinstance(dt, int) and not isinstance(dt, bool) and dt >= 0:
+        return float(dt)
+    raise ValueError(f"cost model {type(cost).__name__} returned a step time of {dt!r} seconds; "
+                     f"a step time is a finite number of seconds >= 0")

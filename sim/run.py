@@ -99,11 +99,15 @@ def check_settings(cfg: DictConfig) -> None:
            hint=" (the fraction of device memory for weights and KV, e.g. 0.9)")
     number(cfg, "engine.max_model_len", low=2, integer=True)
     number(cfg, "cluster.replicas", low=1, integer=True)
+    for key in ("parallel.tensor", "parallel.pipeline"):
+        number(cfg, key, low=1, integer=True, optional=True, hint=" (GPUs per replica)" if key.endswith("tensor") else
+               " (pipeline stages per replica)")
     check_router(cfg, registry)
     from sim.cluster import check_cluster
 
     check_cluster(cfg)
     check_slo(cfg)
+    check_window(cfg)
     number(cfg, "workload.rate", low=0, low_open=True, optional=True, hint=" (requests/s)")
     number(cfg, "workload.limit", low=0, integer=True, optional=True)
     src = OmegaConf.select(cfg, "workload.source")
@@ -112,6 +116,37 @@ def check_settings(cfg: DictConfig) -> None:
 
         if str(src) not in NAMED_TRACES:
             existing_file(cfg, "workload.source", f"a trace file or one of {', '.join(NAMED_TRACES)}")
+
+
+def check_window(cfg: DictConfig) -> None:
+    """An allocator freeing K/V behind a sliding window only where every layer of sim_model slides
+    at most that far, as the real engine refuses (varlen/model_runner.py check_kv_allocator)."""
+    if "sliding_window" not in cfg.allocator:
+        return
+    window = number(cfg, "allocator.sliding_window", low=1, integer=True,
+                    hint=" (positions: the model's widest window, e.g. 4096 for Mistral-7B-v0.1)")
+    need = config_kv_window(load_sim_model(cfg.sim_model.config))
+    if need is None or (window or 0) < need:  # window: an int (not optional)
+        why = ("some layers attend to the whole context, so nothing may be freed early" if need is None
+               else f"its widest window is {need}")
+        fix = "use allocator=paged" if need is None else f"set allocator.sliding_window={need}"
+        model = OmegaConf.select(cfg, "sim_model.name") or OmegaConf.select(cfg, "sim_model.config")
+        raise SettingError(f"allocator.sliding_window={window} frees K/V that sim_model {model} still "
+                           f"reads ({why}); {fix}")
+
+
+def config_kv_window(config: Mapping[str, Any]) -> int | None:
+    """Trailing positions every layer of an HF config may still read (None: the whole context)."""
+    c = dict(config.get("text_config", config))
+    window = c.get("sliding_window")
+    if not window or c.get("use_sliding_window") is False:
+        return None
+    types = c.get("layer_types")
+    if types and any(t != "sliding_attention" for t in types):
+        return None
+    if not types and c.get("model_type") in ("gemma2", "gemma3", "gemma3_text", "cohere2"):
+        return None  # interleaved full-attention layers, from before configs listed layer_types
+    return int(window)
 
 
 def check_router(cfg: DictConfig, registry: Any) -> None:
@@ -207,7 +242,14 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
         if num_blocks < 1:
             raise ValueError(f"engine.num_blocks={e['num_blocks']} is less than one block for each of the "
                              f"parallel.pipeline={par.pipeline} in-flight batches")
-    trace, reqs = load_requests(c["workload"], int(model_config["vocab_size"]), c.get("memory_limit_gb"), True)
+    make_kv = allocator_factory(OmegaConf.to_container(cfg.allocator, resolve=False), {"engine": e}, **alloc_kw)
+    wl = c["workload"]
+    if wl.get("max_model_len") and wl.get("over_length", "clip") == "clip":
+        # over_length=clip keeps what an engine accepts: max_model_len within what its pool holds.
+        holds = pools.max_model_len if disaggregated else \
+            make_kv(num_blocks=num_blocks, block_size=e["block_size"], max_model_len=e["max_model_len"]).max_request_tokens()
+        wl = {**wl, "max_model_len": min(wl["max_model_len"], holds)}
+    trace, reqs = load_requests(wl, int(model_config["vocab_size"]), c.get("memory_limit_gb"), True)
     if not reqs:
         raise SettingError(f"no requests: the workload {c['workload'].get('source')!r} gave none "
                            f"(limit={c['workload'].get('limit')}, {trace.stats.num_read} read); nothing to simulate")
@@ -220,7 +262,6 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
                  else f"{cl['replicas']} replica(s)")
         print(f"simulating {len(reqs)} requests on {where} (Ctrl-C stops)", flush=True)
 
-    make_kv = allocator_factory(OmegaConf.to_container(cfg.allocator, resolve=False), {"engine": e}, **alloc_kw)
     policy = OmegaConf.to_container(cfg.scheduler, resolve=False)
     sizes = EngineSizes(num_blocks, e["block_size"], e["max_model_len"])
 

@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from sim.executor import CostModelExecutor
+from sim.route_check import check_route
 from sim.routers import Router, make_router
 from sim.fast_forward import FastForwardEngine
 from sim.progress import for_run
 from varlen.clock import SimClock
-from varlen.engine import Engine
+from varlen.engine import Engine, _error_message
 from varlen.interrupt import poll
-from varlen.request import Request
+from varlen.request import FinishReason, Request
 from varlen.steplog import StepLog
 
 
@@ -103,16 +104,31 @@ def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tupl
     progress = for_run(len(pending))
     t0 = time.perf_counter()
     with gc_paused():
-        _event_loop(pending, replicas, route, routed, fast_forward, progress)
+        try:
+            _event_loop(pending, replicas, route, routed, fast_forward, progress)
+        except BaseException as err:
+            _end_all(pending, replicas, err)
+            raise
     wall = time.perf_counter() - t0
     if progress is not None:
         progress.close(max(r.clock.now() for r in replicas), len(pending))
     return SimResult(list(requests), replicas, wall, routed)
 
 
+def _end_all(pending: list[Request], replicas: list[Replica], err: BaseException) -> None:
+    """The simulation stopped: every request not ended yet ends `aborted`, saying why (as Engine.run)."""
+    for rep in replicas:
+        eng = rep.engine
+        eng._fail(list(eng.requests.values()), err, "the simulation stopped")
+    for r in pending:
+        if not r.is_finished:
+            r.finish(FinishReason.ABORTED, r.arrival, _error_message("the simulation stopped before this request arrived", err))
+
+
 def _event_loop(pending: list[Request], replicas: list[Replica], route: Router, routed: dict[str, int],
                 fast_forward: bool, progress: Callable[[float, int, list[Replica]], None] | None = None) -> None:
     num_replicas = len(replicas)
+    pick: Callable[[list[Replica], Request], object] = route  # compiled: no int cast before check_route
     busy: list[tuple[float, int]] = []  # (time of the replica's next step, replica index)
     is_busy = [False] * num_replicas
     inf = float("inf")
@@ -128,7 +144,7 @@ def _event_loop(pending: list[Request], replicas: list[Replica], route: Router, 
         if i < n and pending[i].arrival <= t_step:
             req = pending[i]
             i += 1
-            k = route(replicas, req) if num_replicas > 1 else 0
+            k = check_route(route, pick(replicas, req), num_replicas) if num_replicas > 1 else 0
             rep = replicas[k]
             routed[req.req_id] = k
             if not is_busy[k]:

@@ -159,8 +159,12 @@ class Engine:
             return self._unstick()
         self._scheduled = out.scheduled
         cached = []
-        for r, _ in out.scheduled:
-            cached.append(r.num_computed_tokens)
+        for r, n in out.scheduled:
+            c = r.num_computed_tokens
+            # A wrong grant would compute past the request's tokens or nothing, step after step.
+            if n < 1 or c + n > r.num_tokens:
+                raise ValueError(grant_problem(self.policy, r, n))
+            cached.append(c)
             if r.first_scheduled is None:
                 r.first_scheduled = start
         t1 = time.perf_counter()
@@ -253,6 +257,13 @@ class Engine:
         for r in reqs:
             if r.status is not Status.FINISHED:
                 raise AssertionError(f"request {r.req_id} left unfinished")
+
+
+def grant_problem(policy: SchedulerPolicy, req: Request, n: int) -> str:
+    """The one line refusing a policy's grant of `n` tokens to `req` (a step computes 1 to its pending tokens)."""
+    pending = req.num_tokens - req.num_computed_tokens
+    return (f"policy {type(policy).__name__} scheduled {n} tokens for request {req.req_id!r}, which has {pending} "
+            f"to compute: a grant is 1 to {pending} tokens (SchedulerOutput.scheduled)")
 
 
 def _error_message(what: str, err: BaseException) -> str:

@@ -8,6 +8,7 @@ import functools
 import gzip
 import io
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -44,15 +45,50 @@ class ProfileError(ValueError):
     """A profile folder or table that cannot serve a request (missing GPU, bad table)."""
 
 
-def _read_csv(path: Path) -> tuple[list[str], list[list[str]]]:
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    rows = list(csv.reader(io.StringIO(raw.decode())))
-    if not rows:
+def _read_csv(path: Path) -> tuple[list[str], list[list[str]], list[int]]:
+    """(header, data rows, each row's line in the file); a table that cannot be read is one line
+    naming the file, and the line and column where it can."""
+    data = path.read_bytes()
+    if path.suffix == ".gz":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as e:
+            raise ProfileError(f"{path}: not a readable gzip file ({e}); gzip the CSV or name it .csv") from None
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        column = data[data.rfind(b"\n", 0, e.start) + 1:e.start].count(b",") + 1
+        raise ProfileError(f"{path}: line {line}, column {column}: byte {data[e.start]:#x} is not UTF-8 text") from None
+    reader = csv.reader(io.StringIO(text))
+    header: list[str] | None = None
+    rows: list[list[str]] = []
+    lines: list[int] = []
+    try:
+        for row in reader:
+            if not row:
+                continue  # a blank line
+            if header is None:
+                header = row
+            elif len(row) != len(header):
+                what = (f"column {header[len(row)]!r} onward missing" if len(row) < len(header)
+                        else f"fields past the last column {header[-1]!r}")
+                raise ProfileError(f"{path}: line {reader.line_num}: {len(row)} fields where the header has "
+                                   f"{len(header)} ({what})")
+            else:
+                rows.append(row)
+                lines.append(reader.line_num)
+    except csv.Error as e:
+        raise ProfileError(f"{path}: line {reader.line_num}: {e}") from None
+    if header is None:
         raise ProfileError(f"{path}: empty table")
-    return rows[0], rows[1:]
+    if not rows:
+        raise ProfileError(f"{path}: a header and no rows; a table needs at least one measured row")
+    return header, rows, lines
 
 
-def _columns(path: Path, header: list[str], rows: list[list[str]], names: Iterable[str]) -> dict[str, np.ndarray]:
+def _columns(path: Path, header: list[str], rows: list[list[str]], lines: list[int],
+             names: Iterable[str]) -> dict[str, np.ndarray]:
     idx = {h: i for i, h in enumerate(header)}
     missing = [n for n in names if n not in idx]
     if missing:
@@ -62,9 +98,21 @@ def _columns(path: Path, header: list[str], rows: list[list[str]], names: Iterab
         col = [r[idx[n]] for r in rows]
         if n == "use_gated_mlp":
             out[n] = np.array([v.strip().lower() == "true" for v in col])
-        else:
+            continue
+        try:
             out[n] = np.array(col, dtype=np.float64)
+        except ValueError:
+            i = next(i for i, v in enumerate(col) if not _is_number(v))
+            raise ProfileError(f"{path}: line {lines[i]}, column {n!r}: {col[i]!r} is not a number") from None
     return out
+
+
+def _is_number(v: str) -> bool:
+    try:
+        float(v)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -99,10 +147,10 @@ class ComputeTable:
 
 
 def read_compute_table(path: Path, gpu: str, name: str) -> ComputeTable:
-    header, rows = _read_csv(path)
+    header, rows, lines = _read_csv(path)
     # Only the GEMMs are required (phi-2 has one layernorm per layer).
     ops = tuple(op for op in (*LAYER_OPS, "emb") if op in GEMMS or f"time_stats.{op}.median" in header)
-    cols = _columns(path, header, rows, [*SHAPE_COLUMNS, "num_tokens", "num_tensor_parallel_workers",
+    cols = _columns(path, header, rows, lines, [*SHAPE_COLUMNS, "num_tokens", "num_tensor_parallel_workers",
                                          *(f"time_stats.{op}.median" for op in ops)])
     shapes = {tuple(cols[c][i] for c in SHAPE_COLUMNS) for i in range(len(rows))}
     if len(shapes) != 1:
@@ -121,7 +169,7 @@ def read_compute_table(path: Path, gpu: str, name: str) -> ComputeTable:
                 raise ProfileError(f"{path}: TP {tp}: {op} has non-positive or missing times")
         by_tp[tp] = (tokens, times)
     # Vidur's tables have no head_dim column (theirs is n_embd / n_head).
-    hd = _columns(path, header, rows, ["head_dim"])["head_dim"][0] if "head_dim" in header else e // h
+    hd = _columns(path, header, rows, lines, ["head_dim"])["head_dim"][0] if "head_dim" in header else e // h
     key = ModelKey(int(h), int(kv), int(e), int(x), bool(gated), int(hd))
     return ComputeTable(gpu, name, path, key, int(vocab), by_tp)
 
@@ -138,8 +186,8 @@ class CollectiveTable:
 
 
 def read_collective_table(path: Path, node: str, kind: str) -> CollectiveTable:
-    header, rows = _read_csv(path)
-    cols = _columns(path, header, rows, ["num_workers", "devices_per_node", "size", "max_devices_per_node",
+    header, rows, lines = _read_csv(path)
+    cols = _columns(path, header, rows, lines, ["num_workers", "devices_per_node", "size", "max_devices_per_node",
                                          f"time_stats.{kind}.median"])
     curves = {}
     pairs = {(int(w), int(d)) for w, d in zip(cols["num_workers"], cols["devices_per_node"])}
@@ -221,8 +269,8 @@ class Profiles:
         """sim.profile's attention tables on this GPU: (path, columns)."""
         out = []
         for path in self._attention_paths.get(gpu, []):
-            header, rows = _read_csv(path)
-            out.append((path, _columns(path, header, rows, ATTENTION_COLUMNS)))
+            header, rows, lines = _read_csv(path)
+            out.append((path, _columns(path, header, rows, lines, ATTENTION_COLUMNS)))
         return out
 
     def engine_overhead(self, gpu: str) -> tuple[str, dict[str, float]] | None:
@@ -231,8 +279,8 @@ class Profiles:
         if not paths:
             return None
         path = paths[-1]
-        header, rows = _read_csv(path)
-        cols = _columns(path, header, rows, ["const_ms", "per_seq_ms", "per_prefill_ms"])
+        header, rows, lines = _read_csv(path)
+        cols = _columns(path, header, rows, lines, ["const_ms", "per_seq_ms", "per_prefill_ms"])
         return str(path.parent.relative_to(path.parents[2])), {k: float(v[0]) for k, v in cols.items()}
 
     def network(self, node: str) -> dict[str, CollectiveTable]:

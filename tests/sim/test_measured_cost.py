@@ -396,3 +396,40 @@ def test_engine_overhead_fit_recovers_a_known_cost(tmp_path: Path) -> None:
     fit = fit_engine_overhead(rows, LLAMA3_8B, "h200_sxm", tmp_path)
     assert (fit["const_ms"], fit["per_seq_ms"], fit["per_prefill_ms"]) == pytest.approx((2.0, 0.1, 0.5), rel=1e-6)
     assert fit["step_mape_pct"] < 1e-6
+
+
+def test_malformed_tables_name_the_file_line_and_column(tmp_path: Path) -> None:
+    """Today's main: IndexError and BadGzipFile tracebacks, a line naming neither file nor column,
+    a header-only table reported as '0 model shapes'."""
+    src = SHIPPED / "compute/a100/microsoft/phi-2/mlp.csv.gz"
+    lines = gzip.decompress(src.read_bytes()).decode().splitlines()
+    header = lines[0].split(",")
+    i = header.index("time_stats.mlp_up_proj.median")
+
+    def table(name: str, rows: list[str]) -> Path:
+        p = tmp_path / name
+        p.write_text("\n".join(rows) + "\n")
+        return p
+
+    short = table("short.csv", [lines[0], lines[1], ",".join(lines[2].split(",")[:i]), *lines[3:]])
+    with pytest.raises(ProfileError, match=rf"short.csv: line 3: {i} fields where the header has {len(header)} "
+                                           rf"\(column 'time_stats.mlp_up_proj.median' onward missing\)"):
+        read_compute_table(short, "x", "org/m")
+    row = lines[2].split(",")
+    row[i] = "fast"
+    word = table("word.csv", [lines[0], lines[1], ",".join(row), *lines[3:]])
+    with pytest.raises(ProfileError, match=r"word.csv: line 3, column 'time_stats.mlp_up_proj.median': 'fast' is "
+                                           r"not a number"):
+        read_compute_table(word, "x", "org/m")
+    latin = tmp_path / "latin.csv"
+    row[i] = "\xb5"
+    latin.write_bytes("\n".join([lines[0], lines[1], ",".join(row)]).encode("latin-1"))
+    with pytest.raises(ProfileError, match=rf"latin.csv: line 3, column {i + 1}: byte 0xb5 is not UTF-8 text"):
+        read_compute_table(latin, "x", "org/m")
+    fake = tmp_path / "plain.csv.gz"
+    fake.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ProfileError, match=r"plain.csv.gz: not a readable gzip file .*; gzip the CSV or name it .csv"):
+        read_compute_table(fake, "x", "org/m")
+    empty = table("header_only.csv", [lines[0]])
+    with pytest.raises(ProfileError, match="header_only.csv: a header and no rows"):
+        read_compute_table(empty, "x", "org/m")
