@@ -1,7 +1,5 @@
-"""Priority scheduling: continuous batching where waiting requests are admitted by (priority,
-arrival) and, when memory runs out, the least important running request is preempted first
-(lower `priority` value = more important; ties broken by later arrival). Both queues are kept in
-rank order as requests come and go: O(log n) per admission, however long the queue.
+"""Priority scheduling: admit by (priority, arrival); out of memory, preempt the least important
+running request first (lower `priority` = more important). Queues stay sorted: O(log n) each.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Shortest job first, with aging; otherwise `chunked`. A waiting request ranks by prompt_len -
-aging_rate * waited, i.e. by prompt_len + aging_rate * arrival: fixed at queueing, so no clock is
-read. A request arriving (P - 1) / aging_rate s after a P-token one ranks behind it, so nothing
-starves; `aging_rate: 0` is pure shortest-first, which can starve a long prompt under load.
+"""Shortest job first, with aging; otherwise `chunked`. Rank = prompt_len + aging_rate * arrival,
+fixed at queueing (no clock read); `aging_rate: 0` is pure shortest-first, which can starve.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """`python -m sim.capacity`: the highest arrival rate the system sustains while meeting a capacity
 criterion, by bisection.
 
-Same config as sim.run. A rate passes when the run is in a steady state (completions keep up with
-arrivals and the unscheduled queue does not grow: capacity.steady_state, sim/criteria.py) and the
-criterion `capacity.criterion` passes (default slo_attainment: `capacity.attainment` of the requests
-meet every SLO set). The answer is then verified by probing below it (capacity.verify_below).
-Writes capacity.json (with `bound_by`, the condition that bound it) and capacity_probes.csv.
+Same config as sim.run. A rate passes when the run is steady (sim/criteria.py) and
+`capacity.criterion` passes; the answer is verified below (capacity.verify_below).
 
     python -m sim.capacity scheduler=chunked workload.limit=2000 slo.ttft_s=1 slo.tpot_s=0.05
 """

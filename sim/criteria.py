@@ -1,10 +1,7 @@
 """Capacity criteria: when does a run at some arrival rate "serve" it? A plug-in group
-(`conf/criterion/<name>.yaml` with `_target_`, a user's via VARLEN_CONFIG_PATH, or a class's dotted
-path), chosen by `capacity.criterion`. A criterion gets the run's per-request table
-(varlen.metrics.request_columns: a pandas DataFrame) and its summary row, and returns a Verdict.
-
-Before any criterion, every probe of sim.capacity must be in a steady state (`steady_state`):
-a finite trace whose burst fits the KV pool can meet a latency criterion at a rate no system sustains.
+(`conf/criterion/<name>.yaml`) chosen by `capacity.criterion`; it gets the per-request table and
+summary row and returns a Verdict. Every probe must also be steady (`steady_state`): a finite trace
+can meet a latency criterion at a rate no system sustains.
 """
 
 from __future__ import annotations

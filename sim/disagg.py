@@ -1,41 +1,22 @@
-"""Disaggregated prefill/decode (as in DistServe, Splitwise, Mooncake): a pool of prefill
-instances computes each prompt and its first token, the prompt's KV cache moves over a link to
-a decode instance, which generates the rest. Every instance is the engine's own objects (Engine,
-policy, allocator, CostModelExecutor on its own simulated clock).
+"""Disaggregated prefill/decode (DistServe, Splitwise, Mooncake): prefill instances compute each
+prompt and its first token, the KV moves over a link to a decode instance, which generates the rest.
+Every instance is the engine's own objects on its own simulated clock.
 
-A request's path, each step at its own instance's simulated time:
+A request's path:
+1. Arrival: the router picks a prefill instance, which serves a *prefill copy* (max_tokens=1).
+2. Prefill done: the copy's first token is the request's (TTFT); the prefill engine keeps the
+   copy's KV blocks (`DisaggEngine.held`). Nothing left to generate: it finishes here.
+3. Decode admission (pull): the least loaded decode instance takes requests in order of prefill
+   completion when its allocator has room for the prompt and first token (all or nothing).
+4. Transfer: prompt tokens x KV bytes per token: latency + bytes / bandwidth over
+   min(prefill TP, decode TP) streams; one transfer at a time per port (FIFO).
+5. Transfer end: prefill frees the blocks; decode queues the request with its prompt marked cached
+   (`ReceivingAllocator.match_prefix`), so it never recomputes the prefill unless preempted.
 
-1. Arrival: the router (conf/router) picks a prefill instance. That instance serves a *prefill
-   copy* of the request (same id, prompt and priority, max_tokens=1), admitted and scheduled by
-   its policy like any request.
-2. Prefill done: the copy's step samples the first token, which becomes the request's first
-   token (TTFT ends here). The prefill engine keeps the copy's KV blocks (`DisaggEngine.held`).
-   A request with nothing left to generate finishes here, and its blocks are freed.
-3. Decode admission (pull, as DistServe and vLLM's disaggregated connectors do): the least
-   loaded decode instance takes the request in arrival order of prefill completions, when its
-   allocator has room for the prompt and the first token (`allocate`, all or nothing); until
-   then the prefill instance keeps holding the KV.
-4. Transfer: prompt tokens x the model's KV bytes per token, over the link: latency + bytes /
-   bandwidth, the bytes split over min(prefill TP, decode TP) parallel GPU-to-GPU streams. Link
-   contention: each prefill instance sends one transfer at a time and each decode instance
-   receives one at a time (FIFO per port); the network between them is not modelled.
-5. Transfer end: the prefill instance frees the copy's blocks; the decode instance queues the
-   request as its policy queues any arrival, with its prompt marked cached
-   (`ReceivingAllocator.match_prefix` answers the received tokens), so the decode policy admits it
-   with one token to compute and never recomputes the prefill. Preempted there later, it is
-   recomputed on the decode instance, as in vLLM.
-
-A received request holds its blocks while it waits, which a colocated engine's waiting requests
-never do; two rules keep a decode instance serving what a colocated engine with its pool serves:
-- a decode instance with a waiting request that needs memory (one preempted there) starts no
-  transfer: the room it frees goes to that request first, as a colocated engine's would;
-- an idle decode instance whose policy schedules nothing takes back the blocks of its waiting
-  received requests, the last in the policy's order first, until the policy schedules one: each
-  is then recomputed there like a preempted request (`DisaggEngine.num_evicted`).
-
-Events are taken in time order; a decode instance may fast-forward its pure-decode steps only up
-to the next event that could reach it (an arrival, a prefill step, a prefill completion or a
-transfer end), so its state is never ahead of what another instance reads.
+Received requests hold blocks while waiting, unlike a colocated engine's; so a decode instance
+with a waiting request that needs memory starts no transfer, and an idle one whose policy
+schedules nothing evicts received requests (last first) to be recomputed (`num_evicted`).
+Decode fast-forwards only up to the next event that could reach it.
 """
 
 from __future__ import annotations

@@ -3,13 +3,8 @@
     python -m sim.explain sim_model=llama2_70b hardware=a100_80gb_sxm parallel.tensor=4 \
         cost.model=measured step.new=[512,1,1] step.cached=[0,100,2000]
 
-Prints a table and writes explain.json to the run directory: `embedding_s`, `linear_s`
-(everything in the layers but attention: GEMMs, norms, activation, residual adds, rotary),
-`attention_s`, `lm_head_s`, `communication_s`, `overhead_s` and `total_s`, in seconds for the
-whole step (all layers) as one GPU of the TP group sees it; with pipeline parallelism, one
-microbatch through all stages in sequence. `total_s` is the sum of the parts; a part the cost
-model cannot tell apart from another is null (and counted in the one it sits in), e.g. the
-roofline's embedding gather sits in its LM head term; replay splits nothing.
+Prints a table and writes explain.json: seconds per part for the whole step as one GPU of the TP
+group sees it; a part the cost model cannot separate is null (counted in the one it sits in).
 """
 
 from __future__ import annotations

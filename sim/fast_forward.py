@@ -1,10 +1,7 @@
 """The simulator's decode fast-forward: a stretch of repeating pure-decode steps run in one go.
 
-Between arrivals, a policy that promises it (`SchedulerPolicy.next_decode_batch`) decodes every
-running request step after step. The simulator knows the next arrival, so `FastForwardEngine`
-times the stretch in one call (`FastForwardExecutor.decode_run`), asks the allocator only the
-calls that matter (`varlen/kv/growth.py`, when it has them) and logs one `DecodeRun`: the same
-results, step for step (tests/sim/test_sim_fastforward.py). A real run never knows the next arrival.
+The simulator knows the next arrival, so `FastForwardEngine` times the stretch in one call and
+logs one `DecodeRun`, with the same results step for step (tests/sim/test_sim_fastforward.py).
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """`python -m sim.profile`: time the real layers of a stock HF model on this machine and write
-operator tables in the layout `cost.model=measured` reads (sim/profiles/README.md):
-DIR/compute/<gpu>/local/<model>/mlp.csv, milliseconds per layer per operator against tokens.
+operator tables in the layout `cost.model=measured` reads (sim/profiles/README.md).
 
     python -m sim.profile --model tiny --out profiles/            # the embedded tiny Qwen3, on CPU
-    python -m sim.profile --model big --out profiles/             # the 50M shape of benchmarks/throughput.py
     python -m sim.profile --model /path/to/hf-folder --device cuda --dtype bfloat16 --gpu h200_sxm --out profiles/
-    python -m sim.run cost.model=measured cost.profiles=profiles/ sim_model=tiny hardware=cpu_2core
 
-Each operator of the first decoder layer is timed on its own as the model runs it (median of
-`--repeats`), in the shipped tables' columns plus `head_dim`. Also written: attention.csv (one
-layer of `--backend` over decode and prefill grids: the measured model calibrates attention on
-it), overhead.csv (the real engine's per-step, per-request and per-prefill cost the operators
-leave unexplained) and, with `--collectives N` (default: every GPU), all-reduce and send/recv
-tables in DIR/network/<node>/ (sim/profile_network.py) for hardware.node=<node>.
+Also writes attention.csv (`--backend`), overhead.csv (the engine's per-step cost the operators
+leave unexplained) and, with `--collectives N`, network tables (sim/profile_network.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """`python -m sim.report <multirun dir> [...]`: gather a sweep into one table and draw it.
 
-Reads every run's summary.json (and requests.csv / kv_usage.csv) under the given directories and
-writes, next to them (or to --out): summary.csv, latency_throughput.png, ttft_cdf.png,
-tpot_cdf.png, tbt_cdf.png (each request's longest gap between output tokens), kv_usage.png.
-Also `python -m sim.search`'s Pareto table and pareto.png (`pareto_table`, `plot_pareto`).
+Reads each run's summary.json, requests.csv and kv_usage.csv; writes summary.csv and the plots
+next to them (or to --out). Also sim.search's Pareto table and plot.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """`python -m sim.run`: one simulation from a Hydra config (conf/sim/sim.yaml); `-m` for sweeps.
 
-    python -m sim.run scheduler=continuous allocator=contiguous workload.rate=4
-    python -m sim.run -m scheduler=static,continuous,chunked workload.rate=1,2,4,8   # joblib, in parallel
-    python -m sim.report multirun/sim/<date>/<time>                                  # one table + plots
-
-Each run writes summary.json, requests.csv, kv_usage.csv (and steps.csv) to its output directory."""
+    python -m sim.run -m scheduler=static,continuous,chunked workload.rate=1,2,4,8
+    python -m sim.report multirun/sim/<date>/<time>
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Discrete-event simulation: request arrivals, replicas behind a router, and on each replica the
 unmodified engine loop (`varlen.engine.Engine`) with a cost-model executor and a simulated clock.
-
-Time advances only through events, in time order: an arrival (routed; an idle replica's clock
-jumps to it) or a replica's next step. A step sees arrivals at its very start, as `Engine.run`
-does: with one replica this is `Engine.run` exactly.
+A step sees arrivals at its very start: with one replica this is `Engine.run` exactly.
 """
 
 from __future__ import annotations

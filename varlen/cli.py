@@ -1,10 +1,6 @@
-"""What every command-line entry point shares (`varlen.run`, `sim.run`, `sim.capacity`): a run
-directory of its own, settings checked before any work (every job of a sweep before any starts:
-`CheckSweep`), one-line errors (exit 2; Hydra's own config errors too, with the closest name), a
-user plug-in's exception with its traceback trimmed to the user's frames (exit 1), Ctrl-C that says
-what was written (exit 130). No torch. `ClaimRunDir` claims an empty run directory exclusively
-(Hydra names them to the second), else the next free `<dir>-1`, ...; `run_cli` refuses a missing
-VARLEN_CONFIG_PATH folder or a name defined twice (Hydra would silently take the first).
+"""What every command-line entry point shares (`varlen.run`, `sim.run`, `sim.capacity`): its own
+run directory (`ClaimRunDir`), settings checked before any work (`CheckSweep`), one-line errors
+(exit 2), trimmed plug-in tracebacks (exit 1), Ctrl-C that says what was written (exit 130). No torch.
 """
 
 from __future__ import annotations

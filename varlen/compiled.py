@@ -3,21 +3,14 @@
     python -m varlen.compile           # build (needs `pip install -e ".[fast]"` and a C compiler)
     python -m varlen.compile --status  # which core an import gets, and why
 
-The build is optional: without it, or when it does not match the sources, the pure-Python modules
-run with the same results (tests/engine/test_compiled_core.py compares the two). A build lives in a cache
-folder named by a hash of its modules' sources and the Python build, so an edit never runs stale.
-VARLEN_PURE=1 forces pure Python; VARLEN_CORE=engine,policies (names from GROUPS) compiles only
-those groups (benchmarks/compiled_core.py measures each); VARLEN_CACHE_DIR moves the cache.
-
-Rules for code in a compiled module (the pure core runs it too, so it stays plain typed Python):
-- A class users may subclass carries @mypyc_attr(allow_interpreted_subclasses=True).
-- A compiled class may subclass only classes of compiled groups (an interpreted base crashes the
-  build's classes: NEEDS); it may take and return interpreted objects freely.
-- Fields are type-checked on assignment: convert numpy numbers at the constructor, whose
-  parameters are `object` where a caller may pass one, so the check gives its one-line message.
-- A dataclass built every step gets `init=False` and a written __init__ (the generated one runs
-  interpreted).
-- Loops that may run long call varlen.interrupt.poll(): compiled code never sees Ctrl-C otherwise.
+Optional: without a matching build the pure-Python modules run with the same results. Builds are
+cached by a hash of the sources; VARLEN_PURE=1 forces pure Python, VARLEN_CORE=engine,policies
+compiles only those groups, VARLEN_CACHE_DIR moves the cache. Rules for compiled code:
+- a class users may subclass carries @mypyc_attr(allow_interpreted_subclasses=True);
+- a compiled class subclasses only compiled groups' classes (NEEDS);
+- fields are type-checked on assignment: convert numpy numbers in the constructor;
+- a dataclass built every step gets `init=False` and a written __init__;
+- long loops call varlen.interrupt.poll() (compiled code never sees Ctrl-C otherwise).
 """
 
 from __future__ import annotations

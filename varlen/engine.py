@@ -1,8 +1,5 @@
 """The engine loop: schedule → execute → update, the same object in a real run and in the simulator.
-
-Only the executor (a forward or a cost model) and the clock differ, so the simulator's decisions
-are the engine's by construction. No torch here; the simulator's decode fast-forward is its own
-subclass (sim/fast_forward.py).
+Only the executor and the clock differ, so the simulator's decisions are the engine's. No torch.
 """
 
 from __future__ import annotations

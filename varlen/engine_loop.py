@@ -1,9 +1,6 @@
 """One engine loop shared by every caller of an LLM: requests submitted from any thread are batched
-together (continuous batching across callers), and each caller waits on, or streams, its own.
-
-Only the loop's thread touches the engine; callers talk to it through an inbox under one lock.
-The thread starts on the first submission and ends when nothing is left to serve, so an idle LLM
-holds no thread (and can be garbage-collected).
+together, and each caller waits on, or streams, its own. Only the loop's thread touches the engine;
+it ends when nothing is left to serve, so an idle LLM holds no thread.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The scheduling plug point: each step, which requests run and how many new tokens each gets.
 
-The interface and the mechanics every policy inherits (policies: `schedulers/`). Policies are
-pure (no clock, model or tensors), so the simulator runs them as they are. A policy owns the
-waiting and running queues; when the allocator has no room for a running request it preempts by
-recompute, victim the last admitted (LIFO, as in vLLM: least progress lost; `victim_order`).
+Policies (`schedulers/`) are pure (no clock, model or tensors), so the simulator runs them as they
+are; out of memory, they preempt by recompute, the last admitted first (as in vLLM).
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """Step cost models: how long one engine step takes, given what each request in it computes.
-
-One module per model, one formula each (base.py): `roofline`, `measured` (operator tables read in
-`profiles`, predicted in `gemm`, `collectives`, `attention`), `fitted`, `replay`, and
-`communication` (TP / PP collectives over a per-GPU model); `hardware` holds the spec and shape.
-Torch-free: the simulator starts in well under a second and runs without torch.
+One module per model (base.py is the interface). Torch-free, so the simulator starts fast.
 """
 
 from varlen.compiled import package_path

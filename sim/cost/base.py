@@ -1,11 +1,7 @@
 """The cost model interface: each model writes its step-time formula once, from the batch's sums.
 
-Request i brings `new_tokens[i]` tokens after `cached_tokens[i]` in its KV cache; one logit row
-per request unless `num_logits` says otherwise. The formula has two halves, since the decode
-fast-forward times millions of steps whose sizes are fixed and whose caches alone grow:
-`step_fixed` (what the sizes fix, a StepFixed) and `layer_attention` (one layer's attention);
-`step_total` joins them. step_time, step_time_sums, decode_step_time and explain's `parts`
-derive from these, so they cannot drift apart; replay overrides step_time alone.
+Split in `step_fixed` (what the batch sizes fix) and `layer_attention` (what grows with the caches)
+so the decode fast-forward can time many steps at once; every other entry point derives from them.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The measured operator cost model (`cost.model=measured`): step times from per-operator timings
-taken on real GPUs (sim/profiles/, or a user's folder of the same layout). Per GPU: the layer's
-non-attention operators from the table of this shape and TP degree, else predicted (gemm.py); the
-LM head predicted from its GEMM shape; attention the roofline, or calibrated where sim.profile
-timed it (attention.py); collectives from the node's tables (collectives.py). `notes` say which.
-The formula is precomputed per token count when the model is built."""
+taken on real GPUs (sim/profiles/ or a user's folder), predicted (gemm.py) where a table is missing;
+`notes` say which. The formula is precomputed per token count when the model is built."""
 
 from __future__ import annotations
 

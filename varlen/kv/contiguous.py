@@ -1,7 +1,5 @@
-"""Contiguous reservation: one run of consecutive blocks per request, sized at admission.
-
-Static preallocation, as early serving systems did. The run's length: `max` (max_model_len),
-`pow2` (prompt + max_tokens rounded up to a power of two) or `oracle` (the true final length).
+"""Contiguous reservation: one run of consecutive blocks per request, sized at admission
+(`max`, `pow2` or `oracle` length), as early serving systems did.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Paged KV allocation: a pool of fixed-size blocks, reference counts, prefix caching.
 
-Every full block is registered under a chained hash of its content; a new request reuses
-registered blocks after checking their tokens. Freed blocks stay findable until reused: content-free
-blocks (a stack) go first, then cached ones least recently freed first (an LRU).
+Full blocks are registered under a chained hash of their content. Freed blocks stay findable until
+reused: content-free ones first, then cached ones least recently freed first (LRU).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Sliding-window KV: a paged allocator that gives back the blocks every layer's window has passed.
 
-When every layer slides (window W), K/V older than c - W + 1, c a step's first new position, is
-never read again: its blocks are freed at the request's next `allocate` (about W / block_size + 1
-held). The model runner refuses this allocator if any layer sees the whole context. A freed
-block's id stays in the table (backends mask keys outside the window); `live_tokens` still counts
-released positions (the fast-forward relies on each decode adding one).
+Freed block ids stay in the table (backends mask keys outside the window); `live_tokens` still
+counts released positions, since the fast-forward relies on each decode adding one.
 """
 
 from __future__ import annotations
