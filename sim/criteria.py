@@ -117,8 +117,7 @@ class TbtP99SchedDelay(Criterion):
 
 
 def build_criterion(name: Any, options: Mapping[str, Any] | None, context: Mapping[str, Any]) -> Criterion:
-    """The criterion `capacity.criterion` names, with `options` over its yaml; its interpolations read
-    `context` (the run's config as a dict). ValueError in one line for a bad name or setting."""
+    """The criterion `capacity.criterion` names, with `options` over its yaml (one-line ValueError)."""
     from varlen import registry
 
     crit = registry.build("criterion", name, context=context, **dict(options or {}))
@@ -129,8 +128,7 @@ def build_criterion(name: Any, options: Mapping[str, Any] | None, context: Mappi
 
 
 def checked(crit: Criterion, requests: Any, summary: Mapping[str, Any]) -> Verdict:
-    """crit.check's answer, checked where it enters: a user's criterion returning anything but a
-    Verdict (or a passing one naming a bound) is an error, never read as a pass."""
+    """crit.check's answer, checked: anything but a consistent Verdict is an error, never a pass."""
     v = crit.check(requests, summary)
     if not isinstance(v, Verdict) or not isinstance(v.ok, (bool, np.bool_)):
         raise TypeError(f"criterion {type(crit).__name__}.check returned {v!r}; it must return "
@@ -173,13 +171,8 @@ class SteadyState:
 
 
 def steady_state(requests: Any, s: SteadyState = SteadyState()) -> Verdict:
-    """Whether completions keep up with arrivals (the requests in the system do not grow) and the
-    queue of unscheduled requests does not grow, judged over the arrival window (first to last
-    arrival) less a warm-up: at least warmup_fraction of the window and at least the
-    warmup_latency_quantile of end-to-end latency, so that in a steady state the requests finishing
-    inside the judged window arrived inside the trace. A warm-up over max_warmup_fraction of the
-    window fails: a pool filling slowly looks steady over a short window. The drain (after the
-    last arrival) is never judged."""
+    """Whether completions keep up with arrivals and the unscheduled queue does not grow, judged over
+    the arrival window less a warm-up (longer than max_warmup_fraction fails); the drain is never judged."""
     arrival = requests["arrival"].to_numpy(np.float64)
     finish = requests["finish"].to_numpy(np.float64)
     t0, t1 = float(arrival.min()), float(arrival.max())
@@ -198,23 +191,20 @@ def steady_state(requests: Any, s: SteadyState = SteadyState()) -> Verdict:
         return Verdict(False, "throughput",
                        f"steady state cannot be judged: {arrived} arrivals after the {start - t0:.3g} s warm-up "
                        f"< {s.min_window_requests}: the rate is not shown sustainable (a longer trace tells)")
-    # Requests in the system and those not yet scheduled, at evenly spaced times of the judged window,
-    # less what a steady state with these times in the system would hold there (the longest requests
-    # still accumulate after the warm-up); a least-squares slope uses every point, where a count of
-    # completions rests on the window's two ends.
+    # Least-squares slopes of in-system and unscheduled counts, less what a steady state would hold.
     times = np.linspace(start, t1, 256)
     arrived_by = np.searchsorted(np.sort(arrival), times, side="right")
 
     def slope(leave: np.ndarray) -> float:
         leave = np.where(np.isnan(leave), np.inf, leave)
         stay = np.sort(leave - arrival)
-        since = times[:, None] - arrival[None, :]  # each time, each request that had arrived by then
+        since = times[:, None] - arrival[None, :]
         expected = np.where(since >= 0, 1 - np.searchsorted(stay, since, side="right") / len(stay), 0).sum(axis=1)
         count = (arrived_by - np.searchsorted(np.sort(leave), times, side="right")).astype(np.float64)
         return float(np.polyfit(times, count - expected, 1)[0]) if t1 > start else 0.0
 
     rate = arrived / max(t1 - start, 1e-12)
-    ratio = 1 - slope(finish) / rate  # completion rate / arrival rate
+    ratio = 1 - slope(finish) / rate
     if ratio < s.min_completion_ratio:
         return Verdict(False, "throughput", f"completions keep up with {ratio:.0%} of arrivals after the warm-up "
                                             f"(need >= {s.min_completion_ratio:.0%})")

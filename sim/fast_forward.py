@@ -26,9 +26,8 @@ class FastForwardExecutor(Executor):
     """An executor that may time many pure-decode steps in one call (the simulator's cost model)."""
 
     def decode_run(self, batch: Sequence[Request], max_steps: int, until: float) -> tuple[int, list[float]] | None:
-        """Time up to `max_steps` pure-decode steps of `batch` from the clock's now, keeping those
-        that start before `until`: (the token sampled each step, each step's end). The clock is not
-        moved. None (the default): this executor steps one at a time."""
+        """Time up to `max_steps` pure-decode steps of `batch` starting before `until`: (tokens, step ends);
+        the clock is not moved. None: this executor steps one at a time."""
         return None
 
 
@@ -45,8 +44,8 @@ class FastForwardEngine(Engine):
         self._growth: DecodeGrowth | None = None  # the allocator, if it has DecodeGrowth's methods
 
     def step(self, start: float | None = None, until: float | None = None) -> list[Request]:
-        """One step, then the pure-decode steps the policy promises up to `until` (the next
-        arrival; None: exactly Engine.step). A failure there aborts every running request."""
+        """One step, then the pure-decode steps the policy promises up to `until` (None: exactly
+        Engine.step). A failure there aborts every running request."""
         before, preemptions = len(self.steps), self.num_preemptions
         finished = super().step(start)
         if until is None or len(self.steps) == before or self.num_preemptions != preemptions:
@@ -88,14 +87,13 @@ class FastForwardEngine(Engine):
 
     def _decode_segment(self, batch: list[Request], until: float) -> tuple[list[Request], bool]:
         """Steps of `batch` up to its first finish: (the finished requests, whether a next step still
-        starts before `until`). Allocations go in one bulk call (`grow_decodes`) or as the events
-        the allocator names; a failed call ends the segment before its step (the policy preempts)."""
+        starts before `until`); a failed allocation ends the segment before its step (the policy preempts)."""
         max_len = self.max_model_len
-        base = [r.num_computed_tokens for r in batch]  # = each one's count at the allocator
+        base = [r.num_computed_tokens for r in batch]
         n_out = [len(r.output_token_ids) for r in batch]
         stop_at = [min(r.sampling.max_tokens - n, max_len - r.num_prompt_tokens - n) for r, n in zip(batch, n_out)]
         ex = self.executor
-        assert isinstance(ex, FastForwardExecutor)  # _promises_kept checked it
+        assert isinstance(ex, FastForwardExecutor)
         run = ex.decode_run(batch, min(stop_at), until)
         if run is None:
             return [], False
@@ -112,7 +110,7 @@ class FastForwardEngine(Engine):
         failed = False
         growth = self._growth
         bulk = growth.grow_decodes(batch, base, k) if growth is not None else None
-        asked = base[:]  # each one's last count asked of the allocator
+        asked = base[:]
         if bulk is not None:
             ok, changed = bulk
             if ok < k:
@@ -147,7 +145,7 @@ class FastForwardEngine(Engine):
             if reason is not None:
                 self._finish(r, reason)
                 finished.append(r)
-        reserved_after: list[int] = []  # each step's value: the last change at or before it
+        reserved_after: list[int] = []
         done = 0
         for j in sorted(changed):
             if j < k:
@@ -170,7 +168,7 @@ class FastForwardEngine(Engine):
         """The event calls of k decode steps; fills `changed` (step -> reserved slots) and `asked`.
         Returns (steps whose calls all succeeded, whether one failed)."""
         kv, growth = self.kv, self._growth
-        events = []  # (run step asking for the count, batch position, count)
+        events = []
         for p, r in enumerate(batch):
             m = growth.next_allocation_event(r, base[p]) if growth is not None else base[p] + 1
             if m - base[p] - 1 < k:

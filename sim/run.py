@@ -193,7 +193,7 @@ def _simulate_paused(cfg: DictConfig, labels: Mapping[str, Any] | None,
                      announce: bool) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     from sim.simulator import gc_paused
 
-    with gc_paused():  # all long-lived objects
+    with gc_paused():
         return _simulate_config(cfg, labels, announce)
 
 
@@ -325,7 +325,7 @@ def write_csv(table: Any, path: Path) -> None:
 
     import numpy as np
 
-    if isinstance(table, Mapping) and len(table) == 1:  # a row of one empty field is quoted: pandas' rules
+    if isinstance(table, Mapping) and len(table) == 1:
         import pandas as pd
 
         table = pd.DataFrame(table)
@@ -337,7 +337,7 @@ def write_csv(table: Any, path: Path) -> None:
             if arr.dtype.kind == "f":
                 text = list(map(repr, arr.tolist()))
                 for i in np.isnan(arr).nonzero()[0].tolist():
-                    text[i] = ""  # missing: an empty field, as pandas writes it
+                    text[i] = ""
             elif arr.dtype.kind in "iub":
                 text = list(map(str, arr.tolist()))
             elif arr.dtype.kind in "OU" and not isinstance(col, np.ndarray) and all(
@@ -369,7 +369,7 @@ def write_csv(table: Any, path: Path) -> None:
             values = col.to_numpy().tolist() if col.dtype.kind in "fiu" else col.astype(object).tolist()
             if col.dtype.kind not in "iu":
                 for i in col.isna().to_numpy().nonzero()[0].tolist():
-                    values[i] = None  # missing: an empty field, as pandas writes it
+                    values[i] = None
             cols.append(values)
     with open(path, "w", newline="") as f:
         w = csv.writer(f, lineterminator=os.linesep)
@@ -393,7 +393,7 @@ def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig,
     if o.requests:
         cols = request_columns(res.requests, latencies)
         cols["replica"] = np.array([res.routed.get(r, np.nan) for r in cols["req_id"]])
-        if hasattr(res, "decode_routed"):  # disaggregated
+        if hasattr(res, "decode_routed"):
             cols["decode_replica"] = np.array([res.decode_routed.get(r, np.nan) for r in cols["req_id"]])
         write_csv(cols, out / "requests.csv")
     kv: dict[str, list] = {}
@@ -482,7 +482,7 @@ def _skip_mode_probe(argv: list[str]) -> None:
         key = a.split("=", 1)[0].lstrip("+~")
         if (a.startswith(("--config", "-c")) or "hydra.mode" in a or key.startswith("hydra")
                 and not key.startswith(("hydra.run.", "hydra.sweep.", "hydra.job.", "hydra.launcher."))):
-            return  # other configs, or Hydra's own settings, might set hydra.mode: let Hydra look
+            return
     if callable(getattr(Hydra, "get_mode", None)):
         Hydra.get_mode = lambda self, config_name, overrides: None  # type: ignore[method-assign]
 

@@ -166,7 +166,7 @@ def _names(cfg: DictConfig, key: str) -> list[Any]:
     if OmegaConf.is_list(v):
         v = list(OmegaConf.to_container(v))
     elif v is not None and not OmegaConf.is_config(v):
-        v = [v]  # one option given bare: search.hardware=h100_sxm
+        v = [v]
     if not isinstance(v, list) or not v:
         raise SettingError(f"{key}={v!r}: give a non-empty list, e.g. {key}=[a,b]")
     return v
@@ -317,7 +317,7 @@ class Search:
             p.status, p.reason = "does not fit", why
             return
 
-        try:  # the capacity's own pass test: the criterion and a steady state (sim.capacity.probe_rate)
+        try:
             best, probes = bisect_rate(probe_rate(c, self._labels(p)), float(c.capacity.low), float(c.capacity.high),
                                        float(c.capacity.rel_tol), verify_below=list(c.capacity.get("verify_below", [])))
         except (ValueError, KeyError) as e:  # a setting of this point the simulation refuses (SettingError too)
@@ -366,7 +366,7 @@ class Search:
                                                        f"one more exceeds search.max_gpus={max_gpus}")
                 continue
             p.replicas += 1
-            p.verified = None  # this size is not checked yet (p.checks keeps the miss)
+            p.verified = None
             heapq.heappush(line, (p.cost_per_hour, -p.capacity, i))
         return None, None, None, None
 
@@ -387,7 +387,7 @@ def nothing_met(points: Sequence[Point], target: float, attainment: float, max_g
     """The one line of a search that found no deployment: what bound its closest candidate."""
     head = f"no deployment met the SLOs ({attainment:.0%} of requests) at {target:g} req/s"
     checked = [p for p in points if p.checks]
-    if checked:  # simulated at the target and missed: the best attainment reached
+    if checked:
         p = max(checked, key=lambda q: q.checks[-1].get("slo_attainment", 0.0))
         last = p.checks[-1]
         why = (f"one replica more exceeds search.max_gpus={max_gpus}" if p.status == "over max_gpus"
@@ -395,11 +395,11 @@ def nothing_met(points: Sequence[Point], target: float, attainment: float, max_g
         return (f"{head}; closest: {p.label()} {p.size_text(last['replicas'])} reached "
                 f"{last.get('slo_attainment', math.nan):.1%} ({why})")
     big = [p for p in points if p.status == "over max_gpus"]
-    if big:  # fits and meets the SLOs at some rate, but the target needs too many GPUs
+    if big:
         p = min(big, key=lambda q: (q.gpus or q.gpus_per_replica, q.cost_per_gpu_hour))
         return f"{head}; closest: {p.label()}: {p.reason} (raise search.max_gpus)"
     slow = [p for p in points if p.status == "misses SLOs"]
-    if slow:  # even one replica at the lowest rate misses: the SLOs themselves bind
+    if slow:
         p = max(slow, key=lambda q: -1.0 if q.low_attainment is None else q.low_attainment)
         reached = "" if p.low_attainment is None else f", reaching {p.low_attainment:.1%}"
         return f"{head}; closest: {p.label()} {p.reason}{reached} (loosen the SLOs or lower capacity.low)"
@@ -481,8 +481,7 @@ def main(cfg: DictConfig) -> None:
               f"estimated; {len(front)} of {sum(p.status == 'ok' for p in points)} deployments):")
         print(pareto_table(front, chosen))
     if chosen is None:
-        # Nothing to deploy: exit 1 (not 2, the settings were valid) so a script sees it; the tables are
-        # written. A sweep's job only says so: the other searches of the sweep go on.
+        # Nothing to deploy: exit 1 (the settings were valid); a sweep's job only says so.
         from hydra.types import RunMode
 
         print(f"written to {out} (search.csv says why each design was left out)")
@@ -502,8 +501,7 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     from varlen.cli import run_cli
 
-    # By its importable name, so a launcher pickles it by reference (by value, cloudpickle < 3 drops
-    # Point's dataclass fields).
+    # By importable name so a launcher pickles it by reference (cloudpickle < 3 drops dataclass fields).
     from sim.search import main as entry
 
     run_cli(entry)

@@ -65,9 +65,8 @@ EXIT_PLUGIN = 1  # a user's plug-in raised: its exception, not a setting, is the
 
 
 def fail(message: str) -> NoReturn:
-    """One line on stderr, exit 2: the CLI form of a bad setting. Called while handling an exception
-    that a user's plug-in raised (not a SettingError), the plug-in's exception and its traceback
-    trimmed to the user's frames follow the line instead, exit 1."""
+    """One line on stderr, exit 2; while handling a user plug-in's exception, that exception with its
+    traceback trimmed to the user's frames instead, exit 1."""
     line = " ".join(str(message).split())
     raised = plugin_exception(sys.exc_info()[1])
     if raised is not None:
@@ -79,8 +78,7 @@ def fail(message: str) -> NoReturn:
     sys.exit(EXIT_USAGE)
 
 
-# Where an exception was raised: the framework's own packages, libraries (stdlib, site-packages) or
-# the user's code (a plug-in named by a config's _target_, wherever it lives).
+# Where an exception was raised: the framework's packages, libraries, or the user's code.
 _FRAMEWORK = tuple(str(Path(__file__).resolve().parents[1] / d) + os.sep
                    for d in ("varlen", "sim", "schedulers", "backends", "hydra_plugins", "conf"))
 
@@ -104,10 +102,7 @@ def is_user_file(filename: str) -> bool:
 
 
 def plugin_exception(exc: BaseException | None) -> BaseException | None:
-    """The exception in `exc`'s chain (causes, contexts) raised in the user's code, or None. "Raised
-    in" is its innermost frame outside the libraries: a plug-in's ValueError, or one numpy raised for
-    it; not the framework's own check of what the plug-in was given. A SettingError is a deliberate
-    one-line message wherever it comes from."""
+    """The exception in `exc`'s chain raised in the user's code (innermost frame outside libraries), or None."""
     import traceback
 
     seen: set[int] = set()
@@ -142,14 +137,12 @@ def interrupted(message: str) -> NoReturn:
 
 
 def run_cli(main: Callable[[], Any]) -> None:
-    """A command's `__main__`: after Ctrl-C, flush and leave at once (the interpreter's teardown takes
-    seconds once torch is loaded); a Ctrl-C outside a run gets its one line here."""
+    """A command's `__main__`: after Ctrl-C, flush and leave at once (teardown takes seconds with torch)."""
     from hydra.errors import ConfigCompositionException, OverrideParseException
 
     check_config_path()
     check_renamed(sys.argv[1:])
-    # Hydra's own errors propagate to here (it prints them on several lines otherwise, with advice that
-    # does not fit a typo); a user who set HYDRA_FULL_ERROR gets Hydra's full report as before.
+    # Hydra's own errors end here as one line, unless HYDRA_FULL_ERROR is set.
     own = "HYDRA_FULL_ERROR" not in os.environ
     if own:
         os.environ["HYDRA_FULL_ERROR"] = "1"
@@ -194,7 +187,6 @@ def _leave_now() -> NoReturn:
     os._exit(EXIT_INTERRUPTED)
 
 
-# Run directories
 
 
 def claim_dir(path: str | os.PathLike, setting: str = "hydra.run.dir") -> Path:
@@ -235,15 +227,14 @@ def _override_value(s: str) -> str:
 
 
 class ClaimRunDir(Callback):
-    """Claims `hydra.run.dir` or `hydra.sweep.dir` before Hydra writes into it; the claimed path
-    also goes into the overrides, from which launchers (joblib, submitit) recompose each job."""
+    """Claims `hydra.run.dir` or `hydra.sweep.dir` before Hydra writes into it (and in the overrides, for launchers)."""
 
     def _claim(self, config: DictConfig, key: str) -> None:
         try:
             chosen = claim_dir(OmegaConf.select(config, key), key)
         except SettingError as e:
             fail(str(e))
-        except Exception as e:  # an unresolvable interpolation in the directory's name, ...
+        except Exception as e:
             fail(f"{key}: {e}")
         with read_write(config.hydra), open_dict(config.hydra):
             OmegaConf.update(config, key, str(chosen), merge=False)
@@ -261,11 +252,8 @@ class ClaimRunDir(Callback):
 
 
 class CheckSweep(Callback):
-    """Before any job of a multirun starts (whatever the launcher: Hydra calls this in the launching
-    process), every job's config is composed and given the checks its command runs; one line per
-    bad job, exit 2. Without it, one bad value fails its job mid-sweep and takes the others with it.
-    `checks`: Hydra's job name (the command's module, e.g. run, capacity) -> the dotted path of a
-    function that raises on a bad config (a SettingError or another of `errors_to_exit`)."""
+    """Before any job of a multirun starts, compose every job's config and run its command's checks;
+    one line per bad job, exit 2, so one bad value cannot fail mid-sweep. `checks`: job name -> check's path."""
 
     def __init__(self, checks: dict[str, str]) -> None:
         self.checks = dict(checks)
@@ -295,7 +283,7 @@ class CheckSweep(Callback):
                 label = " ".join(o for o in job if o.split("=", 1)[0] in varying) or " ".join(job)
                 try:
                     job_cfg = _job_config(loader, config, job, num)
-                except HydraException as e:  # an unknown group option, a key not in the config
+                except HydraException as e:
                     bad.append(f"error: job {num} ({label}): {hydra_error_line(e)}")
                     continue
                 try:
@@ -303,15 +291,14 @@ class CheckSweep(Callback):
                 except errors_to_exit() as e:
                     bad.append(f"error: job {num} ({label}): {' '.join(str(e).split())}")
         finally:
-            HydraConfig.instance().cfg = hydra_cfg  # the sweep's, as Hydra set it
+            HydraConfig.instance().cfg = hydra_cfg
         if bad:
             print("\n".join(bad), file=sys.stderr)
             sys.exit(EXIT_USAGE)
 
 
 def _job_config(loader: Any, config: DictConfig, job: list[str], num: int) -> DictConfig:
-    """Job `num`'s config as its task function will see it: without the `hydra` node, which stays
-    HydraConfig's (for the checks that read the job's overrides) until the sweep starts."""
+    """Job `num`'s config as its task function will see it (without the `hydra` node)."""
     from hydra.core.hydra_config import HydraConfig
 
     cfg = loader.load_sweep_config(config, list(job))
@@ -338,9 +325,7 @@ def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
 
 
 def hydra_error_line(e: BaseException) -> str:
-    """One line for Hydra's error composing the config: an unknown group option or key gets the
-    closest name ("did you mean"), the group's options or the section's keys; an unknown option
-    names VARLEN_CONFIG_PATH, where a plug-in's yaml is looked for."""
+    """One line for Hydra's config error, with the closest name ("did you mean") or the options."""
     import difflib
     import re
 
@@ -389,7 +374,6 @@ def _key_paths(node: Any, prefix: str = "") -> list[str]:
     return out
 
 
-# Settings, checked before the work starts
 
 
 def check_missing(cfg: DictConfig) -> None:

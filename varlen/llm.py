@@ -86,9 +86,8 @@ class LLM:
         **allocator_options,
     ):
         """`backend`, `scheduler`, `allocator`: a name (conf/<group>/), a dotted class path, a config
-        mapping with `_target_`, or a ready object; extra keyword arguments are options of the
-        allocator built here. The engine is built by varlen/assembly.py. `setting_names`: how errors
-        name the settings (the CLI's). Every setting is checked before the model loads."""
+        mapping with `_target_`, or a ready object; extra keywords are allocator options. Every setting is
+        checked before the model loads."""
         s = self.settings = check_engine_settings(
             names=setting_names, block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -128,7 +127,7 @@ class LLM:
                                    vocab_size=hf.get_input_embeddings().num_embeddings)
         self.executor: ModelExecutor = self.engine.executor  # type: ignore[assignment]
         self._tokenizer = None
-        self._ids = itertools.count()  # next() is atomic: threads may make requests at once
+        self._ids = itertools.count()
         self.loop = EngineLoop(self.engine)
 
     @property
@@ -201,9 +200,8 @@ class LLM:
         self.loop.abort(request_id, message)
 
     def run(self, reqs: Sequence[Request], use_tqdm: bool = False) -> None:
-        """Serve `reqs` to the end on the engine loop, each at its `arrival` (seconds after this call,
-        0 = at once); `engine.steps` holds the steps since the loop was last idle. If a step serving
-        them raises, or Ctrl-C comes, the rest end `aborted` too and the error propagates."""
+        """Serve `reqs` to the end on the engine loop, each at its `arrival` (seconds from now); on an
+        error or Ctrl-C the rest end `aborted` and the error propagates."""
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -213,7 +211,7 @@ class LLM:
         try:
             try:
                 self.loop.wait(streams, on_done=bar.update if bar is not None else None)
-            except BaseException as err:  # Ctrl-C while waiting
+            except BaseException as err:
                 self._stop(streams, err)
                 raise
             failed = next((s.error for s in streams if s.error is not None), None)

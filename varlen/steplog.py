@@ -38,8 +38,7 @@ class StepRecord:
 
 @dataclass(init=False, slots=True)
 class DecodeRun:
-    """Steps step .. step + len(ends) - 1: each decodes every request of `req_ids` by one token
-    (all sample), nothing preempted, nothing waiting; step i starts where step i - 1 ended."""
+    """Steps step .. step + len(ends) - 1, each decoding every request of `req_ids` by one token."""
 
     step: int
     start: float  # the first step's start
@@ -79,10 +78,9 @@ class StepLog:
         self.entries: list[StepRecord | DecodeRun] = []
         self._first: list[int] = []  # index of each entry's first step
         self._len = 0
-        # columns(), cached until the next append; a concatenation reuses its parts' columns.
         self._columns: dict[str, np.ndarray] | None = None
-        self._columns_at = -1  # len(entries) when _columns was computed
-        self._columns_tokens = False  # whether _columns holds the token sums
+        self._columns_at = -1
+        self._columns_tokens = False
         self._parts: list[tuple[StepLog, int]] = []
         for e in entries:
             self.append(e)
@@ -129,9 +127,7 @@ class StepLog:
         return self._len > 0
 
     def columns(self, tokens: bool = True) -> dict[str, np.ndarray]:
-        """Per-step read-only arrays (start, duration, num_seqs, num_new_tokens, num_cached_tokens,
-        kv_reserved_slots, kv_live_tokens, num_waiting), as read off the records. tokens=False
-        leaves out the two token sums (a third of the time)."""
+        """Per-step read-only arrays as read off the records; tokens=False leaves out the token sums."""
         n_entries = len(self.entries)
         if self._columns is None or self._columns_at != n_entries or (tokens and not self._columns_tokens):
             parts = self._parts
@@ -151,18 +147,16 @@ class StepLog:
 
     def _compute_columns(self, tokens: bool = True) -> dict[str, np.ndarray]:
         """columns(): a few figures per entry in one pass, spread over the steps by numpy."""
-        # Per entry (a record is one step):
         steps: list[int] = []
         seqs: list[int] = []
         new: list[int] = []
-        cached0: list[int] = []  # at the entry's first step; a run adds `seqs` per step
-        live0: list[int] = []  # before the first step; each step adds `seqs`...
-        live_last: list[int] = []  # ...except the last, which is recorded
+        cached0: list[int] = []
+        live0: list[int] = []
+        live_last: list[int] = []
         waiting: list[int] = []
         start0: list[float] = []
-        record_dur: list[float] = []  # a record's own duration; NaN for a run
-        # Per step:
-        ends: list[float] = []  # a run's step ends, NaN for a record
+        record_dur: list[float] = []
+        ends: list[float] = []
         reserved: list[int] = []
         nan = float("nan")
         for e in self.entries:
@@ -193,9 +187,9 @@ class StepLog:
         i64 = np.int64
         n = len(steps)
         steps_a = np.array(steps, i64)
-        first = np.cumsum(steps_a) - steps_a  # each entry's first step
-        per_step: np.ndarray = np.repeat(np.arange(n), steps_a)  # each step's entry
-        offset = np.arange(len(per_step)) - first[per_step]  # step within its entry
+        first = np.cumsum(steps_a) - steps_a
+        per_step: np.ndarray = np.repeat(np.arange(n), steps_a)
+        offset = np.arange(len(per_step)) - first[per_step]
         seqs_s = np.array(seqs, i64)[per_step]
         live = np.array(live0, i64)[per_step] + seqs_s * (offset + 1)
         live[first + steps_a - 1] = np.array(live_last, i64)
