@@ -27,8 +27,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]  # the folder holding the varlen, schedulers and sim packages
 
-#: The modules each group compiles: the code a simulation step runs (configuration, trace loading
-#: and reports stay Python).
+#: The modules each group compiles: the code a simulation step runs.
 GROUPS: dict[str, tuple[str, ...]] = {
     "engine": ("varlen/request.py", "varlen/sampling_params.py", "varlen/clock.py", "varlen/steplog.py",
                "varlen/engine.py"),
@@ -61,8 +60,7 @@ def core_groups(spec: str | None = None) -> tuple[str, ...]:
     return names
 
 
-#: Shipped plug-ins kept interpreted on purpose, and why (tests/engine/test_compiled_core.py holds every
-#: plug-in to be compiled or listed here).
+#: Shipped plug-ins kept interpreted on purpose, and why (tests/engine/test_compiled_core.py).
 INTERPRETED: dict[str, str] = {
     "schedulers/sjf.py": "compiled, the whole Azure trace took no less CPU (its base classes are compiled)",
     "varlen/kv/windowed.py": "only models with a sliding window use it; a subclass of the compiled PagedAllocator",
@@ -70,7 +68,6 @@ INTERPRETED: dict[str, str] = {
 }
 #: The compiled modules, in GROUPS order.
 MODULES = tuple(rel for g in core_groups() for rel in GROUPS[g])
-#: The packages holding them (each calls `package_path` from its __init__), derived from MODULES.
 PACKAGES = tuple(sorted({".".join(Path(rel).parent.parts) for rel in MODULES}))
 
 

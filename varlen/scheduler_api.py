@@ -18,8 +18,7 @@ from varlen.kv.base import KVAllocator
 from varlen.promises import keeps_promise
 from varlen.request import Request, Status
 
-#: What `repeats_decode_batches` promises about: a subclass that overrides any of these below the
-#: class declaring the promise does not inherit it (varlen/promises.py) unless it declares it too.
+#: Methods whose override below the declaring class voids `repeats_decode_batches` (varlen/promises.py).
 DECODE_PROMISE_BEHAVIOUR = ("schedule", "_schedule_running", "_admit_waiting", "_grant", "_preempt", "waiting_order",
                             "victim_order", "_may_admit", "_rest_fits", "next_decode_batch", "add", "remove",
                             "has_work")
@@ -72,9 +71,8 @@ class SchedulerPolicy(ABC):
     #: False: a prompt is computed in one step (so it must fit the token budget whole).
     chunked_prefill: ClassVar[bool] = False
 
-    #: Opt-in promise (next_decode_batch): with no admission possible and every running request
-    #: needing one token, I schedule every running request for one token, in order, until an
-    #: arrival or a failed allocation. A policy reading time, randomness or other state leaves it False.
+    #: Opt-in promise (next_decode_batch): with nothing to admit and every running request needing one
+    #: token, schedule every running request for one token until an arrival or a failed allocation.
     repeats_decode_batches: ClassVar[bool] = False
 
     def __init__(self, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
@@ -91,7 +89,6 @@ class SchedulerPolicy(ABC):
     def name(self) -> str:
         return type(self).__name__
 
-    # -- queue bookkeeping, called by the engine -------------------------------------------
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
@@ -105,19 +102,16 @@ class SchedulerPolicy(ABC):
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # -- the decision ----------------------------------------------------------------------
     def schedule(self, kv: KVAllocator) -> SchedulerOutput:
-        """Choose this step's batch: running requests first, then admissions from the waiting queue.
-        A whole-prompt policy admits with the full budget (shared, a prompt near it would wait for
-        the batch to drain, and the queue behind it); a chunked one shares one budget."""
+        """Choose this step's batch: running requests first, then admissions from the waiting queue
+        (a whole-prompt policy admits with the full budget, a chunked one shares it)."""
         out = SchedulerOutput()
         budget = self._schedule_running(kv, out, self.max_num_batched_tokens)
         self._admit_waiting(kv, out, budget if self.chunked_prefill else self.max_num_batched_tokens)
         return out
 
     def next_decode_batch(self) -> list[Request] | None:
-        """The batch my next `schedule` returns if it is certainly a pure decode of every running
-        request (`repeats_decode_batches`), else None (sim/fast_forward.py)."""
+        """My next batch if it is certainly a pure decode of every running request, else None."""
         running = self.running
         if self._repeats < 0:  # checked on first use: a real run, which never asks, says nothing
             self._repeats = int(self.repeats_decode_batches and keeps_promise(
@@ -142,7 +136,6 @@ class SchedulerPolicy(ABC):
         """Running requests, most preemptible first."""
         return self.running[::-1]
 
-    # -- shared mechanics ------------------------------------------------------------------
     def _grant(self, req: Request, budget: int) -> int:
         pending = req.num_prompt_tokens + len(req.output_token_ids) - req.num_computed_tokens
         return min(pending, budget) if self.chunked_prefill else (pending if pending <= budget else 0)
@@ -174,16 +167,14 @@ class SchedulerPolicy(ABC):
         out.preempted.append(victim)
 
     def _rest_fits(self, kv: KVAllocator, req: Request, hit: int) -> bool:
-        """Whether the free KV blocks hold all of `req`'s tokens past its `hit` cached ones: a
-        chunked admission needs room for its whole prompt, or it preempts itself chunk after chunk
-        (docs/decisions.md, 2026-12-01)."""
+        """Whether the free KV blocks hold all of `req`'s tokens past its `hit` cached ones (a chunked
+        admission would otherwise preempt itself chunk after chunk)."""
         bs = kv.block_size
         return -(-(req.num_prompt_tokens + len(req.output_token_ids)) // bs) - hit // bs <= kv.usage().free_slots // bs
 
     def _admit_waiting(self, kv: KVAllocator, out: SchedulerOutput, budget: int,
                        limit: int | None = None) -> int:
-        """Admit waiting requests in `waiting_order` while seats, budget and memory last; stops at
-        the first that does not fit (no overtaking: a long prompt is not starved)."""
+        """Admit waiting requests in order while seats, budget and memory last; no overtaking."""
         seats = self.max_num_seqs - len(self.running)
         if limit is not None:
             seats = min(seats, limit)

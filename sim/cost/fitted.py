@@ -14,8 +14,7 @@ from mypy_extensions import mypyc_attr
 
 from sim.cost.base import NOT_SPLIT, CostModel, StepFixed, StepSums, load_path, one_gpu
 
-# Quantities some part of the step scales with, from its (exact) sums. "logit_rows" is not a
-# default: with one logit row per request it equals "num_seqs".
+# Features a step's time scales with, from its exact sums (logit_rows equals num_seqs by default).
 FEATURES: dict[str, Callable[[StepSums], float]] = {
     "const": lambda s: 1.0,  # launch, scheduling, sampling overhead
     "new_tokens": lambda s: s.new,  # linear layers (GEMM rows)
@@ -65,7 +64,6 @@ def _nnls_numpy(A: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np
             if (z[passive] > 0).all():
                 x = z
                 break
-            # Step from x towards z until the first passive coefficient reaches zero.
             neg = passive & (z <= 0)
             alpha: Any = np.min(x[neg] / (x[neg] - z[neg]))
             x = x + alpha * (z - x)
@@ -80,9 +78,8 @@ Step = tuple[Any, ...]
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class ProfiledCostModel(CostModel):
-    """A linear model of step time in a few physical features, fitted by non-negative least
-    squares (each coefficient is the cost of a unit of real work). Profile a mix of prefills and
-    decodes: decodes alone make num_seqs, new_tokens and attn_work collinear."""
+    """A linear model of step time in a few physical features, fitted by non-negative least squares.
+    Profile a mix of prefills and decodes: decodes alone make the features collinear."""
 
     def __init__(self, path: str | os.PathLike | None = None, *,
                  coef: Sequence[float] | Mapping[str, float] | None = None,
@@ -109,7 +106,6 @@ class ProfiledCostModel(CostModel):
         self._set_terms()
 
     def _set_terms(self) -> None:
-        # The formula's coefficients by name (0 for a feature not fitted).
         c = dict.fromkeys(FEATURES, 0.0)
         c.update(zip(self.features, self.coef.tolist()))
         self._c_const, self._c_new, self._c_seqs = c["const"], c["new_tokens"], c["num_seqs"]
@@ -134,13 +130,9 @@ class ProfiledCostModel(CostModel):
     def fit(cls, steps: Iterable[Step], features: Sequence[str] = DEFAULT_FEATURES,
             weighting: str = "absolute", outlier_factor: float | None = 3.0,
             iterations: int = 4) -> ProfiledCostModel:
-        """Fit to (new_tokens, cached_tokens, duration_s[, num_logits]) per step.
-
-        weighting "absolute" (default): plain least squares. "relative": weighted by 1 / the
-        model's predicted time squared (not the measured one, which would bias predictions low),
-        so a short decode counts as much as a long prefill in percent. outlier_factor: steps
-        slower than this many times the prediction (a GC pause) leave the next iteration's fit;
-        None keeps all. The report scores every step."""
+        """Fit to (new_tokens, cached_tokens, duration_s[, num_logits]) per step. weighting "relative":
+        by 1 / predicted time squared (the measured one would bias low); outlier_factor: steps slower
+        than this many predictions (a GC pause) leave the next iteration's fit."""
         if weighting not in ("relative", "absolute"):
             raise ValueError(f"weighting must be 'relative' or 'absolute', got {weighting!r}")
         model = cls(features=features)
@@ -212,11 +204,8 @@ class ProfiledCostModel(CostModel):
         return self._c_attn * pairs + self._c_cached * cached
 def profile_rows(steps: Sequence[Any], busy_period: bool = True,
                  max_gap_factor: float = 5.0) -> list[Step]:
-    """(new_tokens, cached_tokens, seconds, num_logits) per recorded step, for ProfiledCostModel.fit.
-
-    busy_period=True charges each step the gap to the next one (the engine's bookkeeping, outside
-    StepRecord.duration), unless the engine went idle (or, without that field, the gap exceeds
-    max_gap_factor times the median)."""
+    """(new_tokens, cached_tokens, seconds, num_logits) per recorded step, for ProfiledCostModel.fit;
+    busy_period=True charges each step the gap to the next one unless the engine went idle."""
     steps = list(steps)  # a StepLog reads as a sequence, but slices only as a list
     rows: list[Step] = []
     gaps = [b.start - (a.start + a.duration) for a, b in zip(steps, steps[1:])]

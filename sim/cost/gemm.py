@@ -41,10 +41,8 @@ def elementwise_widths(key: ModelKey, head_dim: int, tp: int) -> dict[str, int]:
 
 
 class GpuOperatorModel:
-    """Operator times on one GPU for any shape, learnt from its tables. A GEMM (N, K): at each row
-    count M, a blend of a local linear fit of the profiled GEMMs' log FLOP/s in (log2 N, log2 K)
-    and an affine cost in N x K (`affine_weight`). Element-wise: the same shape's own where the
-    row is as wide, else the profiled times at the same element count, weighted by log2 width."""
+    """Operator times on one GPU for any shape, learnt from its tables: a GEMM by a blend of a local
+    linear fit of log FLOP/s in (log2 N, log2 K) and an affine cost in N x K; element-wise by width."""
 
     def __init__(self, gpu: str, tables: list[ComputeTable]):
         if not tables:
@@ -66,7 +64,7 @@ class GpuOperatorModel:
                         e_curves[op].append((float(w), tokens, times[op], t.key))
         self._g_nk = np.array(g_nk)
         self._g_dims = g_dims
-        self._g_src = g_src  # (shape, TP, operator) of each
+        self._g_src = g_src
         # Every profiled M up to the largest all tables reach; past it, time is linear in M.
         top = min(float(c[0][-1]) for c in g_curves)
         grid = np.unique(np.concatenate([c[0] for c in g_curves]))
@@ -82,8 +80,7 @@ class GpuOperatorModel:
         return local if lam == 0.0 else lam * self._affine_logeff(n, k) + (1.0 - lam) * local
 
     def _local_logeff(self, n: int, k: int) -> np.ndarray:
-        # A local linear fit (not a weighted mean) follows the trend past the largest profiled GEMM;
-        # the ridge keeps its slopes sane where few shapes are near.
+        # A local linear fit follows the trend past the largest profiled GEMM; the ridge keeps slopes sane.
         x = self._g_nk - np.array([math.log2(n), math.log2(k)])
         w = np.exp(-(x ** 2).sum(axis=1) / (2 * GEMM_BANDWIDTH ** 2)) + 1e-300
         X = np.c_[np.ones(len(x)), x]
@@ -94,8 +91,8 @@ class GpuOperatorModel:
     def _affine(self) -> tuple[np.ndarray, np.ndarray]:
         """time / (2 M) = c0 + c1 x N K at each M, relative least squares, c0, c1 >= 0."""
         nk = np.array([n * k for n, k in self._g_dims], dtype=np.float64)
-        t = nk[:, None] / np.exp(self._g_logeff)  # time / (2 M), per GEMM and M
-        u, v = 1.0 / t, nk[:, None] / t  # each column scaled to ~1 before the 2 x 2 solve
+        t = nk[:, None] / np.exp(self._g_logeff)
+        u, v = 1.0 / t, nk[:, None] / t
         su, sv = u.mean(axis=0), v.mean(axis=0)
         u, v = u / su, v / sv
         uu, uv, vv = (u * u).sum(0), (u * v).sum(0), (v * v).sum(0)
@@ -116,8 +113,7 @@ class GpuOperatorModel:
 
     @functools.cached_property
     def affine_weight(self) -> float:
-        """The affine fit's share (the local one extrapolates, the affine one saturates): fitted
-        leaving each shape out in turn, within [0, 1]; 0 with fewer than two shapes."""
+        """The affine fit's share, fitted leaving each shape out in turn, within [0, 1]."""
         keys = {t.key for t in self.tables}
         num = den = 0.0
         for key in keys if len(keys) > 1 else ():
@@ -146,8 +142,7 @@ class GpuOperatorModel:
         return sorted({tp for kk, tp, _ in self._g_src if kk == key})
 
     def _residuals(self, key: ModelKey, op: str) -> tuple[np.ndarray, np.ndarray]:
-        """This shape's shards of one GEMM, one per TP degree: log2(N x K) ascending and their log
-        FLOP/s minus the fit's (tables of one shape averaged)."""
+        """This shape's shards of one GEMM: log2(N x K) ascending and their log FLOP/s minus the fit's."""
         if (key, op) not in self._res:
             by_tp: dict[int, list[int]] = {}
             for i, (kk, tp, o) in enumerate(self._g_src):
@@ -171,8 +166,7 @@ class GpuOperatorModel:
 
     @functools.cached_property
     def sibling_weight(self) -> float:
-        """The share of the siblings' residual carried over, fitted leave-one-out within [0, 1]: a
-        shard's one-off slow kernel must not be copied whole."""
+        """The share of the siblings' residual carried over (leave-one-out, within [0, 1])."""
         num = den = 0.0
         for key in {kk for kk, _, _ in self._g_src}:
             for op in GEMMS:
@@ -184,8 +178,7 @@ class GpuOperatorModel:
         return min(max(num / den, 0.0), 1.0) if den > 0 else 0.0
 
     def layer_gemm_ms(self, m: ArrayLike, key: ModelKey, head_dim: int, tp: int) -> dict[str, np.ndarray]:
-        """The layer's GEMMs at a TP degree with no table: the fit, plus the same shape's other TP
-        degrees' departure from it (their kernels' steps in M), times `sibling_weight`."""
+        """The layer's GEMMs at a TP degree with no table: the fit plus its siblings' residual."""
         out = {}
         for op, (n, k) in gemm_dims(key, head_dim, tp).items():
             logeff = self._fit_logeff(n, k)
@@ -240,9 +233,8 @@ def _exact(profiles: Profiles, gpu: str, key: ModelKey, tp: int, tokens: np.ndar
 
 def layer_op_ms(profiles: Profiles, gpu: str, key: ModelKey, head_dim: int, tp: int, tokens: np.ndarray,
                 exclude: tuple[Held, ...] = (), vocab: int | None = None) -> tuple[dict[str, np.ndarray], str]:
-    """ms per layer of each non-attention operator (`emb`: per step) at these token counts, and
-    their source: this shape's table at this TP degree, else predicted (GpuOperatorModel).
-    `exclude`: tables hidden for validation (Held)."""
+    """ms per layer of each non-attention operator at these token counts, and their source (this
+    shape's table, else predicted); `exclude`: tables hidden for validation."""
     hit = _exact(profiles, gpu, key, tp, tokens, vocab, exclude)
     if hit is not None:
         return hit[0], f"measured: {hit[1]}"
