@@ -58,13 +58,8 @@ class Link:
 
 
 class DisaggEngine(FastForwardEngine):
-    """The engine of one instance of a disaggregated pool; changes only what a pool needs.
-
-    Prefill (`keep_finished_kv`): a finished request's blocks are `held` until sent. Decode:
-    `receive` queues a request whose KV has arrived; an idle engine whose policy schedules nothing
-    takes back the blocks of waiting received requests (module doc) before giving up on its queue's
-    head. An idle engine waits, rather than aborting its head, while blocks held or reserved for
-    transfers will come back."""
+    """The engine of one instance of a disaggregated pool: prefill keeps finished requests' blocks
+    (`held`) until sent; decode `receive`s requests whose KV arrived and waits while transfers hold blocks."""
 
     def __init__(self, *args: Any, keep_finished_kv: bool = False, **kw: Any) -> None:
         super().__init__(*args, **kw)
@@ -104,7 +99,6 @@ class DisaggEngine(FastForwardEngine):
         return any(not kv.holds_received(r) for r in self.policy.waiting)
 
     def _step(self, start: float) -> list[Request]:
-        # _unstick asks for another try after each eviction (a loop: there may be many to evict).
         while True:
             self._retry = False
             finished = super()._step(start)
@@ -116,8 +110,7 @@ class DisaggEngine(FastForwardEngine):
             return []
         kv = self.kv
         if isinstance(kv, ReceivingAllocator):
-            # The queue's head may need blocks that requests waiting behind it hold: a colocated
-            # engine's waiting requests hold none, so take them back, the last to be admitted first.
+            # Take back the blocks held by received requests waiting behind the head, the last admitted first.
             for req in reversed(list(self.policy.waiting)):
                 if kv.holds_received(req):
                     kv.free(req)
@@ -162,8 +155,7 @@ _receiving_classes: dict[type, type] = {}
 
 
 def receiving(cls: type) -> type:
-    """`cls` with ReceivingAllocator's match_prefix, keeping cls's decode promises (varlen/promises.py):
-    match_prefix, asked only at admission, does not change decode growth."""
+    """`cls` with ReceivingAllocator's match_prefix, keeping cls's decode promises (varlen/promises.py)."""
     # By the MRO: compiled, the allocator classes share KVAllocator's ABC cache (issubclass answers mix up).
     if not (isinstance(cls, type) and KVAllocator in cls.__mro__):
         raise ValueError(f"a decode instance's allocator must be a KVAllocator class, got {cls!r}")
@@ -238,8 +230,7 @@ def simulate_disaggregated(requests: Sequence[Request], make_prefill: MakeEngine
                            num_prefill: int, num_decode: int, link: Link, kv_bytes_per_token: float,
                            streams: int = 1, router: str | Router = "round_robin",
                            router_options: dict | None = None, fast_forward: bool = True) -> DisaggResult:
-    """Serve `requests` on `num_prefill` prefill and `num_decode` decode instances (module doc).
-    make_prefill / make_decode(clock) build a DisaggEngine (decode: a `receiving(...)` allocator)."""
+    """Serve `requests` on `num_prefill` prefill and `num_decode` decode instances (module doc)."""
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"a disaggregated cluster needs >= 1 prefill and >= 1 decode instance, "
                          f"got {num_prefill} and {num_decode}")

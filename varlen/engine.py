@@ -58,7 +58,6 @@ class Engine:
         self.timings: dict[str, float] = defaultdict(float)  # wall seconds per phase of step()
         self._scheduled: list[tuple[Request, int]] | None = None
 
-    # -- requests --------------------------------------------------------------------------
     def add_request(self, req: Request, now: float | None = None) -> None:
         """Queue `req`, or end it `rejected` (with the reason) if it can never run. An arrival of
         0 means `now` (run() passes the instant it polled arrivals), else the clock's."""
@@ -116,14 +115,9 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.policy.has_work()
 
-    # -- one step --------------------------------------------------------------------------
     def step(self, start: float | None = None) -> list[Request]:
-        """Run one step; return the requests that finished in it.
-
-        If it raises, the step's requests (all unfinished ones, if the policy raised) end `aborted`
-        with the error, queues and KV pool stay consistent, and the error propagates. `start`: when
-        arrivals were last polled (Engine.run passes it), the step's recorded start.
-        """
+        """Run one step; return the requests that finished in it. If it raises, the step's requests end
+        `aborted`, queues and KV pool stay consistent, and the error propagates."""
         if start is None:
             start = self.clock.now()
         # Not assigned here: mypy would narrow _scheduled to None in `except`.
@@ -219,7 +213,6 @@ class Engine:
                      f"{self.policy.max_num_batched_tokens} tokens)")
         return [head]
 
-    # -- driving ---------------------------------------------------------------------------
     def run(self, requests: Iterable[Request] = (), on_step: Callable[[list[Request]], None] | None = None) -> None:
         """Replay `requests` by arrival time (0 = at once) until every one has ended; `steps` holds
         this run's steps. On an error or interrupt every unfinished request ends `aborted` first."""

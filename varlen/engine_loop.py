@@ -16,8 +16,7 @@ from varlen.engine import Engine, _error_message
 from varlen.request import FinishReason, Request
 from varlen.steplog import StepLog
 
-#: Arrival offsets past this are refused: a replay is at most a day long, and a typo'd 1e9 would
-#: otherwise keep the loop asleep for decades.
+#: Arrival offsets past this are refused: a typo like 1e9 would keep the loop asleep for decades.
 MAX_ARRIVAL_S = 24 * 3600.0
 
 Out = TypeVar("Out")
@@ -88,7 +87,6 @@ class EngineLoop:
         self._order = itertools.count()
         self._thread: threading.Thread | None = None
 
-    # -- callers' side (any thread) --------------------------------------------------------
     def submit(self, reqs: Sequence[Request], to_output: Callable[[Request, int, bool], Out]) -> list[RequestStream[Out]]:
         """Queue `reqs`; each one's `arrival` is seconds after now (0 = at once). A request with a bad
         arrival ends `rejected` here; the engine rejects what it can never run."""
@@ -128,8 +126,7 @@ class EngineLoop:
 
     def wait(self, streams: Sequence[RequestStream], timeout: float | None = None,
              on_done: Callable[[int], None] | None = None) -> bool:
-        """Until every stream has ended (True) or `timeout` s have passed (False); `on_done(n)` is
-        called as n more of them end. Interruptible (Ctrl-C raises here)."""
+        """Until every stream has ended (True) or `timeout` s pass (False); `on_done(n)` as n more end."""
         counted = 0
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.cond:
@@ -145,7 +142,6 @@ class EngineLoop:
                     return False
                 self.cond.wait(left)
 
-    # -- the loop's thread -------------------------------------------------------------------
     def _serve(self) -> None:
         try:
             self._loop()
@@ -218,8 +214,7 @@ class EngineLoop:
                 s.request.finish(FinishReason.ABORTED, self.engine.clock.now(), f"{message} ({_error_message('abort', err)})")
 
     def _stop_calls_of_failed(self, err: BaseException) -> None:
-        """A step failed: the other requests submitted with its requests end `aborted` too (that
-        submission's caller gets the error), others' requests go on."""
+        """A step failed: the requests submitted with its requests end `aborted` too; others go on."""
         with self.cond:
             live = list(self._live.values())
         failed = {id(s._call) for s in live if s.request.is_finished and s.request.finish_reason is FinishReason.ABORTED}

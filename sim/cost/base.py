@@ -59,10 +59,8 @@ class StepSums:
 
 @dataclass(init=False, slots=True)
 class StepFixed:
-    """What a step's sizes fix. step = per_step + layers x (per_layer + attention), in seconds:
-    per_step once per step, per_layer one layer besides attention (0 where the model sums its
-    layers into per_step ahead of time, as measured's tables do). num_seqs and new are the sizes
-    attention reads; the *_s parts (whole step, NOT_SPLIT if unknown) only feed sim.explain."""
+    """What a step's sizes fix: step = per_step + layers x (per_layer + attention), in seconds; the *_s
+    parts (NOT_SPLIT if unknown) only feed sim.explain."""
 
     layers: float
     per_layer: float
@@ -89,8 +87,7 @@ class CostModel(ABC):
     @classmethod
     def from_config(cls, options: dict[str, Any], model_config: dict[str, Any], hardware: Any,
                     parallel: Any) -> CostModel:
-        """Build from the `cost.*` options (the yaml's, then the user's), the HF config dict, a
-        HardwareSpec and a sim.parallel.Parallelism. Default: one GPU, options as keywords."""
+        """Build from the `cost.*` options, the HF config dict, a HardwareSpec and a Parallelism."""
         built: CostModel = construct(cls, options, model_config, hardware, parallel)
         return built
 
@@ -118,8 +115,7 @@ class CostModel(ABC):
         return self.step_time_sums(StepSums.of(new_tokens, cached_tokens, num_logits))
 
     def decode_step_time(self, num_seqs: int) -> Callable[[int], float]:
-        """A pure-decode step's time as a function of its cached tokens in all: step_time_sums bit
-        for bit (fast-forward keeps the step-by-step clock), the sizes' part computed once."""
+        """A pure-decode step's time as a function of its total cached tokens: step_time_sums bit for bit."""
         if not formula_holds(type(self), ("step_time_sums",)):
             def generic(cached: int) -> float:
                 return self.step_time_sums(StepSums(num_seqs, num_seqs, cached, cached, num_seqs, num_seqs))
@@ -195,8 +191,7 @@ def attention_pairs(n: np.ndarray, c: np.ndarray) -> float:
 
 def construct(cls: Any, options: Mapping[str, Any], model_config: Any, hardware: Any,
               parallel: Any) -> CostModel:
-    """CostModel.from_config's default: one GPU, the options as constructor keywords (an unknown
-    one is an error), model_config and hardware where the constructor names them."""
+    """CostModel.from_config's default: one GPU, the options as constructor keywords."""
     label = f"{cls.__module__}.{cls.__qualname__}"
     if parallel.gpus > 1:
         raise ValueError(f"cost.model={label} times one GPU; parallel.tensor={parallel.tensor} parallel.pipeline="
