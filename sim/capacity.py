@@ -31,10 +31,9 @@ VERIFY_BELOW = (0.8, 0.5)
 def bisect_rate(meets: Callable[[float], tuple[bool, dict[str, Any]]], low: float, high: float,
                 rel_tol: float = 0.05, max_probes: int = MAX_PROBES,
                 verify_below: Sequence[float] = VERIFY_BELOW) -> tuple[float | None, list[dict[str, Any]]]:
-    """(highest rate found to meet the criterion, or None when even `low` fails, probes). The answer
-    is verified at each fraction in `verify_below` of it: passing is not monotone in the rate on a
-    finite trace, so a failure below the answer withdraws it and the search goes on below that
-    failure. Ends after `max_probes`, or when floats leave no midpoint strictly between the bounds."""
+    """(highest rate meeting the criterion, or None when even `low` fails, probes). Passing is not
+    monotone in the rate on a finite trace, so the answer is verified at `verify_below` fractions of it
+    and a failure below withdraws it."""
     if not 0 < low < high or not math.isfinite(high):
         raise ValueError(f"a rate search needs 0 < low < high, got low={low}, high={high}")
     if not rel_tol > 0:
@@ -73,8 +72,7 @@ def bisect_rate(meets: Callable[[float], tuple[bool, dict[str, Any]]], low: floa
 
 
 def bound_by(best: float | None, probes: Sequence[dict[str, Any]], high: float) -> str:
-    """Which condition bound the answer: that of the lowest failing probe above it (of the probe at
-    capacity.low when nothing passed); `search_high` when capacity.high itself passed."""
+    """Which condition bound the answer: the lowest failing probe above it's (`search_high` if high passed)."""
     if best is not None and best >= high:
         return "search_high"
     above = [p for p in probes if not p["meets"] and (best is None or p["rate"] > best)]
@@ -144,8 +142,7 @@ KEEP = ("slo_attainment", "requests_per_s", "ttft_p90", "tpot_p90", "tbt_p99", "
 
 def probe_rate(cfg: DictConfig, labels: dict[str, Any] | None = None,
                log: Callable[[str], None] | None = None) -> Callable[[float], tuple[bool, dict[str, Any]]]:
-    """meets(rate) for bisect_rate: simulate `cfg` at that rate; it passes when the criterion passes
-    and the run is steady. Its row says which condition failed first (bound_by) and why."""
+    """meets(rate) for bisect_rate: simulate `cfg` at that rate; passes when the criterion does and the run is steady."""
     from sim.criteria import checked, steady_state
     from sim.run import _simulate_paused
     from varlen.metrics import request_table

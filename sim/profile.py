@@ -121,8 +121,7 @@ PREFILL_GRID = ((1, 16, 0), (1, 64, 0), (1, 256, 0), (1, 1024, 0), (1, 256, 512)
 
 def profile_attention(folder: Path, backend_name: str, repeats: int, device: str = "cpu", dtype: str = "float32",
                       block_size: int = 16) -> list[dict[str, Any]]:
-    """One layer of the attention backend (prepare + forward, K/V write included) over decodes and
-    prefills, in ms per layer; `prepare` is per step."""
+    """One layer of the attention backend (prepare + forward) over decodes and prefills, ms per layer."""
     import numpy as np
     import torch
     from transformers import AutoConfig
@@ -167,8 +166,7 @@ ENGINE_BATCHES = ((1, 32, 24), (4, 64, 24), (16, 128, 16), (32, 200, 8), (8, 400
 
 
 def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu", dtype: str = "float32") -> list[Any]:
-    """The real engine's step log over a few synthetic batches, each step timed to the next one's
-    start (sim.cost.fitted.profile_rows)."""
+    """The real engine's step log over a few synthetic batches (sim.cost.fitted.profile_rows)."""
     from sim.cost.fitted import profile_rows
     from varlen import LLM, SamplingParams
 
@@ -177,7 +175,7 @@ def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu"
     if device == "cpu":
         # CPU time: on a shared machine other processes stretch wall-clock steps at random.
         llm.engine.clock = _CpuClock()
-    llm.generate([[5] * 40] * 2, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    llm.generate([[5] * 40] * 2, SamplingParams(max_tokens=4, ignore_eos=True))
     rows: list[Any] = []
     for _ in range(max(1, repeats // 3)):
         for b, prompt, out in ENGINE_BATCHES:
@@ -199,8 +197,7 @@ class _CpuClock:
 
 
 def fit_engine_overhead(rows: list[Any], config: dict[str, Any], gpu: str, out: Path) -> dict[str, float]:
-    """Per-step engine cost = const + per request + per prefill, fitted (non-negative least squares)
-    to what the measured operators leave unexplained of each profiled step."""
+    """Per-step engine cost (const + per request + per prefill) the measured operators leave unexplained."""
     import numpy as np
 
     from sim.cost.fitted import _nnls

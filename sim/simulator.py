@@ -40,8 +40,8 @@ class Replica:
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
-    """The cyclic collector off for the block (millions of long-lived objects, no cycles worth
-    collecting); the survivors are frozen on the way out, so its next pass does not walk them all."""
+    """The cyclic collector off for the block (millions of long-lived objects, no cycles); survivors are
+    frozen on the way out so its next pass skips them."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -77,11 +77,8 @@ class SimResult:
 def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tuple[Engine, CostModelExecutor]],
              num_replicas: int = 1, router: str | Router = "round_robin", fast_forward: bool = True,
              router_options: dict | None = None) -> SimResult:
-    """Serve `requests` (by arrival time) on `num_replicas` engines: make_engine(clock) returns
-    (engine, its executor), each replica with its own policy, allocator and cost-model state.
-    router: a conf/router name (options over its yaml) or a router callable (sim/routers.py).
-    fast_forward: tell each step the next arrival (sim/fast_forward.py; needs a FastForwardEngine).
-    """
+    """Serve `requests` on `num_replicas` engines, make_engine(clock) -> (engine, executor) for each;
+    router: a conf/router name or a callable; fast_forward: tell each step the next arrival."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     route = make_router(router, router_options)
@@ -158,7 +155,7 @@ def _event_loop(pending: list[Request], replicas: list[Replica], route: Router, 
         before = len(eng.steps)
         # Replicas interact only through the router: one may run ahead until the next arrival.
         if fast_forward:
-            assert isinstance(eng, FastForwardEngine)  # simulate checked it
+            assert isinstance(eng, FastForwardEngine)
             eng.step(t, pending[i].arrival if i < n else inf)
         else:
             eng.step(t)

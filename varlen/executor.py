@@ -18,9 +18,8 @@ from varlen.sampler import Sampler
 
 def decode_inputs(scheduled: Sequence[tuple[Request, int]], rows: dict[object, int], covered: list[int]
                   ) -> tuple[list[Request], list[int], list[int], list[int], list[int]] | None:
-    """A pure-decode step's inputs in one pass, or None unless each request brings its last known
-    token on a row it holds: requests, rows, positions, token ids, and the indices whose position
-    is past `covered[row]` (a block table to copy first)."""
+    """A pure-decode step's inputs in one pass (requests, rows, positions, token ids, rows whose block
+    table to copy first), or None unless each request brings its last known token on a row it holds."""
     reqs: list[Request] = []
     row_of: list[int] = []
     positions: list[int] = []
@@ -29,7 +28,7 @@ def decode_inputs(scheduled: Sequence[tuple[Request, int]], rows: dict[object, i
     for r, n in scheduled:
         k = r.num_computed_tokens
         if n != 1 or k + 1 != r.num_tokens:
-            return None  # a prefill or a chunk of one
+            return None
         row = rows.get(r.req_id)
         if row is None:
             return None
@@ -46,9 +45,8 @@ def decode_inputs(scheduled: Sequence[tuple[Request, int]], rows: dict[object, i
 def step_inputs(scheduled: Sequence[tuple[Request, int]], rows: dict[object, int], tokens_written: list[int],
                 covered: list[int]) -> tuple[list[int], list[int], list[int], list[bool], list[Request], list[int],
                                              list[int], list[int], list[int]]:
-    """Any step's inputs in one pass: per request its row (-1: none), cached and new counts and
-    whether it samples; the sampling requests; `todo`, the indices whose row must be set up or
-    filled first; and the token writes (rows, positions, ids) that bring the other rows up to date."""
+    """Any step's inputs in one pass: each request's row, counts and whether it samples; the rows to set
+    up first (`todo`); and the token writes that bring the other rows up to date."""
     row_of: list[int] = []
     cached: list[int] = []
     new: list[int] = []
@@ -117,8 +115,8 @@ class ModelExecutor(Executor):
         num_tokens = req.num_tokens
         if written < num_tokens:
             p = req.num_prompt_tokens
-            if num_tokens - written == 1 and written >= p:  # a decode: the token sampled last step,
-                pending = self._pending  # written with the step's others in one assignment
+            if num_tokens - written == 1 and written >= p:
+                pending = self._pending
                 pending[0].append(row)
                 pending[1].append(written)
                 pending[2].append(req.output_token_ids[written - p])
@@ -178,14 +176,14 @@ class ModelExecutor(Executor):
                 pr, pc, pv = self._pending
                 if pr:
                     self.buffers.tokens[pr, pc] = pv
-        ints = np.array((rows, cached, new), np.int64)  # one conversion for the three
+        ints = np.array((rows, cached, new), np.int64)
         batch = self.buffers.build(ints[0], ints[1], ints[2], np.array(wants, bool), self.runner.block_size,
                                    self.runner.num_blocks, req_ids=[r.req_id for r, _ in scheduled])
         t1 = time.perf_counter()
         logits = self.runner.execute(batch)
         t2 = time.perf_counter()
         sampled = self.sampler.sample(logits, sampled_reqs)
-        if len(sampled) == len(wants):  # every request sampled (a decode step)
+        if len(sampled) == len(wants):
             out = list(sampled)
         else:
             tokens = iter(sampled)
@@ -198,16 +196,14 @@ class ModelExecutor(Executor):
 
     def _decode_step(self, scheduled: Sequence[tuple[Request, int]],
                      kv: KVAllocator) -> tuple[ForwardBatch, list[Request]] | None:
-        """The batch of a pure-decode step (decode_inputs), or None if it is not one. A decode's
-        token is written later (tokens_written stays behind); a block table is copied, and its ids
-        checked, only when a token starts a new block. Same batch as BatchBuffers.build's
-        (tests/engine/test_incremental_batch.py)."""
+        """The batch of a pure-decode step (decode_inputs), or None if it is not one; same batch as
+        BatchBuffers.build's (tests/engine/test_incremental_batch.py)."""
         got = decode_inputs(scheduled, self.rows, self.slots_covered)
         if got is None:
             return None
         reqs, rows, ks, toks, lacking = got
         covered = self.slots_covered
-        for i in lacking:  # a new token starts a block: every block_size steps per request
+        for i in lacking:
             row = rows[i]
             self._copy_blocks(reqs[i], row, kv)
             if ks[i] >= covered[row]:

@@ -235,7 +235,7 @@ def size_kv_pool(s: EngineSettings, model_config: Any, bytes_per_block: int, max
         num_blocks = s.kv_cache_memory // bytes_per_block
         if num_blocks < 1:
             raise s.error(key, s.given.get(key), f"holds no KV block of {bytes_per_block} bytes; give at least that")
-    else:  # every seat at full length (never preempts), within a budget
+    else:
         num_blocks = max(1, min(max_num_seqs * -(-max_model_len // s.block_size), DEFAULT_KV_BUDGET // bytes_per_block))
     need = num_blocks * bytes_per_block
     free = available_memory(s.device)

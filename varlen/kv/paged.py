@@ -62,7 +62,7 @@ class PagedAllocator(KVAllocator):
             hits = self._hits(req)
             table = []
         need = -(-num_tokens // self.block_size) - len(table) - len(hits)
-        revived = sum(1 for b in hits if self.ref_count[b] == 0)  # hits sitting in the free list
+        revived = sum(1 for b in hits if self.ref_count[b] == 0)
         if need > len(self.free_plain) + len(self.free_cached) - revived:
             return False
         if req.req_id not in self.tables:
@@ -87,7 +87,7 @@ class PagedAllocator(KVAllocator):
                 table += got
             for _ in range(need - n):
                 b, _ = self.free_cached.popitem(last=False)
-                h = self.block_hash[b]  # evict its cached content
+                h = self.block_hash[b]
                 if h is not None and self.cached.get(h) == b:
                     del self.cached[h]
                 self.block_hash[b] = self.block_tokens[b] = None
@@ -115,14 +115,14 @@ class PagedAllocator(KVAllocator):
         bs, tables, plain = self.block_size, self.tables, self.free_plain
         takes = []
         for p, r in enumerate(reqs):
-            j = len(tables[r.req_id]) * bs - counts[p]  # the step whose count passes the last slot
+            j = len(tables[r.req_id]) * bs - counts[p]
             while j < num_steps:
                 takes.append((j, p))
                 j += bs
         takes.sort()
         ok = num_steps
         if len(takes) > len(plain):
-            ok = takes[len(plain)][0]  # the step whose call finds the pool empty
+            ok = takes[len(plain)][0]
             del takes[len(plain):]
         changed: dict[int, int] = {}
         if takes:
@@ -139,7 +139,7 @@ class PagedAllocator(KVAllocator):
         for p, r in enumerate(reqs):
             self._record_count(r.req_id, counts[p] + ok)
         for j, p in takes:
-            if j == ok:  # the failed step's calls before the failing one
+            if j == ok:
                 self._record_count(reqs[p].req_id, counts[p] + ok + 1)
         return ok, changed
 
@@ -168,7 +168,7 @@ class PagedAllocator(KVAllocator):
         if table is None:
             return
         rc, plain = self.ref_count, self.free_plain
-        if not self.enable_prefix_caching:  # nothing shared, nothing cached: all go on the stack
+        if not self.enable_prefix_caching:
             for b in table:
                 if rc[b] != 1:
                     raise AssertionError(f"block {b} has {rc[b]} holders without prefix caching")
