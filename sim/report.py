@@ -76,9 +76,8 @@ def plot_latency_throughput(df: pd.DataFrame, path: Path) -> None:
 
 
 def plot_cdfs(df: pd.DataFrame, metric: str, path: Path) -> int:
-    """One panel per offered rate, one line per policy. Returns the runs drawn: a run without its
-    per-request table (output.requests=false) has nothing to draw, and with none, no file is
-    written and a line says why."""
+    """One panel per offered rate, one line per policy; returns the runs drawn (those with a
+    per-request table). With none, no file is written and a line says why."""
     runs = [Path(d) / "requests.csv" for d in df["run_dir"]]
     if not any(f.is_file() for f in runs):
         print(f"{path.name} not drawn: no run wrote its per-request table (requests.csv); "
@@ -146,7 +145,6 @@ def report(dirs: Sequence[str | Path], out: str | Path | None = None) -> pd.Data
     return df
 
 
-# -- python -m sim.search's Pareto set (its Points: sim.search sits a floor above) ---------------
 
 PARETO_COLUMNS = [("hardware", "hardware"), ("tensor", "TP"), ("pipeline", "PP"), ("scheduler", "policy"),
                   ("budget", "budget"), ("split", "P:D"), ("replica_capacity", "replica req/s"),
@@ -161,7 +159,7 @@ def pareto_table(front: Sequence[Any], chosen: Any) -> str:
         rows.append({head: r[k] for k, head in PARETO_COLUMNS})
         rows[-1]["budget"] = "default" if p.budget is None else p.budget
         rows[-1]["P:D"] = p.split_text or "-"
-        bound = ">=" if p.capacity_at_top else ""  # the bisection's top met the SLOs
+        bound = ">=" if p.capacity_at_top else ""
         rows[-1]["replica req/s"] = f"{bound}{p.replica_capacity:.3g}"
         rows[-1]["capacity req/s"] = f"{bound}{p.capacity:.3g}"
         rows[-1]["$/h"] = f"{p.cost_per_hour:.2f}"
@@ -177,7 +175,7 @@ def plot_pareto(points: Sequence[Any], front: Sequence[Any], chosen: Any, target
     ax.scatter([p.cost_per_hour for p in ok], [p.capacity for p in ok], s=14, c="0.6", label="deployments")
     ax.step([p.cost_per_hour for p in front], [p.capacity for p in front], "o-", where="post", c="C0",
             label="Pareto set")
-    same: dict[tuple[float, float], list[str]] = {}  # ties share one label
+    same: dict[tuple[float, float], list[str]] = {}
     for p in front:
         same.setdefault((p.cost_per_hour, p.capacity), []).append(
             f"{'>=' if p.capacity_at_top else ''}{p.label()} {p.size_text()}")

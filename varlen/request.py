@@ -56,8 +56,7 @@ class Request:
     def __init__(self, req_id: object, prompt_token_ids: list[int] | np.ndarray, sampling: object = None,
                  arrival: object = 0.0, priority: object = 0, prompt: str | None = None,
                  expected_output_len: object = None) -> None:
-        """Raises a one-line ValueError for a field of the wrong kind (numpy numbers are fine); the
-        engine checks the prompt's ids, rejecting rather than raising."""
+        """One-line ValueError for a field of the wrong kind; bad prompt ids are the engine's to reject."""
         if not isinstance(req_id, str):
             raise ValueError(f"request id {req_id!r}: must be a string")
         p = _integer(priority)
@@ -143,9 +142,8 @@ class Request:
 
 
 def prompt_problem(ids: object, vocab_size: int) -> str:
-    """What is wrong with a prompt's token ids for a model of `vocab_size` tokens, in one line
-    naming the first bad token ("" if nothing): every id an integer (Python or numpy, never a
-    bool or a float, which an int() would silently truncate) in [0, vocab_size)."""
+    """One line naming the first bad token id for a model of `vocab_size` tokens ("" if none): each an
+    integer (never a bool or float, which int() would truncate) in [0, vocab_size)."""
     want = f"token ids are integers in [0, {vocab_size})"
     if isinstance(ids, np.ndarray):
         if ids.ndim != 1:

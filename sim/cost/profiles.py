@@ -46,8 +46,7 @@ class ProfileError(ValueError):
 
 
 def _read_csv(path: Path) -> tuple[list[str], list[list[str]], list[int]]:
-    """(header, data rows, each row's line in the file); a table that cannot be read is one line
-    naming the file, and the line and column where it can."""
+    """(header, data rows, each row's line in the file); an unreadable table is one line naming where."""
     data = path.read_bytes()
     if path.suffix == ".gz":
         try:
@@ -67,7 +66,7 @@ def _read_csv(path: Path) -> tuple[list[str], list[list[str]], list[int]]:
     try:
         for row in reader:
             if not row:
-                continue  # a blank line
+                continue
             if header is None:
                 header = row
             elif len(row) != len(header):
@@ -291,8 +290,7 @@ class Profiles:
 
 
 def load_profiles(user: str | os.PathLike | None = None) -> Profiles:
-    """The shipped tables, overridden by those under `user` (cost.profiles); read once per process
-    while the user's files stay the same."""
+    """The shipped tables, overridden by those under `user` (cost.profiles); cached while files stay the same."""
     if user is None:
         return _load((SHIPPED,), ())
     root = Path(user).expanduser().resolve()

@@ -28,9 +28,8 @@ class StepEstimate:
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class RooflineCostModel(CostModel):
-    """A step is layers x (linear + attention) + LM head + overhead, each operator taking
-    max(FLOPs / FLOP/s, bytes / bandwidth), exact per request. Operators, not whole layers: a
-    long prefill's GEMMs cannot hide the decodes' KV reads, as attention runs after them."""
+    """A step is layers x (linear + attention) + LM head + overhead, each operator max(FLOPs / FLOP/s,
+    bytes / bandwidth): per operator, so a long prefill's GEMMs cannot hide the decodes' KV reads."""
 
     def __init__(self, model_config: str | os.PathLike | Mapping[str, Any] = "tiny",
                  hardware: str | os.PathLike | Mapping[str, Any] | HardwareSpec = "h100_sxm",
@@ -88,7 +87,7 @@ class RooflineCostModel(CostModel):
                 self._kv_bytes_token_layer * (cached + 2.0 * t) + 2.0 * self.shape.q_dim * self.dtype_bytes * t)
 
     def step_fixed(self, num_seqs: int, new: float, num_logits: int, num_prefills: int) -> StepFixed:
-        if not new:  # nothing computed: the fixed overhead alone
+        if not new:
             return StepFixed(0.0, 0.0, self.overhead_s, num_seqs=num_seqs, linear_s=0.0, lm_head_s=0.0,
                              overhead_s=self.overhead_s)
         F, B, L = self._flops, self._bw, self.shape.layers

@@ -57,10 +57,7 @@ class KVAllocator(ABC):
         return self.num_blocks * self.block_size
 
     def match_prefix(self, req: Request) -> int:
-        """Tokens of `req` already in the cache (a multiple of the block size, never its last token).
-
-        No side effect; `allocate` takes the same hit when the request gets its first blocks.
-        """
+        """Tokens of `req` already in the cache (whole blocks, never its last token); no side effect."""
         return 0
 
     @abstractmethod
@@ -72,9 +69,8 @@ class KVAllocator(ABC):
         """Give back every block `req` holds (finished, aborted or preempted)."""
 
     def discard(self, req: Request, num_written: int) -> None:
-        """free(), after a step that failed: `req`'s tokens from `num_written` on may never have
-        been written, so no block holding one may be offered again by its content. The default
-        suits an allocator with no content cache."""
+        """free(), after a failed step: blocks holding `req`'s tokens from `num_written` on must not be
+        offered again by content. The default suits an allocator with no content cache."""
         self.free(req)
 
     @abstractmethod
