@@ -17,15 +17,13 @@ from varlen.kv.base import KVAllocator
 from varlen.promises import keeps_promise
 from varlen.request import Request
 
-#: What a simulated request "samples". The simulator's engines have no EOS token and trace
-#: requests no stop tokens, so only max_tokens (the trace's output length) ends a request.
+#: What a simulated request "samples": with no EOS or stop tokens only max_tokens ends a request.
 SIM_TOKEN = 0
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class CostModelExecutor(FastForwardExecutor):
-    """Advances the clock by the cost model's time for the batch and samples SIM_TOKEN wherever
-    the real executor would sample (a request whose step reaches the end of its known tokens)."""
+    """Advances the clock by the cost model's time and samples SIM_TOKEN wherever the real executor would."""
 
     def __init__(self, cost: CostModel, clock: SimClock):
         self.cost, self.clock = cost, clock
@@ -48,7 +46,7 @@ class CostModelExecutor(FastForwardExecutor):
                 tnn += n * n
                 if n > 1:
                     prefills += 1
-                if c + n == r.num_prompt_tokens + len(r.output_token_ids):  # r.num_tokens, inlined
+                if c + n == r.num_prompt_tokens + len(r.output_token_ids):
                     out.append(SIM_TOKEN)
                     sampled += 1
                 else:
@@ -99,8 +97,7 @@ class CostModelExecutor(FastForwardExecutor):
 
 
 def step_seconds(cost: CostModel, dt: object) -> float:
-    """A cost model's step time, as it enters the clock: a finite number of seconds >= 0, or one line
-    naming the model and the value (a negative or NaN time would corrupt every latency silently)."""
+    """A cost model's step time checked as it enters the clock: finite and >= 0, else one line naming it."""
     if isinstance(dt, float):
         if 0.0 <= dt < math.inf:
             return dt

@@ -42,8 +42,7 @@ def user_config_dirs() -> list[Path]:
 
 
 def search_path_urls() -> list[str]:
-    """The user's config folders as Hydra search path entries, after the shipped groups
-    (pkg://varlen.conf, added by hydra_plugins/varlen_configs)."""
+    """The user's config folders as Hydra search path entries, after the shipped groups."""
     return [f"file://{d}" for d in user_config_dirs()]
 
 
@@ -108,7 +107,7 @@ def build(group: str, choice: str | Mapping[str, Any], /, *, context: Mapping[st
     from hydra.utils import instantiate
 
     cfg = spec(group, choice)
-    target(group, cfg)  # a bad class path fails here, named
+    target(group, cfg)
     if overrides:
         cfg = OmegaConf.merge(cfg, overrides)
     root = OmegaConf.create({**(dict(context) if context else {}), "__plugin__": cfg})

@@ -8,15 +8,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-#: Below this temperature sampling is argmax in all but name, and logits / temperature would
-#: overflow to inf (then softmax gives NaN and sampling fails): such requests decode greedily.
+#: Below this temperature logits / temperature may overflow (NaN after softmax): decode greedily.
 GREEDY_BELOW = 1e-5
 SEED_LIMIT = 2**64  # what torch.Generator.manual_seed takes
 
 
 def _integer(v: object) -> int | None:
     """v as an int when it is an integer (Python or numpy, never a bool), else None."""
-    if type(v) is int:  # the common case, without the ABC check
+    if type(v) is int:
         return v
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
         return None
@@ -38,8 +37,7 @@ Normalized = tuple[int, float, int, float, "int | None", tuple[int, ...], bool]
 
 def check_sampling(max_tokens: object, temperature: object, top_k: object, top_p: object, seed: object,
                    stop_token_ids: object, ignore_eos: object) -> Normalized | str:
-    """The settings as their field types, or one line naming the wrong field, its value and the fix
-    (the constructor raises it; the engine rejects a request whose params changed since)."""
+    """The settings as their field types, or one line naming the wrong field, its value and the fix."""
     n = _integer(max_tokens)
     if n is None or n < 1:
         return f"max_tokens={max_tokens!r}: must be an integer >= 1"

@@ -70,7 +70,7 @@ def read_azure_cached(path: Path) -> Columns:
         elif (arrival.dtype == np.float64 and prompt.dtype == output.dtype == np.int64
                 and arrival.ndim == prompt.ndim == output.ndim == 1 and len(arrival) == len(prompt) == len(output)):
             try:
-                os.utime(entry)  # the last to be pruned
+                os.utime(entry)
             except OSError:
                 pass
             return Columns(arrival, prompt, output, np.arange(len(prompt)))

@@ -69,10 +69,9 @@ def load_trace(
     max_model_len: int | None = None,
     over_length: str = "clip",
 ) -> Trace:
-    """source: a `SyntheticTrace` ("synthetic": its defaults), a name in NAMED_TRACES or a path
-    (kind: "azure" or "mooncake" over the suffix's guess). time_scale multiplies inter-arrival
-    times; `rate` instead picks the factor giving (n - 1) / duration = rate. max_model_len bounds
-    prompt + output: "clip" keeps the prompt's prefix (and hash ids), "drop" the request."""
+    """source: a `SyntheticTrace`, a name in NAMED_TRACES or a path (kind: "azure" or "mooncake").
+    time_scale multiplies inter-arrival times, or `rate` picks it; max_model_len bounds prompt + output
+    ("clip" keeps the prompt's prefix, "drop" the request)."""
     if time_scale is not None and rate is not None:
         raise ValueError("give time_scale or rate, not both")
     if over_length not in ("clip", "drop"):
