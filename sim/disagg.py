@@ -121,13 +121,12 @@ class DisaggEngine(FastForwardEngine):
                     self._retry = True
                     return []
         if self.held or self.incoming:
-            return []  # blocks come back when the transfers end
+            return []
         return super()._unstick()
 
 
 class ReceivingAllocator:
-    """Mixin over a decode instance's allocator class (`receiving(cls)`): `match_prefix` answers a
-    received request's prompt until its blocks are freed, so the policy admits it as cached."""
+    """Mixin over a decode allocator class: `match_prefix` answers a received prompt as cached until freed."""
 
     received: dict[str, int]
 
@@ -147,7 +146,7 @@ class ReceivingAllocator:
         if n is not None:
             if len(self.block_table(req)):  # type: ignore[attr-defined]
                 return n
-            del self.received[req.req_id]  # preempted: recomputed here
+            del self.received[req.req_id]
         return super().match_prefix(req)  # type: ignore[misc]
 
 
@@ -342,7 +341,7 @@ class _Loop:
         if not self.busy[k]:
             rep.clock.sleep_until(req.arrival)
         rep.engine.add_request(copy)
-        if copy.is_finished:  # rejected
+        if copy.is_finished:
             req.finish(copy.finish_reason, copy.finish_time, copy.finish_message)  # type: ignore[arg-type]
             return
         self.wake(k)
@@ -374,7 +373,7 @@ class _Loop:
         req = self.orig[copy.req_id]
         req.first_scheduled = copy.first_scheduled
         req.num_preemptions += copy.num_preemptions
-        if copy.finish_reason not in (FinishReason.LENGTH, FinishReason.STOP):  # aborted
+        if copy.finish_reason not in (FinishReason.LENGTH, FinishReason.STOP):
             req.finish(copy.finish_reason, t, copy.finish_message)  # type: ignore[arg-type]
             return
         self.res.prefill_hit_tokens[req.req_id] = copy.num_prefix_hit_tokens

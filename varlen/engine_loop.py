@@ -33,8 +33,7 @@ def arrival_problem(arrival: float) -> str:
 
 
 class RequestStream(Generic[Out]):
-    """A submitted request: wait for its result, stream its outputs as steps produce them, or abort it.
-    A request a failing step aborted ends `aborted` with the reason (and `error` holds the exception)."""
+    """A submitted request: wait for its result, stream its outputs, or abort it (`error`: a failed step's)."""
 
     def __init__(self, loop: EngineLoop, request: Request, to_output: Callable[[Request, int, bool], Out]):
         self.request = request
@@ -88,8 +87,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
 
     def submit(self, reqs: Sequence[Request], to_output: Callable[[Request, int, bool], Out]) -> list[RequestStream[Out]]:
-        """Queue `reqs`; each one's `arrival` is seconds after now (0 = at once). A request with a bad
-        arrival ends `rejected` here; the engine rejects what it can never run."""
+        """Queue `reqs` (`arrival`: seconds from now); a bad arrival ends `rejected` here."""
         now = self.engine.clock.now()
         streams = [RequestStream(self, r, to_output) for r in reqs]
         call = object()
@@ -163,7 +161,7 @@ class EngineLoop:
         while True:
             with self.cond:
                 if not self._inbox and not self._aborts and not self._pending and not eng.has_unfinished():
-                    self._thread = None  # idle: a later submission starts a new thread
+                    self._thread = None
                     return
                 if not eng.has_unfinished() and not eng.requests and not self._pending:
                     eng.steps = StepLog()  # `engine.steps`: the steps since the loop was last idle

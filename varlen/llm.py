@@ -141,8 +141,7 @@ class LLM:
     def make_requests(self, prompts: Sequence[str | Sequence[int]] | str | Sequence[int],
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                       arrivals: Sequence[float] | None = None) -> list[Request]:
-        """One Request per prompt: text (tokenized), or token ids as given (the engine rejects bad
-        ones); a prompt of neither kind raises ValueError."""
+        """One Request per prompt: text (tokenized) or token ids as given; anything else raises ValueError."""
         if _is_one_prompt(prompts):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params if sampling_params is not None else SamplingParams()

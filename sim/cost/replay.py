@@ -16,9 +16,8 @@ from sim.cost.base import CostModel, load_path, one_gpu
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class ReplayCostModel(CostModel):
-    """Recorded step durations in order, whatever the batch: with the engine's clock, any
-    divergence in the batches is a scheduling difference. With `starts` the simulator also waits
-    between steps as the engine did, so arrivals land between the same two steps."""
+    """Recorded step durations in order, whatever the batch (a divergence is a scheduling difference);
+    with `starts`, the engine's waits between steps too."""
 
     def __init__(self, durations: Sequence[float] | str | os.PathLike,
                  starts: Sequence[float] | None = None):

@@ -46,9 +46,8 @@ def _request_key(req: TraceRequest, seed: int) -> int:
 
 def synth_prompt_tokens(req: TraceRequest, vocab_size: int, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
                         seed: int = 0) -> np.ndarray:
-    """Deterministic token ids (int64, length req.prompt_len, in [0, vocab_size)): block j is a
-    function of (hash_ids[j], seed) only; the rest comes from a stream keyed by req_id (or arrival
-    and lengths), so distinct requests share no content."""
+    """Deterministic token ids (int64, req.prompt_len of them, in [0, vocab_size)): block j depends on
+    (hash_ids[j], seed) only, the rest on the request, so distinct requests share no content."""
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     n = int(req.prompt_len)
