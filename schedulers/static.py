@@ -23,7 +23,6 @@ class StaticPolicy(SchedulerPolicy):
             self.members = {r.req_id for r, _ in out.scheduled}
             return out
         budget = self._schedule_running(kv, out, self.max_num_batched_tokens)
-        # A member preempted for memory re-enters its own batch, never a newcomer.
         if self._may_admit():
             # A member re-enters with the whole budget: the decodes running beside it do not share it.
             self._admit_waiting(kv, out, self.max_num_batched_tokens,

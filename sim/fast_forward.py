@@ -139,7 +139,6 @@ class FastForwardEngine(Engine):
         start = self.clock.now()
         self.clock.sleep_until(times[-1])
         finished = []
-        # Only those at their length limit or sampling a stop token can stop (_stop_reason).
         for r in (batch if k == 1 else [r for r, s in zip(batch, stop_at) if s == k]):
             reason = self._stop_reason(r, tok)
             if reason is not None:

@@ -215,7 +215,6 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     hardware = HardwareSpec.from_dict(c["hardware"])
     build_cost_model(c["cost"], model_config, hardware)  # a bad cost.path fails now, not per replica
     num_blocks = e.get("num_blocks")
-    # Pipeline parallelism: `pipeline` virtual engines per replica, each with its share of the pool.
     from sim.parallel import Parallelism, capacity
 
     par = Parallelism.of(c.get("parallel"))

@@ -46,8 +46,7 @@ def build(force: bool = False) -> Path:
             if "build" in so.relative_to(work).parts:
                 continue  # setuptools' intermediate copies
             rel = so.relative_to(work)
-            # The runtime library goes on sys.path alone: a folder there holding varlen/ would shadow the
-            # real package as a namespace package for an editable install's finder.
+            # The runtime library alone on sys.path: a folder holding varlen/ would shadow the real package.
             dest = staging / ("lib" if len(rel.parts) == 1 else "pkgs") / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(so, dest)

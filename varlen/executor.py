@@ -159,7 +159,6 @@ class ModelExecutor(Executor):
             timings["forward"] += t2 - t1
             timings["sample"] += t3 - t2
             return out
-        # One pass over the requests (step_inputs); per-row Python only for the rows to set up.
         rows, cached, new, wants, sampled_reqs, todo, wr, wc, wv = step_inputs(
             scheduled, self.rows, self.tokens_written, self.slots_covered)
         if wr:  # decode tokens, and the output tokens of decode steps since the row's last write

@@ -37,7 +37,6 @@ class MeasuredCostModel(CostModel):
                  profiles: str | os.PathLike | None = None, tensor: int = 1, pipeline: int = 1,
                  dtype_bytes: int | None = None, overhead_s: float | None = None,
                  exclude: tuple[Any, ...] = (), engine_overhead: bool = True):
-        # exclude: tables hidden from the prediction (validation; gemm.Held).
         cfg = load_model_config(model_config)
         self.shape = m = ModelShape.from_config(cfg)
         self.hardware = hw = HardwareSpec.coerce(hardware)

@@ -52,7 +52,6 @@ class PagedAllocator(KVAllocator):
     def allocate(self, req: Request, num_tokens: int) -> bool:
         table = self.tables.get(req.req_id)
         if table is not None and -(-num_tokens // self.block_size) <= len(table):
-            # Fast path (most calls: a decode inside its last block): no block to take.
             self._record_count(req.req_id, num_tokens)
             if self.enable_prefix_caching:
                 self._register_full_blocks(req, num_tokens)
@@ -98,7 +97,6 @@ class PagedAllocator(KVAllocator):
         return True
 
     def next_allocation_event(self, req: Request, num_tokens: int) -> int:
-        # A decode takes a block past the table's last slot, and registers one it fills.
         bs = self.block_size
         held = max(len(self.tables.get(req.req_id, ())), -(-num_tokens // bs))
         event = held * bs + 1
