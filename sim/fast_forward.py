@@ -120,7 +120,7 @@ class FastForwardEngine(Engine):
         if k == 0:
             return [], False
         times = ends[:k] if k < len(ends) else ends
-        if bulk is not None:  # every request as it was: k more tokens, and their times
+        if bulk is not None:
             toks = [tok] * k
             for r in batch:
                 r.num_computed_tokens += k
@@ -186,6 +186,6 @@ class FastForwardEngine(Engine):
             m = growth.next_allocation_event(r, m) if growth is not None else m + 1
             if m - base[p] - 1 < k:
                 heapq.heappush(events, (m - base[p] - 1, p, m))
-            if not events or events[0][0] != j:  # step j's last allocation
+            if not events or events[0][0] != j:
                 changed[j] = kv.usage().reserved_slots
         return k, False

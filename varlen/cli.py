@@ -38,7 +38,7 @@ def _help_groups() -> str:
     # "group@package" entries are a command's own per-choice defaults (workload_defaults), not a choice.
     groups = sorted(g for g in hc.runtime.choices if g != "hydra" and not g.startswith("hydra/") and "@" not in g)
     options = {g: loader.get_group_options(g, config_name=hc.job.config_name, overrides=list(hc.overrides.task))
-               for g in groups}  # the primary config's search path included
+               for g in groups}
     return "\n".join(f"{g}: {', '.join(sorted(o))}" for g, o in options.items())
 
 

@@ -104,7 +104,7 @@ def _decide() -> tuple[Path | None, str]:
                 _state = (None, f"pure Python (cannot hash the core's sources: {e})")
             else:
                 if (d / "COMPLETE").is_file():
-                    sys.path.append(str(d / "lib"))  # the modules' shared runtime library (top level)
+                    sys.path.append(str(d / "lib"))
                     sys.meta_path.insert(0, _OwnAbcCaches())
                     part = "" if set(MODULES) == {m for g in GROUPS.values() for m in g} else f"groups {','.join(core_groups())}, "
                     _state = (d, f"compiled ({part}{d})")

@@ -53,7 +53,7 @@ class Engine:
                 f"raise it, lower max_model_len, or use the chunked scheduler")
         # Unfinished requests only: a long-lived engine holds only what it serves.
         self.requests: dict[str, Request] = {}
-        self.steps = StepLog()  # reads as a list of StepRecords
+        self.steps = StepLog()
         self.num_preemptions = 0
         self.timings: dict[str, float] = defaultdict(float)  # wall seconds per phase of step()
         self._scheduled: list[tuple[Request, int]] | None = None

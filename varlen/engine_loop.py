@@ -183,7 +183,7 @@ class EngineLoop:
                     self._stop_calls_of_failed(err)
             self._publish(error)
             if not eng.has_unfinished() and self._pending:
-                with self.cond:  # asleep until the next arrival, or a caller's submission or abort
+                with self.cond:
                     if not self._inbox and not self._aborts:
                         self.cond.wait(max(0.0, self._pending[0][0] - eng.clock.now()))
 

@@ -161,7 +161,7 @@ class ModelExecutor(Executor):
             return out
         rows, cached, new, wants, sampled_reqs, todo, wr, wc, wv = step_inputs(
             scheduled, self.rows, self.tokens_written, self.slots_covered)
-        if wr:  # decode tokens, and the output tokens of decode steps since the row's last write
+        if wr:
             self.buffers.tokens[wr, wc] = wv
             written = self.tokens_written
             for row, col in zip(wr, wc):

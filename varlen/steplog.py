@@ -199,7 +199,7 @@ class StepLog:
         start[first] = np.array(start0, np.float64)  # ...but its first, and every record, start where recorded
         in_run = ~np.isnan(end)
         duration = np.array(record_dur, np.float64)[per_step]
-        duration[in_run] = end[in_run] - start[in_run]  # as DecodeRun.record computes it
+        duration[in_run] = end[in_run] - start[in_run]
         cols = dict(start=start, duration=duration, num_seqs=seqs_s)
         if tokens:
             cols.update(num_new_tokens=np.array(new, i64)[per_step],

@@ -29,7 +29,7 @@ class PagedAllocator(KVAllocator):
         self.cached: dict[int, int] = {}  # hash -> block id
         self.tables: dict[str, list[int]] = {}
         self.registered: dict[str, int] = {}  # how many leading blocks of a request are registered
-        self.prefix_hit_blocks = 0  # counters, for tests and reports
+        self.prefix_hit_blocks = 0
         self.prefix_query_blocks = 0
 
     def _hits(self, req: Request) -> list[int]:

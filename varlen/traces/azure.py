@@ -19,7 +19,7 @@ def _int_column(values: Any, labels: np.ndarray, name: str, path: Path) -> np.nd
 
     if pd.api.types.is_bool_dtype(values.dtype):  # "true"/"false" would otherwise read as 1/0
         fail(path, int(labels[0]) + 2, f"non-numeric value {str(values.iloc[0]).lower()!r} in column {name}")
-    if pd.api.types.is_integer_dtype(values.dtype) and values.dtype.kind == "i":  # the usual, fast case
+    if pd.api.types.is_integer_dtype(values.dtype) and values.dtype.kind == "i":
         ints = values.to_numpy(np.int64)
         big = np.flatnonzero(ints > MAX_LENGTH)
         if len(big):
