@@ -168,7 +168,7 @@ def run_varlen_online(path, prompts, outputs, scheduler, rate, seed=0):
     """The same requests arriving as a Poisson process at `rate` req/s, replayed on the wall clock."""
     from varlen.metrics import summarize
 
-    llm = LLM(str(path), backend="torch_sdpa", scheduler=scheduler, block_size=16, max_num_seqs=len(prompts),
+    llm = LLM(str(path), scheduler=scheduler, block_size=16, max_num_seqs=len(prompts),
               max_model_len=2048, max_num_batched_tokens=512 if scheduler == "chunked" else 2048 * 4,
               kv_cache_memory="1GiB")
     arrivals = np.cumsum(np.random.default_rng(seed).exponential(1 / rate, len(prompts))).tolist()
