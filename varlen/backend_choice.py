@@ -106,7 +106,7 @@ class AutoBackend(AttentionBackend):
         chosen.bind(num_q_heads, num_kv_heads, head_dim, dtype, block_size, device, layers, model_name)
         self.choice = announcement(name, passed, device, dtype)
         print(self.choice, file=sys.stderr, flush=True)
-        self.chosen, self.name, self.layers = chosen, chosen.name, chosen.layers
+        self.chosen, self.name, self.layers = chosen, chosen.name, chosen.layers  # type: ignore[misc]
         self.prepare, self.forward = chosen.prepare, chosen.forward  # type: ignore[method-assign]
 
     def _bound(self) -> AttentionBackend:
