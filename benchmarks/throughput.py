@@ -12,8 +12,9 @@ prompt-length distribution, scaled into [16, max-prompt]; output lengths from it
 distribution scaled into [16, max-output]. `--lengths lognormal`: both lognormal (median a quarter
 of the maximum, sigma 1), clipped into the same ranges. Greedy, EOS ignored. Contenders run
 alternately, `--repeats` times; the table shows median output tokens/s, the spread (min–max), the
-ratio of varlen's best to each contender and of each torch_paged row to the same run with
-torch_sdpa (all measured in the same run). Then: the host's roofline (measured GEMM FLOP/s and read
+ratio of varlen's best to each contender and of each row of the default backend (`auto`, which
+picks torch_paged here; named by `--backends`) to the same run with torch_sdpa, the default before
+`auto` (all measured in the same run). Then: the host's roofline (measured GEMM FLOP/s and read
 bandwidth, the minimum time of each varlen run's own schedule, varlen's fraction of it), the
 decode-attention micro-benchmark (benchmarks/roofline.py), a varlen step broken into phases, and one
 decode and one mixed forward split into linear layers / attention / rest in thread CPU time (robust
@@ -39,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from roofline import Shape, host_peaks, minimum_time, print_decode_table  # noqa: E402
 from varlen import LLM, SamplingParams, registry  # noqa: E402
+from varlen.backend_choice import choose  # noqa: E402
 from varlen.model_runner import load_model  # noqa: E402
 from varlen.tiny_model import ensure_tiny_model, write_tiny_model  # noqa: E402
 
@@ -166,7 +168,7 @@ def run_varlen_online(path, prompts, outputs, scheduler, rate, seed=0):
     """The same requests arriving as a Poisson process at `rate` req/s, replayed on the wall clock."""
     from varlen.metrics import summarize
 
-    llm = LLM(str(path), backend="torch_sdpa", scheduler=scheduler, block_size=16, max_num_seqs=len(prompts),
+    llm = LLM(str(path), scheduler=scheduler, block_size=16, max_num_seqs=len(prompts),
               max_model_len=2048, max_num_batched_tokens=512 if scheduler == "chunked" else 2048 * 4,
               kv_cache_memory="1GiB")
     arrivals = np.cumsum(np.random.default_rng(seed).exponential(1 / rate, len(prompts))).tolist()
@@ -270,7 +272,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hf-batch-sizes", default="16,64")
-    ap.add_argument("--backends", default="torch_paged,torch_sdpa", help="varlen attention backends to run")
+    ap.add_argument("--backends", default="auto,torch_sdpa",
+                    help="varlen attention backends to run (auto: varlen's default, the fastest exact one here)")
     ap.add_argument("--schedulers", default="chunked,continuous,static", help="varlen schedulers to run")
     ap.add_argument("--vllm-modes", default="eager,compiled",
                     help="vLLM variants: eager (enforce_eager=True), compiled (its default, torch.compile)")
@@ -349,7 +352,7 @@ def main() -> None:
     for cname, v in results.items():
         if not v:
             continue
-        sdpa = cname.replace(" + torch_paged", " + torch_sdpa")
+        sdpa = cname.replace(" + torch_paged", " + torch_sdpa").replace(" + auto", " + torch_sdpa")
         vs = f"{med[cname] / med[sdpa]:.2f}x" if sdpa != cname and sdpa in med else ""
         print(f"{cname:<40} {med[cname]:>13.1f} {f'{min(v):.1f}–{max(v):.1f}':>17} "
               f"{med[best_name] / med[cname]:>18.2f}x {vs:>14}")
@@ -383,7 +386,9 @@ def main() -> None:
                   f"{wall:>7.2f} {m['min_s'] / wall:>9.0%}")
         print("(steps: the last repeat's schedule; wall s: the best repeat; compute s and memory s: the two sums alone)")
         if "micro" not in skip:
-            print_decode_table(sorted({"torch_paged", "torch_sdpa"} & set(backends)) or backends, 64, 1024, 5, peaks)
+            # auto as what it picks for this (plain causal, fp32) model on CPU
+            named = {choose("cpu", torch.float32, 16, frozenset())[0] if b == "auto" else b for b in backends}
+            print_decode_table(sorted({"torch_paged", "torch_sdpa"} & named) or sorted(named), 64, 1024, 5, peaks)
 
     if "breakdown" not in skip:
         b = backends[0]

@@ -1,6 +1,7 @@
 """Which decoder-only architectures of the installed transformers varlen runs, on which backends.
 
-Read from `varlen.tiny_model`'s configs the way the model runner reads attention;
+Read from `varlen.tiny_model`'s configs the way the model runner reads attention; "default" is what
+`backend=auto` picks on CPU in fp32 where every backend's kernels are installed (varlen/backend_choice.py);
 tests/engine/test_model_coverage.py proves each row and checks README.md carries this table:
 
     python -m varlen.architectures            # print the table
@@ -13,8 +14,12 @@ import argparse
 import importlib
 from pathlib import Path
 
+import torch
+
 BEGIN, END = "<!-- architectures table: python -m varlen.architectures --write -->", "<!-- end of architectures table -->"
 BACKEND_CLASSES = {"torch_ref": "backends.torch_ref:TorchRefBackend", "torch_sdpa": "backends.torch_sdpa:TorchSdpaBackend",
+                   "torch_paged": "backends.torch_paged:TorchPagedBackend",
+                   "triton": "backends.triton_paged:TritonPagedBackend",
                    "flash_attn": "backends.flash_attn:FlashAttnBackend",
                    "flashinfer": "backends.flashinfer:FlashInferBackend"}
 
@@ -48,6 +53,8 @@ def rows() -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     from varlen.model_runner import ATTN_NAME, register_varlen_attention
     from varlen.tiny_model import ARCHITECTURES, REFUSED_ARCHITECTURES, tiny_model
 
+    from varlen.backend_choice import choose, declared
+
     register_varlen_attention()
     features = backend_features()
     supported, refused = [], []
@@ -56,7 +63,8 @@ def rows() -> tuple[list[dict[str, str]], list[dict[str, str]]]:
         attn = read_model_attention(model, "varlen_ctx")
         layers = attn.layers
         used = frozenset().union(*(spec.features for spec in layers))
-        row = {"architecture": arch, "class": type(model).__name__, "attention": describe_layers(layers, attn.head_dim)}
+        row = {"architecture": arch, "class": type(model).__name__, "attention": describe_layers(layers, attn.head_dim),
+               "default": choose("cpu", torch.float32, 16, used, declared)[0]}
         for name, have in features.items():
             missing = sorted(used - have)
             row[name] = "yes" if not missing else "refused: " + ", ".join(missing)
@@ -75,10 +83,10 @@ def rows() -> tuple[list[dict[str, str]], list[dict[str, str]]]:
 def markdown_table() -> str:
     supported, refused = rows()
     backends = list(BACKEND_CLASSES)
-    lines = ["| architecture | HF class | attention features | " + " | ".join(backends) + " |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in backends) + " |"]
-    lines += [f"| {r['architecture']} | `{r['class']}` | {r['attention']} | " + " | ".join(r[b] for b in backends)
-              + " |" for r in supported]
+    lines = ["| architecture | HF class | attention features | default (CPU fp32) | " + " | ".join(backends) + " |",
+             "| --- | --- | --- | --- | " + " | ".join("---" for _ in backends) + " |"]
+    lines += [f"| {r['architecture']} | `{r['class']}` | {r['attention']} | {r['default']} | "
+              + " | ".join(r[b] for b in backends) + " |" for r in supported]
     lines += ["", "| refused | HF class | why |", "| --- | --- | --- |"]
     lines += [f"| {r['architecture']} | `{r['class']}` | {r['reason']} |" for r in refused]
     return "\n".join(lines)

@@ -68,7 +68,7 @@ class LLM:
     def __init__(
         self,
         model: str = "tiny",
-        backend: str | Mapping[str, Any] | AttentionBackend = "torch_sdpa",
+        backend: str | Mapping[str, Any] | AttentionBackend = "auto",
         scheduler: str | Mapping[str, Any] | SchedulerPolicy = "chunked",
         allocator: str | Mapping[str, Any] | Callable[..., KVAllocator] = "paged",
         block_size: int = 16,

@@ -135,6 +135,7 @@ def write_results(cfg: DictConfig, llm: Any, reqs: list, trace: Any, out: Path, 
     row = summarize(reqs, eng.steps, eng.kv.capacity_tokens, cfg.slo.ttft_s, cfg.slo.tpot_s,
                     cfg.slo.get("tbt_s"))
     row["partial"] = partial
+    row["backend"] = llm.backend.name  # the backend that ran (with backend=auto, the one it chose)
     row["unfinished"] = sum(r.finish_reason is None or r.finish_reason.value == "aborted" for r in reqs)
     if trace is not None:
         row.update({f"trace_{k}": getattr(trace.stats, k) for k in

@@ -14,8 +14,14 @@
  * order), from its own inputs only: its result depends neither on the rest of the batch, nor on
  * how units are tiled or scheduled (batch invariance for free).
  *
+ * Optional per-layer features, as transformers defines them: a sliding window W (position p sees
+ * keys p-W+1..p; blocks wholly before a unit's first window are never read, they may be freed),
+ * logit soft-capping (score -> cap * tanh(score / cap)) and sinks (one logit per query head that
+ * joins the softmax's denominator only).
+ *
  * Built at first use by backends/torch_paged.py (plain C with OpenMP, loaded with ctypes).
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,6 +97,9 @@ typedef struct {
     int num_seqs, hq, hkv, d, bs;
     int64_t bt_stride;                /* block_tables row stride */
     float scale;
+    int window;                       /* sliding window, or 0: the whole context */
+    float softcap;                    /* logit soft-cap, or 0: none */
+    const float *sinks;               /* [hq] sink logits, or NULL */
 } Dims;
 
 /* One unit: query rows t0..t1-1 of request `seq`, every head. Blocks are the outer loop, so each
@@ -120,8 +129,12 @@ static inline __attribute__((always_inline)) void unit_d(
     memset(acc, 0, sizeof(float) * (size_t)M * D);
     const int last = off + t1;                 /* keys visible to the unit's last row */
     const int nblk = (last + bs - 1) / bs;
+    const int W = dm->window;
+    const float cap = dm->softcap;
+    /* the block holding the first key the unit's first row sees (with a window, earlier ones are never read) */
+    const int first_key = W > 0 && off + t0 - W + 1 > 0 ? off + t0 - W + 1 : 0;
     const int32_t *table = bt + (int64_t)seq * dm->bt_stride;
-    for (int b = 0; b < nblk; b++) {
+    for (int b = first_key / bs; b < nblk; b++) {
         const int j0 = b * bs, jn = last - j0 < bs ? last - j0 : bs;
         const int64_t base = (int64_t)table[b] * blk_elems;
         if (b + PF_DIST < nblk) {  /* a later block lies anywhere in the pool: fetch it ahead, into L2 */
@@ -145,7 +158,8 @@ static inline __attribute__((always_inline)) void unit_d(
         for (int r = 0; r < R; r++) {
             const int pos = off + t0 + r;  /* this row's position: it sees keys 0..pos */
             const int lim = pos + 1 - j0 < jn ? pos + 1 - j0 : jn;
-            if (lim <= 0) continue;
+            const int lo = W > 0 && pos - W + 1 - j0 > 0 ? pos - W + 1 - j0 : 0;  /* first key of the window */
+            if (lim <= lo) continue;
             for (int qh = 0; qh < hq; qh++) {
                 const int m = r * hq + qh;
                 const float *restrict Kt = Kb + (qh / G) * head_elems, *restrict V = Vb + (qh / G) * head_elems;
@@ -155,8 +169,9 @@ static inline __attribute__((always_inline)) void unit_d(
                  * (the scores, their max and exps); a partial chunk's missing keys weigh exactly 0.
                  * Each score sums its D products in order, whatever the chunk: the same number
                  * for the same key and row, always. */
-                for (int c = 0; c < lim; c += CHUNK) {
+                for (int c = lo - lo % CHUNK; c < lim; c += CHUNK) {
                     const int n = lim - c < CHUNK ? lim - c : CHUNK;
+                    const int j0k = lo > c ? lo - c : 0;  /* keys j0k..n-1 of the chunk are visible */
                     /* Four partial sums over x (x % 4), then (s0 + s1) + (s2 + s3): four
                      * independent FMA chains instead of one latency-bound chain. */
                     vf sv;
@@ -193,6 +208,11 @@ static inline __attribute__((always_inline)) void unit_d(
                     }
                     float sc[CHUNK], cmax = -3.0e38f;
                     memcpy(sc, &sv, sizeof sc);
+                    if (cap > 0.0f || j0k > 0) {  /* soft-cap the visible scores; keys outside weigh 0 */
+                        for (int j = 0; j < CHUNK; j++)
+                            sc[j] = j < j0k || j >= n ? -3.0e38f : cap > 0.0f ? cap * tanhf(sc[j] / cap) : sc[j];
+                        memcpy(&sv, sc, sizeof sv);
+                    }
                     for (int j = 0; j < CHUNK; j++) cmax = sc[j] > cmax ? sc[j] : cmax;
                     if (cmax > mx[m]) {
                         const float corr = exp_neg(mx[m] - cmax);
@@ -204,7 +224,7 @@ static inline __attribute__((always_inline)) void unit_d(
                     sv = vexp_neg(sv - mx[m]);
                     memcpy(sc, &sv, sizeof sc);
                     float csum = 0.0f;
-                    for (int j = 0; j < n; j++) csum += sc[j];  /* in key order: the same sum always */
+                    for (int j = j0k; j < n; j++) csum += sc[j];  /* in key order: the same sum always */
                     sum[m] += csum;
                     /* out += p_j * v_j, keys in order for every element; a CHUNK-wide slice of
                      * the output stays in a register over all the keys of the chunk. */
@@ -212,14 +232,14 @@ static inline __attribute__((always_inline)) void unit_d(
                         for (int x0 = 0; x0 < D; x0 += CHUNK) {
                             vf a, vv;
                             memcpy(&a, am + x0, sizeof a);
-                            for (int j = 0; j < n; j++) {
+                            for (int j = j0k; j < n; j++) {
                                 memcpy(&vv, V + (int64_t)(c + j) * D + x0, sizeof vv);
                                 a += sc[j] * vv;
                             }
                             memcpy(am + x0, &a, sizeof a);
                         }
                     } else {
-                        for (int j = 0; j < n; j++) {
+                        for (int j = j0k; j < n; j++) {
                             const float *restrict vj = V + (int64_t)(c + j) * D;
                             const float p = sc[j];
 #pragma omp simd
@@ -231,7 +251,12 @@ static inline __attribute__((always_inline)) void unit_d(
         }
     }
     for (int m = 0; m < M; m++) {
-        const float inv = 1.0f / sum[m];
+        float inv = 1.0f / sum[m];
+        if (dm->sinks) {  /* the head's sink logit joins the denominator: rescale both to the larger max */
+            const float sink = dm->sinks[m % hq], top = sink > mx[m] ? sink : mx[m];
+            const float corr = exp_neg(mx[m] - top);
+            inv = corr / (sum[m] * corr + exp_neg(sink - top));
+        }
         const int64_t at = ((int64_t)(qs + t0) * hq + m) * D;  /* rows of a request are consecutive */
         for (int x = 0; x < D; x++) {
             const float o = acc[(size_t)m * D + x] * inv;
@@ -254,8 +279,8 @@ int varlen_paged_attention(const void *q, int64_t q_tok, int64_t q_head, const v
                            const void *v_cache, void *out, int elem, const int32_t *qsl,
                            const int32_t *seq_lens, int num_seqs, const int32_t *block_tables,
                            int64_t bt_stride, const int32_t *units, int num_units, int hq, int hkv, int d,
-                           int bs, float scale, int threads) {
-    Dims dm = {q_tok, q_head, num_seqs, hq, hkv, d, bs, bt_stride, scale};
+                           int bs, float scale, int threads, int window, float softcap, const float *sinks) {
+    Dims dm = {q_tok, q_head, num_seqs, hq, hkv, d, bs, bt_stride, scale, window, softcap, sinks};
     const size_t M = (size_t)TILE * hq;
     const size_t need = (M * d * 2 + M * 2 + bs + (size_t)2 * bs * hkv * d) * sizeof(float);
     void (*run)(UNIT_ARGS) = d == 64 ? unit_64 : d == 128 ? unit_128 : unit_any;

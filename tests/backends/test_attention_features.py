@@ -2,7 +2,8 @@
 
 - torch_ref implements each feature as transformers' own eager functions define it (Gemma 2's
   soft-capped, windowed attention; gpt-oss's sinks), checked here against those functions with
-  values that bite; torch_sdpa's windows equal torch_ref's on random mixed batches.
+  values that bite; torch_sdpa's windows, and torch_paged's windows, soft-caps and sinks (C kernel
+  and SDPA split), equal torch_ref's on random mixed batches.
 - No silent features: an unknown attention keyword with a value, dropout, non-causal attention,
   a layer that never calls attention, a recurrent mixer, or a call that no longer matches what
   was bound at load are refused in one line; a backend that does not declare a feature a layer
@@ -110,6 +111,40 @@ def test_torch_sdpa_windows_match_torch_ref(p, window, batch_invariant):
     for backend, m in ((sdpa, meta), (ref, ref.prepare(b, "cpu"))):
         again = backend.forward(p["q"], p["k"], p["v"], poisoned.clone(), m, p["scale"], layer=spec)
         torch.testing.assert_close(again, want, atol=ATOL, rtol=0, msg=lambda e: f"{backend.name} read a freed block: {e}")
+
+
+@pytest.mark.parametrize("long_min", [64, 3])  # 3: most requests take torch_paged's SDPA split
+@given(p=problems(), window=st.one_of(st.none(), st.integers(1, 12)), softcap=st.sampled_from([None, 0.7, 3.0]),
+       sinks=st.booleans(), batch_invariant=st.booleans())
+def test_torch_paged_features_match_torch_ref(p, window, softcap, sinks, batch_invariant, long_min):
+    """Windows, soft-caps and sinks in torch_paged's C kernel (and windows in its SDPA split),
+    alone and together, equal torch_ref's; no block wholly behind a window is read."""
+    import backends.torch_paged as tp
+
+    hq, hkv, d = p["q"].shape[1], *p["k"].shape[1:]
+    sink_logits = torch.linspace(-2.0, 3.0, hq) if sinks else None
+    spec = LayerAttention(p["scale"], sliding_window=window, softcap=softcap, sinks=sink_logits)
+    ref = TorchRefBackend()
+    want = ref.forward(p["q"], p["k"], p["v"], p["cache"].clone(), ref.prepare(p["batch"], "cpu"), p["scale"],
+                       layer=spec)
+    paged = registry.build("backend", "torch_paged", batch_invariant=batch_invariant)
+    assert paged.uses_kernel
+    paged.bind(hq, hkv, d, torch.float32, p["batch"].block_size, "cpu", [spec, LayerAttention(p["scale"])])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tp, "LONG_SDPA_MIN", long_min)
+        meta = paged.prepare(p["batch"], "cpu")
+    got = paged.forward(p["q"], p["k"], p["v"], tp.from_nhd(p["cache"]), meta, p["scale"], layer=spec)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    full = paged.forward(p["q"], p["k"], p["v"], tp.from_nhd(p["cache"]), meta, p["scale"])
+    full_ref = ref.forward(p["q"], p["k"], p["v"], p["cache"].clone(), ref.prepare(p["batch"], "cpu"), p["scale"])
+    torch.testing.assert_close(full, full_ref, atol=ATOL, rtol=0)
+    if window is not None:
+        b, poisoned = p["batch"], p["cache"].clone()
+        for i, (length, n) in enumerate(zip(b.seq_lens.tolist(), b.query_lens.tolist())):
+            behind = max(0, length - n - window + 1) // b.block_size
+            poisoned[:, b.block_tables[i, :behind].tolist()] = float("nan")
+        again = paged.forward(p["q"], p["k"], p["v"], tp.from_nhd(poisoned), meta, p["scale"], layer=spec)
+        torch.testing.assert_close(again, want, atol=ATOL, rtol=0, msg=lambda e: f"torch_paged read a freed block: {e}")
 
 
 # ------------------------------------------------------------------------------- refusals

@@ -153,7 +153,7 @@ def no_kernel(monkeypatch):
 @settings(max_examples=1, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(p=problems())
 def test_build_failure_warns_once_and_falls_back_correctly(no_kernel, p):
-    with pytest.warns(RuntimeWarning, match="C kernel is unavailable.*torch_sdpa"):
+    with pytest.warns(RuntimeWarning, match="C kernel is unavailable.*torch_sdpa's .*torch_ref's for soft-capping"):
         got, cache = run_paged(p)
     want, want_cache = reference(p)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
@@ -162,6 +162,30 @@ def test_build_failure_warns_once_and_falls_back_correctly(no_kernel, p):
         __import__("warnings").simplefilter("error")
         run_paged(p)  # no second warning
     assert not registry.build("backend", "torch_paged").uses_kernel
+
+
+@settings(max_examples=5, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(p=problems(), window=st.one_of(st.none(), st.integers(1, 6)), sinks=st.booleans())
+def test_without_the_kernel_soft_caps_and_sinks_run_torch_refs_code(no_kernel, p, window, sinks):
+    """The fallback is bound to the model: torch_sdpa's code for windows, torch_ref's where SDPA
+    has no soft-cap or sinks (never a silently plain softmax)."""
+    from varlen.attention_api import LayerAttention
+
+    hq, hkv, d = p["q"].shape[1], *p["k"].shape[1:]
+    spec = LayerAttention(p["scale"], sliding_window=window, softcap=2.0,
+                          sinks=torch.linspace(-1.0, 1.0, hq) if sinks else None)
+    backend = registry.build("backend", "torch_paged")
+    backend.bind(hq, hkv, d, torch.float32, p["batch"].block_size, "cpu", [spec])
+    with __import__("warnings").catch_warnings():  # said once per process (the test above checks it)
+        __import__("warnings").simplefilter("ignore", RuntimeWarning)
+        cache = backend.allocate_kv_cache(1, p["cache"].shape[1], p["batch"].block_size, hkv, d, torch.float32, "cpu")[0]
+    assert not backend.uses_kernel
+    cache.copy_(p["cache"])
+    got = backend.forward(p["q"], p["k"], p["v"], cache, backend.prepare(p["batch"], "cpu"), p["scale"], layer=spec)
+    ref = TorchRefBackend()
+    want = ref.forward(p["q"], p["k"], p["v"], p["cache"].clone(), ref.prepare(p["batch"], "cpu"), p["scale"], layer=spec)
+    assert type(backend._fallback()).__name__ == "TorchRefBackend"
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
 def test_build_error_names_the_compiler(monkeypatch, tmp_path):

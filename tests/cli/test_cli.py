@@ -33,6 +33,10 @@ def test_run_writes_tables_and_summary(tmp_path, combo):
     assert len(reqs) == 6 and set(reqs.finish_reason) == {"length"}
     assert summary["finished"] == 6 and steps.num_new_tokens.sum() >= reqs.prompt_tokens.sum()
     assert (out / "config_resolved.yaml").exists()
+    # The backend that ran: the default (backend=auto) chose torch_paged and said so in one line.
+    named = "backend=torch_sdpa" in combo
+    assert summary["backend"] == ("torch_sdpa" if named else "torch_paged")
+    assert ("backend: auto -> torch_paged (cpu float32)\n" in res.stderr) != named
 
 
 def test_bad_choices_fail_in_one_clear_line(tmp_path):

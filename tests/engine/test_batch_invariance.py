@@ -67,7 +67,7 @@ def test_batch_invariance_is_a_declared_capability(name):
         with pytest.raises(ValueError, match=f"backend '{cls.name}' has no batch-invariant mode"):
             registry.build("backend", name, batch_invariant=True)
     assert {n for n in registry.names("backend") if BATCH_INVARIANT in registry.target("backend", n).features} \
-        == {"torch_ref", "torch_sdpa", "torch_paged"}
+        == {"torch_ref", "torch_sdpa", "torch_paged", "auto"}  # auto: it then chooses among the other three
 
 
 def test_the_model_gemms_follow_the_backends_option(tiny_model_dirs):

@@ -1,7 +1,7 @@
 """The coverage matrix: every supported architecture runs exactly, every other one is refused.
 
 For each tiny architecture of `varlen.tiny_model.ARCHITECTURES` (written as a real HF folder and
-loaded back), and each CPU backend: if the backend declares every attention feature the model's
+loaded back), and each CPU backend (torch_paged, the default on CPU, among them): if the backend declares every attention feature the model's
 layers use, the mixed-batch property test of test_equivalence runs against the HF model alone
 (eager attention, the definition of each feature), with prompts longer than the sliding window
 where the model has one; otherwise the backend must refuse the model at start-up, in one line.
@@ -26,7 +26,7 @@ from varlen.testing.equivalence import assert_each_matches_alone, run_grouping
 from varlen.testing.strategies import batch_workloads as workloads, groupings
 from varlen.tiny_model import ARCHITECTURES, REFUSED_ARCHITECTURES, WINDOW, tiny_model, write_tiny_model
 
-CPU_BACKENDS = ["torch_ref", "torch_sdpa"]
+CPU_BACKENDS = ["torch_ref", "torch_sdpa", "torch_paged"]
 # A few examples per architecture: the matrix is wide; the `ci` profile's 25 become 3 here.
 FEW = max(3, settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci")).max_examples // 8)
 
@@ -56,6 +56,15 @@ def test_architecture_matches_hf_per_request(arch_models, backend, data):
         assert used - be.features, f"{backend} refused {arch} although it declares {sorted(used)}"
         return
     assert_each_matches_alone(run_grouping(runner, reqs, rounds), reqs, oracle, f"{arch}/{backend} ")
+
+
+def test_the_default_backend_is_the_fast_path_for_every_architecture(arch_models, capsys):
+    """backend=auto picks torch_paged on CPU fp32 for every architecture (all its features are
+    torch_paged's), says so in one line, and then is torch_paged."""
+    arch, model, _ = arch_models
+    runner = ModelRunner(model, registry.build("backend", "auto"), 4, 8)
+    assert runner.backend.name == "torch_paged" and type(runner.backend.chosen).__name__ == "TorchPagedBackend"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "backend: auto -> torch_paged (cpu float32)"
 
 
 REASONS = {"deepseek_v3": "multi-head latent attention", "mamba": "state-space", "jamba": "state-space",
