@@ -257,8 +257,9 @@ def test_tight_decode_pool_serves_every_request(decode):
 
 
 def test_request_longer_than_the_decode_pool_is_rejected_up_front():
+    # The trace unclipped (over_length=clip would clip to what the pool holds): the engine must refuse them.
     cfg = sim_cfg("cluster.mode=disaggregated", "cluster.decode.num_blocks=20", "workload.limit=40",
-                  "workload.rate=100")
+                  "workload.rate=100", "workload.max_model_len=null")
     res, row = sim_run.simulate_config(cfg)
     reasons = {r.finish_reason.value for r in res.requests}
     rejected = [r for r in res.requests if r.finish_reason.value == "rejected"]
