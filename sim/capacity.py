@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import hydra
@@ -144,8 +145,10 @@ def probe_rate(cfg: DictConfig, labels: dict[str, Any] | None = None,
                log: Callable[[str], None] | None = None) -> Callable[[float], tuple[bool, dict[str, Any]]]:
     """meets(rate) for bisect_rate: simulate `cfg` at that rate; passes when the criterion does and the run is steady."""
     from sim.criteria import checked, steady_state
-    from sim.run import _simulate_paused
+    from sim.run import LOSSY_KEYS, _simulate_paused, over_length_warning
     from varlen.metrics import request_table
+
+    warned: list[bool] = []
 
     crit, steady = criterion(cfg), steady_settings(cfg)
 
@@ -153,6 +156,12 @@ def probe_rate(cfg: DictConfig, labels: dict[str, Any] | None = None,
         with open_dict(cfg):
             cfg.workload.rate = rate
         res, row, latencies = _simulate_paused(cfg, labels, False)
+        if log is not None and not warned:
+            warned.append(True)  # the trace is the same at every rate: warn once
+            warning = over_length_warning(SimpleNamespace(**{k: row[f"trace_{k}"] for k in LOSSY_KEYS}),
+                                          OmegaConf.to_container(cfg, resolve=True), row["trace_max_model_len"])
+            if warning:
+                log(warning)
         table = request_table(res.requests, latencies)
         verdicts = [checked(crit, table, row), steady_state(table, steady)]
         failed = next((v for v in verdicts if not v.ok), None)
@@ -189,7 +198,7 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from sim.progress import showing
-    from sim.run import hydra_labels, progress_settings
+    from sim.run import assumptions, hydra_labels, progress_settings, trace_text
     from varlen.cli import errors_to_exit, fail, interrupted
 
     labels = hydra_labels()
@@ -200,11 +209,14 @@ def main(cfg: DictConfig) -> None:
         from sim.criteria import SloAttainment
 
         crit, slos = criterion(cfg), ""
+        c = OmegaConf.to_container(cfg, resolve=True)
         if isinstance(crit, SloAttainment):
-            text = ", ".join(f"{k[:-2].upper()} <= {v:g} s" for k, v in crit.slos.items() if v is not None)
-            slos = f" (SLO {text} for {crit.attainment:.0%} of requests)"
+            text = ("the SLO below" if all(cfg.slo.get(k) == v for k, v in crit.slos.items()) else
+                    "SLO " + ", ".join(f"{k[:-2].upper()} <= {v:g} s" for k, v in crit.slos.items() if v is not None))
+            slos = f" ({text} for {crit.attainment:.0%} of requests)"
         print(f"capacity search: {labels['scheduler']}/{labels['allocator']}, criterion "
-              f"{cfg.capacity.get('criterion', 'slo_attainment')}{slos}, steady state required")
+              f"{cfg.capacity.get('criterion', 'slo_attainment')}{slos}, steady state required\n"
+              f"  trace {trace_text(c)} on {assumptions(c, labels)}")
         with showing(**progress_settings(cfg), label="capacity probe"):
             best, probes = capacity_search(cfg, labels, done)
     except errors_to_exit() as err:

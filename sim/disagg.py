@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 from sim.executor import CostModelExecutor
 from sim.route_check import check_route
 from sim.routers import Router, make_router
+from sim.progress import for_run
 from sim.simulator import Replica, gc_paused
 from varlen.clock import SimClock
 from sim.fast_forward import FastForwardEngine
@@ -252,10 +253,13 @@ def simulate_disaggregated(requests: Sequence[Request], make_prefill: MakeEngine
     if len(lens) != 1:
         raise ValueError(f"every instance must have the same max_model_len, got {sorted(lens)}")
     res = DisaggResult(list(requests), reps, 0.0, num_prefill)
+    progress = for_run(len(res.requests))
     t0 = time.perf_counter()
     with gc_paused():
-        _Loop(res, route, link, kv_bytes_per_token, streams, fast_forward).run()
+        _Loop(res, route, link, kv_bytes_per_token, streams, fast_forward, progress).run()
     res.wall_s = time.perf_counter() - t0
+    if progress is not None:
+        progress.close(max(r.clock.now() for r in reps), len(res.requests))
     return res
 
 
@@ -265,8 +269,10 @@ _DONE, _XFER, _STEP = 0, 1, 2
 
 class _Loop:
     def __init__(self, res: DisaggResult, route: Router, link: Link, kv_bytes_per_token: float, streams: int,
-                 fast_forward: bool):
+                 fast_forward: bool, progress: Callable[[float, int, Sequence[Replica]], None] | None = None):
         self.res, self.route, self.link = res, route, link
+        self.progress = progress
+        self.done = 0  # requests ended: the instances hold copies and in-flight ones, so count, not derive
         self.kv_bytes, self.streams, self.fast_forward = kv_bytes_per_token, streams, fast_forward
         self.P = res.num_prefill
         self.reps = res.replicas
@@ -305,6 +311,8 @@ class _Loop:
             count += 1
             if count & 1023 == 0:
                 poll()
+                if self.progress is not None:
+                    self.progress(self.now, self.done, ())  # no replicas: all `done` requests have ended
             ta = pending[i].arrival if i < n else inf
             te = self.events[0][0] if self.events else inf
             td = self.decode_steps[0][0] if self.decode_steps else inf
@@ -343,6 +351,7 @@ class _Loop:
         rep.engine.add_request(copy)
         if copy.is_finished:
             req.finish(copy.finish_reason, copy.finish_time, copy.finish_message)  # type: ignore[arg-type]
+            self.done += 1
             return
         self.wake(k)
 
@@ -367,6 +376,7 @@ class _Loop:
             received = eng.kv.received  # type: ignore[attr-defined]
             for r in finished:
                 received.pop(r.req_id, None)
+            self.done += len(finished)
             self.admit_transfers(k, rep.clock.now())
 
     def prefill_done(self, t: float, k: int, copy: Request) -> None:
@@ -375,6 +385,7 @@ class _Loop:
         req.num_preemptions += copy.num_preemptions
         if copy.finish_reason not in (FinishReason.LENGTH, FinishReason.STOP):
             req.finish(copy.finish_reason, t, copy.finish_message)  # type: ignore[arg-type]
+            self.done += 1
             return
         self.res.prefill_hit_tokens[req.req_id] = copy.num_prefix_hit_tokens
         req.output_token_ids.append(copy.output_token_ids[0])
@@ -383,6 +394,7 @@ class _Loop:
         reason = prefill._stop_reason(req, req.output_token_ids[-1])
         if reason is not None:
             req.finish(reason, t)
+            self.done += 1
             prefill.release_held(req.req_id)  # type: ignore[attr-defined]
             self.wake(k)
             return
@@ -438,3 +450,5 @@ class _Loop:
         left = [r.req_id for r in self.res.requests if not r.is_finished]
         if left or any(self.waiting_kv):
             raise AssertionError(f"requests left unfinished: {left[:5]}")
+        if self.done != len(self.res.requests):
+            raise AssertionError(f"{self.done} requests counted as ended of {len(self.res.requests)}")

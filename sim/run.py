@@ -251,13 +251,14 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
         raise SettingError(f"no requests: the workload {c['workload'].get('source')!r} gave none "
                            f"(limit={c['workload'].get('limit')}, {trace.stats.num_read} read); nothing to simulate")
     lossy = lossy_line(trace.stats)
-    if announce and lossy:
-        print(lossy, flush=True)
+    caching = bool(c["allocator"].get("enable_prefix_caching")) and alloc_kw.get("enable_prefix_caching", True)
     if announce:
-        cl = c["cluster"]
-        where = (f"{cl['prefill_replicas']} prefill + {cl['decode_replicas']} decode instance(s)" if disaggregated
-                 else f"{cl['replicas']} replica(s)")
-        print(f"simulating {len(reqs)} requests on {where} (Ctrl-C stops)", flush=True)
+        if lossy:
+            print(lossy, flush=True)
+        print(headline(c, labels, len(reqs), caching), flush=True)
+        warning = over_length_warning(trace.stats, c, wl.get("max_model_len"))
+        if warning:
+            print(warning, flush=True)
 
     policy = OmegaConf.to_container(cfg.scheduler, resolve=False)
     sizes = EngineSizes(num_blocks, e["block_size"], e["max_model_len"])
@@ -287,14 +288,84 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
                max_num_batched_tokens=c["scheduler"].get("max_num_batched_tokens"),
                rate=trace.stats.mean_rate, trace=c["workload"].get("source"))
     row.update({f"trace_{k}": getattr(trace.stats, k) for k in LOSSY_KEYS})
+    row["trace_max_model_len"] = wl.get("max_model_len")
     latencies = request_latencies(reqs)
     row.update(summarize(reqs, steps, total_slots, c["slo"]["ttft_s"], c["slo"]["tpot_s"], c["slo"].get("tbt_s"),
                          latencies=latencies))
     row.update(cluster_row)
+    row["prefix_caching"] = caching
     row.update(steps=res.num_steps, sim_wall_s=res.wall_s,
                sim_requests_per_wall_s=len(reqs) / max(res.wall_s, 1e-9),
                sim_time_s=max(r.clock.now() for r in res.replicas))
     return res, row, latencies
+
+
+def _choice(labels: Mapping[str, Any] | None, c: Mapping[str, Any], group: str) -> Any:
+    """The option a run used for `group`: its Hydra choice, else its class."""
+    return (labels or {}).get(group) or c[group].get("_target_")
+
+
+def slo_text(c: Mapping[str, Any]) -> str:
+    """The SLOs in force, saying which are conf/sim/sim.yaml's defaults (not set by the user)."""
+    defaults = OmegaConf.load(Path(CONF) / "sim.yaml").slo
+    names = {"ttft_s": "TTFT", "tpot_s": "TPOT", "tbt_s": "TBT"}
+    given = {k: c["slo"].get(k) for k in names if c["slo"].get(k) is not None}
+    text = ", ".join(f"{names[k]} <= {v:g} s" for k, v in given.items())
+    default = [k for k, v in given.items() if defaults.get(k) == v]
+    if default and len(default) == len(given):
+        return f"SLO {text} (defaults; set slo.ttft_s, slo.tpot_s)"
+    if default:
+        return f"SLO {text} ({', '.join(names[k] for k in default)} the default)"
+    return f"SLO {text}"
+
+
+def assumptions(c: Mapping[str, Any], labels: Mapping[str, Any] | None, caching: bool | None = None) -> str:
+    """What a run assumed besides its trace: model, hardware, parallelism, policy, allocator, cost model, SLOs."""
+    par = c.get("parallel") or {}
+    cl = c["cluster"]
+    where = f"{c['sim_model']['name']} on {c['hardware']['name']} TP{par.get('tensor', 1)} PP{par.get('pipeline', 1)}"
+    if cl.get("mode") == "disaggregated":
+        pools = "; ".join(f"{pool} " + ", ".join(f"{k}={v}" for k, v in cl[pool].items() if v is not None)
+                          for pool in ("prefill", "decode") if any(v is not None for v in cl[pool].values()))
+        where = (f"{cl['prefill_replicas']} prefill + {cl['decode_replicas']} decode instance(s) of {where}"
+                 + (f" ({pools})" if pools else "") + f", link {cl['link']}")
+    else:
+        where = f"{cl['replicas']} replica(s) of {where}"
+    alloc = str(_choice(labels, c, "allocator"))
+    if caching is not None and "enable_prefix_caching" in c["allocator"]:
+        alloc += f" (prefix caching {'on' if caching else 'off'})"
+    return (f"{where}, scheduler {_choice(labels, c, 'scheduler')}, allocator {alloc}, "
+            f"cost {c['cost']['model']}; {slo_text(c)}")
+
+
+def trace_text(c: Mapping[str, Any]) -> str:
+    wl = c["workload"]
+    limit = wl.get("limit")
+    return f"{wl.get('source')} ({'all requests' if limit is None else f'limit {limit}'})"
+
+
+def headline(c: Mapping[str, Any], labels: Mapping[str, Any] | None, num_requests: int, caching: bool) -> str:
+    """sim.run's first lines: what is simulated and everything the figures depend on."""
+    return (f"simulating {num_requests} requests of {trace_text(c)} (Ctrl-C stops)\n"
+            f"  on {assumptions(c, labels, caching)}")
+
+
+def over_length_warning(stats: Any, c: Mapping[str, Any], limit: int | None) -> str | None:
+    """A warning line when more than 10% of the requests looked at were clipped or dropped as longer
+    than `limit` (the trace's max_model_len); stats: a TraceStats or the like."""
+    configured = c["workload"].get("max_model_len")
+    # Below the configured limit, it was what the KV pool holds (over_length=clip).
+    raise_it = ("engine.num_blocks (the KV pool holds no more)" if limit != configured else
+                "engine.max_model_len" if configured == c["engine"]["max_model_len"] else "workload.max_model_len")
+    source = c["workload"].get("source")
+    if stats.num_returned and stats.num_clipped / stats.num_returned > 0.1:
+        return (f"warning: {stats.num_clipped / stats.num_returned:.0%} of {source}'s requests clipped to "
+                f"max_model_len={limit}; raise {raise_it} or set workload.over_length=drop")
+    looked = stats.num_dropped + stats.num_returned
+    if looked and stats.num_dropped / looked > 0.1:
+        return (f"warning: {stats.num_dropped / looked:.0%} of {source}'s requests dropped as longer than "
+                f"max_model_len={limit}; raise {raise_it} or set workload.over_length=clip")
+    return None
 
 
 def prefix_hit_rate(requests: Any) -> float:
@@ -434,6 +505,8 @@ def format_row(row: Mapping[str, Any]) -> str:
          f"peak KV {row['peak_kv_usage']:.0%}, preemptions {row['preemptions']}")
     if "slo_attainment" in row:
         s += f", SLO attainment {row['slo_attainment']:.1%}"
+    if row.get("prefix_caching"):
+        s += f", prefix hit rate {row['prefix_hit_rate']:.1%}"
     return s + (f"\n  simulated {row['requests']} requests, {row['steps']} steps in {row['sim_wall_s']:.2f} s "
                 f"({row['sim_requests_per_wall_s']:.0f} requests/s of wall time)")
 

@@ -1,0 +1,109 @@
+"""What a run assumed, said before its figures (sim/run.py `headline`, sim/capacity.py), and progress
+of disaggregated runs (sim/disagg.py's loop on sim/progress.py).
+
+sim.run's first lines name the model, hardware, TP/PP, trace and limit, policy, allocator, cost model
+and the SLOs in force (saying which are defaults); a trace more than 10% clipped or dropped gets a
+warning line with the fix; the result line carries the prefix hit rate when prefix caching is on."""
+
+import io
+import re
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from sim import progress
+from sim.run import CONF, simulate_config
+from tests.sim.test_progress import LINE
+
+TINY = ["sim_model=tiny", "hardware=cpu_2core", "engine.num_blocks=256", "workload=synthetic",
+        "workload.limit=60", "workload.rate=20", "workload.prompt_len=uniform:16:400",
+        "workload.output_len=uniform:4:32", "output.requests=false"]
+
+
+def _main(module, overrides, tmp_path, monkeypatch, capsys) -> str:
+    """Run `python -m sim.run` (or sim.capacity) in this process; its standard output."""
+    monkeypatch.setattr(sys, "argv", [module.__name__, *overrides, f"hydra.run.dir={tmp_path}"])
+    GlobalHydra.instance().clear()
+    try:
+        module.main()
+    finally:
+        GlobalHydra.instance().clear()
+    return capsys.readouterr().out
+
+
+def _sim_run(overrides, tmp_path, monkeypatch, capsys) -> str:
+    import sim.run
+
+    return _main(sim.run, [*TINY, *overrides], tmp_path, monkeypatch, capsys)
+
+
+def test_sim_run_headline_names_what_the_run_assumed(tmp_path, monkeypatch, capsys):
+    out = _sim_run(["parallel.tensor=2", "+hardware.node=h100_dgx"], tmp_path, monkeypatch, capsys)
+    head = out.split("\n  simulated")[0]
+    assert "simulating 60 requests of synthetic (limit 60)" in head
+    for field in ("1 replica(s) of tiny on cpu_2core TP2 PP1", "scheduler chunked", "allocator paged",
+                  "cost roofline", "SLO TTFT <= 2 s, TPOT <= 0.1 s (defaults; set slo.ttft_s, slo.tpot_s)"):
+        assert field in head, (field, head)
+    assert "warning:" not in out  # 400 + 32 tokens fit the default max_model_len
+
+
+def test_slos_set_by_the_user_are_not_called_defaults(tmp_path, monkeypatch, capsys):
+    out = _sim_run(["slo.ttft_s=0.5"], tmp_path, monkeypatch, capsys)
+    assert "SLO TTFT <= 0.5 s, TPOT <= 0.1 s (TPOT the default)" in out
+    out = _sim_run(["slo.ttft_s=0.5", "slo.tpot_s=0.05", "slo.tbt_s=0.2"], tmp_path, monkeypatch, capsys)
+    assert re.search(r"cost roofline; SLO TTFT <= 0\.5 s, TPOT <= 0\.05 s, TBT <= 0\.2 s$", out, re.M), out
+
+
+@pytest.mark.parametrize("over_length, verb, fix", [("clip", "clipped to", "workload.over_length=drop"),
+                                                     ("drop", "dropped as longer than", "workload.over_length=clip")])
+def test_a_trace_mostly_over_max_model_len_gets_a_warning_line(over_length, verb, fix, tmp_path, monkeypatch, capsys):
+    # Prompts of 16..400 tokens plus outputs: about three quarters are over 128 tokens.
+    out = _sim_run(["engine.max_model_len=128", f"workload.over_length={over_length}"], tmp_path, monkeypatch, capsys)
+    warning = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1, out
+    m = re.fullmatch(rf"warning: (\d+)% of synthetic's requests {verb} max_model_len=128; "
+                     rf"raise engine.max_model_len or set {fix}", warning[0])
+    assert m and 10 < int(m[1]) < 100, warning
+
+
+def test_prefix_hit_rate_shown_when_prefix_caching_is_on(tmp_path, monkeypatch, capsys):
+    out = _sim_run(["workload.token_ids=true"], tmp_path, monkeypatch, capsys)
+    assert "allocator paged (prefix caching on)" in out
+    assert re.search(r", prefix hit rate \d+\.\d%", out)
+    # Content-free prompts turn caching off (every prompt would hit every other's blocks).
+    out = _sim_run(["workload.token_ids=false"], tmp_path, monkeypatch, capsys)
+    assert "allocator paged (prefix caching off)" in out and "prefix hit rate" not in out
+
+
+def test_capacity_headline_names_what_the_search_assumed(tmp_path, monkeypatch, capsys):
+    import sim.capacity
+
+    out = _main(sim.capacity, [*TINY, "engine.max_model_len=128", "capacity.low=1", "capacity.high=2",
+                               "capacity.rel_tol=0.5"], tmp_path, monkeypatch, capsys)
+    lines = out.splitlines()
+    assert lines[0].startswith("capacity search: chunked/paged, criterion slo_attainment (the SLO below for 90%")
+    for field in ("trace synthetic (limit 60)", "tiny on cpu_2core TP1 PP1", "scheduler chunked", "allocator paged",
+                  "cost roofline", "SLO TTFT <= 2 s, TPOT <= 0.1 s (defaults"):
+        assert field in lines[1], (field, lines[1])
+    # The trace is the same at every probed rate: one warning, not one per probe.
+    assert sum(line.startswith("warning: ") and "clipped to max_model_len=128" in line for line in lines) == 1
+
+
+def test_disaggregated_runs_show_progress_from_their_loop_and_the_same_summary():
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("sim", overrides=[*TINY, "workload.limit=1500", "workload.rate=30", "cluster.mode=disaggregated",
+                                        "cluster.prefill_replicas=2"])
+    _, quiet = simulate_config(cfg)
+    out = io.StringIO()
+    with progress.showing(interval_s=0, label="disagg", stream=out, tty=False):
+        _, shown = simulate_config(cfg)
+    parsed = [LINE.match(line) for line in out.getvalue().splitlines()]
+    assert parsed and all(parsed), out.getvalue()
+    done = [int(m["done"].replace(",", "")) for m in parsed]
+    assert {m["label"] for m in parsed} == {"disagg"}
+    assert {int(m["total"].replace(",", "")) for m in parsed} == {1500}
+    assert done[-1] == 1500 and done[0] < 1500 and done == sorted(done)  # lines from inside the loop, then the end
+    timing = ("sim_wall_s", "sim_requests_per_wall_s")
+    assert {k: v for k, v in shown.items() if k not in timing} == {k: v for k, v in quiet.items() if k not in timing}
