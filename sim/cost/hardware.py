@@ -75,9 +75,34 @@ class HardwareSpec:
 
 
 
+#: model_types whose MLP is two matrices (up, down) rather than Llama's gated three (gate, up, down).
+NON_GATED = ("phi", "gpt2", "gpt_neox", "opt", "falcon", "bloom", "gpt_bigcode", "gptj", "starcoder2", "codegen")
+#: model_types whose MLP width defaults to 4 x hidden when the config leaves it unset (their HF defaults).
+FOUR_X_MLP = ("gpt2", "gptj", "falcon", "gpt_bigcode", "codegen", "bloom")
+#: model_types with a learned position-embedding table (no RoPE): weights and an embedding-row read.
+LEARNED_POSITIONS = ("opt", "gpt2", "gpt_bigcode")
+#: Where HF configs put each number; the first one present wins. Standard names come first so the
+#: shard written by sim.parallel.shard_config (which sets the standard names) overrides the aliases.
+_FIELDS = {
+    "hidden": ("hidden_size", "n_embd", "d_model"),
+    "layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "heads": ("num_attention_heads", "n_head"),
+    "intermediate": ("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size"),
+    "positions": ("max_position_embeddings", "n_positions"),
+}
+
+
+def _field(cfg: Mapping[str, Any], what: str) -> Any:
+    for k in _FIELDS[what]:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """The numbers of a dense decoder (Llama / Qwen2 / Qwen3 / Mistral) that set its cost."""
+    """The numbers of a dense decoder that set its cost: Llama-style gated MLPs (3 matrices) or OPT /
+    GPT-2 / GPT-NeoX / Falcon / Phi-2 plain ones (2). Parallel attention/MLP blocks do the same FLOPs."""
 
     hidden: int
     intermediate: int
@@ -87,6 +112,8 @@ class ModelShape:
     head_dim: int
     vocab: int
     tied_embeddings: bool = False
+    gated: bool = True
+    position_embeddings: int = 0  # rows of a learned position table; 0 for RoPE / ALiBi
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> ModelShape:
@@ -95,21 +122,44 @@ class ModelShape:
             cfg = dict(cfg["text_config"])
         experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
         if experts and experts > 1:
-            raise ValueError("mixture-of-experts configs are not modelled yet")
-        try:
-            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-            return cls(
-                hidden=hidden,
-                intermediate=int(cfg["intermediate_size"]),
-                layers=int(cfg["num_hidden_layers"]),
-                heads=heads,
-                kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                vocab=int(cfg["vocab_size"]),
-                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            )
-        except KeyError as e:
-            raise ValueError(f"model config lacks {e.args[0]!r}") from None
+            raise ValueError(f"mixture-of-experts configs ({experts} experts) are not modelled yet; use a dense "
+                             f"model's config for sim_model")
+        model_type = str(cfg.get("model_type", "llama"))
+        hidden, heads, layers = _field(cfg, "hidden"), _field(cfg, "heads"), _field(cfg, "layers")
+        for what, value in (("hidden", hidden), ("heads", heads), ("layers", layers)):
+            if value is None:
+                raise ValueError(f"model config lacks {_FIELDS[what][0]!r} (or {', '.join(map(repr, _FIELDS[what][1:]))}); "
+                                 f"add it to sim_model.config")
+        if cfg.get("vocab_size") is None:
+            raise ValueError("model config lacks 'vocab_size'; add it to sim_model.config")
+        hidden, heads = int(hidden), int(heads)
+        intermediate = _field(cfg, "intermediate")
+        if intermediate is None and model_type in FOUR_X_MLP:
+            intermediate = 4 * hidden
+        if intermediate is None:
+            raise ValueError(f"model config lacks 'intermediate_size' (the MLP's inner width; also read from "
+                             f"'ffn_dim', 'n_inner', 'ffn_hidden_size'); add it to sim_model.config")
+        kv_heads = cfg.get("num_key_value_heads") or cfg.get("num_kv_heads")
+        if model_type == "falcon" and not cfg.get("new_decoder_architecture"):
+            kv_heads = 1 if cfg.get("multi_query", True) else heads  # Falcon's HF default is multi-query
+        learned = model_type in LEARNED_POSITIONS
+        positions = _field(cfg, "positions") if learned else 0
+        return cls(
+            hidden=hidden,
+            intermediate=int(intermediate),
+            layers=int(layers),
+            heads=heads,
+            kv_heads=int(kv_heads or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            vocab=int(cfg["vocab_size"]),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", learned)),
+            gated=model_type not in NON_GATED,
+            position_embeddings=int(positions or 0),
+        )
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated else 2
 
     @property
     def q_dim(self) -> int:
@@ -123,7 +173,7 @@ class ModelShape:
     def layer_params(self) -> int:
         h = self.hidden
         attn = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
-        mlp = 3 * h * self.intermediate  # gated: gate, up, down
+        mlp = self.mlp_matrices * h * self.intermediate
         return attn + mlp + 2 * h
 
     @property
@@ -133,7 +183,8 @@ class ModelShape:
     @property
     def num_params(self) -> int:
         head = 0 if self.tied_embeddings else self.embedding_params
-        return self.layers * self.layer_params + self.embedding_params + head + self.hidden
+        positions = self.position_embeddings * self.hidden
+        return self.layers * self.layer_params + self.embedding_params + head + self.hidden + positions
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return self.layers * 2 * self.kv_dim * dtype_bytes

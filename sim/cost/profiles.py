@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 from numpy.typing import ArrayLike
 
-from sim.cost.hardware import HardwareSpec, ModelShape
+from sim.cost.hardware import NON_GATED, HardwareSpec, ModelShape
 
 
 def _shipped() -> Path:
@@ -34,7 +34,6 @@ GEMMS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
 ELEMENTWISE = ("input_layernorm", "post_attention_layernorm", "attn_rope", "mlp_act", "add", "emb")
 PER_LAYER = {op: (2 if op == "add" else 1) for op in LAYER_OPS}
 SHAPE_COLUMNS = ("n_head", "n_kv_head", "n_embd", "n_expanded_embd", "vocab_size", "use_gated_mlp")
-NON_GATED = ("phi", "gpt2", "gpt_neox", "opt", "falcon", "bloom", "gpt_bigcode")
 ATTENTION_COLUMNS = ("batch_size", "new_tokens", "cached_tokens", "n_head", "n_kv_head", "head_dim", "dtype_bytes",
                      "time_stats.attention.median")
 GRID_TOKENS = 16384

@@ -44,10 +44,12 @@ class RooflineCostModel(CostModel):
         self._linear_params = m.layer_params - 2 * m.hidden
         self._weight_bytes_layer = m.layer_params * d
         # Activation bytes a linear block moves per token (rough; matters for huge prefills only).
-        self._act_bytes_token = d * (4 * m.hidden + 2 * m.q_dim + 2 * m.kv_dim + 3 * m.intermediate)
+        self._act_bytes_token = d * (4 * m.hidden + 2 * m.q_dim + 2 * m.kv_dim + m.mlp_matrices * m.intermediate)
         self._kv_bytes_token_layer = 2 * m.kv_dim * d
         self._attn_flops_pair = 4 * m.q_dim  # QK^T and PV, 2 FLOPs per multiply-add each
         self._head_bytes = m.embedding_params * d
+        # A learned position table is read like the token embedding: one row per new token.
+        self._embed_rows = 2 if m.position_embeddings else 1
 
     @classmethod
     def from_config(cls, options: dict[str, Any], model_config: dict[str, Any], hardware: Any,
@@ -79,7 +81,8 @@ class RooflineCostModel(CostModel):
     def head_work(self, t: float, rows: int) -> tuple[float, float]:
         """(FLOPs, bytes) of the LM head on `rows` logit rows, with the t tokens' embedding rows."""
         m, d = self.shape, self.dtype_bytes
-        return 2.0 * rows * m.hidden * m.vocab, self._head_bytes + 4.0 * rows * m.vocab + t * m.hidden * d
+        rows_read = t * m.hidden * d if self._embed_rows == 1 else self._embed_rows * t * m.hidden * d
+        return 2.0 * rows * m.hidden * m.vocab, self._head_bytes + 4.0 * rows * m.vocab + rows_read
 
     def attention_work(self, pairs: float, cached: float, t: float) -> tuple[float, float]:
         """(FLOPs, bytes) of one layer's attention over `pairs` query-key pairs."""
