@@ -65,3 +65,13 @@ def test_sim_profile_help_ends_with_a_whole_sentence(capsys):
     description = " ".join(out.split("\n\n")[1].split())
     assert e.value.code == 0 and out.startswith("usage: python -m sim.profile")
     assert description.startswith("`python -m sim.profile`:") and description.endswith("."), description
+
+
+def test_help_explains_a_users_own_config_from_its_comments(tmp_path, monkeypatch, capsys):
+    """A user's scheduler yaml (VARLEN_CONFIG_PATH) is read for its comments like a shipped one."""
+    (tmp_path / "scheduler").mkdir()
+    (tmp_path / "scheduler" / "my_fifo.yaml").write_text(
+        "_target_: my_policies.Fifo\npatience: 3   # steps my policy waits\n")
+    monkeypatch.setenv("VARLEN_CONFIG_PATH", str(tmp_path))
+    code, out, _ = run_main("sim.run", ["scheduler=my_fifo", "--help"], monkeypatch, capsys)
+    assert code == 0 and "scheduler.patience: 3  — steps my policy waits" in out.splitlines(), out
