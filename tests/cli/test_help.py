@@ -11,7 +11,8 @@ from tests.cli.test_cli_errors import run_main
 
 # (command, keys its --help must explain with text)
 DOCUMENTED = {
-    "varlen.run": ["engine.kv_cache_memory", "engine.max_model_len", "slo.ttft_s", "workload.rate", "sampling.ignore_eos"],
+    "varlen.run": ["engine.kv_cache_memory", "engine.max_model_len", "slo.ttft_s", "workload.rate",
+                   "sampling.ignore_eos"],
     "sim.run": ["workload.rate", "slo.ttft_s", "engine.max_model_len", "cost.model", "capacity.rel_tol"],
     "sim.capacity": ["capacity.low", "capacity.criterion", "slo.tpot_s", "workload.rate"],
     "sim.search": ["search.target_rate", "workload.limit", "capacity.rel_tol", "slo.ttft_s"],
