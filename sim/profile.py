@@ -231,14 +231,14 @@ def write_table(rows: list[dict[str, Any]], out: Path, gpu: str, name: str, tabl
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m sim.profile", description=" ".join(__doc__.split("\n\n")[0].split()))  # the whole first paragraph
     ap.add_argument("--model", default="tiny", help="tiny, big, or an HF model folder")
     ap.add_argument("--out", default="profiles", help="profile folder (cost.profiles=)")
     ap.add_argument("--gpu", default=None, help="the device's name in the tables (a hardware name, e.g. cpu_2core)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu", help="torch device to time on: cpu, cuda, cuda:1")
+    ap.add_argument("--dtype", default="float32", help="weights' and activations' dtype: float32, bfloat16, float16")
     ap.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated token counts")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per operator and size (their min, max, mean, median, std are written)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
     ap.add_argument("--backend", default="torch_sdpa", help="attention backend to profile ('' to skip attention)")
     ap.add_argument("--no-engine", dest="engine", action="store_false",

@@ -42,8 +42,129 @@ def _help_groups() -> str:
     return "\n".join(f"{g}: {', '.join(sorted(o))}" for g, o in options.items())
 
 
+def _yaml_comments(text: str) -> dict[str, str]:
+    """Each dotted key of a config file and its comment: the one after it on its line, else the
+    comment lines right above it. `defaults` and `hydra` are Hydra's, not options."""
+    import re
+
+    out: dict[str, str] = {}
+    path: list[tuple[int, str]] = []  # (indent, key) of the enclosing mappings
+    above: list[str] = []
+    seen = False  # a key yet
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(stripped.lstrip("#").strip())
+            continue
+        m = re.match(r"^(\s*)([A-Za-z_][\w-]*)\s*:(?:\s+|$)(.*)$", line)
+        if not m:
+            above = []
+            continue
+        indent, key, rest = len(m.group(1)), m.group(2), m.group(3)
+        while path and path[-1][0] >= indent:
+            path.pop()
+        path.append((indent, key))
+        # a quoted value may hold '#': only a '#' after whitespace outside quotes starts a comment
+        c = re.search(r"""^(?:[^'"#]|'[^']*'|"[^"]*")*?\s#\s?(.*)$""", " " + rest)
+        # comment lines above a key explain it, except the file's own opening lines
+        comment = c.group(1).strip() if c else " ".join(above) if len(path) > 1 or seen else ""
+        above, seen = [], True
+        if path[0][1] not in ("defaults", "hydra") and comment:
+            out[".".join(k for _, k in path)] = comment
+    return out
+
+
+def _config_text(name: str) -> str | None:
+    """The text of config `name` (e.g. "sim", "workload/synthetic") from the first folder of the
+    running command's search path that has it."""
+    from importlib import resources
+
+    from hydra.core.hydra_config import HydraConfig
+
+    for source in HydraConfig.get().runtime.config_sources:
+        scheme, where = source.schema, str(source.path)
+        if scheme == "file":
+            f: Any = Path(where) / f"{name}.yaml"
+        elif scheme == "pkg":
+            f = resources.files(where.replace("/", ".")).joinpath(f"{name}.yaml")
+        else:
+            continue
+        if f.is_file():
+            return f.read_text()
+    return None
+
+
+def _primary_chain(name: str, seen: set[str]) -> list[str]:
+    """Config `name` and the configs of its own folder its defaults list includes (run -> sim), first to last."""
+    text = _config_text(name)
+    if text is None or name in seen:
+        return []
+    seen.add(name)
+    defaults = OmegaConf.create(text).get("defaults") or []
+    chain: list[str] = []
+    for d in defaults:
+        if isinstance(d, str) and d != "_self_" and not d.startswith(("override ", "optional ")):
+            chain += _primary_chain(d, seen)
+    return chain + [name]
+
+
+def _help_options(*, _root_: Any = None) -> str:
+    """--help's options: every key of the command's composed config (group choices and overrides
+    included) with its value and the comment its config file gives it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    comments: dict[str, str] = {}
+    # Groups first (their package is the group's name; "group@package" a command's own defaults for a
+    # choice), then the command's configs, so that a command's comment on a key wins.
+    for group, choice in sorted(hc.runtime.choices.items()):
+        if group == "hydra" or group.startswith("hydra/") or not isinstance(choice, str):
+            continue
+        folder, _, package = group.partition("@")
+        text = _config_text(f"{folder}/{choice}")
+        if text:
+            comments.update({f"{package or folder}.{k}": c for k, c in _yaml_comments(text).items()})
+    for name in _primary_chain(hc.job.config_name, set()):
+        comments.update(_yaml_comments(_config_text(name) or ""))
+
+    def shown(value: Any) -> str:
+        import yaml
+
+        plain = OmegaConf.to_container(value, resolve=False) if OmegaConf.is_config(value) else value
+        return yaml.safe_dump(plain, default_flow_style=True, width=10**6).removesuffix("\n...\n").strip()
+
+    lines: list[str] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        for key in node:
+            dotted = f"{prefix}{key}"
+            value = node._get_node(key)
+            if OmegaConf.is_dict(value) and len(value) and not OmegaConf.is_missing(node, key):
+                if dotted in comments:
+                    lines.append(f"{dotted}.*  — {comments[dotted]}")
+                walk(value, dotted + ".")
+                continue
+            raw = value._value() if not OmegaConf.is_config(value) else value
+            text = f"{dotted}: {shown(raw)}"
+            lines.append(f"{text}  — {comments[dotted]}" if dotted in comments else text)
+
+    app = {k: v for k, v in _root_.items_ex(resolve=False) if k != "hydra"} if _root_ is not None else {}
+    walk(OmegaConf.create(app), "")
+    return "\n".join(lines).replace("$", "$$")  # Hydra fills the template with string.Template
+
+
+def _help_for(job: str, text: str) -> str:
+    """`text` when the running command's job (its module's last name, e.g. capacity) is `job`, else
+    "": one config's --help header for each command that starts from it (sim.run, sim.capacity)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return text if HydraConfig.get().job.name == job else ""
+
+
 OmegaConf.register_new_resolver("varlen_config_path", _config_path, replace=True)
 OmegaConf.register_new_resolver("varlen_help_groups", _help_groups, replace=True)
+OmegaConf.register_new_resolver("varlen_help_for", _help_for, replace=True)
+OmegaConf.register_new_resolver("varlen_help_options", _help_options, replace=True)
 
 
 def check_config_path() -> None:
