@@ -129,3 +129,29 @@ def test_off_by_default(tmp_path):
     assert not (tmp_path / "timeline.json").exists()
     with initialize_config_dir(sim_run.CONF, version_base="1.3"):
         assert compose("sim", []).output.timeline is False
+
+
+def test_varlen_run_writes_the_timeline(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    env = dict(os.environ, VARLEN_HOME=str(tmp_path / "home"))
+    res = subprocess.run([sys.executable, "-m", "varlen.run", f"hydra.run.dir={tmp_path / 'out'}", "progress=false",
+                          "engine.threads=1", "workload.limit=6", "workload.output_len=uniform:2:6",
+                          "output.timeline=true"], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = tmp_path / "out"
+    events = json.loads((out / "timeline.json").read_text())["traceEvents"]
+    _check_fields(events)
+    steps, reqs = pd.read_csv(out / "steps.csv"), pd.read_csv(out / "requests.csv")
+    mine = [e for e in events if e["ph"] == "X" and e["tid"] == 0]
+    assert [e["args"]["requests"] for e in mine] == steps.num_seqs.tolist()
+    assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(mine, mine[1:]))
+    spans = _spans(events)
+    assert set(spans) == set(reqs.req_id.astype(str))
+    for s in spans.values():
+        assert [e["name"].split()[0] for e in s] == ["queued", "prefill", "decode"]
+        assert all(a["ts"] + a["dur"] == pytest.approx(b["ts"], abs=1e-2) for a, b in zip(s, s[1:]))
