@@ -482,6 +482,15 @@ def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig,
             t.insert(0, "replica", rep.index)
             frames.append(t)
         pd.concat(frames).to_csv(out / "steps.csv", index=False)
+    if o.get("timeline"):
+        from varlen.timeline import write_timeline
+
+        P = getattr(res, "num_prefill", None)  # disaggregated: the prefill instances, then the decode ones
+        names = [f"replica {r.index}" if P is None else f"prefill {i}" if i < P else f"decode {i - P}"
+                 for i, r in enumerate(res.replicas)]
+        write_timeline(out / "timeline.json", [(n, r.engine.steps, r.engine.kv.capacity_tokens)
+                                               for n, r in zip(names, res.replicas)],
+                       res.requests, res.routed, o.timeline_max_events, getattr(res, "transfers", ()))
     (out / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     (out / "summary.json").write_text(json.dumps(dict(row), indent=2, default=str))  # last: marks a complete run
 

@@ -143,6 +143,11 @@ def write_results(cfg: DictConfig, llm: Any, reqs: list, trace: Any, out: Path, 
                      "num_zero_output")})
     request_table(reqs).to_csv(out / "requests.csv", index=False)
     step_table(eng.steps).to_csv(out / "steps.csv", index=False)
+    if cfg.output.timeline:
+        from varlen.timeline import write_timeline
+
+        write_timeline(out / "timeline.json", [("engine", eng.steps, eng.kv.capacity_tokens)], reqs, {},
+                       cfg.output.timeline_max_events)
     (out / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     (out / "summary.json").write_text(json.dumps(row, indent=2))
     return row

@@ -25,6 +25,7 @@ FLOORS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
         "varlen.compiled", "varlen.sampling_params", "varlen.request", "varlen.clock", "varlen.steplog",
         "varlen.promises", "varlen.interrupt", "varlen.batch", "varlen.settings", "varlen.registry",
         "varlen.traces", "varlen.traces.*", "varlen.workload", "varlen.metrics", "varlen.tiny_model", "varlen.cli",
+        "varlen.timeline",  # timeline.json from step logs and request times
         "sim",  # the package marker only (sim.cost.profiles finds its data next to it)
     )}),
     ("interfaces", {"interfaces": (
