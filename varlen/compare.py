@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -137,19 +138,30 @@ def not_applicable(t: pd.DataFrame, metrics: Sequence[str]) -> list[str]:
 
 
 def plot(t: pd.DataFrame, metrics: Sequence[str], path: str | Path) -> None:
+    """One bar chart per numeric metric, four to a row; one colour per run, named in the legend
+    (labels can be long: under the bars they would overlap)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only
     import matplotlib.pyplot as plt
 
-    numeric = [m for m in metrics if pd.to_numeric(t[m], errors="coerce").notna().any()]
-    fig, axes = plt.subplots(1, max(len(numeric), 1), figsize=(3.2 * max(len(numeric), 1), 3.8), squeeze=False)
-    for ax, m in zip(axes[0], numeric):
-        ax.bar(range(len(t)), pd.to_numeric(t[m], errors="coerce").fillna(0), color=[f"C{i % 10}" for i in range(len(t))])
+    numeric = [m for m in metrics if pd.to_numeric(t[m], errors="coerce").notna().any()] or ["(no numeric metric)"]
+    cols = min(len(numeric), 4)
+    rows = -(-len(numeric) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 2.8 * rows + 0.3 * len(t)), squeeze=False)
+    colours = [f"C{i % 10}" for i in range(len(t))]
+    for ax, m in zip(axes.flat, numeric):
+        values = pd.to_numeric(t[m], errors="coerce") if m in t.columns else pd.Series([math.nan] * len(t))
+        bars = ax.bar(range(len(t)), values.fillna(0), color=colours)
         ax.set_title(m, fontsize=9)
-        ax.set_xticks(range(len(t)), t["label"], rotation=30, ha="right", fontsize=7)
+        ax.set_xticks(range(len(t)), [str(i) if not math.isnan(v) else f"{i}\nn/a" for i, v in enumerate(values)],
+                      fontsize=7)
         ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
+    for ax in list(axes.flat)[len(numeric):]:
+        ax.axis("off")
+    fig.legend(bars, [textwrap.shorten(f"{i}: {lab}", 120) for i, lab in enumerate(t["label"])], loc="lower center",
+               fontsize=7, ncol=1, frameon=False)
+    fig.tight_layout(rect=(0, 0.3 * len(t) / fig.get_figheight(), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
