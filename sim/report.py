@@ -44,11 +44,14 @@ def gather(dirs: Sequence[str | Path]) -> pd.DataFrame:
                 if isinstance(row, dict) else ["a JSON object"]
             if missing:
                 raise ValueError(f"{f}: not a sim.run summary (no {', '.join(missing)}; a varlen.run directory?); "
-                                 "sim.report reads sim.run runs and sweeps")
+                                 "sim.report reads sim.run runs and sweeps: compare any runs with python -m varlen.compare DIR...")
             row["run_dir"] = str(f.parent)
             rows.append(row)
     if not rows:
-        raise ValueError(f"no summary.json under {', '.join(map(str, dirs))}; give sim.run run or sweep directories")
+        capacity = any(f for d in dirs for f in Path(d).rglob("capacity.json"))
+        raise ValueError(f"no summary.json under {', '.join(map(str, dirs))}; " +
+                         ("a sim.capacity run or sweep: use python -m varlen.compare DIR..." if capacity
+                          else "give sim.run run or sweep directories"))
     df = pd.DataFrame(rows)
     df["policy"] = df["scheduler"].astype(str) + "/" + df["allocator"].astype(str)
     # A sweep over cluster designs: each its own line (else the plots would join them into one).

@@ -47,6 +47,7 @@ FLOORS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
         "sim.run", "sim.capacity", "sim.explain", "sim.search", "sim.profile", "sim.fit",
         "varlen.testing", "varlen.testing.*",  # the property suites: they drive every layer
         "varlen.check", "varlen.check_properties",  # the command that runs them on one plug-in
+        "varlen.compare", "sim.callbacks",  # runs side by side; the sweeps' Hydra callbacks print it
     )}),
 ]
 
