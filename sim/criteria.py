@@ -7,6 +7,7 @@ can meet a latency criterion at a rate no system sustains.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -22,14 +23,14 @@ class Verdict:
     reason: str
 
 
-class Criterion:
+class Criterion(ABC):
     """Subclass and implement `check`; the yaml's keys (other than `_target_`) are the
     constructor's keywords, and may interpolate the run's config (e.g. ${slo.ttft_s})."""
 
     name = "criterion"
 
-    def check(self, requests: Any, summary: Mapping[str, Any]) -> Verdict:
-        raise NotImplementedError
+    @abstractmethod
+    def check(self, requests: Any, summary: Mapping[str, Any]) -> Verdict: ...
 
 
 def _threshold(owner: str, key: str, value: Any, hint: str) -> float:
