@@ -14,18 +14,24 @@ import pytest
 DATA = Path(__file__).resolve().parents[1] / "data"
 
 
-def run_main(module: str, args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
-    """`python -m module args...` in this process: (exit code, stdout, stderr)."""
+def run_main(module: str, args: list[str], monkeypatch, capsys, through_cli: bool = False) -> tuple[int, str, str]:
+    """`python -m module args...` in this process: (exit code, stdout, stderr); through_cli: by
+    varlen.cli.run_cli, as the commands' `__main__` does."""
     import importlib
 
     from hydra.core.global_hydra import GlobalHydra
+
+    from varlen.cli import run_cli
 
     main = importlib.import_module(module).main
     GlobalHydra.instance().clear()
     monkeypatch.setattr(sys, "argv", [module, *args])
     code = 0
     try:
-        main(args) if module in ("sim.report", "varlen.demo") else main()
+        if through_cli:
+            run_cli(main)
+        else:
+            main(args) if module in ("sim.report", "varlen.demo") else main()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     finally:

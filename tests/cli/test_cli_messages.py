@@ -8,29 +8,11 @@ import sys
 
 import pytest
 
-from tests.cli.test_cli_errors import SIM, SYNTHETIC
+from tests.cli.test_cli_errors import SIM, SYNTHETIC, run_main
 
 
 def run_cli_main(module: str, args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
-    """`python -m module args...` in this process, through varlen.cli.run_cli: (exit code, stdout, stderr)."""
-    import importlib
-
-    from hydra.core.global_hydra import GlobalHydra
-
-    from varlen.cli import run_cli
-
-    main = importlib.import_module(module).main
-    GlobalHydra.instance().clear()
-    monkeypatch.setattr(sys, "argv", [module, *args])
-    code = 0
-    try:
-        run_cli(main)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    finally:
-        GlobalHydra.instance().clear()
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_main(module, args, monkeypatch, capsys, through_cli=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ import pytest
 from varlen import LLM, SamplingParams
 from varlen.engine import Executor
 
+from test_reliability_engine import FailingExecutor
+
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 # Each caller's own prompts (token ids), of different lengths so that batches mix prefill and decode.
 CALLERS = [[list(range(3 + c, 3 + c + n)) for n in (5 + c, 11, 3 + 2 * c)] for c in range(4)]
@@ -52,23 +54,6 @@ class GateExecutor(Executor):
 
     def execute(self, scheduled, kv):
         assert self.open.wait(60), "the test never opened the gate"
-        return self.inner.execute(scheduled, kv)
-
-    def release(self, req):
-        self.inner.release(req)
-
-
-class FailingExecutor(Executor):
-    """Its call number `fail_at` raises `error`."""
-
-    def __init__(self, inner: Executor, fail_at: int, error: BaseException):
-        self.inner, self.fail_at, self.error, self.calls = inner, fail_at, error, 0
-        self.rows = getattr(inner, "rows", None)
-
-    def execute(self, scheduled, kv):
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise self.error
         return self.inner.execute(scheduled, kv)
 
     def release(self, req):

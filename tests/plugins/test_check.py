@@ -5,17 +5,13 @@ fail with the property named (exit 1); bad input is one line (exit 2)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
+from tests.plugins.test_plugins import installed_plugins
 from varlen.check import main
-
-ROOT = Path(__file__).resolve().parents[2]
 
 FILES = {
     "pkgs/checkme/__init__.py": "",
@@ -88,18 +84,8 @@ FILES = {
 
 @pytest.fixture(scope="module")
 def plugins(tmp_path_factory):
-    root = tmp_path_factory.mktemp("checkme")
-    for rel, text in FILES.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(textwrap.dedent(text).lstrip())
-    env = dict(os.environ, VARLEN_CONFIG_PATH=str(root / "conf"), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(root / "pkgs"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VARLEN_CONFIG_PATH", str(root / "conf"))
-        mp.syspath_prepend(str(root / "pkgs"))
-        yield env
-    for mod in [m for m in sys.modules if m.split(".")[0] == "checkme"]:
-        del sys.modules[mod]
+    with installed_plugins(tmp_path_factory.mktemp("checkme"), FILES, ("checkme",)) as found:
+        yield found["env"]
 
 
 def check(capsys, *args: str, examples: int = 3) -> tuple[int, str]:

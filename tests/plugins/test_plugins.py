@@ -4,6 +4,7 @@ sim.run and the property suites, which take them from their groups like the ship
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -71,12 +73,11 @@ FILES = {
 }
 
 
-@pytest.fixture(scope="module")
-def user_plugins(tmp_path_factory):
-    """The files written, their config folder on VARLEN_CONFIG_PATH and their package on sys.path
-    (here and, by `env`, in a subprocess)."""
-    root = tmp_path_factory.mktemp("user")
-    for rel, text in FILES.items():
+@contextlib.contextmanager
+def installed_plugins(root: Path, files: dict[str, str], packages: tuple[str, ...]) -> Iterator[dict]:
+    """`files` written under `root`, their config folder (root/conf) on VARLEN_CONFIG_PATH and their
+    packages (root/pkgs) on sys.path, here and, by the yielded `env`, in a subprocess."""
+    for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(textwrap.dedent(text).lstrip())
     env = dict(os.environ, VARLEN_CONFIG_PATH=str(root / "conf"), OMP_NUM_THREADS="1",
@@ -85,8 +86,14 @@ def user_plugins(tmp_path_factory):
         mp.setenv("VARLEN_CONFIG_PATH", str(root / "conf"))
         mp.syspath_prepend(str(root / "pkgs"))
         yield dict(root=root, env=env)
-    for mod in [m for m in sys.modules if m.split(".")[0] in ("mybackends", "mypolicies")]:
+    for mod in [m for m in sys.modules if m.split(".")[0] in packages]:
         del sys.modules[mod]
+
+
+@pytest.fixture(scope="module")
+def user_plugins(tmp_path_factory):
+    with installed_plugins(tmp_path_factory.mktemp("user"), FILES, ("mybackends", "mypolicies")) as found:
+        yield found
 
 
 def test_the_groups_name_them(user_plugins):
