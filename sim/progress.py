@@ -54,6 +54,11 @@ def labelled(label: str) -> Iterator[None]:
         _active.pop()
 
 
+def settings() -> Settings | None:
+    """The innermost `showing` block's settings, or None when no command asked for progress."""
+    return _active[-1] if _active else None
+
+
 def for_run(total: int) -> Progress | None:
     """A hook for one simulation of `total` requests, or None when no command asked for progress."""
     return Progress(total, _active[-1]) if _active else None
