@@ -14,6 +14,7 @@ function a single run's summary comes from; nothing is averaged per cell.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib.util
 import os
 import sys
@@ -138,6 +139,20 @@ def _step_columns(log: StepLog) -> dict[str, np.ndarray]:
     return {k: c[k] for k in _STEP_COLUMNS}
 
 
+def _portable_log(log: StepLog) -> list[tuple]:
+    """A replica's steps as plain tuples, (is a DecodeRun, its fields...): compiled records do not
+    pickle. Sent only when steps.csv is asked for."""
+    from varlen.steplog import DecodeRun
+
+    return [(isinstance(e, DecodeRun), *(getattr(e, f.name) for f in dataclasses.fields(type(e)))) for e in log.entries]
+
+
+def _rebuilt_log(entries: Sequence[tuple]) -> StepLog:
+    from varlen.steplog import DecodeRun, StepRecord
+
+    return StepLog(DecodeRun(*e[1:]) if e[0] else StepRecord(*e[1:]) for e in entries)
+
+
 def _column_log(c: Mapping[str, np.ndarray]) -> StepLog:
     """A StepLog whose columns(tokens=False) are `c`: one record per step, without request ids or
     token counts (the batch size is kept as a list of that many empty ids, one list per size)."""
@@ -205,7 +220,7 @@ class CellOutput:
     columns: dict[str, Any]  # per request (see _pack)
     token_times: np.ndarray  # every request's token times, end to end
     token_counts: np.ndarray
-    replicas: list[tuple[int, Any, int, float]]  # (index in the cell, StepLog or its columns, KV pool tokens, clock)
+    replicas: list[tuple[int, Any, int, float]]  # (index in the cell, steps as tuples or columns, KV pool tokens, clock)
     row: dict[str, Any]
     num_steps: int
     wall_s: float
@@ -237,7 +252,7 @@ def _pack(cell: int, positions: np.ndarray, res: Any, row: dict[str, Any], full_
     counts = np.fromiter((len(r.token_times) for r in reqs), np.int64, len(reqs))
     flat = np.fromiter((t for r in reqs for t in r.token_times), np.float64, int(counts.sum()))
     out = CellOutput(cell, positions, cols, flat, counts,
-                     [(r.index, r.engine.steps if full_steps else _step_columns(r.engine.steps),
+                     [(r.index, _portable_log(r.engine.steps) if full_steps else _step_columns(r.engine.steps),
                        r.engine.kv.capacity_tokens, r.clock.now()) for r in res.replicas],
                      row, res.num_steps, res.wall_s)
     if hasattr(res, "decode_routed"):  # disaggregated
@@ -274,7 +289,7 @@ def run_cell(config: dict[str, Any], cell: int, labels: Mapping[str, Any] | None
 @dataclass
 class CellsResult:
     """SimResult's interface over every cell's replicas (cell c's replica k is replica c·R + k,
-    R replicas per cell), requests in trace order."""
+    R replicas per cell, disaggregated: its P prefill then its decode instances), requests in trace order."""
 
     requests: list[RequestRecord]
     replicas: list[ReplicaRecord]
@@ -343,15 +358,14 @@ def merge(outs: Sequence[CellOutput], wall_s: float) -> CellsResult:
                 msg, npr, nout, npre, nhit, prio, times[start:end])
             start = end
             if rep >= 0:
-                routed[rid] = o.cell * (P if disagg else R) + rep
-        reps = [ReplicaRecord(o.cell * R + i, _Engine(steps if isinstance(steps, StepLog) else _column_log(steps), _Kv(cap)),
+                routed[rid] = o.cell * R + rep
+        reps = [ReplicaRecord(o.cell * R + i, _Engine(_rebuilt_log(steps) if isinstance(steps, list) else _column_log(steps), _Kv(cap)),
                               _Clock(now)) for i, steps, cap, now in o.replicas]
         replicas += reps
         if disagg:
-            D = R - P
             for rid, d in zip(c["req_id"], c["decode_replica"].tolist()):
-                if d >= 0:
-                    decode_routed[rid] = o.cell * D + d
+                if d >= 0:  # an instance's index in the cell, as routed's: prefill 0..P-1, decode P..R-1
+                    decode_routed[rid] = o.cell * R + d
             prefill += reps[:P]
             decode += reps[P:]
             steps_of += reps[P:]
@@ -413,6 +427,8 @@ def simulate_cells(cfg: DictConfig, labels: Mapping[str, Any] | None = None,
         caching = bool(config["allocator"].get("enable_prefix_caching")) and bool(config["workload"].get("token_ids"))
         print(f"simulating {trace_text(config)} in {cells} cells on {on} (Ctrl-C stops); front door: "
               f"{door_text(config)}\n  each cell: {assumptions(config, labels, caching)}", flush=True)
+    if on == "ray":
+        _ray_init(config)  # before the clock starts: a capacity search starts Ray once for all its probes
     t0 = time.perf_counter()
     outs = (_run_ray if on == "ray" else _run_local)(config, cells, labels)
     wall = time.perf_counter() - t0
@@ -443,6 +459,7 @@ def _run_local(config: dict[str, Any], cells: int, labels: Mapping[str, Any] | N
     for k in range(cells):
         with labelled(f"cell {k + 1}/{cells}"):
             outs.append(run_cell(config, k, labels))
+        gc.collect()  # the cell's engines, before the next cell's (the collector is paused while simulating)
         if isinstance(outs[-1], str):
             break  # a bad setting is the same in every cell
     return outs
@@ -471,6 +488,15 @@ def _ray_init(config: Mapping[str, Any]) -> Any:
     return ray
 
 
+def stop_ray() -> None:
+    """Stop the Ray instance this process started for its cells, if any."""
+    if _ray_started:
+        import ray
+
+        ray.shutdown()
+        _ray_started.clear()
+
+
 def _run_ray(config: dict[str, Any], cells: int, labels: Mapping[str, Any] | None) -> list[CellOutput | str]:
     from sim.progress import settings as progress_settings
 
@@ -485,7 +511,7 @@ def _run_ray(config: dict[str, Any], cells: int, labels: Mapping[str, Any] | Non
     requests = 0
     while pending:
         ready, pending = ray.wait(pending, num_returns=len(pending),
-                                  timeout=None if shown is None else shown.interval_s)
+                                  timeout=None if shown is None else max(shown.interval_s, 1.0))
         for r in ready:
             out = results[index[r]] = ray.get(r)
             requests += len(out.positions) if isinstance(out, CellOutput) else 0

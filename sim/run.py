@@ -590,6 +590,9 @@ def _exit_now() -> None:
 
     if "-m" in sys.argv[1:] or "--multirun" in sys.argv[1:]:
         return
+    from sim.cells import stop_ray
+
+    stop_ray()  # os._exit skips the atexit hook that would stop a Ray instance cells started
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
