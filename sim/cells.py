@@ -264,17 +264,22 @@ def _pack(cell: int, positions: np.ndarray, res: Any, row: dict[str, Any], full_
     return out
 
 
-def run_cell(config: dict[str, Any], cell: int, labels: Mapping[str, Any] | None) -> CellOutput | str:
+def run_cell(config: dict[str, Any], cell: int, labels: Mapping[str, Any] | None,
+             board: Any = None, interval_s: float = 5.0) -> CellOutput | str:
     """Simulate cell `cell` of config's cluster.cells (a resolved config as a plain dict): its
-    CellOutput, or the one-line message of a bad setting or input."""
+    CellOutput, or the one-line message of a bad setting or input. board: a Ray actor the cell
+    reports its progress to every interval_s (_Board)."""
+    from sim.progress import showing
     from sim.run import _simulate_paused
     from varlen.cli import errors_to_exit
 
     cfg = OmegaConf.create(config)
     cells, key_blocks = cells_of(cfg), int(OmegaConf.select(cfg, "cluster.cell_key_blocks", default=2))
     cfg.cluster.cells = 1  # the cell itself is one fleet
+    sink = None if board is None else (lambda t, done, total: board.report.remote(cell, t, done, total))
     try:
-        with _one_cell(_Share(cell, cells, key_blocks)) as share:
+        with _one_cell(_Share(cell, cells, key_blocks)) as share, \
+                showing(interval_s, enabled=sink is not None, sink=sink):
             res, row, _ = _simulate_paused(cfg, labels, False)
     except errors_to_exit() as err:
         return str(err)
@@ -497,26 +502,63 @@ def stop_ray() -> None:
         _ray_started.clear()
 
 
+class _Board:
+    """A Ray actor: each cell's latest (simulated time, requests done, requests in the cell)."""
+
+    def __init__(self) -> None:
+        self.cells: dict[int, tuple[float, int, int]] = {}
+
+    def report(self, cell: int, sim_time: float, done: int, total: int) -> None:
+        self.cells[cell] = (sim_time, done, total)
+
+    def read(self) -> dict[int, tuple[float, int, int]]:
+        return self.cells
+
+
+def fleet_line(label: str, cells: int, figures: Mapping[int, tuple[float, int, int]], finished: int,
+               elapsed: float) -> str:
+    """One progress line for all cells: figures, each reporting cell's (simulated s, done, total)."""
+    from sim.progress import _duration
+
+    done = sum(d for _, d, _ in figures.values())
+    line = f"{label}: {finished}/{cells} cells finished, {done:,}"
+    if len(figures) == cells:
+        total = sum(n for _, _, n in figures.values())
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = _duration((total - done) / rate) if rate > 0 else "?"
+        line += f"/{total:,} requests done ({done / max(total, 1):.0%})"
+    else:
+        eta = "?"
+        line += f" requests done ({cells - len(figures)} of the cells yet to report)"
+    t = min((t for t, _, _ in figures.values()), default=0.0)
+    return (line + f", every cell simulated past {t:,.1f} s, elapsed {_duration(elapsed)}, ETA {eta}")
+
+
 def _run_ray(config: dict[str, Any], cells: int, labels: Mapping[str, Any] | None) -> list[CellOutput | str]:
     from sim.progress import settings as progress_settings
 
     ray = _ray_init(config)
+    shown = progress_settings()
+    interval = None if shown is None else max(shown.interval_s, 1.0)
+    board = None if shown is None else ray.remote(num_cpus=0)(_Board).remote()
     task = ray.remote(num_cpus=1, max_retries=0)(run_cell)
     cfg_ref = ray.put(config)
-    refs = [task.remote(cfg_ref, k, dict(labels) if labels else None) for k in range(cells)]
-    shown = progress_settings()
+    refs = [task.remote(cfg_ref, k, dict(labels) if labels else None, board, interval or 5.0) for k in range(cells)]
     t0 = time.monotonic()
     results: dict[int, CellOutput | str] = {}
     pending, index = list(refs), {r: k for k, r in enumerate(refs)}
-    requests = 0
     while pending:
-        ready, pending = ray.wait(pending, num_returns=len(pending),
-                                  timeout=None if shown is None else max(shown.interval_s, 1.0))
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=interval)
         for r in ready:
-            out = results[index[r]] = ray.get(r)
-            requests += len(out.positions) if isinstance(out, CellOutput) else 0
+            results[index[r]] = ray.get(r)
         if shown is not None and pending:
+            figures = dict(ray.get(board.read.remote()))
+            for k, out in results.items():
+                if isinstance(out, CellOutput):
+                    n = len(out.positions)
+                    figures[k] = (out.row["sim_time_s"], n, n)
             stream = shown.stream if shown.stream is not None else sys.stderr
-            print(f"{shown.label}: {len(results)}/{cells} cells done on ray ({requests:,} requests), elapsed "
-                  f"{time.monotonic() - t0:,.0f} s", file=stream, flush=True)
+            print(fleet_line(shown.label, cells, figures, len(results), time.monotonic() - t0), file=stream, flush=True)
+    if board is not None:
+        ray.kill(board)
     return [results[k] for k in range(cells)]

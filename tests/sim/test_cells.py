@@ -202,3 +202,29 @@ def test_cells_on_ray_equal_cells_in_one_process(tmp_path):
     _same_run(tmp_path / "ray", tmp_path / "local")
     assert (tmp_path / "ray" / "steps.csv").read_bytes() == (tmp_path / "local" / "steps.csv").read_bytes()
     assert json.loads((tmp_path / "ray" / "summary.json").read_text())["cells"] == 3
+
+
+def test_a_cell_hands_its_progress_to_a_sink_and_the_fleet_line_sums_them():
+    """On Ray each cell reports (simulated time, done, total) to one board; the driver prints one
+    line for all cells from the board's figures."""
+    from omegaconf import OmegaConf
+
+    from sim.cells import fleet_line, run_cell
+
+    class Board:  # a Ray actor handle's shape: board.report.remote(...)
+        def __init__(self):
+            self.seen = []
+            self.report = self
+
+        def remote(self, *figures):
+            self.seen.append(figures)
+
+    board = Board()
+    cfg = OmegaConf.to_container(config(*SMALL, "workload.limit=40", "cluster.cells=2"), resolve=True)
+    out = run_cell(cfg, 1, None, board, interval_s=0)
+    assert board.seen and {f[0] for f in board.seen} == {1}
+    assert board.seen[-1][2:] == (20, 20) == (len(out.positions),) * 2  # the last report: all done
+    line = fleet_line("simulating", 2, {0: (5.0, 10, 20), 1: (7.5, 20, 20)}, 1, 4.0)
+    assert line.startswith("simulating: 1/2 cells finished, 30/40 requests done (75%), every cell simulated past 5.0 s")
+    assert "0:00:01" in line.split("ETA")[1]  # 10 left at 7.5 requests/s of wall time
+    assert "1 of the cells yet to report" in fleet_line("simulating", 2, {0: (5.0, 10, 20)}, 0, 4.0)
