@@ -355,10 +355,10 @@ def merge(outs: Sequence[CellOutput], wall_s: float) -> CellsResult:
                  ("req_id", "arrival", "first_scheduled", "finish_time", "finish_reason", "finish_message",
                   "num_prompt_tokens", "num_output_tokens", "num_preemptions", "num_prefix_hit_tokens", "priority",
                   "replica")]
-        start = 0
+        start, where = 0, o.positions.tolist()
         for j, (rid, arr, fs, fin, why, msg, npr, nout, npre, nhit, prio, rep) in enumerate(zip(*lists)):
             end = ends[j]
-            records[o.positions[j]] = RequestRecord(
+            records[where[j]] = RequestRecord(
                 rid, arr, None if fs != fs else fs, None if fin != fin else fin, None if why < 0 else reasons[why],
                 msg, npr, nout, npre, nhit, prio, times[start:end])
             start = end
@@ -399,7 +399,7 @@ def merged_row(res: CellsResult, rows: Sequence[Mapping[str, Any]], slo: Mapping
     latencies = request_latencies(res.requests)
     row.update(summarize(res.requests, res.steps, res.total_slots, slo["ttft_s"], slo["tpot_s"], slo.get("tbt_s"),
                          latencies=latencies))
-    row.update(replicas=len(res.replicas), gpus=sum(r["gpus"] for r in rows))
+    row.update(replicas=sum(r["replicas"] for r in rows), gpus=sum(r["gpus"] for r in rows))
     if row.get("mode") == "disaggregated":
         from sim.cluster import cluster_figures
 

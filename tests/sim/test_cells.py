@@ -228,3 +228,10 @@ def test_a_cell_hands_its_progress_to_a_sink_and_the_fleet_line_sums_them():
     assert line.startswith("simulating: 1/2 cells finished, 30/40 requests done (75%), every cell simulated past 5.0 s")
     assert "0:00:01" in line.split("ETA")[1]  # 10 left at 7.5 requests/s of wall time
     assert "1 of the cells yet to report" in fleet_line("simulating", 2, {0: (5.0, 10, 20)}, 0, 4.0)
+
+
+def test_pipeline_stages_are_not_counted_as_replicas():
+    _, one, _ = _simulate_paused(config(*SMALL, "workload.limit=40", "cluster.replicas=2", "parallel.pipeline=2"), None, False)
+    res, row, _ = _simulate_paused(config(*SMALL, "workload.limit=40", "cluster.cells=2", "parallel.pipeline=2"), None, False)
+    assert (one["replicas"], one["gpus"]) == (2, 4) and (row["replicas"], row["gpus"]) == (2, 4)
+    assert len(res.replicas) == 4  # each cell's engines: one per in-flight pipeline batch, as a single run has
