@@ -148,7 +148,7 @@ def test_ray_missing_is_one_line(monkeypatch, capsys, tmp_path):
 
 def test_capacity_probes_run_the_celled_fleet(monkeypatch, capsys, tmp_path):
     """Two round-robin cells of one replica are a round-robin fleet of two: the same search."""
-    base = ["workload=synthetic", "workload.limit=60", "capacity.rel_tol=0.5", "capacity.low=1", "capacity.high=64",
+    base = ["workload=synthetic", "workload.limit=40", "capacity.rel_tol=0.5", "capacity.low=1", "capacity.high=64",
             "cluster.router=round_robin"]
     found = []
     for name, args in (("fleet", ["cluster.replicas=2"]), ("cells", ["cluster.cells=2"])):
