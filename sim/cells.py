@@ -364,8 +364,8 @@ def merge(outs: Sequence[CellOutput], wall_s: float) -> CellsResult:
             start = end
             if rep >= 0:
                 routed[rid] = o.cell * R + rep
-        reps = [ReplicaRecord(o.cell * R + i, _Engine(_rebuilt_log(steps) if isinstance(steps, list) else _column_log(steps), _Kv(cap)),
-                              _Clock(now)) for i, steps, cap, now in o.replicas]
+        reps = [ReplicaRecord(o.cell * R + i, _Engine(_rebuilt_log(log) if isinstance(log, list) else _column_log(log),
+                                                      _Kv(cap)), _Clock(now)) for i, log, cap, now in o.replicas]
         replicas += reps
         if disagg:
             for rid, d in zip(c["req_id"], c["decode_replica"].tolist()):
@@ -396,8 +396,9 @@ def merged_row(res: CellsResult, rows: Sequence[Mapping[str, Any]], slo: Mapping
 
     row = dict(rows[0])  # a single run's keys, in its order
     per_cell = row["replicas"]
-    latencies = request_latencies(res.requests)
-    row.update(summarize(res.requests, res.steps, res.total_slots, slo["ttft_s"], slo["tpot_s"], slo.get("tbt_s"),
+    reqs: Any = res.requests  # RequestRecords: the fields of a Request the metrics read
+    latencies = request_latencies(reqs)
+    row.update(summarize(reqs, res.steps, res.total_slots, slo["ttft_s"], slo["tpot_s"], slo.get("tbt_s"),
                          latencies=latencies))
     row.update(replicas=sum(r["replicas"] for r in rows), gpus=sum(r["gpus"] for r in rows))
     if row.get("mode") == "disaggregated":
@@ -425,8 +426,7 @@ def simulate_cells(cfg: DictConfig, labels: Mapping[str, Any] | None = None,
 
     cells = cells_of(cfg)
     on = OmegaConf.select(cfg, "cluster.cells_on", default="local")
-    config = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(config, dict)
+    config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     if announce:
         # No request count yet: each cell loads the trace where it runs and keeps its share.
         caching = bool(config["allocator"].get("enable_prefix_caching")) and bool(config["workload"].get("token_ids"))
@@ -551,7 +551,7 @@ def _run_ray(config: dict[str, Any], cells: int, labels: Mapping[str, Any] | Non
         ready, pending = ray.wait(pending, num_returns=len(pending), timeout=interval)
         for r in ready:
             results[index[r]] = ray.get(r)
-        if shown is not None and pending:
+        if shown is not None and board is not None and pending:
             figures = dict(ray.get(board.read.remote()))
             for k, out in results.items():
                 if isinstance(out, CellOutput):
