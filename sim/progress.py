@@ -12,7 +12,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import IO, Any, Iterator, Sequence
+from typing import IO, Any, Callable, Iterator, Sequence
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,7 @@ class Settings:
     label: str = "simulating"
     stream: IO[str] | None = None  # None: sys.stderr at the time of the run
     tty: bool | None = None  # None: the stream's isatty()
+    sink: Callable[[float, int, int], None] | None = None  # instead of lines: sink(simulated s, done, total)
 
 
 _active: list[Settings] = []  # innermost last; empty: no progress shown
@@ -28,12 +29,14 @@ _active: list[Settings] = []  # innermost last; empty: no progress shown
 
 @contextmanager
 def showing(interval_s: float = 5.0, label: str = "simulating", stream: IO[str] | None = None,
-            tty: bool | None = None, enabled: bool = True) -> Iterator[None]:
-    """Show the progress of every simulation run inside the block (enabled=False: none)."""
+            tty: bool | None = None, enabled: bool = True,
+            sink: Callable[[float, int, int], None] | None = None) -> Iterator[None]:
+    """Show the progress of every simulation run inside the block (enabled=False: none); sink:
+    hand the figures to it every interval_s instead (a cell reporting to its fleet's line)."""
     if not enabled:
         yield
         return
-    _active.append(Settings(float(interval_s), label, stream, tty))
+    _active.append(Settings(float(interval_s), label, stream, tty, sink))
     try:
         yield
     finally:
@@ -47,11 +50,16 @@ def labelled(label: str) -> Iterator[None]:
         yield
         return
     s = _active[-1]
-    _active.append(Settings(s.interval_s, label, s.stream, s.tty))
+    _active.append(Settings(s.interval_s, label, s.stream, s.tty, s.sink))
     try:
         yield
     finally:
         _active.pop()
+
+
+def settings() -> Settings | None:
+    """The innermost `showing` block's settings, or None when no command asked for progress."""
+    return _active[-1] if _active else None
 
 
 def for_run(total: int) -> Progress | None:
@@ -76,7 +84,7 @@ class Progress:
             isatty = getattr(self.stream, "isatty", None)
             tty = bool(isatty and isatty())
         self.bar: Any = None
-        if tty:
+        if tty and settings.sink is None:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, unit="req", desc=settings.label, file=self.stream, leave=False,
@@ -95,6 +103,9 @@ class Progress:
     def show(self, sim_time: float, done: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         self.last = now
+        if self.settings.sink is not None:
+            self.settings.sink(sim_time, done, self.total)
+            return
         if self.bar is not None:
             self.bar.set_postfix_str(f"simulated {sim_time:,.1f} s", refresh=False)
             self.bar.update(done - self.bar.n)

@@ -38,7 +38,10 @@ def load_requests(workload: Mapping[str, Any], vocab_size: int, memory_limit_gb:
     if check_memory:
         check_trace(trace, bool(opts.get("token_ids")), memory_limit_gb)
     # ignore_eos: the trace's output length is the request's length, as in the real engine's replay.
-    reqs = trace_requests(trace, vocab_size, SamplingParams(ignore_eos=True), token_ids=bool(opts.get("token_ids")))
+    from sim.cells import cell_requests  # all of the trace, or the share of the cell being simulated
+
+    reqs = cell_requests(trace, lambda t: trace_requests(t, vocab_size, SamplingParams(ignore_eos=True),
+                                                         token_ids=bool(opts.get("token_ids"))))
     return trace, reqs
 
 
@@ -104,6 +107,9 @@ def check_settings(cfg: DictConfig) -> None:
     from sim.cluster import check_cluster
 
     check_cluster(cfg)
+    from sim.cells import check_cells
+
+    check_cells(cfg)
     check_slo(cfg)
     check_window(cfg)
     number(cfg, "workload.rate", low=0, low_open=True, optional=True, hint=" (requests/s)")
@@ -209,6 +215,10 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     from varlen.steplog import StepLog
 
     check_settings(cfg)
+    from sim.cells import cells_of, simulate_cells
+
+    if cells_of(cfg) > 1:  # independent cells behind a front door, merged into one fleet's result
+        return simulate_cells(cfg, labels, announce)
     c = OmegaConf.to_container(cfg, resolve=True)
     e = c["engine"]
     model_config = load_sim_model(c["sim_model"]["config"])
@@ -580,6 +590,9 @@ def _exit_now() -> None:
 
     if "-m" in sys.argv[1:] or "--multirun" in sys.argv[1:]:
         return
+    from sim.cells import stop_ray
+
+    stop_ray()  # os._exit skips the atexit hook that would stop a Ray instance cells started
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,0 +1,564 @@
+"""`cluster.cells=N`: a fleet of N independent cells behind a front door, simulated one after
+another in this process (`cluster.cells_on=local`) or as Ray tasks (`cluster.cells_on=ray`), merged
+into one result (docs/decisions/cells.md).
+
+The front door is state-free: a request's cell is a function of the request and its position in
+the trace alone (`front_door`), so every cell process loads the same trace description, keeps its
+own share, and runs the ordinary single-fleet simulation (`sim.run`) on it: its own router and
+`cluster.replicas` replicas (or its own prefill and decode pools). A cell sends back columns: per
+request its times and counts, its token times as one flat array, per replica the step columns.
+The merged summary is `varlen.metrics.summarize` over the merged requests and steps, the very
+function a single run's summary comes from; nothing is averaged per cell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib.util
+import os
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from varlen.cli import SettingError, number
+from varlen.steplog import StepLog
+
+CELLS_ON = ("local", "ray")
+RAY_HINT = "install the cluster extra (pip install -e '.[cluster]'; scripts/setup.sh does), or use cluster.cells_on=local"
+
+
+def check_cells(cfg: DictConfig) -> None:
+    """cluster.cells, cells_on, cell_key_blocks (one-line errors); cells > requests is found when
+    the trace is loaded (cell_requests)."""
+    cells = number(cfg, "cluster.cells", low=1, integer=True, hint=" (independent cells of cluster.replicas each; 1: one fleet)")
+    on = OmegaConf.select(cfg, "cluster.cells_on", default="local")
+    if on not in CELLS_ON:
+        raise SettingError(f"cluster.cells_on={on!r} is unknown; choose local (one process) or ray (Ray tasks)")
+    number(cfg, "cluster.cell_key_blocks", low=1, integer=True,
+           hint=" (leading prefix hash ids that name a request's cell, e.g. 2)")
+    if cells == 1:
+        return
+    if on == "ray" and importlib.util.find_spec("ray") is None:
+        raise SettingError(f"cluster.cells_on=ray needs Ray, which is not installed: {RAY_HINT}")
+    if OmegaConf.select(cfg, "output.timeline"):
+        raise SettingError(f"output.timeline=true draws one fleet; with cluster.cells={cells} set output.timeline=false "
+                           "(or simulate one cell: cluster.cells=1)")
+
+
+def cells_of(cfg: DictConfig) -> int:
+    """The number of cells `cfg` asks for (1 where a config has no cluster.cells)."""
+    return int(OmegaConf.select(cfg, "cluster.cells", default=1) or 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The front door
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M64 = (1 << 64) - 1
+
+
+def front_door(trace: Any, cells: int, key_blocks: int = 2) -> np.ndarray:
+    """Each request's cell (int64 array): a hash of its first `key_blocks` prefix hash ids
+    (Mooncake's hash_ids), so requests sharing that prefix share a cell and its prefix caches; a
+    request with fewer ids (or a trace without them: Azure, synthetic) goes by its position in the
+    trace, round-robin. Depends on nothing but the request and its position: state-free."""
+    from varlen.traces.tokens import _mix  # the traces' 64-bit mixer: one home for it
+
+    n = len(trace)
+    cell = np.arange(n, dtype=np.int64) % cells
+    keyed = [i for i, tr in enumerate(trace.requests) if tr.hash_ids is not None and len(tr.hash_ids) >= key_blocks]
+    if keyed:
+        ids = np.array([[h & _M64 for h in trace.requests[i].hash_ids[:key_blocks]] for i in keyed], np.uint64)
+        h = np.zeros(len(keyed), np.uint64)
+        for j in range(key_blocks):
+            h = _mix(h * _GOLDEN + ids[:, j])
+        cell[np.array(keyed, np.int64)] = (h % np.uint64(cells)).astype(np.int64)
+    return cell
+
+
+@dataclass
+class _Share:
+    cell: int
+    cells: int
+    key_blocks: int
+    positions: np.ndarray | None = None  # set once the trace is loaded: the cell's requests in the trace
+
+
+_sharing: list[_Share] = []  # set while this process simulates one cell
+
+
+@contextmanager
+def _one_cell(share: _Share) -> Iterator[_Share]:
+    _sharing.append(share)
+    try:
+        yield share
+    finally:
+        _sharing.pop()
+
+
+def cell_requests(trace: Any, build: Callable[[Any], list]) -> list:
+    """build(trace): the requests of the whole trace, or, while a cell is simulated, of the cell's
+    share only, named as the whole trace names them (ids by position where the trace has none)."""
+    if not _sharing:
+        return build(trace)
+    s = _sharing[-1]
+    if s.cells > len(trace):
+        raise SettingError(f"cluster.cells={s.cells} is more than the workload's {len(trace)} requests: "
+                           f"lower cluster.cells (each cell needs a request) or raise workload.limit")
+    pos = np.flatnonzero(front_door(trace, s.cells, s.key_blocks) == s.cell)
+    if not len(pos):
+        raise SettingError(f"cluster.cells={s.cells}: the front door sends no request to cell {s.cell} (requests "
+                           f"sharing their first {s.key_blocks} prefix hash ids share a cell); lower cluster.cells "
+                           f"or raise cluster.cell_key_blocks")
+    s.positions = pos
+    reqs = build(dataclasses.replace(trace, requests=[trace.requests[i] for i in pos.tolist()]))
+    for r, i in zip(reqs, pos.tolist()):
+        if trace.requests[i].req_id is None:
+            r.req_id = str(i)  # the id a whole-trace run gives it (its position)
+    return reqs
+
+
+# ---------------------------------------------------------------------------------------------
+# What a cell sends back, and what the merge rebuilds from it
+
+
+_STEP_COLUMNS = ("start", "duration", "num_seqs", "kv_reserved_slots", "kv_live_tokens", "num_waiting")
+
+
+def _step_columns(log: StepLog) -> dict[str, np.ndarray]:
+    """What the metrics read of a replica's steps (what crosses from a cell unless steps.csv is asked for)."""
+    c = log.columns(tokens=False)
+    return {k: c[k] for k in _STEP_COLUMNS}
+
+
+def _portable_log(log: StepLog) -> list[tuple]:
+    """A replica's steps as plain tuples, (is a DecodeRun, its fields...): compiled records do not
+    pickle. Sent only when steps.csv is asked for."""
+    from varlen.steplog import DecodeRun
+
+    return [(isinstance(e, DecodeRun), *(getattr(e, f.name) for f in dataclasses.fields(type(e)))) for e in log.entries]
+
+
+def _rebuilt_log(entries: Sequence[tuple]) -> StepLog:
+    from varlen.steplog import DecodeRun, StepRecord
+
+    return StepLog(DecodeRun(*e[1:]) if e[0] else StepRecord(*e[1:]) for e in entries)
+
+
+def _column_log(c: Mapping[str, np.ndarray]) -> StepLog:
+    """A StepLog whose columns(tokens=False) are `c`: one record per step, without request ids or
+    token counts (the batch size is kept as a list of that many empty ids, one list per size)."""
+    from varlen.steplog import StepRecord
+
+    ids: dict[int, list[str]] = {}
+    none: list[int] = []
+    return StepLog(StepRecord(i, t, d, ids.setdefault(b, [""] * b), none, none, 0, kv, live, w)
+                   for i, (t, d, b, kv, live, w) in enumerate(zip(*(c[k].tolist() for k in _STEP_COLUMNS))))
+
+
+@dataclass(slots=True, eq=False)
+class RequestRecord:
+    """A finished simulation's request as the metrics and tables read it (varlen.request.Request's
+    fields of the same names)."""
+
+    req_id: str
+    arrival: float
+    first_scheduled: float | None
+    finish_time: float | None
+    finish_reason: Any
+    finish_message: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_preemptions: int
+    num_prefix_hit_tokens: int
+    priority: int
+    token_times: list[float]
+
+
+@dataclass(slots=True)
+class _Kv:
+    capacity_tokens: int
+
+
+@dataclass(slots=True)
+class _Engine:
+    steps: StepLog
+    kv: _Kv
+
+
+@dataclass(slots=True)
+class _Clock:
+    t: float
+
+    def now(self) -> float:
+        return self.t
+
+
+@dataclass(slots=True)
+class ReplicaRecord:
+    """A simulated replica as the output writers read it: its index in the fleet, steps, pool, clock."""
+
+    index: int
+    engine: _Engine
+    clock: _Clock
+
+
+@dataclass
+class CellOutput:
+    """One cell's result, in arrays (cheap to send between processes)."""
+
+    cell: int
+    positions: np.ndarray  # each request's index in the whole trace
+    columns: dict[str, Any]  # per request (see _pack)
+    token_times: np.ndarray  # every request's token times, end to end
+    token_counts: np.ndarray
+    replicas: list[tuple[int, Any, int, float]]  # (index in the cell, steps as tuples or columns, KV pool tokens, clock)
+    row: dict[str, Any]
+    num_steps: int
+    wall_s: float
+    num_prefill: int | None = None  # disaggregated: the first num_prefill replicas are prefill instances
+    transfers: dict[str, np.ndarray] | None = None
+    prefill_hit_tokens: np.ndarray | None = None
+
+
+_REASONS = ("length", "stop", "aborted", "rejected")
+
+
+def _pack(cell: int, positions: np.ndarray, res: Any, row: dict[str, Any], full_steps: bool) -> CellOutput:
+    reqs = res.requests
+    nan = float("nan")
+    code = {r: i for i, r in enumerate(_REASONS)}
+    cols: dict[str, Any] = dict(
+        req_id=[r.req_id for r in reqs],
+        arrival=np.array([r.arrival for r in reqs], np.float64),
+        first_scheduled=np.array([nan if r.first_scheduled is None else r.first_scheduled for r in reqs], np.float64),
+        finish_time=np.array([nan if r.finish_time is None else r.finish_time for r in reqs], np.float64),
+        finish_reason=np.array([-1 if r.finish_reason is None else code[r.finish_reason.value] for r in reqs], np.int8),
+        finish_message=[r.finish_message for r in reqs],
+        num_prompt_tokens=np.array([r.num_prompt_tokens for r in reqs], np.int64),
+        num_output_tokens=np.array([r.num_output_tokens for r in reqs], np.int64),
+        num_preemptions=np.array([r.num_preemptions for r in reqs], np.int64),
+        num_prefix_hit_tokens=np.array([r.num_prefix_hit_tokens for r in reqs], np.int64),
+        priority=np.array([r.priority for r in reqs], np.int64),
+        replica=np.array([res.routed.get(r.req_id, -1) for r in reqs], np.int64))
+    counts = np.fromiter((len(r.token_times) for r in reqs), np.int64, len(reqs))
+    flat = np.fromiter((t for r in reqs for t in r.token_times), np.float64, int(counts.sum()))
+    out = CellOutput(cell, positions, cols, flat, counts,
+                     [(r.index, _portable_log(r.engine.steps) if full_steps else _step_columns(r.engine.steps),
+                       r.engine.kv.capacity_tokens, r.clock.now()) for r in res.replicas],
+                     row, res.num_steps, res.wall_s)
+    if hasattr(res, "decode_routed"):  # disaggregated
+        cols["decode_replica"] = np.array([res.decode_routed.get(r.req_id, -1) for r in reqs], np.int64)
+        out.num_prefill = res.num_prefill
+        tr = res.transfers
+        out.transfers = {k: np.array([getattr(x, k) for x in tr], np.float64) for k in ("ready", "start", "end", "bytes")}
+        out.prefill_hit_tokens = np.array([res.prefill_hit_tokens.get(r.req_id, 0) for r in reqs], np.int64)
+    return out
+
+
+def run_cell(config: dict[str, Any], cell: int, labels: Mapping[str, Any] | None,
+             board: Any = None, interval_s: float = 5.0) -> CellOutput | str:
+    """Simulate cell `cell` of config's cluster.cells (a resolved config as a plain dict): its
+    CellOutput, or the one-line message of a bad setting or input. board: a Ray actor the cell
+    reports its progress to every interval_s (_Board)."""
+    from sim.progress import showing
+    from sim.run import _simulate_paused
+    from varlen.cli import errors_to_exit
+
+    cfg = OmegaConf.create(config)
+    cells, key_blocks = cells_of(cfg), int(OmegaConf.select(cfg, "cluster.cell_key_blocks", default=2))
+    cfg.cluster.cells = 1  # the cell itself is one fleet
+    sink = None if board is None else (lambda t, done, total: board.report.remote(cell, t, done, total))
+    try:
+        with _one_cell(_Share(cell, cells, key_blocks)) as share, \
+                showing(interval_s, enabled=sink is not None, sink=sink):
+            res, row, _ = _simulate_paused(cfg, labels, False)
+    except errors_to_exit() as err:
+        return str(err)
+    assert share.positions is not None
+    return _pack(cell, share.positions, res, row, bool(OmegaConf.select(cfg, "output.steps")))
+
+
+# ---------------------------------------------------------------------------------------------
+# The merge
+
+
+@dataclass
+class CellsResult:
+    """SimResult's interface over every cell's replicas (cell c's replica k is replica c·R + k,
+    R replicas per cell, disaggregated: its P prefill then its decode instances), requests in trace order."""
+
+    requests: list[RequestRecord]
+    replicas: list[ReplicaRecord]
+    wall_s: float
+    routed: dict[str, int]
+    num_steps: int
+    cells: int
+    steps_of: list[ReplicaRecord]  # the replicas whose steps the summary reads (disaggregated: decode)
+    total_slots: int
+    decode_routed_: dict[str, int] | None = None
+    prefill: list[ReplicaRecord] = field(default_factory=list)
+    decode: list[ReplicaRecord] = field(default_factory=list)
+    transfers: list[Any] = field(default_factory=list)
+    prefill_hit_tokens: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> StepLog:
+        return StepLog.concat(r.engine.steps for r in self.steps_of)
+
+    def __getattr__(self, name: str) -> Any:
+        # write_outputs asks hasattr(res, "decode_routed"): only a disaggregated fleet has one.
+        if name == "decode_routed" and self.decode_routed_ is not None:
+            return self.decode_routed_
+        raise AttributeError(name)
+
+
+@dataclass(slots=True)
+class _Transfer:
+    ready: float
+    start: float
+    end: float
+    bytes: float
+
+
+def merge(outs: Sequence[CellOutput], wall_s: float) -> CellsResult:
+    """The cells' results as one fleet's: requests back in trace order, replicas numbered cell by cell."""
+    from varlen.request import FinishReason
+
+    outs = sorted(outs, key=lambda o: o.cell)
+    n = sum(len(o.positions) for o in outs)
+    pos = np.concatenate([o.positions for o in outs])
+    if not np.array_equal(np.sort(pos), np.arange(n)):
+        raise RuntimeError("the cells' shares of the trace do not cover it exactly once (front door differs between cells)")
+    reasons = [FinishReason(r) for r in _REASONS]
+    records: list[Any] = [None] * n
+    replicas: list[ReplicaRecord] = []
+    routed: dict[str, int] = {}
+    decode_routed: dict[str, int] = {}
+    disagg = outs[0].num_prefill is not None
+    prefill, decode, steps_of, transfers = [], [], [], []
+    hits: dict[str, int] = {}
+    for o in outs:
+        c, R = o.columns, len(o.replicas)
+        P = o.num_prefill or 0
+        times = o.token_times.tolist()
+        ends = np.cumsum(o.token_counts).tolist()
+        lists = [c[k].tolist() if isinstance(c[k], np.ndarray) else c[k] for k in
+                 ("req_id", "arrival", "first_scheduled", "finish_time", "finish_reason", "finish_message",
+                  "num_prompt_tokens", "num_output_tokens", "num_preemptions", "num_prefix_hit_tokens", "priority",
+                  "replica")]
+        start, where = 0, o.positions.tolist()
+        for j, (rid, arr, fs, fin, why, msg, npr, nout, npre, nhit, prio, rep) in enumerate(zip(*lists)):
+            end = ends[j]
+            records[where[j]] = RequestRecord(
+                rid, arr, None if fs != fs else fs, None if fin != fin else fin, None if why < 0 else reasons[why],
+                msg, npr, nout, npre, nhit, prio, times[start:end])
+            start = end
+            if rep >= 0:
+                routed[rid] = o.cell * R + rep
+        reps = [ReplicaRecord(o.cell * R + i, _Engine(_rebuilt_log(log) if isinstance(log, list) else _column_log(log),
+                                                      _Kv(cap)), _Clock(now)) for i, log, cap, now in o.replicas]
+        replicas += reps
+        if disagg:
+            for rid, d in zip(c["req_id"], c["decode_replica"].tolist()):
+                if d >= 0:  # an instance's index in the cell, as routed's: prefill 0..P-1, decode P..R-1
+                    decode_routed[rid] = o.cell * R + d
+            prefill += reps[:P]
+            decode += reps[P:]
+            steps_of += reps[P:]
+            t = o.transfers
+            assert t is not None and o.prefill_hit_tokens is not None
+            transfers += [_Transfer(*x) for x in zip(t["ready"].tolist(), t["start"].tolist(), t["end"].tolist(),
+                                                     t["bytes"].tolist())]
+            hits.update(zip(c["req_id"], o.prefill_hit_tokens.tolist()))
+        else:
+            steps_of += reps
+    first = outs[0].replicas[0]
+    total_slots = (decode[0].engine.kv.capacity_tokens if disagg else first[2])
+    return CellsResult(records, replicas, wall_s, routed, sum(o.num_steps for o in outs), len(outs), steps_of,
+                       total_slots, decode_routed if disagg else None, prefill, decode, transfers, hits)
+
+
+def merged_row(res: CellsResult, rows: Sequence[Mapping[str, Any]], slo: Mapping[str, Any]) -> tuple[dict[str, Any], dict]:
+    """(summary row, request latencies) of the merged fleet: its figures computed from the merged
+    requests and steps exactly as a single run's; the run's settings and trace figures as any
+    cell's (they describe the whole trace); counts of replicas, GPUs and steps summed."""
+    from sim.run import prefix_hit_rate
+    from varlen.metrics import request_latencies, summarize
+
+    row = dict(rows[0])  # a single run's keys, in its order
+    per_cell = row["replicas"]
+    reqs: Any = res.requests  # RequestRecords: the fields of a Request the metrics read
+    latencies = request_latencies(reqs)
+    row.update(summarize(reqs, res.steps, res.total_slots, slo["ttft_s"], slo["tpot_s"], slo.get("tbt_s"),
+                         latencies=latencies))
+    row.update(replicas=sum(r["replicas"] for r in rows), gpus=sum(r["gpus"] for r in rows))
+    if row.get("mode") == "disaggregated":
+        from sim.cluster import cluster_figures
+
+        row.update(cluster_figures(res))
+    else:
+        row["prefix_hit_rate"] = prefix_hit_rate(res.requests)
+    n = len(res.requests)
+    row.update(steps=res.num_steps, sim_wall_s=res.wall_s, sim_requests_per_wall_s=n / max(res.wall_s, 1e-9),
+               sim_time_s=max(r["sim_time_s"] for r in rows), cells=res.cells, replicas_per_cell=per_cell)
+    return row, latencies
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the cells
+
+
+def simulate_cells(cfg: DictConfig, labels: Mapping[str, Any] | None = None,
+                   announce: bool = False) -> tuple[CellsResult, dict[str, Any], dict[str, Any]]:
+    """sim.run's (result, summary row, latencies) for a fleet of cluster.cells cells."""
+    from types import SimpleNamespace
+
+    from sim.run import LOSSY_KEYS, assumptions, lossy_line, over_length_warning, trace_text
+
+    cells = cells_of(cfg)
+    on = OmegaConf.select(cfg, "cluster.cells_on", default="local")
+    config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    if announce:
+        # No request count yet: each cell loads the trace where it runs and keeps its share.
+        caching = bool(config["allocator"].get("enable_prefix_caching")) and bool(config["workload"].get("token_ids"))
+        print(f"simulating {trace_text(config)} in {cells} cells on {on} (Ctrl-C stops); front door: "
+              f"{door_text(config)}\n  each cell: {assumptions(config, labels, caching)}", flush=True)
+    if on == "ray":
+        _ray_init(config)  # before the clock starts: a capacity search starts Ray once for all its probes
+    t0 = time.perf_counter()
+    outs = (_run_ray if on == "ray" else _run_local)(config, cells, labels)
+    wall = time.perf_counter() - t0
+    bad = [o for o in outs if isinstance(o, str)]
+    if bad:
+        raise SettingError(bad[0])
+    done = [o for o in outs if isinstance(o, CellOutput)]
+    res = merge(done, wall)
+    row, latencies = merged_row(res, [o.row for o in done], config["slo"])
+    if announce:
+        stats = SimpleNamespace(**{k: row[f"trace_{k}"] for k in LOSSY_KEYS})
+        for line in (lossy_line(stats), over_length_warning(stats, config, row["trace_max_model_len"])):
+            if line:
+                print(line, flush=True)
+    return res, row, latencies
+
+
+def door_text(c: Mapping[str, Any]) -> str:
+    """The front door's rule in words."""
+    k = c["cluster"].get("cell_key_blocks", 2)
+    return f"a hash of a request's first {k} prefix hash ids where it has them, else round-robin"
+
+
+def _run_local(config: dict[str, Any], cells: int, labels: Mapping[str, Any] | None) -> list[CellOutput | str]:
+    from sim.progress import labelled
+
+    outs: list[CellOutput | str] = []
+    for k in range(cells):
+        with labelled(f"cell {k + 1}/{cells}"):
+            outs.append(run_cell(config, k, labels))
+        gc.collect()  # the cell's engines, before the next cell's (the collector is paused while simulating)
+        if isinstance(outs[-1], str):
+            break  # a bad setting is the same in every cell
+    return outs
+
+
+_ray_started: list[bool] = []
+
+
+def _ray_init(config: Mapping[str, Any]) -> Any:
+    """Ray, connected: to `cluster.ray_address` (local: a new instance for this process, started
+    once, its workers importing the same sim and varlen as this process)."""
+    import ray
+
+    if ray.is_initialized():
+        return ray
+    address = config["cluster"].get("ray_address") or "local"
+    roots = [str(Path(__file__).resolve().parents[1])] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    kw: dict[str, Any] = dict(address=address, include_dashboard=False, log_to_driver=True,
+                              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(roots),
+                                                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}})
+    if address == "local" and config["cluster"].get("ray_num_cpus"):
+        kw["num_cpus"] = int(config["cluster"]["ray_num_cpus"])
+    ray.init(**kw)
+    _ray_started.append(True)
+    return ray
+
+
+def stop_ray() -> None:
+    """Stop the Ray instance this process started for its cells, if any."""
+    if _ray_started:
+        import ray
+
+        ray.shutdown()
+        _ray_started.clear()
+
+
+class _Board:
+    """A Ray actor: each cell's latest (simulated time, requests done, requests in the cell)."""
+
+    def __init__(self) -> None:
+        self.cells: dict[int, tuple[float, int, int]] = {}
+
+    def report(self, cell: int, sim_time: float, done: int, total: int) -> None:
+        self.cells[cell] = (sim_time, done, total)
+
+    def read(self) -> dict[int, tuple[float, int, int]]:
+        return self.cells
+
+
+def fleet_line(label: str, cells: int, figures: Mapping[int, tuple[float, int, int]], finished: int,
+               elapsed: float) -> str:
+    """One progress line for all cells: figures, each reporting cell's (simulated s, done, total)."""
+    from sim.progress import _duration
+
+    done = sum(d for _, d, _ in figures.values())
+    line = f"{label}: {finished}/{cells} cells finished, {done:,}"
+    if len(figures) == cells:
+        total = sum(n for _, _, n in figures.values())
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = _duration((total - done) / rate) if rate > 0 else "?"
+        line += f"/{total:,} requests done ({done / max(total, 1):.0%})"
+    else:
+        eta = "?"
+        line += f" requests done ({cells - len(figures)} of the cells yet to report)"
+    t = min((t for t, _, _ in figures.values()), default=0.0)
+    return (line + f", every cell simulated past {t:,.1f} s, elapsed {_duration(elapsed)}, ETA {eta}")
+
+
+def _run_ray(config: dict[str, Any], cells: int, labels: Mapping[str, Any] | None) -> list[CellOutput | str]:
+    from sim.progress import settings as progress_settings
+
+    ray = _ray_init(config)
+    shown = progress_settings()
+    interval = None if shown is None else max(shown.interval_s, 1.0)
+    board = None if shown is None else ray.remote(num_cpus=0)(_Board).remote()
+    task = ray.remote(num_cpus=1, max_retries=0)(run_cell)
+    cfg_ref = ray.put(config)
+    refs = [task.remote(cfg_ref, k, dict(labels) if labels else None, board, interval or 5.0) for k in range(cells)]
+    t0 = time.monotonic()
+    results: dict[int, CellOutput | str] = {}
+    pending, index = list(refs), {r: k for k, r in enumerate(refs)}
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=interval)
+        for r in ready:
+            results[index[r]] = ray.get(r)
+        if shown is not None and board is not None and pending:
+            figures = dict(ray.get(board.read.remote()))
+            for k, out in results.items():
+                if isinstance(out, CellOutput):
+                    n = len(out.positions)
+                    figures[k] = (out.row["sim_time_s"], n, n)
+            stream = shown.stream if shown.stream is not None else sys.stderr
+            print(fleet_line(shown.label, cells, figures, len(results), time.monotonic() - t0), file=stream, flush=True)
+    if board is not None:
+        ray.kill(board)
+    return [results[k] for k in range(cells)]
