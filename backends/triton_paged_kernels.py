@@ -120,8 +120,9 @@ def paged_attention_kernel(
         tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptr + split * stride_lse_split + (q_start + tok) * stride_lse_tok + head, lse, mask=row_ok)
     else:
-        # Every real row saw its own key at least, so l > 0 there (padding rows are not stored).
-        o = acc / l[:, None]
+        # Every real row saw its own key at least, so l > 0 there; padding rows (not stored) may
+        # see none under a window: 1, not 0/0.
+        o = acc / tl.where(l > 0.0, l, 1.0)[:, None]
         o_ptrs = out_ptr + (q_start + tok)[:, None] * stride_o_tok + head[:, None] * stride_o_head + d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 

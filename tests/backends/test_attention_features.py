@@ -3,7 +3,8 @@
 - torch_ref implements each feature as transformers' own eager functions define it (Gemma 2's
   soft-capped, windowed attention; gpt-oss's sinks), checked here against those functions with
   values that bite; torch_sdpa's windows, and torch_paged's windows, soft-caps and sinks (C kernel
-  and SDPA split), equal torch_ref's on random mixed batches.
+  and SDPA split), equal torch_ref's on random mixed batches; triton's (in Triton's interpreter,
+  which must be chosen before triton is imported) are in tests/backends/test_triton_backend.py.
 - No silent features: an unknown attention keyword with a value, dropout, non-causal attention,
   a layer that never calls attention, a recurrent mixer, or a call that no longer matches what
   was bound at load are refused in one line; a backend that does not declare a feature a layer
