@@ -137,7 +137,7 @@ def _replace(text: str, begin: str, end: str, table: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--write", nargs="?", const="README.md", metavar="README",
-                   help="replace the table in this README (default README.md)")
+                   help="replace both tables in this README (default README.md)")
     a = p.parse_args()
     tables = [(BACKENDS_BEGIN, BACKENDS_END, backends_table(), readme_backends_table),
               (BEGIN, END, markdown_table(), readme_table)]
