@@ -1,5 +1,6 @@
 """Triton backend: one paged varlen attention launch per layer (`backends/triton_paged_kernels.py`),
-plus a log-sum-exp merge when keys are split to fill the GPU. On CPU it runs only in Triton's
+plus a log-sum-exp merge when keys are split to fill the GPU; sliding windows, logit soft-capping
+and sinks are the kernel's. On CPU it runs only in Triton's
 interpreter (slow, no bfloat16), which Triton picks once at import: TRITON_INTERPRET=1 must be set
 before anything imports triton. This module imports it only in `check()`, which says so in one line.
 """
@@ -17,7 +18,8 @@ import numpy as np
 import torch
 
 from backends.kv_write import write_kv
-from varlen.attention_api import AttentionBackend, AttentionMetadata, BackendUnavailable, first_line
+from varlen.attention_api import (FEATURES, AttentionBackend, AttentionMetadata, BackendUnavailable,
+                                  LayerAttention, first_line)
 from varlen.batch import ForwardBatch
 
 INSTALL_HINT = 'pip install -e ".[triton]"'
@@ -43,10 +45,11 @@ class LaunchPlan:
 
 def plan_launch(query_lens: np.ndarray, max_seq_len: int, num_q_heads: int, num_kv_heads: int,
                 dtype: torch.dtype, num_sms: int, num_splits: int | None = None, kv_split_size: int = 256,
-                max_splits: int = 32, interpreted: bool = False) -> LaunchPlan:
-    """Tiles and splits (numpy only, tested on CPU): split each context into up to `max_splits`
-    ranges of >= `kv_split_size` keys when one pass has fewer than two waves of programs.
-    `num_splits` forces a count (tests reach the merge on tiny shapes)."""
+                max_splits: int = 32, interpreted: bool = False, window: int | None = None) -> LaunchPlan:
+    """Tiles and splits (numpy only, tested on CPU): split the keys a query tile reads (the whole
+    context, or with a sliding `window` the window's span) into up to `max_splits` ranges of >=
+    `kv_split_size` keys when one pass has fewer than two waves of programs. `num_splits` forces a
+    count (tests reach the merge on tiny shapes)."""
     group = num_q_heads // num_kv_heads
     decode = int(query_lens.max()) == 1
     # One token x GROUP heads for decodes; 64 rows for prefills. tl.dot needs >= 16 rows.
@@ -55,13 +58,15 @@ def plan_launch(query_lens: np.ndarray, max_seq_len: int, num_q_heads: int, num_
     if interpreted:
         block_n = 128  # the interpreter costs per operation: fewer, bigger tiles
     tokens = block_m // group
+    # A tile's rows see keys from its first row's window start to its last row.
+    span = max_seq_len if window is None else min(max_seq_len, window + tokens - 1)
     if num_splits is None:
         programs = int((-(-query_lens // tokens)).sum()) * num_kv_heads
         num_splits = 1
-        if programs < 2 * num_sms and max_seq_len > kv_split_size:
-            num_splits = min(max_splits, -(-2 * num_sms // programs), -(-max_seq_len // kv_split_size))
+        if programs < 2 * num_sms and span > kv_split_size:
+            num_splits = min(max_splits, -(-2 * num_sms // programs), -(-span // kv_split_size))
     num_splits = max(1, int(num_splits))
-    split_len = -(-max_seq_len // num_splits)
+    split_len = -(-span // num_splits)
     split_len = -(-split_len // 16) * 16  # aligned starts; the kernel takes any length
     return LaunchPlan(block_m, block_n, num_splits, split_len)
 
@@ -115,6 +120,7 @@ def _in_mode(kernel: Any, interpreted: bool) -> Any:
 
 class TritonPagedBackend(AttentionBackend):
     name = "triton"
+    features = frozenset(FEATURES)  # sliding_window, softcap, sinks: no batch-invariant mode
 
     def __init__(self, num_splits: int | None = None, kv_split_size: int = 256, max_splits: int = 32,
                  batch_invariant: bool = False) -> None:
@@ -166,7 +172,7 @@ class TritonPagedBackend(AttentionBackend):
         return self._num_sms[device]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: TritonMetadata, scale: float) -> torch.Tensor:
+                meta: TritonMetadata, scale: float, layer: LayerAttention | None = None) -> torch.Tensor:
         if self._kernels is None:
             self._kernels = load_kernels()
         attention, merge = self._kernels.attention, self._kernels.merge
@@ -179,11 +185,18 @@ class TritonPagedBackend(AttentionBackend):
         if kv_cache.stride(-1) != 1:
             raise ValueError("backend 'triton' needs a KV cache whose last dimension is contiguous")
         group = hq // hkv
-        key = (hq, hkv, kv_cache.dtype)
+        window = layer.sliding_window if layer else None
+        softcap = layer.softcap if layer else None
+        sinks = layer.sinks if layer else None
+        if sinks is not None:
+            if sinks.numel() != hq:
+                raise ValueError(f"backend 'triton': {sinks.numel()} sink logits for {hq} query heads")
+            sinks = sinks.detach().to(device=q.device, dtype=torch.float32).contiguous()
+        key = (hq, hkv, kv_cache.dtype, window)
         if key not in meta.plans:
             meta.plans[key] = plan_launch(b.query_lens, b.max_seq_len, hq, hkv, kv_cache.dtype,
                                           self._sm_count(q.device), self.num_splits, self.kv_split_size,
-                                          self.max_splits, self._kernels.interpreted)
+                                          self.max_splits, self._kernels.interpreted, window)
         plan = meta.plans[key]
         out_dtype = q.dtype
         q = q.to(kv_cache.dtype)  # the kernel's dots take one dtype; the model's q has the cache's anyway
@@ -202,7 +215,9 @@ class TritonPagedBackend(AttentionBackend):
         attention[grid](
             dst, lse, q, k_cache, v_cache,
             meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            float(scale) * LOG2_E, b.block_size, plan.split_len,
+            q if sinks is None else sinks,  # an unread stand-in pointer without sinks
+            float(scale) / softcap if softcap is not None else float(scale) * LOG2_E,
+            float(softcap or 0.0) * LOG2_E, int(window or 0), b.block_size, plan.split_len,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             meta.block_tables.stride(0),
@@ -210,6 +225,7 @@ class TritonPagedBackend(AttentionBackend):
             lse.stride(0), lse.stride(1),
             NUM_KV_HEADS=hkv, GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
             SPLIT=split, DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+            HAS_WINDOW=window is not None, SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
             num_warps=4, num_stages=2,
         )
         if split:

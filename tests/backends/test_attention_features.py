@@ -3,7 +3,8 @@
 - torch_ref implements each feature as transformers' own eager functions define it (Gemma 2's
   soft-capped, windowed attention; gpt-oss's sinks), checked here against those functions with
   values that bite; torch_sdpa's windows, and torch_paged's windows, soft-caps and sinks (C kernel
-  and SDPA split), equal torch_ref's on random mixed batches.
+  and SDPA split), equal torch_ref's on random mixed batches; triton's (in Triton's interpreter,
+  which must be chosen before triton is imported) are in tests/backends/test_triton_backend.py.
 - No silent features: an unknown attention keyword with a value, dropout, non-causal attention,
   a layer that never calls attention, a recurrent mixer, or a call that no longer matches what
   was bound at load are refused in one line; a backend that does not declare a feature a layer
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import pytest
@@ -255,14 +257,17 @@ def test_kv_window_is_the_widest_window_or_none(arch, window):
 @pytest.mark.parametrize("name", __import__("test_gpu_backends").BACKENDS)
 @given(data=st.data())
 def test_gpu_kernels_windows_and_softcaps_match_torch_ref(name, data):
-    """flash-attn / FlashInfer with window_size / window_left and softcap / logits_soft_cap, on the
-    device, against torch_ref (skips with the backend's own reason where it cannot run)."""
+    """flash-attn / FlashInfer with window_size / window_left and softcap / logits_soft_cap, and
+    triton's compiled kernel with windows, soft-caps and sinks, on the device, against torch_ref
+    (skips with the backend's own reason where it cannot run)."""
     from test_gpu_backends import ATOL as GPU_ATOL, BLOCK_SIZES, HKV, HQ, D, gpu_steps
 
     dtype, dev = torch.bfloat16, torch.device("cuda")
     batch, pool = data.draw(gpu_steps(BLOCK_SIZES[name]))
     spec = LayerAttention(D ** -0.5, sliding_window=data.draw(st.sampled_from([1, 7, 64, 300]), label="window"),
                           softcap=data.draw(st.sampled_from([None, 5.0, 30.0]), label="softcap"))
+    if "sinks" in registry.target("backend", name).features and data.draw(st.booleans(), label="sinks"):
+        spec = dataclasses.replace(spec, sinks=torch.linspace(-2.0, 3.0, HQ, device=dev))
     gen = torch.Generator(device=dev).manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
     cache = torch.randn(2, pool, batch.block_size, HKV, D, generator=gen, device=dev).to(dtype)
     q, k, v = (torch.randn(batch.num_tokens, h, D, generator=gen, device=dev).to(dtype) for h in (HQ, HKV, HKV))

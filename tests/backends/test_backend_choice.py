@@ -42,8 +42,9 @@ def test_cpu_rule_without_the_c_kernel(monkeypatch):
     (("flashinfer", "flash_attn", "triton", "torch_sdpa", "torch_ref"), torch.bfloat16, PLAIN, "flashinfer"),
     (("flash_attn", "triton", "torch_sdpa", "torch_ref"), torch.bfloat16, SOFTCAP, "flash_attn"),
     (("triton", "torch_sdpa", "torch_ref"), torch.float16, PLAIN, "triton"),
-    (("flashinfer", "flash_attn", "triton", "torch_sdpa", "torch_ref"), torch.bfloat16, SINKS, "torch_ref"),
-    (("triton", "torch_sdpa", "torch_ref"), torch.float32, WINDOW, "torch_sdpa"),
+    (("flashinfer", "flash_attn", "triton", "torch_sdpa", "torch_ref"), torch.bfloat16, SINKS, "triton"),
+    (("flashinfer", "flash_attn", "torch_sdpa", "torch_ref"), torch.bfloat16, SINKS, "torch_ref"),
+    (("triton", "torch_sdpa", "torch_ref"), torch.float32, WINDOW | SOFTCAP | SINKS, "triton"),
 ])
 def test_cuda_rule_by_what_is_installed_and_the_dtype(present, dtype, needs, want):
     name, passed = choose("cuda", dtype, 256, needs, installed(*present))
