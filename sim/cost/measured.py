@@ -14,7 +14,7 @@ from sim.cost.base import CostModel, StepFixed, settings
 from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
 from sim.cost.attention import calibrate_attention
 from sim.cost.collectives import Collectives
-from sim.cost.gemm import _operator_model, layer_op_ms
+from sim.cost.gemm import _operator_model, layer_op_ms, moe_layer_ms
 from sim.cost.profiles import (
     GRID_TOKENS, HEAD_ROWS, LAYER_OPS, PER_LAYER, ModelKey, ProfileError, is_gated, load_profiles, resolve_gpu,
 )
@@ -45,12 +45,24 @@ class MeasuredCostModel(CostModel):
         self.overhead_s = float(overhead_s if overhead_s is not None else hw.step_overhead_s)
         self.profiles = load_profiles(profiles)
         self.gpu = resolve_gpu(hw, self.profiles)
-        self.key = ModelKey.of(m, is_gated(cfg))
         tp = self.tensor
         tokens = np.arange(GRID_TOKENS + 1, dtype=np.float64)
+        if m.is_moe:
+            # All-expert models may have no dense width: their attention operators come with the experts'.
+            self.key = ModelKey(m.heads, m.kv_heads, m.hidden, m.intermediate or m.expert_intermediate, m.gated,
+                                m.head_dim)
+        else:
+            self.key = ModelKey.of(m, is_gated(cfg))
         ops, self.linear_source = layer_op_ms(self.profiles, self.gpu, self.key, m.head_dim, tp, tokens, exclude,
                                                m.vocab)
         layer = np.sum([PER_LAYER[op] * ops[op] for op in LAYER_OPS], axis=0)
+        if m.is_moe:
+            router = self._router_ms(tokens)
+            dense_source = self.linear_source
+            moe, self.linear_source = moe_layer_ms(self.profiles, self.gpu, m, tp, tokens, router, exclude, m.vocab)
+            if m.dense_layers:
+                self.linear_source += f"; its {m.dense_layers} dense layers {dense_source}"
+            layer = (m.dense_layers * layer + m.moe_layers * moe) / m.layers
         layer[0] = 0.0
         emb = ops["emb"].copy()
         emb[0] = 0.0
@@ -108,6 +120,13 @@ class MeasuredCostModel(CostModel):
                         f"{c['per_seq_ms']:.3g} ms per request + {c['per_prefill_ms']:.3g} ms per prefill")
         self.notes = [f"linear: {self.linear_source}", "lm_head: predicted from its GEMM shape", attention,
                       overhead, *self.comm.notes]
+
+    def _router_ms(self, tokens: Any) -> Any:
+        """The router GEMM (hidden x experts, replicated on every GPU of a TP group) by the roofline, ms."""
+        m, hw, d = self.shape, self.hardware, self.dtype_bytes
+        flops = 2.0 * tokens * m.hidden * m.router_outputs
+        nbytes = (m.hidden * m.router_outputs + tokens * (m.hidden + m.router_outputs)) * d
+        return np.maximum(flops / hw.flops, nbytes / hw.bandwidth) * 1e3
 
     # Per-token tables past their end: time per token of the last entry.
     @staticmethod

@@ -92,7 +92,7 @@ def test_model_shape_counts_parameters() -> None:
     assert untied.num_params - q.num_params == 151936 * 1024
     with pytest.raises(ValueError, match="intermediate_size"):
         ModelShape.from_config({k: v for k, v in LLAMA3_8B.items() if k != "intermediate_size"})
-    with pytest.raises(ValueError, match="mixture-of-experts"):
+    with pytest.raises(ValueError, match="8 experts but lacks 'num_experts_per_tok'"):
         ModelShape.from_config({**LLAMA3_8B, "num_local_experts": 8})
 
 

@@ -95,9 +95,19 @@ def test_a_config_without_a_needed_field_is_refused_naming_it(cfg: dict, field: 
         ModelShape.from_config(cfg)
 
 
-def test_mixture_of_experts_is_refused_with_the_fix() -> None:
-    with pytest.raises(ValueError, match="mixture-of-experts configs .* not modelled yet; use a dense"):
-        ModelShape.from_config({**NEOX, "num_local_experts": 8})
+def test_experts_with_plain_mlps_are_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="experts with plain .* not modelled; give the config a gated model_type"):
+        ModelShape.from_config({**NEOX, "num_local_experts": 8, "num_experts_per_tok": 2})
+
+
+def test_other_families_aliases_and_multi_query() -> None:
+    bloom = dict(model_type="bloom", n_embed=1024, n_layer=24, n_head=16, vocab_size=250880)
+    b = ModelShape.from_config(bloom)  # BLOOM's config.json names its width n_embed; its MLP is 4 x hidden
+    assert (b.hidden, b.intermediate, b.gated, b.position_embeddings) == (1024, 4096, False, 0)
+    santacoder = dict(model_type="gpt_bigcode", n_embd=2048, n_layer=24, n_head=16, n_positions=2048,
+                      vocab_size=49280)  # StarCoder / SantaCoder: multi-query unless multi_query=false
+    assert ModelShape.from_config(santacoder).kv_heads == 1
+    assert ModelShape.from_config({**santacoder, "multi_query": False}).kv_heads == 16
 
 
 def test_shipped_paper_models_have_their_published_sizes() -> None:
