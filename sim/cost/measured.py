@@ -109,9 +109,13 @@ class MeasuredCostModel(CostModel):
             self._calibrated = True
         # sim.profile's fitted engine overhead on this device, else hardware.step_overhead_s.
         prof_ov = self.profiles.engine_overhead(self.gpu) if engine_overhead and overhead_s is None else None
-        if prof_ov is None:
+        if prof_ov is None and overhead_s is not None:
             self._o0, self._o1, self._o2 = self.overhead_s, 0.0, 0.0
-            overhead = f"overhead: {self.overhead_s * 1e3:.3g} ms per step (hardware.step_overhead_s)"
+            overhead = f"overhead: {self.overhead_s * 1e3:.3g} ms per step (given)"
+        elif prof_ov is None:
+            self._o0, self._o1, self._o2 = self.overhead_s, hw.step_overhead_per_seq_s, hw.step_overhead_per_prefill_s
+            overhead = (f"overhead: {self._o0 * 1e3:.3g} ms per step + {self._o1 * 1e3:.3g} ms per request + "
+                        f"{self._o2 * 1e3:.3g} ms per prefill (hardware.step_overhead_*: estimates)")
         else:
             c = prof_ov[1]
             self._o0, self._o1, self._o2 = c["const_ms"] * 1e-3, c["per_seq_ms"] * 1e-3, c["per_prefill_ms"] * 1e-3
@@ -128,6 +132,11 @@ class MeasuredCostModel(CostModel):
         nbytes = (m.hidden * m.router_outputs + tokens * (m.hidden + m.router_outputs)) * d
         return np.maximum(flops / hw.flops, nbytes / hw.bandwidth) * 1e3
 
+    @property
+    def overhead_form(self) -> tuple[float, float, float]:
+        """(seconds per step, per request, per prefill request), for sim.explain."""
+        return self._o0, self._o1, self._o2
+
     # Per-token tables past their end: time per token of the last entry.
     @staticmethod
     def _at(table: list[float], i: int) -> float:
@@ -136,11 +145,11 @@ class MeasuredCostModel(CostModel):
 
     def step_fixed(self, num_seqs: int, new: float, num_logits: int, num_prefills: int) -> StepFixed:
         t = int(new)
-        if not t:
-            return StepFixed(0.0, 0.0, self.overhead_s, num_seqs=num_seqs, embedding_s=0.0, linear_s=0.0,
-                             lm_head_s=0.0, overhead_s=self.overhead_s)
-        fixed, head, at = self._fixed, self._head, self._at
         overhead = self._o0 + self._o1 * num_seqs + self._o2 * num_prefills
+        if not t:
+            return StepFixed(0.0, 0.0, overhead, num_seqs=num_seqs, embedding_s=0.0, linear_s=0.0,
+                             lm_head_s=0.0, overhead_s=overhead)
+        fixed, head, at = self._fixed, self._head, self._at
         lm_head = head[num_logits] if num_logits < len(head) else at(head, num_logits)
         base = (fixed[t] if t < len(fixed) else at(fixed, t)) + lm_head + overhead
         L = self.shape.layers

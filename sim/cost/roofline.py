@@ -65,6 +65,14 @@ class RooflineCostModel(CostModel):
         self._moe_act_bytes_token = d * (4 * m.hidden + 2 * m.q_dim + 2 * m.kv_dim + m.router_outputs
                                          + m.mlp_matrices * (m.experts_per_token * m.expert_intermediate
                                                              + m.shared_intermediate))
+        self.notes: list[str] = [
+            f"overhead: {self.overhead_s * 1e3:.3g} ms per step + {self._o1 * 1e3:.3g} ms per request + "
+            f"{self._o2 * 1e3:.3g} ms per prefill" + (" (given)" if overhead_s is not None else
+                                                       f" (hardware {hw.name}: step_overhead_*)")]
+        if m.is_moe:
+            self.notes.insert(0, f"linear: mixture of experts in {m.moe_layers} of {m.layers} layers: "
+                                 f"{m.experts_per_token} of {m.experts} experts' FLOPs per token, the weights of the "
+                                 f"experts a step's tokens touch (expected, uniform routing)")
 
     @classmethod
     def from_config(cls, options: dict[str, Any], model_config: dict[str, Any], hardware: Any,

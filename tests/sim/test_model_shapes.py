@@ -35,10 +35,10 @@ PHI2 = dict(model_type="phi", hidden_size=2560, intermediate_size=10240, num_hid
 @pytest.mark.parametrize("cfg", [sim_model("opt_13b"), GPT2, NEOX, FALCON_7B, FALCON_40B, PHI2],
                          ids=["opt", "gpt2", "gpt_neox", "falcon_7b", "falcon_40b", "phi2"])
 def test_non_gated_configs_cost_without_error(cfg: dict) -> None:
-    m = RooflineCostModel(cfg, "a100_80gb_sxm")
+    m = RooflineCostModel(cfg, "a100_80gb_sxm", overhead_s=0.0)  # the model's work alone
     assert not m.shape.gated and m.shape.mlp_matrices == 2
     prefill, decode = m.step_time([512], [0]), m.step_time([1] * 8, [256] * 8)
-    assert prefill > decode > m.overhead_s
+    assert prefill > decode > 0
 
 
 def test_mlp_width_fields_and_defaults() -> None:
