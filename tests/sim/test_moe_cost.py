@@ -181,3 +181,9 @@ def test_mixtral_runs_through_sim_run_and_explain() -> None:
                                            "cost.model=measured", "step.new=[512,1]", "step.cached=[0,100]"])
     d = explain_config(OmegaConf.to_container(ex, resolve=True))
     assert any("mixture of experts" in n for n in d["notes"]) and d["linear_s"] > 0
+    # A dense shape Vidur's tables lack (OPT): sim.explain labels its layers as predicted from GEMM shapes.
+    with initialize_config_dir(RUN_CONF, version_base="1.3"):
+        ex = compose("explain", overrides=["sim_model=opt_13b", "hardware=a100_40gb_sxm", "cost.model=measured"])
+    notes = explain_config(OmegaConf.to_container(ex, resolve=True))["notes"]
+    assert any(n.startswith("linear: predicted from GEMM shapes on a100") for n in notes), notes
+    assert "lm_head: predicted from its GEMM shape" in notes
