@@ -59,12 +59,13 @@ class HardwareSpec:
         unknown = [k for k in d if not str(k).startswith("_") and k not in names]
         if unknown:
             raise ValueError(f"unknown hardware fields {unknown}")
-        spec = cls(**{k: v for k, v in d.items() if k in names})
+        # Checked before construction: a compiled dataclass refuses a wrong type with a bare TypeError.
         for k in ("step_overhead_s", "step_overhead_per_seq_s", "step_overhead_per_prefill_s"):
-            v = getattr(spec, k)
+            v = d.get(k, 0.0)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
-                raise ValueError(f"hardware {spec.name!r}: {k}={v!r} must be a number of seconds >= 0")
-        return spec
+                raise ValueError(f"hardware {d.get('name')!r}: {k}={v!r} must be a number of seconds >= 0")
+        kw: dict[str, Any] = {k: (float(v) if k.startswith("step_overhead") else v) for k, v in d.items() if k in names}
+        return cls(**kw)
 
     @classmethod
     def load(cls, name_or_path: str | os.PathLike) -> HardwareSpec:
