@@ -8,7 +8,7 @@ scale: a rate that is not sustained fails at every scale, and the search says so
 Passing is monotone in s for an attainment criterion (a looser SLO meets at least the same
 requests), so s is bisected in log space between capacity.slo_scale.low and .high.
 
-    python -m sim.capacity capacity.mode=slo_scale capacity.criterion=distserve workload.rate=4 \
+    python -m sim.capacity capacity.mode=slo_scale capacity.criterion=distserve workload.limit=2000 workload.rate=4 \
         slo.ttft_s=0.4 slo.tpot_s=0.1
 """
 
