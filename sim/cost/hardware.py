@@ -97,6 +97,9 @@ FOUR_X_MLP = ("gpt2", "gptj", "falcon", "gpt_bigcode", "codegen", "bloom")
 LEARNED_POSITIONS = ("opt", "gpt2", "gpt_bigcode")
 #: model_types whose attention is multi-query (one KV head) unless the config says otherwise (HF defaults).
 MULTI_QUERY = ("gpt_bigcode",)
+#: model_types with state-space or recurrent layers: no attention KV cache to cost; refused by name.
+RECURRENT = ("mamba", "mamba2", "falcon_mamba", "jamba", "zamba", "zamba2", "rwkv", "recurrent_gemma", "xlstm",
+             "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "lfm2")
 #: Where HF configs put each number; the first one present wins. Standard names come first so the
 #: shard written by sim.parallel.shard_config (which sets the standard names) overrides the aliases.
 _FIELDS = {
@@ -169,6 +172,10 @@ class ModelShape:
         if "text_config" in cfg:  # multimodal wrappers
             cfg = dict(cfg["text_config"])
         model_type = str(cfg.get("model_type", "llama"))
+        if model_type in RECURRENT:
+            raise ValueError(f"model_type {model_type!r} has state-space or recurrent layers, which the cost models do "
+                             f"not time (they cost attention decoders with a KV cache); give a transformer decoder's "
+                             f"config as sim_model.config")
         hidden, heads, layers = _field(cfg, "hidden"), _field(cfg, "heads"), _field(cfg, "layers")
         for what, value in (("hidden", hidden), ("heads", heads), ("layers", layers)):
             if value is None:

@@ -137,3 +137,9 @@ def test_new_yamls_run_through_sim_run(model: str) -> None:
                                         "output.requests=false"])
     _, row = simulate_config(cfg)
     assert row["finished"] == 20
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "jamba"])
+def test_state_space_models_are_refused_by_name(model_type: str) -> None:
+    with pytest.raises(ValueError, match=rf"model_type '{model_type}' has state-space or recurrent layers"):
+        ModelShape.from_config({**NEOX, "model_type": model_type})
