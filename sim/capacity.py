@@ -5,6 +5,8 @@ Same config as sim.run. A rate passes when the run is steady (sim/criteria.py) a
 `capacity.criterion` passes; the answer is verified below (capacity.verify_below).
 
     python -m sim.capacity scheduler=chunked workload.limit=2000 slo.ttft_s=1 slo.tpot_s=0.05
+
+capacity.mode=slo_scale searches the tightest SLO scale at workload.rate instead (sim/slo_scale.py).
 """
 
 from __future__ import annotations
@@ -102,6 +104,9 @@ def check_capacity_settings(cfg: DictConfig) -> None:
         criterion(cfg)
     except ValueError as e:
         raise SettingError(str(e)) from None
+    from sim.slo_scale import check_slo_scale_settings
+
+    check_slo_scale_settings(cfg)  # capacity.mode=slo_scale's own settings
 
 
 def _mapping(cfg: DictConfig, key: str) -> dict[str, Any] | None:
@@ -179,6 +184,9 @@ def capacity_search(cfg: DictConfig, labels: dict[str, Any] | None = None,
                     probes_out: list[dict[str, Any]] | None = None) -> tuple[float | None, list[dict]]:
     """(capacity or None, probes); each probe row carries bound_by and reason (see bound_by())."""
     check_capacity_settings(cfg)
+    if cfg.capacity.get("mode", "rate") != "rate":
+        raise SettingError(f"capacity.mode={cfg.capacity.mode}: this is the rate search; the SLO scale search is "
+                           f"sim.slo_scale.run_slo_scale (python -m sim.capacity capacity.mode=slo_scale)")
     c = cfg.capacity
     meets = probe_rate(cfg, labels, lambda line: print(line, flush=True))
 
@@ -206,6 +214,11 @@ def main(cfg: DictConfig) -> None:
     done: list[dict[str, Any]] = []
     try:
         check_capacity_settings(cfg)
+        if cfg.capacity.get("mode", "rate") == "slo_scale":  # the tightest SLO scale at workload.rate
+            from sim.slo_scale import run_slo_scale
+
+            run_slo_scale(cfg, labels, out, done)
+            return
         from sim.criteria import SloAttainment
 
         crit, slos = criterion(cfg), ""

@@ -4,7 +4,8 @@
         cost.model=measured step.new=[512,1,1] step.cached=[0,100,2000]
 
 Prints a table and writes explain.json: seconds per part for the whole step as one GPU of the TP
-group sees it; a part the cost model cannot separate is null (counted in the one it sits in).
+group sees it; a part the cost model cannot separate is null (counted in the one it sits in). The
+overhead is also shown by term (`overhead_terms`: per step, per request, per prefill request).
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ def breakdown(model: Any, new: Sequence[int], cached: Sequence[int], num_logits:
     return parts
 
 
+def overhead_terms(model: Any, new: Sequence[int]) -> dict[str, float] | None:
+    """The overhead part by term (base, per request, per prefill request), for models with that form."""
+    form = getattr(model, "overhead_form", None)
+    if form is None:
+        return None
+    base, per_seq, per_prefill = (float(x) for x in form)
+    seqs, prefills = len(new), sum(1 for n in new if n > 1)
+    return {"per_step_s": base, "per_request_s": per_seq, "requests": seqs, "requests_s": per_seq * seqs,
+            "per_prefill_s": per_prefill, "prefills": prefills, "prefills_s": per_prefill * prefills}
+
+
 def explain_config(c: Mapping[str, Any]) -> dict[str, Any]:
     """explain.json's content for a resolved config (conf/sim/explain.yaml)."""
     from sim.cost.hardware import HardwareSpec, load_model_config
@@ -59,7 +71,7 @@ def explain_config(c: Mapping[str, Any]) -> dict[str, Any]:
             "tensor": par.tensor, "pipeline": par.pipeline, "step_new": list(step["new"]),
             "step_cached": list(step["cached"]), "num_logits": step.get("num_logits"),
             "kv_tokens_per_replica": cap.kv_tokens, "weight_gb_per_gpu": cap.weight_bytes_per_gpu / 1e9,
-            "notes": notes}
+            "overhead_terms": overhead_terms(model, list(step["new"])), "notes": notes}
 
 
 def format_table(d: Mapping[str, Any]) -> str:
@@ -72,6 +84,13 @@ def format_table(d: Mapping[str, Any]) -> str:
         ms = "null" if v is None else f"{v * 1e3:.4f}"
         share = "" if v is None or not total else f"{v / total:.1%}"
         lines.append(f"{k:<16}{ms:>10}{share:>8}")
+        terms = d.get("overhead_terms")
+        if k == "overhead_s" and terms:
+            lines += [f"{'  per step':<16}{terms['per_step_s'] * 1e3:>10.4f}",
+                      f"{'  x ' + str(terms['requests']) + ' requests':<16}{terms['requests_s'] * 1e3:>10.4f}"
+                      f"  ({terms['per_request_s'] * 1e3:.4g} ms each)",
+                      f"{'  x ' + str(terms['prefills']) + ' prefills':<16}{terms['prefills_s'] * 1e3:>10.4f}"
+                      f"  ({terms['per_prefill_s'] * 1e3:.4g} ms each)"]
     lines += [f"  {n}" for n in d["notes"]]
     lines.append(f"KV pool per replica: {d['kv_tokens_per_replica']} tokens; weights per GPU {d['weight_gb_per_gpu']:.1f} GB")
     return "\n".join(lines)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from sim.cost.communication import CommunicationCostModel
-from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
+from sim.cost.hardware import MOE_WIDTH_FIELDS, HardwareSpec, ModelShape, load_model_config
 
 __all__ = ["Capacity", "CommunicationCostModel", "Parallelism", "capacity", "shard_config"]
 
@@ -55,6 +55,7 @@ def shard_config(cfg: Mapping[str, Any], tp: int) -> dict[str, Any]:
     c.update(num_attention_heads=shape.heads // tp, num_key_value_heads=max(shape.kv_heads // tp, 1),
              head_dim=shape.head_dim, intermediate_size=shape.intermediate // tp,
              vocab_size=math.ceil(shape.vocab / tp))
+    c.update({k: int(c[k]) // tp for k in MOE_WIDTH_FIELDS if c.get(k)})  # each expert split over the group
     return c
 
 

@@ -222,6 +222,9 @@ def check_sweep_job(cfg: DictConfig) -> None:
 def check_search_settings(cfg: DictConfig, task_overrides: Iterable[str] = ()) -> None:
     from sim.capacity import check_capacity_settings
 
+    if cfg.capacity.get("mode", "rate") != "rate":
+        raise SettingError(f"capacity.mode={cfg.capacity.mode}: sim.search bisects each design's rate (capacity.mode=rate); "
+                           f"the SLO scale search is python -m sim.capacity capacity.mode=slo_scale")
     check_capacity_settings(cfg)
     number(cfg, "search.target_rate", low=0, low_open=True, hint=" (requests/s the deployment must sustain)")
     number(cfg, "search.max_gpus", low=1, integer=True)

@@ -34,7 +34,12 @@ class CommunicationCostModel(CostModel):
             ms = ms + (pipeline - 1) * self.comm.send_recv_ms(act)
         ms[0] = 0.0
         self._comm: list[float] = (ms * 1e-3).tolist()
-        self.notes = list(self.comm.notes)
+        self.notes = [*getattr(inner, "notes", []), *self.comm.notes]
+
+    @property
+    def overhead_form(self) -> tuple[float, float, float]:
+        form: tuple[float, float, float] = getattr(self.inner, "overhead_form")
+        return form
 
     def communication_s(self, tokens: float) -> float:
         t, n = int(tokens), len(self._comm) - 1

@@ -192,6 +192,11 @@ class ProfiledCostModel(CostModel):
         one_gpu("profiled", parallel, "replays or fits one measured engine as it ran")
         return load_path(options, "profiled", "a fitted model JSON (ProfiledCostModel.save)", cls.load)
 
+    @property
+    def overhead_form(self) -> tuple[float, float, float]:
+        """(seconds per step, per request, per prefill request): the fit's const, num_seqs and prefill_seqs."""
+        return self._c_const, self._c_seqs, self._c_prefills
+
     def step_fixed(self, num_seqs: int, new: float, num_logits: int, num_prefills: int) -> StepFixed:
         linear = self._c_new * new
         head = self._c_logits * num_logits

@@ -11,8 +11,9 @@ from typing import Iterable
 import numpy as np
 from numpy.typing import ArrayLike
 
+from sim.cost.hardware import ModelShape, expected_experts_touched
 from sim.cost.profiles import (
-    ELEMENTWISE, GEMMS, LAYER_OPS, ComputeTable, ModelKey, ProfileError, Profiles, interp_tokens,
+    ELEMENTWISE, GEMMS, LAYER_OPS, PER_LAYER, ComputeTable, ModelKey, ProfileError, Profiles, interp_tokens,
 )
 
 
@@ -245,3 +246,33 @@ def layer_op_ms(profiles: Profiles, gpu: str, key: ModelKey, head_dim: int, tp: 
     sib = om.siblings(key)
     incl = f" incl. this shape at TP {', '.join(map(str, sib))}" if sib else ""
     return out, f"predicted from GEMM shapes on {gpu}{incl} (no table for this shape at TP{tp})"
+
+
+#: The operators of a layer's MLP: an expert layer runs them once per touched expert.
+MLP_OPS = ("mlp_up_proj", "mlp_act", "mlp_down_proj")
+
+
+def moe_layer_ms(profiles: Profiles, gpu: str, shape: ModelShape, tp: int, tokens: np.ndarray,
+                 router_ms: np.ndarray, exclude: tuple[Held, ...] = (), vocab: int | None = None) -> tuple[np.ndarray, str]:
+    """ms of one expert layer at these token counts: its projections and norms as a dense layer's; its
+    routed experts as the experts the tokens touch in expectation (uniform routing), each one expert's
+    MLP (a dense MLP of the expert's width: a table of that shape, else predicted) at its share of the
+    rows (tokens x top-k / touched); the shared experts as one MLP of their summed width over every
+    token; the router `router_ms` (a hidden x experts GEMM no table holds)."""
+    def key(width: int) -> ModelKey:
+        return ModelKey(shape.heads, shape.kv_heads, shape.hidden, width, shape.gated, shape.head_dim)
+
+    ops, source = layer_op_ms(profiles, gpu, key(shape.expert_intermediate), shape.head_dim, tp, tokens, exclude, vocab)
+    out = np.sum([PER_LAYER[op] * ops[op] for op in LAYER_OPS if op not in MLP_OPS], axis=0)
+    touched = expected_experts_touched(tokens, shape.experts, shape.experts_per_token)
+    rows = tokens * shape.experts_per_token / np.maximum(touched, 1e-300)
+    out = out + touched * np.sum([np.interp(rows, tokens, ops[op]) for op in MLP_OPS], axis=0)
+    shared = ""
+    if shape.shared_intermediate:
+        s_ops, s_source = layer_op_ms(profiles, gpu, key(shape.shared_intermediate), shape.head_dim, tp, tokens,
+                                      exclude, vocab)
+        out = out + np.sum([s_ops[op] for op in MLP_OPS], axis=0)
+        shared = f"; shared experts (width {shape.shared_intermediate}) {s_source}"
+    return out + router_ms, (f"mixture of experts: {shape.experts_per_token} of {shape.experts} experts per token, "
+                             f"the touched experts' MLPs at their share of the rows (uniform routing), one expert's "
+                             f"{source}{shared}; router: roofline (no table holds an N={shape.experts} GEMM)")

@@ -14,7 +14,7 @@ from sim.cost.base import CostModel, StepFixed, settings
 from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
 from sim.cost.attention import calibrate_attention
 from sim.cost.collectives import Collectives
-from sim.cost.gemm import _operator_model, layer_op_ms
+from sim.cost.gemm import _operator_model, layer_op_ms, moe_layer_ms
 from sim.cost.profiles import (
     GRID_TOKENS, HEAD_ROWS, LAYER_OPS, PER_LAYER, ModelKey, ProfileError, is_gated, load_profiles, resolve_gpu,
 )
@@ -45,12 +45,24 @@ class MeasuredCostModel(CostModel):
         self.overhead_s = float(overhead_s if overhead_s is not None else hw.step_overhead_s)
         self.profiles = load_profiles(profiles)
         self.gpu = resolve_gpu(hw, self.profiles)
-        self.key = ModelKey.of(m, is_gated(cfg))
         tp = self.tensor
         tokens = np.arange(GRID_TOKENS + 1, dtype=np.float64)
+        if m.is_moe:
+            # All-expert models may have no dense width: their attention operators come with the experts'.
+            self.key = ModelKey(m.heads, m.kv_heads, m.hidden, m.intermediate or m.expert_intermediate, m.gated,
+                                m.head_dim)
+        else:
+            self.key = ModelKey.of(m, is_gated(cfg))
         ops, self.linear_source = layer_op_ms(self.profiles, self.gpu, self.key, m.head_dim, tp, tokens, exclude,
                                                m.vocab)
         layer = np.sum([PER_LAYER[op] * ops[op] for op in LAYER_OPS], axis=0)
+        if m.is_moe:
+            router = self._router_ms(tokens)
+            dense_source = self.linear_source
+            moe, self.linear_source = moe_layer_ms(self.profiles, self.gpu, m, tp, tokens, router, exclude, m.vocab)
+            if m.dense_layers:
+                self.linear_source += f"; its {m.dense_layers} dense layers {dense_source}"
+            layer = (m.dense_layers * layer + m.moe_layers * moe) / m.layers
         layer[0] = 0.0
         emb = ops["emb"].copy()
         emb[0] = 0.0
@@ -97,9 +109,13 @@ class MeasuredCostModel(CostModel):
             self._calibrated = True
         # sim.profile's fitted engine overhead on this device, else hardware.step_overhead_s.
         prof_ov = self.profiles.engine_overhead(self.gpu) if engine_overhead and overhead_s is None else None
-        if prof_ov is None:
+        if prof_ov is None and overhead_s is not None:
             self._o0, self._o1, self._o2 = self.overhead_s, 0.0, 0.0
-            overhead = f"overhead: {self.overhead_s * 1e3:.3g} ms per step (hardware.step_overhead_s)"
+            overhead = f"overhead: {self.overhead_s * 1e3:.3g} ms per step (given)"
+        elif prof_ov is None:
+            self._o0, self._o1, self._o2 = self.overhead_s, hw.step_overhead_per_seq_s, hw.step_overhead_per_prefill_s
+            overhead = (f"overhead: {self._o0 * 1e3:.3g} ms per step + {self._o1 * 1e3:.3g} ms per request + "
+                        f"{self._o2 * 1e3:.3g} ms per prefill (hardware.step_overhead_*: estimates)")
         else:
             c = prof_ov[1]
             self._o0, self._o1, self._o2 = c["const_ms"] * 1e-3, c["per_seq_ms"] * 1e-3, c["per_prefill_ms"] * 1e-3
@@ -109,6 +125,18 @@ class MeasuredCostModel(CostModel):
         self.notes = [f"linear: {self.linear_source}", "lm_head: predicted from its GEMM shape", attention,
                       overhead, *self.comm.notes]
 
+    def _router_ms(self, tokens: Any) -> Any:
+        """The router GEMM (hidden x experts, replicated on every GPU of a TP group) by the roofline, ms."""
+        m, hw, d = self.shape, self.hardware, self.dtype_bytes
+        flops = 2.0 * tokens * m.hidden * m.router_outputs
+        nbytes = (m.hidden * m.router_outputs + tokens * (m.hidden + m.router_outputs)) * d
+        return np.maximum(flops / hw.flops, nbytes / hw.bandwidth) * 1e3
+
+    @property
+    def overhead_form(self) -> tuple[float, float, float]:
+        """(seconds per step, per request, per prefill request), for sim.explain."""
+        return self._o0, self._o1, self._o2
+
     # Per-token tables past their end: time per token of the last entry.
     @staticmethod
     def _at(table: list[float], i: int) -> float:
@@ -117,11 +145,11 @@ class MeasuredCostModel(CostModel):
 
     def step_fixed(self, num_seqs: int, new: float, num_logits: int, num_prefills: int) -> StepFixed:
         t = int(new)
-        if not t:
-            return StepFixed(0.0, 0.0, self.overhead_s, num_seqs=num_seqs, embedding_s=0.0, linear_s=0.0,
-                             lm_head_s=0.0, overhead_s=self.overhead_s)
-        fixed, head, at = self._fixed, self._head, self._at
         overhead = self._o0 + self._o1 * num_seqs + self._o2 * num_prefills
+        if not t:
+            return StepFixed(0.0, 0.0, overhead, num_seqs=num_seqs, embedding_s=0.0, linear_s=0.0,
+                             lm_head_s=0.0, overhead_s=overhead)
+        fixed, head, at = self._fixed, self._head, self._at
         lm_head = head[num_logits] if num_logits < len(head) else at(head, num_logits)
         base = (fixed[t] if t < len(fixed) else at(fixed, t)) + lm_head + overhead
         L = self.shape.layers

@@ -78,6 +78,10 @@ def test_cli_prints_the_table_and_writes_explain_json(tmp_path: Path) -> None:
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "linear: measured: h100/meta-llama/Llama-2-70b-hf TP4" in out.stdout and "total_s" in out.stdout
+    assert "  per step" in out.stdout and "  x 3 requests" in out.stdout and "  x 1 prefills" in out.stdout
+    d = json.loads((tmp_path / "explain.json").read_text())
+    t = d["overhead_terms"]
+    assert t["per_step_s"] + t["requests_s"] + t["prefills_s"] == pytest.approx(d["overhead_s"])
     d = json.loads((tmp_path / "explain.json").read_text())
     assert sum(d[k] for k in PARTS) == pytest.approx(d["total_s"], rel=1e-9)
     assert (d["tensor"], d["step_new"], d["step_cached"]) == (4, [512, 1, 1], [0, 100, 2000])

@@ -376,7 +376,8 @@ def test_profiled_engine_overhead_replaces_the_estimate(tmp_path: Path) -> None:
     eng = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path)
     assert any(n.startswith("overhead: the engine's, profiled (meta-llama/Meta-Llama-3-8B): 2.5 ms") for n in eng.notes)
     new, cached = [300, 1, 1, 1], [0, 10, 20, 30]
-    want = 2.5e-3 + 4 * 0.01e-3 + 1 * 0.3e-3 - plain.overhead_s
+    base, per_seq, per_prefill = plain.overhead_form  # the hardware's estimate, replaced
+    want = 2.5e-3 + 4 * 0.01e-3 + 1 * 0.3e-3 - (base + 4 * per_seq + 1 * per_prefill)
     assert eng.step_time(new, cached) - plain.step_time(new, cached) == pytest.approx(want, rel=1e-9)
     f = eng.decode_step_time(16)
     assert f(3200) == eng.step_time_sums(StepSums(16, 16, 3200, 3200, 16, 16))
