@@ -197,10 +197,24 @@ def _layer_forward(layer: torch.nn.Module, ops: Ops, hidden_states: torch.Tensor
 
 
 class _AttentionStandIn(torch.nn.Module):
-    """Takes the attention's place during a decoder layer's probe: a fixed nonlinear map of its input."""
+    """Takes the attention's place during a decoder layer's probe: a fixed nonlinear map of its input,
+    recording the other arguments it was given (the fused forward must pass the same ones)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[tuple, dict[str, Any]]] = []
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        self.calls.append((args, kwargs))
         return torch.tanh(hidden_states) * 0.5 + 0.25, None
+
+
+def _same_arguments(calls: list[tuple[tuple, dict[str, Any]]]) -> bool:
+    """Two recorded calls passed the same objects under the same names (a name one call leaves out
+    counts as None: the layer's own forward passes its defaults, e.g. `cache=None`)."""
+    (args0, kw0), (args1, kw1) = calls
+    return (len(args0) == len(args1) and all(a is b for a, b in zip(args0, args1))
+            and all(kw0.get(k) is kw1.get(k) for k in kw0.keys() | kw1.keys()))
 
 
 def _close(got: Any, want: Any) -> bool:
@@ -262,10 +276,14 @@ def fuse_layers(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
             if _is_prenorm_layer(m) and "forward" not in m.__dict__:
                 for n in (m.input_layernorm, m.post_attention_layernorm):
                     n._varlen_eps = _eps(n)
-                attn = m.self_attn
-                m.self_attn = _AttentionStandIn()
+                attn, stand_in = m.self_attn, _AttentionStandIn()
+                m.self_attn = stand_in
+                # Arguments the model passes its layers, as objects the stand-in can tell apart.
+                kw = dict(attention_mask=None, position_ids=torch.arange(3)[None],
+                          position_embeddings=(torch.ones(1, 3, 1), torch.zeros(1, 3, 1)), use_cache=False)
                 try:
-                    ok = _probe(m, partial(_layer_forward, m, ops), lambda x: type(m).forward(m, x), width)
+                    ok = _probe(m, lambda x: _layer_forward(m, ops, x, **kw), lambda x: type(m).forward(m, x, **kw),
+                                width) and _same_arguments(stand_in.calls)
                 finally:
                     m.self_attn = attn
                 m._varlen_fusable = ok
