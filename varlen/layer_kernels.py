@@ -255,13 +255,16 @@ KINDS = {_layer_forward: "decoder layers (add+RMSNorm)", _mlp_forward: "MLPs (Si
 def fuse_layers(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
     """Swap the fused forwards into every module whose probe matches; return describe_layers(model).
     Modules already swapped (by an earlier runner over a shared model) are left as they are."""
-    choice = os.environ.get(ENV, "1").strip().lower()
-    if choice in ("0", "off", "false", "no"):
-        return f"{OFF} ({ENV}={os.environ[ENV]})"
+    raw = os.environ.get(ENV, "1")
+    choice = {"1": C, C: C, "on": C, TORCH: TORCH, "0": OFF, OFF: OFF}.get(raw.strip().lower())
+    if choice is None:
+        raise ValueError(f"{ENV}={raw!r}: must be 1 (the C kernels, the default), torch (their torch ops) or 0 (off)")
+    if choice == OFF:
+        return f"{OFF} ({ENV}={raw})"
     if device.type != "cpu" or dtype != torch.float32:
         return f"{OFF} (CPU float32 only; this model runs on {device.type} {str(dtype).removeprefix('torch.')})"
     ops: Ops = Ops()
-    if choice != TORCH:
+    if choice == C:
         lib, why = load_library()
         if lib is None:
             warnings.warn(f"layer kernels: the C library is unavailable ({why}); the fused forwards run on torch "

@@ -121,3 +121,14 @@ def test_other_dtypes_and_devices_are_left_alone_and_said(tiny_model_dirs):
     model = load_model(tiny_model_dirs["qwen3"], torch.bfloat16, "cpu")
     assert lk.fuse_layers(model, torch.device("cpu"), torch.bfloat16) == f"{lk.OFF} (CPU float32 only; this model runs on cpu bfloat16)"
     assert _fused(model) == {}
+
+
+def test_the_switch_takes_its_three_values_and_refuses_others(tiny_model_dirs, monkeypatch):
+    model = load_model(tiny_model_dirs["qwen3"], torch.float32, "cpu")
+    monkeypatch.setenv(lk.ENV, "fast")
+    with pytest.raises(ValueError, match=r"VARLEN_LAYER_KERNELS='fast': must be 1 \(the C kernels"):
+        lk.fuse_layers(model, torch.device("cpu"), torch.float32)
+    monkeypatch.setenv(lk.ENV, "off")
+    assert lk.fuse_layers(model, torch.device("cpu"), torch.float32) == f"{lk.OFF} ({lk.ENV}=off)"
+    monkeypatch.setenv(lk.ENV, "torch")
+    assert lk.fuse_layers(model, torch.device("cpu"), torch.float32).startswith(f"{lk.TORCH}: 2 decoder layers")
