@@ -3,7 +3,8 @@ process: one pure decode step holding every request and one prefill chunk, each 
 alternately with the fused forwards swapped in and out, `--repeats` times; the best thread CPU time
 of each, split into linear layers (nn.Linear incl. the LM head), the attention backend and the rest
 (norms, RoPE, activation, residual adds, HF's module code). Thread CPU time: robust to other load
-on a shared machine, unlike wall time.
+on a shared machine, unlike wall time; it counts the calling thread only, so compare at the default
+`--threads 1` (with more, the workers' share is missing and their spin-waits distort the rest).
 
     python benchmarks/layer_kernels.py                         # the ~50M Qwen3 shape, 1 thread
     taskset -c 1 python benchmarks/layer_kernels.py --seqs 64 --context 512
