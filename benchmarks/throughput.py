@@ -18,12 +18,15 @@ picks torch_paged here; named by `--backends`) to the same run with torch_sdpa, 
 bandwidth, the minimum time of each varlen run's own schedule, varlen's fraction of it), the
 decode-attention micro-benchmark (benchmarks/roofline.py), a varlen step broken into phases, and one
 decode and one mixed forward split into linear layers / attention / rest in thread CPU time (robust
-to other load on the machine, unlike the wall-clock figures).
+to other load on the machine, unlike the wall-clock figures), with varlen's fused per-layer kernels
+(varlen/layer_kernels.py, the default) and without them (VARLEN_LAYER_KERNELS=0). `--unfused` also
+runs each scheduler without them, alternating with the rest, for a tok/s ratio in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -41,6 +44,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from roofline import Shape, host_peaks, minimum_time, print_decode_table  # noqa: E402
 from varlen import LLM, SamplingParams, registry  # noqa: E402
 from varlen.backend_choice import choose  # noqa: E402
+from varlen.layer_kernels import ENV as LAYER_ENV  # noqa: E402
 from varlen.model_runner import load_model  # noqa: E402
 from varlen.tiny_model import ensure_tiny_model, write_tiny_model  # noqa: E402
 
@@ -88,12 +92,32 @@ def workload(n: int, max_prompt: int, max_output: int, vocab: int, seed: int = 0
     return prompts, outputs.tolist(), source
 
 
-def run_varlen(path, prompts, outputs, scheduler, backend, block_size=16, max_batched=512, batch_invariant=False):
-    llm = LLM(str(path), backend=registry.build("backend", backend, batch_invariant=batch_invariant),
-              scheduler=scheduler, block_size=block_size,
-              max_num_seqs=len(prompts), max_model_len=2048,
-              max_num_batched_tokens=max_batched if scheduler == "chunked" else 2048 * 4,
-              kv_cache_memory="1GiB")
+@contextlib.contextmanager
+def layer_kernels(on: bool):
+    """varlen's fused per-layer kernels on (the default) or off (VARLEN_LAYER_KERNELS=0) for the LLMs
+    built inside: the switch is read when a model runner is built."""
+    old = os.environ.get(LAYER_ENV)
+    if on:
+        os.environ.pop(LAYER_ENV, None)
+    else:
+        os.environ[LAYER_ENV] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(LAYER_ENV, None)
+        else:
+            os.environ[LAYER_ENV] = old
+
+
+def run_varlen(path, prompts, outputs, scheduler, backend, block_size=16, max_batched=512, batch_invariant=False,
+               fused=True):
+    with layer_kernels(fused):
+        llm = LLM(str(path), backend=registry.build("backend", backend, batch_invariant=batch_invariant),
+                  scheduler=scheduler, block_size=block_size,
+                  max_num_seqs=len(prompts), max_model_len=2048,
+                  max_num_batched_tokens=max_batched if scheduler == "chunked" else 2048 * 4,
+                  kv_cache_memory="1GiB")
     sps = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in outputs]
     t = time.perf_counter()
     outs = llm.generate(prompts, sps)
@@ -103,14 +127,16 @@ def run_varlen(path, prompts, outputs, scheduler, backend, block_size=16, max_ba
     return sum(outputs) / dt, dt, timings, list(llm.engine.steps), [o.token_ids for o in outs]
 
 
-def forward_split(path, prompts, outputs, backend, repeats=3):
+def forward_split(path, prompts, outputs, backend, repeats=3, fused=True):
     """CPU time of one forward split into linear layers (nn.Linear incl. the LM head), the attention
     backend and the rest (norms, RoPE, activations, HF's module code, metadata), for the first pure
     decode step holding every request and the first step of >= 500 tokens (prefill chunks). Each is
     re-run `repeats` times on the same batch (it rewrites the same K/V); best of them. Thread CPU
-    time, not wall time: other processes on the machine do not count."""
-    llm = LLM(str(path), backend=backend, scheduler="chunked", block_size=16, max_num_seqs=len(prompts),
-              max_model_len=2048, max_num_batched_tokens=512, kv_cache_memory="1GiB")
+    time, not wall time: other processes on the machine do not count. `fused`: varlen's fused
+    per-layer kernels on (the default) or off."""
+    with layer_kernels(fused):
+        llm = LLM(str(path), backend=backend, scheduler="chunked", block_size=16, max_num_seqs=len(prompts),
+                  max_model_len=2048, max_num_batched_tokens=512, kv_cache_memory="1GiB")
     runner, be = llm.runner, llm.runner.backend
     execute, attend = runner.execute, be.forward
     acc = {"attention": 0.0, "linear": 0.0}
@@ -282,6 +308,9 @@ def main() -> None:
     ap.add_argument("--online-rate", type=float, default=None,
                     help="also replay the requests as Poisson arrivals at this rate (req/s) through each "
                          "varlen scheduler and report TTFT/TPOT")
+    ap.add_argument("--unfused", action="store_true",
+                    help="also run each scheduler with the first backend and varlen's fused per-layer kernels off "
+                         "(VARLEN_LAYER_KERNELS=0), alternating with the rest; the 'vs unfused' column compares")
     ap.add_argument("--skip", default="",
                     help="comma list of parts to skip: hf_static,hf_cb,vllm,invariant,roofline,micro,breakdown")
     a = ap.parse_args()
@@ -297,17 +326,20 @@ def main() -> None:
           f"(mean {np.mean([len(p) for p in prompts]):.0f}), output tokens {sum(outputs)} (mean {np.mean(outputs):.0f})")
     steps_of: dict[str, list] = {}
 
-    def name(s: str, b: str, invariant: bool = False) -> str:
-        return f"varlen {s} + {b}" + (", batch-inv." if invariant else "")
+    def name(s: str, b: str, invariant: bool = False, fused: bool = True) -> str:
+        return f"varlen {s} + {b}" + (", batch-inv." if invariant else "") + ("" if fused else ", unfused")
 
-    def varlen(s: str, b: str, invariant: bool = False):
+    def varlen(s: str, b: str, invariant: bool = False, fused: bool = True):
         def run():
-            tps, dt, _, steps, _ = run_varlen(path, prompts, outputs, s, b, batch_invariant=invariant)
-            steps_of[name(s, b, invariant)] = steps
+            tps, dt, _, steps, _ = run_varlen(path, prompts, outputs, s, b, batch_invariant=invariant, fused=fused)
+            steps_of[name(s, b, invariant, fused)] = steps
             return tps, dt
         return run
 
     contenders = {name(s, b): varlen(s, b) for b in backends for s in a.schedulers.split(",")}
+    if a.unfused:
+        for s in a.schedulers.split(","):
+            contenders[name(s, backends[0], fused=False)] = varlen(s, backends[0], fused=False)
     if "invariant" not in skip:
         for b in backends:
             contenders[name("chunked", b, True)] = varlen("chunked", b, True)
@@ -348,14 +380,17 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in results.items() if v}
     best_name = max((k for k in med if k.startswith("varlen")), key=med.get)
-    print(f"\n{'contender':<40} {'median tok/s':>13} {'min–max':>17} {'varlen best / this':>19} {'vs torch_sdpa':>14}")
+    print(f"\n{'contender':<40} {'median tok/s':>13} {'min–max':>17} {'varlen best / this':>19} {'vs torch_sdpa':>14}"
+          + (f" {'vs unfused':>11}" if a.unfused else ""))
     for cname, v in results.items():
         if not v:
             continue
         sdpa = cname.replace(" + torch_paged", " + torch_sdpa").replace(" + auto", " + torch_sdpa")
         vs = f"{med[cname] / med[sdpa]:.2f}x" if sdpa != cname and sdpa in med else ""
+        unfused = cname + ", unfused"
+        vs_unfused = f"{med[cname] / med[unfused]:.2f}x" if unfused in med else ""
         print(f"{cname:<40} {med[cname]:>13.1f} {f'{min(v):.1f}–{max(v):.1f}':>17} "
-              f"{med[best_name] / med[cname]:>18.2f}x {vs:>14}")
+              f"{med[best_name] / med[cname]:>18.2f}x {vs:>14}" + (f" {vs_unfused:>11}" if a.unfused else ""))
     for cname, why in errors.items():
         print(f"{cname:<40} {why}")
     print(f"(varlen best: {best_name})")
@@ -399,14 +434,19 @@ def main() -> None:
             print(f"  {k:<12} {timings[k] * 1e3:>9.1f} ms {100 * timings[k] / total:>6.1f}%")
         outside = total - timings["forward"]
         print(f"  outside the forward: {100 * outside / total:.1f}% of step time")
-        rows = forward_split(path, prompts, outputs, b)
-        print(f"\none forward of varlen chunked + {b}, thread CPU ms (best of 3; linear: nn.Linear incl. LM head):")
-        print(f"{'step':<8} {'tokens':>6} {'seqs':>5} {'keys':>7} {'total':>8} {'linear':>15} {'attention':>15} "
-              f"{'rest':>15}")
-        for kind, (n, ns, keys, tot, lin, att) in rows.items():
-            rest = tot - lin - att
-            print(f"{kind:<8} {n:>6} {ns:>5} {keys:>7} {tot * 1e3:>8.1f} "
-                  + " ".join(f"{v * 1e3:>8.1f} ({v / tot:>3.0%})" for v in (lin, att, rest)))
+        print(f"\none forward of varlen chunked + {b}, thread CPU ms (best of 3; linear: nn.Linear incl. LM head), "
+              f"with the fused per-layer kernels (the default) and without (VARLEN_LAYER_KERNELS=0):")
+        print(f"{'step':<8} {'kernels':<8} {'tokens':>6} {'seqs':>5} {'keys':>7} {'total':>8} {'linear':>15} "
+              f"{'attention':>15} {'rest':>15}")
+        split = {fused: forward_split(path, prompts, outputs, b, fused=fused) for fused in (True, False)}
+        for kind in split[True]:
+            for fused in (True, False):
+                if kind not in split[fused]:
+                    continue
+                n, ns, keys, tot, lin, att = split[fused][kind]
+                rest = tot - lin - att
+                print(f"{kind:<8} {'fused' if fused else 'unfused':<8} {n:>6} {ns:>5} {keys:>7} {tot * 1e3:>8.1f} "
+                      + " ".join(f"{v * 1e3:>8.1f} ({v / tot:>3.0%})" for v in (lin, att, rest)))
 
 
 if __name__ == "__main__":

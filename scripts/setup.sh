@@ -37,3 +37,8 @@ fi
 if ! "$PY" -m backends.torch_paged; then
   echo "WARNING: torch_paged's kernel did not build; that backend will run torch_sdpa's code (slower, same results)" >&2
 fi
+# The fused per-layer kernels (RMSNorm, residual add + RMSNorm, SiLU·mul; plain C + OpenMP, ~1 s);
+# otherwise built at first use, or their torch ops run (said at load).
+if ! "$PY" -m varlen.layer_kernels; then
+  echo "WARNING: the layer kernels did not build; their torch ops will run (slower, same results)" >&2
+fi

@@ -19,6 +19,7 @@ import torch
 
 from varlen.attention_api import AttentionBackend, LayerAttention
 from varlen.batch import ForwardBatch
+from varlen.layer_kernels import describe_layers, fuse_layers
 from varlen.linear_kernels import MIN_PACKED_ELEMENTS, ONEDNN, describe_linears, make_batch_invariant, pack_linears
 from varlen.model_attention import (ACTIVE_PROBE, AttentionProbe, UnsupportedModel, kv_window, read_model_attention,
                                     spec_from_call)
@@ -161,6 +162,9 @@ class ModelRunner:
                                  f"use linear_kernel=auto or torch")
         elif linear_kernel != "torch":
             raise ValueError(f"linear_kernel={linear_kernel!r}: must be auto, onednn or torch")
+        # Norms, residual adds and the MLP activation on fused kernels (varlen/layer_kernels.py);
+        # before the attention probe below, so that load-time forward runs the fused code too.
+        self._layers_fused = fuse_layers(self.model, self.device, dtype)
         model_path = getattr(self.model.config, "_name_or_path", "model")
         cfg = self.model.config
         self.config = cfg
@@ -181,6 +185,13 @@ class ModelRunner:
     def linear_kernel(self) -> str:
         """What computes the model's linear layers (read from the model: see describe_linears)."""
         return describe_linears(self.model)
+
+    @property
+    def layer_kernels(self) -> str:
+        """What runs the norms, residual adds and MLP activation (read from the model: see
+        describe_layers), with the reason when nothing is fused."""
+        now = describe_layers(self.model)
+        return self._layers_fused if now == "none" and self._layers_fused != "none" else now
 
     @property
     def kv_window(self) -> int | None:

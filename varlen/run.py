@@ -94,7 +94,8 @@ def serve(cfg: DictConfig) -> dict:
               kv_cache_memory=e.kv_cache_memory, max_model_len=e.max_model_len, dtype=e.dtype,
               device=e.device, seed=e.seed, linear_kernel=settings.linear_kernel, setting_names=CLI_NAMES)
     print(f"model {llm.model_path} | backend {llm.backend.name} | scheduler {llm.engine.policy.name} | "
-          f"allocator {type(llm.engine.kv).__name__} | linear layers {llm.runner.linear_kernel}\n{llm.sizing}")
+          f"allocator {type(llm.engine.kv).__name__} | layer kernels {llm.runner.layer_kernels} | "
+          f"linear layers {llm.runner.linear_kernel}\n{llm.sizing}")
     s = cfg.sampling
     sampling = SamplingParams(max_tokens=opts.get("max_tokens", 16), temperature=s.temperature, top_k=s.top_k,
                               top_p=s.top_p, ignore_eos=s.ignore_eos)

@@ -37,7 +37,7 @@ FLOORS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
         "allocators": ("varlen.kv", "varlen.kv.*"),
         "cost models": ("sim.cost", "sim.cost.*", "sim.parallel"),  # parallel: TP/PP timing and memory
         "engine": ("varlen.engine", "varlen.engine_loop", "varlen.assembly", "varlen.executor", "varlen.model_runner",
-                   "varlen.linear_kernels", "varlen.model_attention", "varlen.sampler",
+                   "varlen.linear_kernels", "varlen.layer_kernels", "varlen.model_attention", "varlen.sampler",
                    "varlen.backend_choice"),  # backend=auto: reaches backends through the registry only
     }),
     ("simulator", {"simulator": ("sim.*",)}),
