@@ -490,7 +490,7 @@ def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig,
     """The run's tables and summary.json; `latencies`: the requests' RequestResults, when the caller has them."""
     import numpy as np
 
-    from varlen.metrics import kv_usage_columns, request_columns, step_table
+    from varlen.metrics import kv_usage_columns, request_columns
 
     out.mkdir(parents=True, exist_ok=True)
     o = cfg.output
@@ -507,21 +507,16 @@ def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig,
         for k, v in t.items():
             kv.setdefault(k, []).append(v)
     write_csv({k: np.concatenate(v) for k, v in kv.items()}, out / "kv_usage.csv")
-    if o.steps and not all(rep.engine.steps.keep for rep in res.replicas):  # streamed as the run went
+    if o.steps:
         from sim import steps_csv
 
-        for rep in res.replicas:
-            rep.engine.steps.flush()
+        for k, rep in enumerate(res.replicas):
+            log = rep.engine.steps
+            if log.keep:  # kept whole (token-level output): its rows now
+                steps_csv.sink(out, k, bool(o.step_detail), rep.index)(log.entries)
+            else:  # streamed as the run went: the rest
+                log.flush()
         steps_csv.join(out, len(res.replicas), bool(o.step_detail), out / "steps.csv")
-    elif o.steps:
-        import pandas as pd
-
-        frames = []
-        for rep in res.replicas:
-            t = step_table(rep.engine.steps, detail=o.step_detail)
-            t.insert(0, "replica", rep.index)
-            frames.append(t)
-        pd.concat(frames).to_csv(out / "steps.csv", index=False)
     if o.get("timeline"):
         from varlen.timeline import write_timeline
 
@@ -533,6 +528,12 @@ def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig,
                        res.requests, res.routed, o.timeline_max_events, getattr(res, "transfers", ()))
     (out / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     (out / "summary.json").write_text(json.dumps(dict(row), indent=2, default=str))  # last: marks a complete run
+
+
+def _drop_step_parts(out: Path) -> None:
+    """A run that stopped leaves no half-streamed steps.csv parts."""
+    for part in out.glob(".steps-*.csv.part"):
+        part.unlink(missing_ok=True)
 
 
 def progress_settings(cfg: DictConfig) -> dict[str, Any]:
@@ -576,8 +577,10 @@ def main(cfg: DictConfig) -> float:
             res, row, latencies = _simulate_paused(cfg, hydra_labels(), announce=True,
                                                    steps_to=out if cfg.output.steps else None)
     except errors_to_exit() as err:
+        _drop_step_parts(out)
         fail(str(err))
     except KeyboardInterrupt:
+        _drop_step_parts(out)
         interrupted(f"simulation stopped after {time.perf_counter() - t0:.1f} s; no results written to {out}")
     try:
         write_outputs(res, row, out, cfg, latencies)

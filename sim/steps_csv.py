@@ -1,7 +1,8 @@
-"""steps.csv written as the run goes (output.steps=true without token-level output): each
-replica's step log hands its folded entries to a sink appending their rows to that replica's part
-file; write_outputs joins the parts in replica order under one header. The rows are those
-step_table + pandas wrote, byte for byte."""
+"""steps.csv: one row per step of each replica. Without token-level output it is written as the
+run goes: each replica's step log hands its folded entries to a sink appending their rows to that
+replica's part file; write_outputs joins the parts in replica order under one header (with
+token-level output, the kept logs go through the same sinks at the end). The rows are those
+step_table + pandas write, byte for byte (integers stay integers even where a replica ran no step)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ def part_path(out: Path, replica: int) -> Path:
     return out / f".steps-{replica}.csv.part"
 
 
-def sink(out: Path, replica: int, detail: bool) -> Callable[[list[StepRecord | DecodeRun]], None]:
-    """A StepLog sink appending `replica`'s rows to its part file (created empty now)."""
-    path = part_path(out, replica)
+def sink(out: Path, part: int, detail: bool, replica: int | None = None) -> Callable[[list[StepRecord | DecodeRun]], None]:
+    """A StepLog sink appending the rows of replica `replica` (default: `part`) to part file `part`
+    (created empty now)."""
+    path = part_path(out, part)
+    replica = part if replica is None else replica
     path.write_text("")
 
     def write(entries: list[StepRecord | DecodeRun]) -> None:

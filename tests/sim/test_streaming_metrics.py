@@ -6,6 +6,7 @@ summary figure and requests.csv column equals the token-level run's, bit for bit
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 from hypothesis import given, settings
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from sim.release import RELEASED, Release
 from sim.run import CONF, _simulate_paused, write_outputs
-from varlen.metrics import GapCounts, RequestResults, request_columns
+from varlen.metrics import GapCounts, RequestResults, request_columns, step_table
 from varlen.request import FinishReason, Request
 from varlen.steplog import DecodeRun, StepLog, StepRecord
 
@@ -79,13 +80,20 @@ def _same(a: dict, b: dict) -> bool:
 def test_run_outputs_equal_token_level_outputs(tmp_path):
     over = ["workload=synthetic", "workload.limit=150", "workload.rate=30", "cluster.replicas=2",
             "cluster.router=least_outstanding", "engine.num_blocks=400", "output.steps=true", "output.step_detail=true"]
-    _, tok_row, _ = _run(over, True, tmp_path)
+    tok_res, tok_row, _ = _run(over, True, tmp_path)
     col_res, col_row, _ = _run(over, False, tmp_path)
     assert not any(rep.engine.steps.keep for rep in col_res.replicas)
     assert col_row["preemptions"] > 0 and _same(col_row, tok_row)
     for name in ("requests.csv", "steps.csv", "kv_usage.csv"):
         assert (tmp_path / "columns" / name).read_bytes() == (tmp_path / "tokens" / name).read_bytes(), name
     assert not list((tmp_path / "columns").glob("*.part"))  # the streamed parts joined and removed
+    frames = []  # steps.csv as pandas writes step_table's rows (every replica ran steps)
+    for rep in tok_res.replicas:
+        t = step_table(rep.engine.steps, detail=True)
+        t.insert(0, "replica", rep.index)
+        frames.append(t)
+    pd.concat(frames).to_csv(tmp_path / "want_steps.csv", index=False)
+    assert (tmp_path / "columns" / "steps.csv").read_bytes() == (tmp_path / "want_steps.csv").read_bytes()
 
 
 def test_release_folds_ended_requests_and_drops_them():
@@ -135,3 +143,13 @@ def test_column_only_step_log_folds_as_it_goes_into_the_same_columns():
         list(log)
     both = StepLog.concat([log, StepLog(keep=False)])
     np.testing.assert_array_equal(both.columns()["start"], want["start"])
+
+
+@pytest.mark.parametrize("key", ["token_times", "timeline"])
+def test_a_bad_token_level_switch_is_one_line(key):
+    from varlen.cli import SettingError
+
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("sim", overrides=["workload.limit=5", f"output.{key}=3"])
+    with pytest.raises(SettingError, match=f"output.{key}=3: give true or false"):
+        _simulate_paused(cfg, None, False)
