@@ -58,5 +58,5 @@ def test_over_length_clip_clips_to_what_the_pool_holds():
     res, row = simulate_config(cfg)
     assert row["rejected"] == 0 and row["finished"] == 40
     assert row["trace_num_clipped"] > 0
-    results = res.requests  # their columns: output.token_times=false released the Request objects
+    results = res.results  # their columns: output.token_times=false released the Request objects
     assert ((results.prompt_tokens + results.output_tokens) <= 1024).all()
