@@ -276,6 +276,8 @@ def run_cell(config: dict[str, Any], cell: int, labels: Mapping[str, Any] | None
     cfg = OmegaConf.create(config)
     cells, key_blocks = cells_of(cfg), int(OmegaConf.select(cfg, "cluster.cell_key_blocks", default=2))
     cfg.cluster.cells = 1  # the cell itself is one fleet
+    # The merge re-derives the fleet's metrics from each request's token times, so a cell keeps them.
+    OmegaConf.update(cfg, "output.token_times", True, force_add=True)
     sink = None if board is None else (lambda t, done, total: board.report.remote(cell, t, done, total))
     try:
         with _one_cell(_Share(cell, cells, key_blocks)) as share, \

@@ -7,18 +7,27 @@ from typing import Any, Mapping
 
 from varlen.cli import SettingError
 
-# Peak resident bytes a simulated request adds: a fixed part, one per output token (its token time
-# and step records) and, with token_ids=true, one per prompt token id. Fitted to the peak RSS of
-# synthetic runs of 2,000 and 10,000 requests with 16- and 512-token outputs (main f329750);
-# refit when what a request keeps changes.
-BYTES_PER_REQUEST = 3_300
-BYTES_PER_OUTPUT_TOKEN = 97
+# Peak resident bytes a simulated request adds: a fixed part, one per output token and, with
+# token_ids=true, one per prompt token id. Without token-level output (output.token_times=false)
+# a request ended is a row of columns and the step log keeps per-step columns (64 bytes a step, the
+# per-token part); with it, every request keeps its token times and the log its step records.
+# Fitted by benchmarks/sim_memory_fit.py (peak RSS of synthetic runs of 2,000 and 10,000 requests
+# with 16- and 512-token outputs, one replica at 4 req/s: light load, many steps a request, so an
+# upper bound at fleet loads); refit when what a request keeps changes.
+BYTES_PER_REQUEST = 2_900
+BYTES_PER_OUTPUT_TOKEN = 9
+TOKEN_LEVEL_BYTES_PER_REQUEST = 5_100
+TOKEN_LEVEL_BYTES_PER_OUTPUT_TOKEN = 52
 BYTES_PER_PROMPT_TOKEN_ID = 8
 SAMPLE = 4096  # synthetic lengths are estimated from this many generated requests
 
 
-def estimate_bytes(requests: int, mean_prompt: float, mean_output: float, token_ids: bool) -> float:
-    per = BYTES_PER_REQUEST + BYTES_PER_OUTPUT_TOKEN * mean_output
+def estimate_bytes(requests: int, mean_prompt: float, mean_output: float, token_ids: bool,
+                   token_times: bool = False) -> float:
+    if token_times:
+        per = TOKEN_LEVEL_BYTES_PER_REQUEST + TOKEN_LEVEL_BYTES_PER_OUTPUT_TOKEN * mean_output
+    else:
+        per = BYTES_PER_REQUEST + BYTES_PER_OUTPUT_TOKEN * mean_output
     if token_ids:
         per += BYTES_PER_PROMPT_TOKEN_ID * mean_prompt
     return requests * per
@@ -46,9 +55,10 @@ def limit_bytes(limit_gb: float | None) -> tuple[float | None, str]:
     return available_bytes(), "the memory available now; memory_limit_gb sets it"
 
 
-def check_trace(trace: Any, token_ids: bool, limit_gb: float | None, requests: int | None = None) -> None:
+def check_trace(trace: Any, token_ids: bool, limit_gb: float | None, requests: int | None = None,
+                token_times: bool = False) -> None:
     """Refuse (one-line SettingError) the requests of `trace`, or `requests` of its kind (the trace
-    a sample), when their estimated memory exceeds the limit."""
+    a sample), when their estimated memory exceeds the limit (token_times: token-level output)."""
     limit, how = limit_bytes(limit_gb)
     rows = trace.requests
     if limit is None or not rows:
@@ -56,7 +66,7 @@ def check_trace(trace: Any, token_ids: bool, limit_gb: float | None, requests: i
     n = len(rows) if requests is None else requests
     mean_prompt = sum(r.prompt_len for r in rows) / len(rows)
     mean_output = sum(r.output_len for r in rows) / len(rows)
-    need = estimate_bytes(n, mean_prompt, mean_output, token_ids)
+    need = estimate_bytes(n, mean_prompt, mean_output, token_ids, token_times)
     if need <= limit:
         return
     per = need / n
@@ -64,10 +74,11 @@ def check_trace(trace: Any, token_ids: bool, limit_gb: float | None, requests: i
     raise SettingError(
         f"workload of {n:,} requests needs an estimated {need / 1e9:,.1f} GB ({per / 1e3:,.1f} KB a request, "
         f"{mean_output:,.0f} output tokens on average) but the limit is {limit / 1e9:,.1f} GB ({how}); "
-        f"set workload.limit={fits} or fewer, or raise memory_limit_gb")
+        f"set workload.limit={fits} or fewer, or raise memory_limit_gb"
+        + (" (output.token_times=false needs less)" if token_times else ""))
 
 
-def check_synthetic(workload: Mapping[str, Any], limit_gb: float | None) -> None:
+def check_synthetic(workload: Mapping[str, Any], limit_gb: float | None, token_times: bool = False) -> None:
     """Before generating a large synthetic workload: its lengths from a sample, its size from `limit`."""
     from varlen.workload import load_workload
 
@@ -76,4 +87,4 @@ def check_synthetic(workload: Mapping[str, Any], limit_gb: float | None) -> None
         return
     sample, _ = load_workload({**workload, "limit": SAMPLE})
     if sample is not None:
-        check_trace(sample, bool(workload.get("token_ids")), limit_gb, requests=int(n))
+        check_trace(sample, bool(workload.get("token_ids")), limit_gb, requests=int(n), token_times=token_times)

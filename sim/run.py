@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -23,20 +24,21 @@ CONF = str(conf_dir("sim"))
 
 
 def load_requests(workload: Mapping[str, Any], vocab_size: int, memory_limit_gb: float | None = None,
-                  check_memory: bool = False):
+                  check_memory: bool = False, token_times: bool = False):
     """(trace, requests) from the workload config (varlen/workload.py); check_memory: refuse a
-    workload estimated to need more than memory_limit_gb (null: the memory available) first."""
+    workload estimated to need more than memory_limit_gb (null: the memory available) first
+    (token_times: with token-level output)."""
     from sim.memory import check_synthetic, check_trace
     from varlen.sampling_params import SamplingParams
     from varlen.workload import load_workload, trace_requests
 
     if check_memory:
-        check_synthetic(workload, memory_limit_gb)
+        check_synthetic(workload, memory_limit_gb, token_times)
     trace, opts = load_workload(workload)
     if trace is None:
         raise SettingError(NO_PROMPT_FILES)
     if check_memory:
-        check_trace(trace, bool(opts.get("token_ids")), memory_limit_gb)
+        check_trace(trace, bool(opts.get("token_ids")), memory_limit_gb, token_times=token_times)
     # ignore_eos: the trace's output length is the request's length, as in the real engine's replay.
     from sim.cells import cell_requests  # all of the trace, or the share of the cell being simulated
 
@@ -196,21 +198,33 @@ def simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None = None,
 
 
 def _simulate_paused(cfg: DictConfig, labels: Mapping[str, Any] | None,
-                     announce: bool) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+                     announce: bool, steps_to: Path | None = None) -> tuple[Any, dict[str, Any], Any]:
+    """(SimResult, summary row, the requests' RequestResults); steps_to: stream steps.csv's rows to
+    part files there as the run goes (write_outputs joins them)."""
     from sim.simulator import gc_paused
 
     with gc_paused():
-        return _simulate_config(cfg, labels, announce)
+        return _simulate_config(cfg, labels, announce, steps_to)
+
+
+def token_level(cfg: DictConfig) -> bool:
+    """Whether a run keeps every Request with its token times (output.token_times, or a timeline)."""
+    o = cfg.output
+    for key in ("token_times", "timeline"):
+        v = o.get(key, False)
+        if not isinstance(v, bool):
+            raise SettingError(f"output.{key}={v!r}: give true or false")
+    return bool(o.get("token_times", False) or o.get("timeline", False))
 
 
 def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
-                     announce: bool) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+                     announce: bool, steps_to: Path | None = None) -> tuple[Any, dict[str, Any], Any]:
     from sim.cost.hardware import HardwareSpec
     from sim.executor import CostModelExecutor
     from sim.fast_forward import FastForwardEngine
     from sim.simulator import simulate
     from varlen.assembly import allocator_factory, build_engine
-    from varlen.metrics import request_latencies, summarize
+    from varlen.metrics import results_of, summarize
     from varlen.settings import EngineSizes
     from varlen.steplog import StepLog
 
@@ -219,6 +233,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
 
     if cells_of(cfg) > 1:  # independent cells behind a front door, merged into one fleet's result
         return simulate_cells(cfg, labels, announce)
+    keep = token_level(cfg)
     c = OmegaConf.to_container(cfg, resolve=True)
     e = c["engine"]
     model_config = load_sim_model(c["sim_model"]["config"])
@@ -256,10 +271,12 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
         holds = pools.max_model_len if disaggregated else \
             make_kv(num_blocks=num_blocks, block_size=e["block_size"], max_model_len=e["max_model_len"]).max_request_tokens()
         wl = {**wl, "max_model_len": min(wl["max_model_len"], holds)}
-    trace, reqs = load_requests(wl, int(model_config["vocab_size"]), c.get("memory_limit_gb"), True)
+    trace, reqs = load_requests(wl, int(model_config["vocab_size"]), c.get("memory_limit_gb"), True,
+                                keep or disaggregated)
     if not reqs:
         raise SettingError(f"no requests: the workload {c['workload'].get('source')!r} gave none "
                            f"(limit={c['workload'].get('limit')}, {trace.stats.num_read} read); nothing to simulate")
+    trace = dataclasses.replace(trace, requests=[])  # its rows are the requests now: only the stats are read
     lossy = lossy_line(trace.stats)
     caching = bool(c["allocator"].get("enable_prefix_caching")) and alloc_kw.get("enable_prefix_caching", True)
     if announce:
@@ -273,10 +290,19 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     policy = OmegaConf.to_container(cfg.scheduler, resolve=False)
     sizes = EngineSizes(num_blocks, e["block_size"], e["max_model_len"])
 
+    steps_kept = keep or (c["output"].get("steps") and steps_to is None)
+    made: list[int] = []
+
     def make_engine(clock):
         engine = build_engine(sizes, policy, make_kv, lambda _policy, _longest: CostModelExecutor(
             build_cost_model(c["cost"], model_config, hardware, c.get("parallel")), clock),
             engine_class=FastForwardEngine, context=c, clock=clock)
+        if not steps_kept:  # the per-step columns only; steps.csv's rows streamed to steps_to
+            from sim import steps_csv
+
+            engine.steps = StepLog(keep=False, sink=None if not c["output"].get("steps") else steps_csv.sink(
+                steps_to, len(made), bool(c["output"].get("step_detail"))))
+        made.append(1)
         return engine, engine.executor
 
     cluster_row: dict[str, Any] = {}
@@ -286,9 +312,12 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
         replicas = len(res.replicas)
     else:
         res = simulate(reqs, make_engine, c["cluster"]["replicas"] * par.pipeline, c["cluster"]["router"],
-                       c.get("fast_forward", True), c["cluster"].get("router_options"))
+                       c.get("fast_forward", True), c["cluster"].get("router_options"), keep_requests=keep)
+        del reqs  # keep_requests=False: released as they ended
         steps, total_slots, replicas = res.steps, res.total_slots, c["cluster"]["replicas"]
-        cluster_row = dict(mode="colocated", gpus=replicas * par.gpus, prefix_hit_rate=prefix_hit_rate(reqs))
+    results = results_of(res.requests)
+    if not disaggregated:
+        cluster_row = dict(mode="colocated", gpus=replicas * par.gpus, prefix_hit_rate=prefix_hit_rate(results))
     row = dict(labels or {})
     row.update(model=c["sim_model"]["name"], hardware=hardware.name, cost_model=c["cost"]["model"],
                replicas=replicas, router=c["cluster"]["router"],
@@ -299,15 +328,13 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
                rate=trace.stats.mean_rate, trace=c["workload"].get("source"))
     row.update({f"trace_{k}": getattr(trace.stats, k) for k in LOSSY_KEYS})
     row["trace_max_model_len"] = wl.get("max_model_len")
-    latencies = request_latencies(reqs)
-    row.update(summarize(reqs, steps, total_slots, c["slo"]["ttft_s"], c["slo"]["tpot_s"], c["slo"].get("tbt_s"),
-                         latencies=latencies))
+    row.update(summarize(results, steps, total_slots, c["slo"]["ttft_s"], c["slo"]["tpot_s"], c["slo"].get("tbt_s")))
     row.update(cluster_row)
     row["prefix_caching"] = caching
     row.update(steps=res.num_steps, sim_wall_s=res.wall_s,
-               sim_requests_per_wall_s=len(reqs) / max(res.wall_s, 1e-9),
+               sim_requests_per_wall_s=len(results) / max(res.wall_s, 1e-9),
                sim_time_s=max(r.clock.now() for r in res.replicas))
-    return res, row, latencies
+    return res, row, results
 
 
 def _choice(labels: Mapping[str, Any] | None, c: Mapping[str, Any], group: str) -> Any:
@@ -379,8 +406,15 @@ def over_length_warning(stats: Any, c: Mapping[str, Any], limit: int | None) -> 
 
 
 def prefix_hit_rate(requests: Any) -> float:
-    prompt = sum(r.num_prompt_tokens for r in requests)
-    return sum(r.num_prefix_hit_tokens for r in requests) / prompt if prompt else 0.0
+    """Prompt tokens served from the prefix cache over all prompt tokens (Requests or RequestResults)."""
+    from varlen.metrics import RequestResults
+
+    if isinstance(requests, RequestResults):
+        prompt, hit = int(requests.prompt_tokens.sum()), int(requests.prefix_hit_tokens.sum())
+    else:
+        prompt = sum(r.num_prompt_tokens for r in requests)
+        hit = sum(r.num_prefix_hit_tokens for r in requests)
+    return hit / prompt if prompt else 0.0
 
 
 def hydra_labels() -> dict[str, Any]:
@@ -463,10 +497,10 @@ _CSV_SPECIAL = re.compile("[" + re.escape(',"' + os.linesep) + "]")
 
 def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig,
                   latencies: Mapping[str, Any] | None = None) -> None:
-    """The run's tables and summary.json; `latencies`: the requests', when the caller has them."""
+    """The run's tables and summary.json; `latencies`: the requests' RequestResults, when the caller has them."""
     import numpy as np
 
-    from varlen.metrics import kv_usage_columns, request_columns, step_table
+    from varlen.metrics import kv_usage_columns, request_columns
 
     out.mkdir(parents=True, exist_ok=True)
     o = cfg.output
@@ -484,14 +518,15 @@ def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig,
             kv.setdefault(k, []).append(v)
     write_csv({k: np.concatenate(v) for k, v in kv.items()}, out / "kv_usage.csv")
     if o.steps:
-        import pandas as pd
+        from sim import steps_csv
 
-        frames = []
-        for rep in res.replicas:
-            t = step_table(rep.engine.steps, detail=o.step_detail)
-            t.insert(0, "replica", rep.index)
-            frames.append(t)
-        pd.concat(frames).to_csv(out / "steps.csv", index=False)
+        for k, rep in enumerate(res.replicas):
+            log = rep.engine.steps
+            if log.keep:  # kept whole (token-level output): its rows now
+                steps_csv.sink(out, k, bool(o.step_detail), rep.index)(log.entries)
+            else:  # streamed as the run went: the rest
+                log.flush()
+        steps_csv.join(out, len(res.replicas), bool(o.step_detail), out / "steps.csv")
     if o.get("timeline"):
         from varlen.timeline import write_timeline
 
@@ -503,6 +538,12 @@ def write_outputs(res: Any, row: Mapping[str, Any], out: Path, cfg: DictConfig,
                        res.requests, res.routed, o.timeline_max_events, getattr(res, "transfers", ()))
     (out / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     (out / "summary.json").write_text(json.dumps(dict(row), indent=2, default=str))  # last: marks a complete run
+
+
+def _drop_step_parts(out: Path) -> None:
+    """A run that stopped leaves no half-streamed steps.csv parts."""
+    for part in out.glob(".steps-*.csv.part"):
+        part.unlink(missing_ok=True)
 
 
 def progress_settings(cfg: DictConfig) -> dict[str, Any]:
@@ -543,10 +584,13 @@ def main(cfg: DictConfig) -> float:
     t0 = time.perf_counter()
     try:
         with showing(**progress_settings(cfg)):
-            res, row, latencies = _simulate_paused(cfg, hydra_labels(), announce=True)
+            res, row, latencies = _simulate_paused(cfg, hydra_labels(), announce=True,
+                                                   steps_to=out if cfg.output.steps else None)
     except errors_to_exit() as err:
+        _drop_step_parts(out)
         fail(str(err))
     except KeyboardInterrupt:
+        _drop_step_parts(out)
         interrupted(f"simulation stopped after {time.perf_counter() - t0:.1f} s; no results written to {out}")
     try:
         write_outputs(res, row, out, cfg, latencies)

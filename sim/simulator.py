@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from sim.executor import CostModelExecutor
+from sim.release import Release, arrival_order
 from sim.route_check import check_route
 from sim.routers import Router, make_router
 from sim.fast_forward import FastForwardEngine
@@ -20,6 +21,7 @@ from sim.progress import for_run
 from varlen.clock import SimClock
 from varlen.engine import Engine, _error_message
 from varlen.interrupt import poll
+from varlen.metrics import RequestResults
 from varlen.request import FinishReason, Request
 from varlen.steplog import StepLog
 
@@ -54,10 +56,16 @@ def gc_paused() -> Iterator[None]:
 
 @dataclass
 class SimResult:
-    requests: list[Request]
+    requests: list[Request] | RequestResults  # RequestResults: simulate(keep_requests=False)
     replicas: list[Replica]
     wall_s: float
     routed: dict[str, int] = field(default_factory=dict)  # req_id -> replica index
+
+    @property
+    def results(self) -> RequestResults:
+        """Every request's figures as columns (the summary's and requests.csv's input)."""
+        r = self.requests
+        return r if isinstance(r, RequestResults) else RequestResults.of(r)
 
     @property
     def steps(self) -> StepLog:
@@ -76,9 +84,11 @@ class SimResult:
 
 def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tuple[Engine, CostModelExecutor]],
              num_replicas: int = 1, router: str | Router = "round_robin", fast_forward: bool = True,
-             router_options: dict | None = None) -> SimResult:
+             router_options: dict | None = None, keep_requests: bool = True) -> SimResult:
     """Serve `requests` on `num_replicas` engines, make_engine(clock) -> (engine, executor) for each;
-    router: a conf/router name or a callable; fast_forward: tell each step the next arrival."""
+    router: a conf/router name or a callable; fast_forward: tell each step the next arrival.
+    keep_requests=False: each request is released as it ends (its slot in `requests` given a
+    placeholder) and the result holds their figures as columns (SimResult.requests a RequestResults)."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     route = make_router(router, router_options)
@@ -93,19 +103,27 @@ def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tupl
                              f"got {type(engine).__name__}: build one (it takes Engine's arguments), or pass "
                              f"fast_forward=False")
         replicas.append(Replica(i, engine, clock, executor))
-    pending = sorted(requests, key=lambda r: r.arrival)
+    release: Release | None = None
+    if keep_requests:
+        pending = sorted(requests, key=lambda r: r.arrival)
+    else:
+        pending, order = arrival_order(requests)
+        release = Release(requests if isinstance(requests, list) else pending, pending, order)
     routed: dict[str, int] = {}
     progress = for_run(len(pending))
     t0 = time.perf_counter()
     with gc_paused():
         try:
-            _event_loop(pending, replicas, route, routed, fast_forward, progress)
+            _event_loop(pending, replicas, route, routed, fast_forward,
+                        progress if release is None else release.ticker(progress))
         except BaseException as err:
             _end_all(pending, replicas, err)
             raise
     wall = time.perf_counter() - t0
     if progress is not None:
         progress.close(max(r.clock.now() for r in replicas), len(pending))
+    if release is not None:
+        return SimResult(release.close(), replicas, wall, routed)
     return SimResult(list(requests), replicas, wall, routed)
 
 

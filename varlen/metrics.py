@@ -39,31 +39,165 @@ class RequestMetrics:
             num_preemptions=r.num_preemptions, num_prefix_hit_tokens=r.num_prefix_hit_tokens)
 
 
-def request_columns(requests: Sequence[Request], latencies: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
-    """request_table's columns (numpy arrays and lists), without pandas. `latencies`:
-    request_latencies(requests), when the caller has it already (it is the costly part)."""
-    lat = request_latencies(requests) if latencies is None else latencies
-    out_tokens = np.array([r.num_output_tokens for r in requests], np.float64)
-    first_scheduled = np.array([np.nan if r.first_scheduled is None else r.first_scheduled for r in requests],
-                               np.float64)
+class GapCounts:
+    """Every inter-token gap of a run as an exact value -> count table: a decode step's gap is shared by
+    its whole batch, so the table grows with steps, not tokens. percentiles() is np.percentile of all
+    the gaps, bit for bit."""
+
+    FOLD = 1 << 18  # gaps buffered before they are folded into the table
+
+    def __init__(self) -> None:
+        self._values = np.empty(0, np.float64)  # sorted, distinct
+        self._counts = np.empty(0, np.int64)
+        self._buffer: list[np.ndarray] = []
+        self._buffered = 0
+
+    def add(self, gaps: np.ndarray) -> None:
+        if len(gaps):
+            self._buffer.append(np.asarray(gaps, np.float64))
+            self._buffered += len(gaps)
+            if self._buffered >= self.FOLD:
+                self._fold()
+
+    def _fold(self) -> None:
+        if not self._buffer:
+            return
+        v, c = np.unique(np.concatenate(self._buffer), return_counts=True)
+        if len(self._values):
+            v, inv = np.unique(np.concatenate([self._values, v]), return_inverse=True)
+            c = np.bincount(inv, np.concatenate([self._counts, c]).astype(np.float64), len(v)).astype(np.int64)
+        self._values, self._counts = v, c
+        self._buffer, self._buffered = [], 0
+
+    def table(self) -> tuple[np.ndarray, np.ndarray]:
+        """(distinct gaps ascending, how many of each)."""
+        self._fold()
+        return self._values, self._counts
+
+    def __len__(self) -> int:
+        return int(self._counts.sum()) + self._buffered
+
+    def percentiles(self, qs: Sequence[float]) -> list[float]:
+        """np.percentile(all gaps, qs) (linear), by numpy's own arithmetic on the two neighbours."""
+        values, counts = self.table()
+        n = int(counts.sum())
+        if n == 0:
+            return [float("nan")] * len(qs)
+        if np.isnan(values[-1]):
+            return [float("nan")] * len(qs)
+        virtual = (n - 1) * np.true_divide(np.asanyarray(qs), 100)
+        prev = np.floor(virtual)
+        nxt = prev + 1
+        above = virtual >= n - 1
+        prev[above] = -1
+        nxt[above] = -1
+        prev_i, next_i = prev.astype(np.intp), nxt.astype(np.intp)
+        ends = np.cumsum(counts)  # sorted position k holds values[searchsorted(ends, k, 'right')]
+        a = values[np.searchsorted(ends, np.where(prev_i < 0, n - 1, prev_i), "right")]
+        b = values[np.searchsorted(ends, np.where(next_i < 0, n - 1, next_i), "right")]
+        gamma = np.asanyarray(virtual - prev_i, dtype=virtual.dtype)
+        diff = b - a
+        out = np.add(a, diff * gamma)
+        np.subtract(b, diff * (1 - gamma), out=out, where=gamma >= 0.5, casting="unsafe", dtype=type(out.dtype))
+        return [float(x) for x in out]
+
+
+_REASONS = (None, "length", "stop", "aborted", "rejected")
+
+
+class RequestResults:
+    """Every request's figures as columns (numpy), filled as requests end: what the summary and
+    requests.csv read, without the Request objects (or their token times). itl: the done
+    (finished by length or stop) requests' inter-token gaps, as a GapCounts."""
+
+    def __init__(self, n: int) -> None:
+        f64, i64 = np.float64, np.int64
+        self.req_id: list[str] = [""] * n
+        self.finish_message: list[str] = [""] * n
+        self.reason = np.zeros(n, np.int8)  # index in _REASONS
+        self.prompt_tokens, self.output_tokens = np.zeros(n, i64), np.zeros(n, i64)
+        self.num_preemptions, self.prefix_hit_tokens, self.priority = np.zeros(n, i64), np.zeros(n, i64), np.zeros(n, i64)
+        self.arrival, self.first_scheduled, self.first_token, self.finish, self.tpot, self.max_tbt = (
+            np.full(n, np.nan, f64) for _ in range(6))
+        self.itl = GapCounts()
+        self.filled = np.zeros(n, bool)
+
+    def __len__(self) -> int:
+        return len(self.req_id)
+
+    @classmethod
+    def of(cls, requests: Sequence[Request]) -> "RequestResults":
+        out = cls(len(requests))
+        out.add(range(len(requests)), requests)
+        return out
+
+    def add(self, rows: Sequence[int], requests: Sequence[Request]) -> None:
+        """Requests (ended, or the run is over) into rows `rows`."""
+        if not len(requests):
+            return
+        idx = np.fromiter(rows, np.intp, len(requests))
+        codes = np.array([_REASONS.index(None if r.finish_reason is None else r.finish_reason.value)
+                          for r in requests], np.int8)
+        done = (codes == 1) | (codes == 2)
+        for sel in (done, ~done):
+            if not sel.any():
+                continue
+            group = [r for r, d in zip(requests, sel) if d] if not sel.all() else requests
+            lat = request_latencies(group)
+            i = idx[sel]
+            self.first_token[i], self.tpot[i], self.max_tbt[i] = lat["first_token"], lat["tpot"], lat["max_tbt"]
+            if sel is done:
+                self.itl.add(lat["itl"])
+        self.reason[idx] = codes
+        for j, r in zip(idx.tolist(), requests):
+            self.req_id[j] = r.req_id
+            self.finish_message[j] = r.finish_message
+        self.arrival[idx] = [r.arrival for r in requests]
+        self.first_scheduled[idx] = [np.nan if r.first_scheduled is None else r.first_scheduled for r in requests]
+        self.finish[idx] = [np.nan if r.finish_time is None else r.finish_time for r in requests]
+        self.prompt_tokens[idx] = [r.num_prompt_tokens for r in requests]
+        self.output_tokens[idx] = [r.num_output_tokens for r in requests]
+        self.num_preemptions[idx] = [r.num_preemptions for r in requests]
+        self.prefix_hit_tokens[idx] = [r.num_prefix_hit_tokens for r in requests]
+        self.priority[idx] = [r.priority for r in requests]
+        self.filled[idx] = True
+
+    def finish_reasons(self) -> list[str | None]:
+        return [_REASONS[c] for c in self.reason.tolist()]
+
+    @property
+    def done(self) -> np.ndarray:
+        """Finished by length or stop (not aborted, rejected or still running)."""
+        return (self.reason == 1) | (self.reason == 2)
+
+
+def results_of(requests: "Sequence[Request] | RequestResults") -> RequestResults:
+    return requests if isinstance(requests, RequestResults) else RequestResults.of(requests)
+
+
+def request_columns(requests: "Sequence[Request] | RequestResults", latencies: Any = None) -> dict[str, Any]:
+    """request_table's columns (numpy arrays and lists), without pandas. `latencies`: the requests'
+    RequestResults when the caller has them (anything else is ignored)."""
+    res = latencies if isinstance(latencies, RequestResults) else results_of(requests)
+    out_tokens = res.output_tokens.astype(np.float64)
+    e2e = res.finish - res.arrival
     with np.errstate(divide="ignore", invalid="ignore"):
-        normalized = np.where(out_tokens > 0, lat["e2e"] / out_tokens, np.nan)
+        normalized = np.where(out_tokens > 0, e2e / out_tokens, np.nan)
     return dict(
-        req_id=[r.req_id for r in requests], prompt_tokens=[r.num_prompt_tokens for r in requests],
-        output_tokens=[r.num_output_tokens for r in requests],
-        finish_reason=[r.finish_reason.value if r.finish_reason else None for r in requests],
-        finish_message=[r.finish_message for r in requests], arrival=lat["arrival"],
-        first_scheduled=first_scheduled, scheduling_delay=first_scheduled - lat["arrival"],
-        first_token=lat["first_token"], finish=lat["finish"], ttft=lat["ttft"], tpot=lat["tpot"], e2e=lat["e2e"],
-        normalized_latency=normalized, max_tbt=lat["max_tbt"], num_preemptions=[r.num_preemptions for r in requests],
-        prefix_hit_tokens=[r.num_prefix_hit_tokens for r in requests], priority=[r.priority for r in requests])
+        req_id=res.req_id, prompt_tokens=res.prompt_tokens, output_tokens=res.output_tokens,
+        finish_reason=res.finish_reasons(), finish_message=res.finish_message, arrival=res.arrival,
+        first_scheduled=res.first_scheduled, scheduling_delay=res.first_scheduled - res.arrival,
+        first_token=res.first_token, finish=res.finish, ttft=res.first_token - res.arrival, tpot=res.tpot, e2e=e2e,
+        normalized_latency=normalized, max_tbt=res.max_tbt, num_preemptions=res.num_preemptions,
+        prefix_hit_tokens=res.prefix_hit_tokens, priority=res.priority)
 
 
-def request_table(requests: Iterable[Request], latencies: dict[str, np.ndarray] | None = None):
+def request_table(requests: "Iterable[Request] | RequestResults", latencies: Any = None):
     """One row per request: lengths, how it ended, its times and latencies (see request_columns)."""
     import pandas as pd
 
-    return pd.DataFrame(request_columns(list(requests), latencies))
+    return pd.DataFrame(request_columns(requests if isinstance(requests, RequestResults) else list(requests),
+                                        latencies))
 
 
 def step_table(steps: Sequence, detail: bool = True) -> "pd.DataFrame":  # noqa: F821
@@ -151,55 +285,63 @@ def request_latencies(reqs: Sequence[Request]) -> dict[str, np.ndarray]:
                 e2e=finish - arrival, itl=itl, max_tbt=max_tbt)
 
 
-def summarize(requests: Sequence[Request], steps: Sequence, total_slots: int,
+def summarize(requests: "Sequence[Request] | RequestResults", steps: Sequence, total_slots: int,
               ttft_slo: float | None = None, tpot_slo: float | None = None,
               tbt_slo: float | None = None, latencies: dict[str, np.ndarray] | None = None) -> dict[str, float]:
     """One row of headline figures: throughput, latency percentiles, preemptions, KV usage, goodput
-    (requests meeting every SLO set; TBT: no single gap above it, so a stall fails it)."""
+    (requests meeting every SLO set; TBT: no single gap above it, so a stall fails it). `requests`:
+    the Request objects or their RequestResults (the same figures); `latencies`: unused."""
     c = step_columns(steps, tokens=False)
-    reasons = [None if r.finish_reason is None else r.finish_reason.value for r in requests]
-    done = [r for r, why in zip(requests, reasons) if why in ("length", "stop")]
-    lat = latencies if latencies is not None and len(done) == len(requests) else request_latencies(done)
-    finish, ttft_all, tpot_all = lat["finish"], lat["ttft"], lat["tpot"]
+    res = results_of(requests)
+    done = res.done
+    n_done = int(done.sum())
+    arrival, finish = res.arrival[done], res.finish[done]
+    first_token = res.first_token[done]
+    ttft_all, tpot_all, max_tbt_all = first_token - arrival, res.tpot[done], res.max_tbt[done]
     has, many = ~np.isnan(ttft_all), ~np.isnan(tpot_all)
-    ttft, tpot, itl = ttft_all[has], tpot_all[many], lat["itl"]
-    e2e = lat["e2e"][~np.isnan(finish)]
-    start = min((r.arrival for r in requests), default=0.0)
-    end = float(np.nanmax(finish)) if len(done) and not np.isnan(finish).all() else start
+    ttft, tpot = ttft_all[has], tpot_all[many]
+    e2e_all = finish - arrival
+    e2e = e2e_all[~np.isnan(finish)]
+    start = min(res.arrival.tolist(), default=0.0)  # min() as over the requests (a NaN arrival stays where it is)
+    end = float(np.nanmax(finish)) if n_done and not np.isnan(finish).all() else start
     span = max(end - start, 1e-9)
-    out_tokens = sum(r.num_output_tokens for r in done)
-    row = dict(requests=len(requests), finished=len(done),
-               rejected=reasons.count("rejected"), aborted=reasons.count("aborted"),
-               duration_s=span, requests_per_s=len(done) / span, output_tokens_per_s=out_tokens / span,
-               preemptions=sum(r.num_preemptions for r in requests),
+    out = res.output_tokens[done]
+    out_tokens = int(out.sum())
+    reason = res.reason
+    row = dict(requests=len(res), finished=n_done,
+               rejected=int((reason == 4).sum()), aborted=int((reason == 3).sum()),
+               duration_s=span, requests_per_s=n_done / span, output_tokens_per_s=out_tokens / span,
+               preemptions=int(res.num_preemptions.sum()),
                peak_kv_usage=int(c["kv_reserved_slots"].max(initial=0)) / max(total_slots, 1),
                mean_kv_usage=_time_weighted_kv(c, total_slots),
                mean_batch_size=float(c["num_seqs"].mean()) if len(c["num_seqs"]) else 0.0)
-    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
-        for q, v in zip((50, 90, 99), _pcts(xs, (50, 90, 99))):
+    for name, qv in (("ttft", _pcts(ttft, (50, 90, 99))), ("tpot", _pcts(tpot, (50, 90, 99))),
+                     ("itl", res.itl.percentiles((50, 90, 99))), ("e2e", _pcts(e2e, (50, 90, 99)))):
+        for q, v in zip((50, 90, 99), qv):
             row[f"{name}_p{q}"] = v
     # Over all inter-token gaps, as Sarathi-Serve reports it: the same figure as itl_p99.
     row["tbt_p99"] = row["itl_p99"]
     # Each request's longest gap: a rare stall shows here, where tbt_p99 over all gaps hides it.
-    max_tbt = lat["max_tbt"][~np.isnan(lat["max_tbt"])]
+    max_tbt = max_tbt_all[~np.isnan(max_tbt_all)]
     for q, v in zip((50, 90, 99), _pcts(max_tbt, (50, 90, 99))):
         row[f"max_tbt_p{q}"] = v
     # Queueing before the first step that serves a request (Sarathi-Serve's scheduling delay).
-    sched = np.array([r.first_scheduled - r.arrival for r in done if r.first_scheduled is not None], np.float64)
+    first_scheduled = res.first_scheduled[done]
+    sched = (first_scheduled - arrival)[~np.isnan(first_scheduled)]
     for q, v in zip((50, 99), _pcts(sched, (50, 99))):
         row[f"scheduling_delay_p{q}"] = v
     # vLLM's mean normalized latency: end-to-end latency over output length, averaged over requests.
-    out = np.array([r.num_output_tokens for r in done], np.float64)
-    fin = ~np.isnan(finish) & (out > 0)
-    row["normalized_latency_mean"] = float(np.mean(lat["e2e"][fin] / out[fin])) if fin.any() else float("nan")
+    out_f = out.astype(np.float64)
+    fin = ~np.isnan(finish) & (out_f > 0)
+    row["normalized_latency_mean"] = float(np.mean(e2e_all[fin] / out_f[fin])) if fin.any() else float("nan")
     if ttft_slo is not None or tpot_slo is not None or tbt_slo is not None:
-        ok_ttft = np.ones(len(done), bool) if ttft_slo is None else has & (np.nan_to_num(ttft_all, nan=np.inf) <= ttft_slo)
-        ok_tpot = np.ones(len(done), bool) if tpot_slo is None else ~many | (np.nan_to_num(tpot_all) <= tpot_slo)
-        ok_tbt = np.ones(len(done), bool)
+        ok_ttft = np.ones(n_done, bool) if ttft_slo is None else has & (np.nan_to_num(ttft_all, nan=np.inf) <= ttft_slo)
+        ok_tpot = np.ones(n_done, bool) if tpot_slo is None else ~many | (np.nan_to_num(tpot_all) <= tpot_slo)
+        ok_tbt = np.ones(n_done, bool)
         if tbt_slo is not None:  # a request with one token has no gap to exceed it
-            ok_tbt = ~many | (np.nan_to_num(lat["max_tbt"]) <= tbt_slo)
-            row["tbt_attainment"] = int(ok_tbt.sum()) / max(len(requests), 1)
+            ok_tbt = ~many | (np.nan_to_num(max_tbt_all) <= tbt_slo)
+            row["tbt_attainment"] = int(ok_tbt.sum()) / max(len(res), 1)
         ok = int((ok_ttft & ok_tpot & ok_tbt).sum())
         row["goodput_requests_per_s"] = ok / span
-        row["slo_attainment"] = ok / max(len(requests), 1)
+        row["slo_attainment"] = ok / max(len(res), 1)
     return row

@@ -1,13 +1,15 @@
 """The engine's per-step log: one StepRecord per step, a run of repeating pure-decode steps (the
 simulator's fast-forward) as one compact DecodeRun. It reads as a sequence of StepRecords; columns()
-gives the metrics' per-step arrays without expanding runs.
+gives the metrics' per-step arrays without expanding runs. StepLog(keep=False) keeps only those
+columns (64 bytes a step): the entries are folded into arrays every HOLD batch members and steps,
+handed to `sink` (steps.csv written as the run goes) and dropped.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -71,29 +73,70 @@ class DecodeRun:
                           self.num_waiting, B, self.num_running if last else B)
 
 
-class StepLog:
-    """The steps of one engine, in order; a sequence of StepRecords to its readers."""
+#: Batch members plus steps a StepLog(keep=False) holds in entries before folding them (about 60
+#: bytes each: a few hundred KB a replica).
+HOLD = 4096
+#: Folded chunks joined into one every this many (few arrays, not one per fold).
+JOIN = 64
 
-    def __init__(self, entries: Iterable[StepRecord | DecodeRun] = ()):
-        self.entries: list[StepRecord | DecodeRun] = []
+
+class StepLog:
+    """The steps of one engine, in order; a sequence of StepRecords to its readers (keep=True)."""
+
+    def __init__(self, entries: Iterable[StepRecord | DecodeRun] = (), keep: bool = True,
+                 sink: Callable[[list[StepRecord | DecodeRun]], None] | None = None) -> None:
+        self.entries: list[StepRecord | DecodeRun] = []  # keep=False: those not folded yet
         self._first: list[int] = []  # index of each entry's first step
         self._len = 0
+        self._appends = 0
         self._columns: dict[str, np.ndarray] | None = None
         self._columns_at = -1
         self._columns_tokens = False
         self._parts: list[tuple[StepLog, int]] = []
+        self.keep = keep
+        self._sink = sink
+        self._chunks: list[dict[str, np.ndarray]] = []  # keep=False: the folded entries' columns
+        self._held = 0  # batch members plus steps in `entries`
+        self._joined = 0  # _chunks[:_joined] are joins of JOIN folds; those after, single folds
         for e in entries:
             self.append(e)
 
     def append(self, entry: StepRecord | DecodeRun) -> None:
         self.entries.append(entry)
         self._first.append(self._len)
-        self._len += len(entry) if type(entry) is DecodeRun else 1
+        n = len(entry) if type(entry) is DecodeRun else 1
+        self._len += n
+        self._appends += 1
+        if not self.keep:
+            self._held += n + len(entry.req_ids)
+            if self._held >= HOLD:
+                self.flush()
+
+    def flush(self) -> None:
+        """keep=False: the entries held folded into columns and handed to the sink (at a run's end too)."""
+        if self.keep or not self.entries:
+            return
+        chunks = self._chunks
+        chunks.append(self._compute_columns(True))
+        if len(chunks) - self._joined >= JOIN:
+            last = chunks[self._joined:]
+            chunks[self._joined:] = [{k: np.concatenate([c[k] for c in last]) for k in last[0]}]
+            self._joined += 1
+        if self._sink is not None:
+            self._sink(self.entries)
+        self.entries = []
+        self._first = []
+        self._held = 0
 
     @classmethod
     def concat(cls, logs: Iterable[StepLog]) -> StepLog:
         """Several engines' logs as one (step numbers stay each engine's own)."""
         logs = list(logs)
+        if not all(log.keep for log in logs):  # columns only: theirs, end to end
+            out = cls(keep=False)
+            out._chunks = [log.columns() for log in logs]
+            out._len = sum(len(log) for log in logs)
+            return out
         out = cls(e for log in logs for e in log.entries)
         out._parts = [(log, len(log.entries)) for log in logs]
         return out
@@ -101,7 +144,13 @@ class StepLog:
     def __len__(self) -> int:
         return self._len
 
+    def _records_kept(self) -> None:
+        if not self.keep:
+            raise RuntimeError("this step log kept columns only (StepLog(keep=False)), not its step records; "
+                               "keep them with StepLog(keep=True) (sim.run: output.token_times=true)")
+
     def __iter__(self) -> Iterator[StepRecord]:
+        self._records_kept()
         for e in self.entries:
             if isinstance(e, DecodeRun):
                 for i in range(len(e)):
@@ -110,6 +159,7 @@ class StepLog:
                 yield e
 
     def __getitem__(self, i: int | slice) -> StepRecord | list[StepRecord]:
+        self._records_kept()
         if isinstance(i, slice):
             return [self._record(j) for j in range(*i.indices(self._len))]
         return self._record(i)
@@ -129,19 +179,25 @@ class StepLog:
     def columns(self, tokens: bool = True) -> dict[str, np.ndarray]:
         """Per-step read-only arrays as read off the records; tokens=False leaves out the token sums."""
         n_entries = len(self.entries)
-        if self._columns is None or self._columns_at != n_entries or (tokens and not self._columns_tokens):
+        want = tokens
+        if self._columns is None or self._columns_at != self._appends or (tokens and not self._columns_tokens):
             parts = self._parts
             if (parts and sum(n for _, n in parts) == n_entries
                     and all(len(log.entries) == n for log, n in parts)):
                 cols = [log.columns(tokens) for log, _ in parts]
                 self._columns = {k: np.concatenate([c[k] for c in cols]) for k in cols[0]}
+            elif not self.keep:
+                tokens = True  # the folded chunks have every column
+                chunks = self._chunks + ([self._compute_columns(True)] if self.entries else [])
+                self._columns = ({k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]} if len(chunks) > 1
+                                 else dict(chunks[0]) if chunks else self._compute_columns(True))
             else:
                 self._columns = self._compute_columns(tokens)
             for a in self._columns.values():
                 a.flags.writeable = False
-            self._columns_at = n_entries
+            self._columns_at = self._appends
             self._columns_tokens = tokens
-        if tokens:
+        if want:
             return dict(self._columns)
         return {k: v for k, v in self._columns.items() if k not in ("num_new_tokens", "num_cached_tokens")}
 

@@ -42,7 +42,8 @@ for overrides in json.loads(sys.argv[1]):
 print(json.dumps(out))
 """
 
-SMALL = ["output.requests=false", "workload.limit=150"]
+# output.token_times: the Request objects (their token times) kept for the fingerprint.
+SMALL = ["output.requests=false", "workload.limit=150", "output.token_times=true"]
 CONFIGS = [
     # chunked prefill, paged with prefix caching, Mooncake's shared blocks, a pool small enough to preempt
     ["scheduler=chunked", "allocator=paged", "workload=mooncake_conv", f"workload.source={DATA / 'mooncake_conv_small.jsonl'}",

@@ -90,6 +90,19 @@ def test_memory_estimate_grows_with_requests_and_output():
     assert memory.estimate_bytes(2000, 500, 100, token_ids=False) == 2 * one
     assert memory.estimate_bytes(1000, 500, 200, token_ids=False) > one
     assert memory.estimate_bytes(1000, 500, 100, token_ids=True) > one
+    assert memory.estimate_bytes(1000, 500, 100, token_ids=False, token_times=True) > one
+
+
+# Peak RSS a request added, measured by benchmarks/sim_memory_fit.py on this code (one replica, 4
+# req/s, prompts uniform:128:2048, mean 1,088): (output.token_times, output tokens) -> bytes.
+MEASURED_BYTES_PER_REQUEST = {(False, 16): 2_994, (False, 512): 7_142, (True, 16): 5_881, (True, 512): 31_242}
+
+
+@pytest.mark.parametrize("token_times, output", list(MEASURED_BYTES_PER_REQUEST))
+def test_memory_estimate_covers_the_measured_cost_closely(token_times, output):
+    est = memory.estimate_bytes(1, 1088, output, token_ids=False, token_times=token_times)
+    measured = MEASURED_BYTES_PER_REQUEST[token_times, output]
+    assert measured <= est <= 1.15 * measured
 
 
 def test_a_workload_over_the_limit_is_refused_before_any_request_is_generated(monkeypatch):

@@ -182,7 +182,8 @@ def test_mooncake_hash_ids_drive_prefix_caching():
     res, row = simulate_config(cfg)
     assert row["finished"] == 150
     # About 5% of these first prompt tokens repeat earlier blocks (36.6% over the whole trace).
-    assert sum(r.num_prefix_hit_tokens for r in res.requests) > 0.02 * sum(r.num_prompt_tokens for r in res.requests)
+    results = res.results  # the requests' columns (output.token_times=false released them)
+    assert results.prefix_hit_tokens.sum() > 0.02 * results.prompt_tokens.sum()
 
 
 def test_cdf_plot_says_why_when_runs_kept_no_request_table(tmp_path, capsys):

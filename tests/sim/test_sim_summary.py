@@ -16,10 +16,11 @@ from varlen.request import FinishReason
 
 @pytest.fixture(scope="module")
 def run():
-    # Two replicas and a small pool: preemptions, decode runs and several step logs.
+    # Two replicas and a small pool: preemptions, decode runs and several step logs; token-level output
+    # (the Request objects kept) to check the figures against loops over their token times.
     with initialize_config_dir(CONF, version_base="1.3"):
         cfg = compose("sim", overrides=["workload.limit=400", "workload.rate=40", "cluster.replicas=2",
-                                        "engine.num_blocks=600", "slo.tbt_s=0.05"])
+                                        "engine.num_blocks=600", "slo.tbt_s=0.05", "output.token_times=true"])
     res, row, lat = _simulate_paused(cfg, {"scheduler": "chunked", "allocator": "paged"}, False)
     return cfg, res, row, lat
 

@@ -1,0 +1,68 @@
+"""A simulation's requests released as they end (simulate(keep_requests=False)): each ended
+request's figures go into a RequestResults row and its slot in the arrival list is given a shared
+placeholder, so memory holds the requests in flight, not every request of the run."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from varlen.metrics import RequestResults
+from varlen.request import FinishReason, Request
+
+#: Put where an ended request was: finished, so whatever walks the list later skips it.
+RELEASED = Request("<released>", [])
+RELEASED.finish(FinishReason.ABORTED, 0.0, "released: its figures are in the run's RequestResults")
+
+
+class Release:
+    """Folds ended requests of `pending` (arrival order) into `results`, row = the request's index in
+    `requests` (the caller's order), and releases them from both lists."""
+
+    def __init__(self, requests: list[Request], pending: list[Request], order: np.ndarray | None) -> None:
+        self.requests, self.pending, self.order = requests, pending, order
+        self.results = RequestResults(len(pending))
+        self.held: list[int] = []  # positions that had arrived and not ended at the last fold
+        self.seen = 0  # positions below this have arrived
+
+    def fold(self, arrived: int, force: bool = False) -> None:
+        """Look at the `arrived` first positions; amortised: only once the new arrivals are many."""
+        if not force and arrived - self.seen < max(len(self.held) // 2, 256):
+            return
+        pending, requests, order = self.pending, self.requests, self.order
+        ended, rows, keep = [], [], []
+        for p in self.held + list(range(self.seen, arrived)):
+            r = pending[p]
+            if r.is_finished or force:
+                ended.append(r)
+                rows.append(p if order is None else int(order[p]))
+                pending[p] = RELEASED
+                if requests is not pending:
+                    requests[rows[-1]] = RELEASED
+            else:
+                keep.append(p)
+        self.results.add(rows, ended)
+        self.held, self.seen = keep, arrived
+
+    def ticker(self, progress: Callable[[float, int, list], None] | None) -> Callable[[float, int, list], None]:
+        """The event loop's progress callback (every 1,024 events), folding first."""
+        def tick(t: float, i: int, replicas: list) -> None:
+            self.fold(i)
+            if progress is not None:
+                progress(t, i, replicas)
+        return tick
+
+    def close(self) -> RequestResults:
+        """Every request folded: the run is over."""
+        self.fold(len(self.pending), force=True)
+        return self.results
+
+
+def arrival_order(requests: Sequence[Request]) -> tuple[list[Request], np.ndarray | None]:
+    """(the requests in arrival order, each one's index in `requests` or None where that is the order)."""
+    arrivals = np.fromiter((r.arrival for r in requests), np.float64, len(requests))
+    if isinstance(requests, list) and not (arrivals[1:] < arrivals[:-1]).any():
+        return requests, None
+    order = np.argsort(arrivals, kind="stable")
+    return [requests[j] for j in order.tolist()], order

@@ -1,0 +1,155 @@
+"""Memory bounded by what is in flight (issue 26): without token-level output (output.token_times,
+the default false) a simulation releases each request as it ends, keeps its figures as columns and
+its gaps as an exact value -> count table, and keeps only per-step columns of the step log; every
+summary figure and requests.csv column equals the token-level run's, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.release import RELEASED, Release
+from sim.run import CONF, _simulate_paused, write_outputs
+from varlen.metrics import GapCounts, RequestResults, request_columns, step_table
+from varlen.request import FinishReason, Request
+from varlen.steplog import DecodeRun, StepLog, StepRecord
+
+WALL = ("sim_wall_s", "sim_requests_per_wall_s")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([0.0, 1e-3, 0.0125, 0.0125 + 1e-17, 0.3, 7.0, 1 / 3]), max_size=40),
+                min_size=1, max_size=6),
+       st.lists(st.floats(0, 100), min_size=1, max_size=5))
+def test_gap_table_percentiles_are_numpy_percentiles_bit_for_bit(parts, qs):
+    g = GapCounts()
+    g.FOLD = 7  # fold often: merges of tables are exercised
+    for p in parts:
+        g.add(np.array(p))
+    everything = np.concatenate([np.array(p, np.float64) for p in parts])
+    want = [float(v) for v in np.percentile(everything, qs)] if len(everything) else [float("nan")] * len(qs)
+    got = g.percentiles(qs)
+    assert len(g) == len(everything)
+    assert np.array_equal(got, want, equal_nan=True)
+
+
+def _run(overrides: list[str], token_times: bool, tmp_path=None):
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("sim", overrides=overrides + [f"output.token_times={str(token_times).lower()}",
+                                                    "progress.enabled=false"])
+    out = None if tmp_path is None else tmp_path / ("tokens" if token_times else "columns")
+    if out is not None:
+        out.mkdir()
+    res, row, results = _simulate_paused(cfg, {"scheduler": "chunked", "allocator": "paged"}, False,
+                                         steps_to=out if cfg.output.steps else None)
+    if out is not None:
+        write_outputs(res, row, out, cfg, results)
+    return res, {k: v for k, v in row.items() if k not in WALL}, results
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**16), replicas=st.integers(1, 3), rate=st.sampled_from([5.0, 40.0, 200.0]),
+       blocks=st.sampled_from([None, 300]), limit=st.integers(5, 60))
+def test_streaming_summary_and_requests_equal_the_stored_token_computation(seed, replicas, rate, blocks, limit):
+    over = ["workload=synthetic", f"workload.seed={seed}", f"workload.limit={limit}", f"workload.rate={rate}",
+            "workload.output_len=uniform:1:200", "workload.prompt_len=uniform:16:900", f"cluster.replicas={replicas}",
+            "cluster.router=least_outstanding", "slo.tbt_s=0.05", *([f"engine.num_blocks={blocks}"] if blocks else [])]
+    tok_res, tok_row, _ = _run(over, True)
+    col_res, col_row, col_results = _run(over, False)
+    assert isinstance(col_res.requests, RequestResults) and not isinstance(tok_res.requests, RequestResults)
+    assert _same(col_row, tok_row)
+    want, got = request_columns(tok_res.requests), request_columns(col_res.requests, col_results)
+    assert list(want) == list(got)
+    for k in want:
+        assert np.array_equal(np.asarray(want[k]), np.asarray(got[k]),
+                              equal_nan=np.asarray(want[k]).dtype.kind == "f"), k
+
+
+def _same(a: dict, b: dict) -> bool:
+    assert a.keys() == b.keys()
+    for k in a:
+        x, y = a[k], b[k]
+        assert x == y or (isinstance(x, float) and isinstance(y, float) and np.isnan(x) and np.isnan(y)), (k, x, y)
+    return True
+
+
+def test_run_outputs_equal_token_level_outputs(tmp_path):
+    over = ["workload=synthetic", "workload.limit=150", "workload.rate=30", "cluster.replicas=2",
+            "cluster.router=least_outstanding", "engine.num_blocks=400", "output.steps=true", "output.step_detail=true"]
+    tok_res, tok_row, _ = _run(over, True, tmp_path)
+    col_res, col_row, _ = _run(over, False, tmp_path)
+    assert not any(rep.engine.steps.keep for rep in col_res.replicas)
+    assert col_row["preemptions"] > 0 and _same(col_row, tok_row)
+    for name in ("requests.csv", "steps.csv", "kv_usage.csv"):
+        assert (tmp_path / "columns" / name).read_bytes() == (tmp_path / "tokens" / name).read_bytes(), name
+    assert not list((tmp_path / "columns").glob("*.part"))  # the streamed parts joined and removed
+    frames = []  # steps.csv as pandas writes step_table's rows (every replica ran steps)
+    for rep in tok_res.replicas:
+        t = step_table(rep.engine.steps, detail=True)
+        t.insert(0, "replica", rep.index)
+        frames.append(t)
+    pd.concat(frames).to_csv(tmp_path / "want_steps.csv", index=False)
+    assert (tmp_path / "columns" / "steps.csv").read_bytes() == (tmp_path / "want_steps.csv").read_bytes()
+
+
+def test_release_folds_ended_requests_and_drops_them():
+    reqs = [Request(f"r{i}", [0] * 4, arrival=float(i)) for i in range(600)]
+    ended = set(range(0, 600, 3))
+    for i in ended:
+        reqs[i].token_times += [i + 1.0, i + 1.5, i + 3.0]
+        reqs[i].output_token_ids += [1, 1, 1]
+        reqs[i].finish(FinishReason.LENGTH, i + 3.0)
+    rel = Release(reqs, reqs, None)
+    rel.fold(500)
+    assert [i for i, r in enumerate(reqs) if r is RELEASED] == [i for i in sorted(ended) if i < 500]
+    assert sorted(rel.held) == [i for i in range(500) if i not in ended]
+    res = rel.results
+    assert res.req_id[3] == "r3" and res.first_token[3] == 4.0 and res.max_tbt[3] == 1.5 and res.tpot[3] == 1.0
+    assert res.req_id[1] == ""  # not ended: not folded yet
+    rel.fold(520)  # few new arrivals: not worth a pass yet
+    assert reqs[501] is not RELEASED
+    res = rel.close()  # the run is over: everything folded, ended or not
+    assert all(r is RELEASED for r in reqs) and res.req_id == [f"r{i}" for i in range(600)]
+    assert res.finish_reasons()[1] is None and res.finish_reasons()[0] == "length"
+    assert len(res.itl) == 2 * len(ended)
+
+
+def _entries(n: int):
+    for k in range(n):
+        if k % 3:
+            yield DecodeRun(4 * k, 10.0 * k, [10.0 * k + 0.1 * (j + 1) for j in range(3)], [f"a{k}", f"b{k}"],
+                            [5, 9], [32, 32, 48], 14, 20, k % 5, 2)
+        else:
+            yield StepRecord(4 * k, 10.0 * k, 0.5, [f"a{k}"] * 30, [7] * 30, [0] * 30, 1, 32, 10, 1, 2, 2)
+
+
+def test_column_only_step_log_folds_as_it_goes_into_the_same_columns():
+    kept, seen = StepLog(_entries(900)), []
+    log = StepLog(keep=False, sink=seen.extend)
+    for e in _entries(900):
+        log.append(e)
+    assert len(log.entries) < 300 and len(log) == len(kept)  # folded as it went
+    cols, want = log.columns(), kept.columns()
+    assert cols.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(cols[k], want[k])
+    log.flush()
+    assert seen == kept.entries and log.entries == []  # the sink saw every entry, in order
+    with pytest.raises(RuntimeError, match="output.token_times=true"):
+        list(log)
+    both = StepLog.concat([log, StepLog(keep=False)])
+    np.testing.assert_array_equal(both.columns()["start"], want["start"])
+
+
+@pytest.mark.parametrize("key", ["token_times", "timeline"])
+def test_a_bad_token_level_switch_is_one_line(key):
+    from varlen.cli import SettingError
+
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("sim", overrides=["workload.limit=5", f"output.{key}=3"])
+    with pytest.raises(SettingError, match=f"output.{key}=3: give true or false"):
+        _simulate_paused(cfg, None, False)
