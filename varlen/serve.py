@@ -213,7 +213,7 @@ def sse(data: Any) -> str:
 
 async def stream_response(streams: list[CompletionStream], request: Any, chunk: Any, rid: str, model: str,
                           kind: str, include_usage: bool, response_class: Any) -> Any:
-    """Server-sent events: a chunk per completion each time it has new text or ends, then the usage (if
+    """Server-sent events: a chunk per completion each time it has new tokens or ends, then the usage (if
     asked) and `data: [DONE]`. The headers go once a first token is out, so a rejected request is
     still a 400; a client that disconnects aborts the requests (the generator is closed)."""
     engine_streams = [s for cs in streams for s in cs.streams]
@@ -243,7 +243,9 @@ async def stream_response(streams: list[CompletionStream], request: Any, chunk: 
                     out = cs._snapshot()
                     for c in out.outputs:
                         j = c.index
-                        if ended[i][j] or (len(c.text) == sent_text[i][j] and not c.finished):
+                        # A chunk per step with new tokens, even if their text is held back or empty
+                        # (as vLLM's): clients time tokens by chunks.
+                        if ended[i][j] or (len(c.token_ids) == sent_tokens[i][j] and not c.finished):
                             continue
                         if c.finish_reason in ("aborted", "rejected"):
                             yield sse(error_body(f"the request ended {c.finish_reason}: {c.finish_message}",

@@ -5,6 +5,7 @@ request and frees its KV, stop / n / logprobs through the API, bad requests answ
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -36,9 +37,16 @@ class GateExecutor(Executor):
     def __init__(self, inner: Executor):
         self.inner, self.open = inner, threading.Event()
         self.open.set()
+        self.budget: int | None = None  # steps to run before closing the gate (None: leave it as it is)
         self.rows = getattr(inner, "rows", None)
 
     def execute(self, scheduled, kv):
+        if self.budget is not None:
+            if self.budget == 0:
+                self.open.clear()
+                self.budget = None
+            else:
+                self.budget -= 1
         assert self.open.wait(60), "the test never opened the gate"
         return self.inner.execute(scheduled, kv)
 
@@ -72,8 +80,8 @@ def assert_idle(llm: LLM) -> None:
     assert llm.engine.kv.usage().reserved_slots == 0
 
 
-def alone(llm: LLM, prompt, **kw) -> str:
-    return llm.generate(prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, **kw),
+def alone(llm: LLM, prompt, max_tokens: int = 20) -> str:
+    return llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
                         use_tqdm=False)[0].text
 
 
@@ -91,6 +99,30 @@ def test_streamed_completion_equals_the_non_streamed_one(client, llm):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 20
     assert full.usage.prompt_tokens == len(llm.tokenizer(PROMPTS[0], add_special_tokens=False).input_ids)
+    # a chunk for each step with new tokens, whatever their text (logprobs=0 lists each chunk's tokens)
+    chunks = list(client.completions.create(model="tiny-test", prompt=PROMPTS[0], stream=True, logprobs=0, **GREEDY))
+    assert all(c.choices[0].logprobs.tokens for c in chunks)
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks) == 20
+
+
+def test_a_chunk_goes_out_for_new_tokens_whose_text_is_held_back(server, llm):
+    gate = llm.engine.executor
+    gate.budget = 1  # the prefill step gives the first token, then the engine waits
+    body = {"model": "tiny-test", "prompt": PROMPTS[3], "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stop": "\x00" * 50, "logprobs": 0}  # never matched: holds back all the text
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as resp:
+            lines = (line for line in resp.iter_lines() if line.startswith("data: {"))
+            first = json.loads(next(lines).removeprefix("data: "))["choices"][0]
+            assert first["text"] == "" and len(first["logprobs"]["tokens"]) == 1 and first["finish_reason"] is None
+            gate.open.set()
+            rest = [json.loads(line.removeprefix("data: "))["choices"][0] for line in lines]
+    finally:
+        gate.budget = None
+        gate.open.set()
+    want = alone(llm, PROMPTS[3], max_tokens=10)
+    assert rest[-1]["finish_reason"] == "length" and rest[-1]["text"] == want  # all held back to the end
+    assert sum(len(c["logprobs"]["tokens"]) for c in [first, *rest]) == 10
 
 
 def test_chat_applies_the_template_streamed_or_not(client, llm):
