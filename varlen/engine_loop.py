@@ -11,7 +11,7 @@ import itertools
 import math
 import threading
 import time
-from typing import AsyncIterator, Callable, Generic, Iterator, Sequence, TypeVar
+from typing import AsyncGenerator, AsyncIterator, Callable, Generic, Iterator, Sequence, TypeVar
 
 from varlen.engine import Engine, _error_message
 from varlen.request import FinishReason, Request
@@ -101,7 +101,7 @@ class RequestStream(Generic[Out]):
             yield self._to_output(self.request, tokens, done)
 
 
-async def wait_async(streams: Sequence[RequestStream]) -> AsyncIterator[None]:
+async def wait_async(streams: Sequence[RequestStream]) -> AsyncGenerator[None, None]:
     """Yields once at once, then each time one of `streams` has news, until all have ended."""
     aloop = asyncio.get_running_loop()
     news = asyncio.Event()
@@ -274,9 +274,10 @@ class EngineLoop:
         try:
             self.engine.abort(req_id, message)
         except BaseException as err:  # a policy's remove() raising: the request still ends
-            s = self._live.get(req_id)
-            if s is not None and not s.request.is_finished:
-                s.request.finish(FinishReason.ABORTED, self.engine.clock.now(), f"{message} ({_error_message('abort', err)})")
+            live = self._live.get(req_id)
+            if live is not None and not live.request.is_finished:
+                live.request.finish(FinishReason.ABORTED, self.engine.clock.now(),
+                                    f"{message} ({_error_message('abort', err)})")
 
     def _stop_calls_of_failed(self, err: BaseException) -> None:
         """A step failed: the requests submitted with its requests end `aborted` too; others go on."""

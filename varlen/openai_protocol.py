@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -215,5 +215,3 @@ def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, 
 def now() -> int:
     return int(time.time())
 
-
-Kind = Literal["completion", "chat"]

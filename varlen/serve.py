@@ -29,7 +29,7 @@ from varlen.openai_protocol import (APIError, ChatCompletionRequest, CompletionR
                                     completion_chunk, completion_logprobs, error_body, finish_reason, new_id, now,
                                     usage)
 from varlen.engine_loop import wait_async
-from varlen.outputs import CompletionOutput, RequestOutput
+from varlen.outputs import RequestOutput
 
 
 def build_app(llm: LLM, model_name: str, chat_template: str | None = None) -> Any:
@@ -37,7 +37,7 @@ def build_app(llm: LLM, model_name: str, chat_template: str | None = None) -> An
     tokenizer's own."""
     app = FastAPI(title="varlen", docs_url=None, redoc_url=None)
     app.state.llm = llm
-    created = now()
+    started = now()
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -53,7 +53,7 @@ def build_app(llm: LLM, model_name: str, chat_template: str | None = None) -> An
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
                                             "owned_by": "varlen", "root": llm.model_path,
                                             "max_model_len": llm.engine.max_model_len}]}
 
@@ -68,18 +68,20 @@ def build_app(llm: LLM, model_name: str, chat_template: str | None = None) -> An
         body.unsupported()
         sp = body.sampling_params(body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
         streams = submit_all(llm, body.prompts(), sp)
-        rid = new_id("cmpl")
+        rid, created = new_id("cmpl"), now()
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return await stream_response(streams, request, lambda i, text, reason, lps, first, offset:
-                                         completion_chunk(rid, created, model_name, i, text, reason,
-                                                          None if lps is None else completion_logprobs(lps, offset, sp.logprobs or 0)),
-                                         rid, model_name, "text_completion", include_usage, StreamingResponse)
+
+            def chunk(i: int, text: str, reason: str | None, lps: Any, first: bool, offset: int) -> dict:
+                return completion_chunk(rid, created, model_name, i, text, reason,
+                                        None if lps is None else completion_logprobs(lps, offset, sp.logprobs or 0))
+            return await stream_response(streams, request, chunk, rid, created, model_name, "text_completion",
+                                         include_usage, StreamingResponse)
         outs = await finished_outputs(streams, request)
         choices = [{"index": i * sp.n + c.index, "text": c.text, "finish_reason": finish_reason(c),
                     "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, 0, sp.logprobs or 0)}
                    for i, o in enumerate(outs) for c in o.outputs]
-        return {"id": rid, "object": "text_completion", "created": now(), "model": model_name, "choices": choices,
+        return {"id": rid, "object": "text_completion", "created": created, "model": model_name, "choices": choices,
                 "usage": usage_of(outs)}
 
     @app.post("/v1/chat/completions")
@@ -91,7 +93,7 @@ def build_app(llm: LLM, model_name: str, chat_template: str | None = None) -> An
         sp = body.sampling_params(limit if limit is not None else max(1, llm.engine.max_model_len - len(ids)),
                                   body.num_logprobs())
         streams = submit_all(llm, [ids], sp)
-        rid = new_id("chatcmpl")
+        rid, created = new_id("chatcmpl"), now()
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
 
@@ -99,14 +101,14 @@ def build_app(llm: LLM, model_name: str, chat_template: str | None = None) -> An
                 delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
                 return chat_chunk(rid, created, model_name, i, delta, reason,
                                   None if lps is None else chat_logprobs(lps, sp.logprobs or 0))
-            return await stream_response(streams, request, chunk, rid, model_name, "chat.completion.chunk",
+            return await stream_response(streams, request, chunk, rid, created, model_name, "chat.completion.chunk",
                                          include_usage, StreamingResponse)
         outs = await finished_outputs(streams, request)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "finish_reason": finish_reason(c),
                     "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, sp.logprobs or 0)}
                    for o in outs for c in o.outputs]
-        return {"id": rid, "object": "chat.completion", "created": now(), "model": model_name, "choices": choices,
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name, "choices": choices,
                 "usage": usage_of(outs)}
 
     return app
@@ -211,8 +213,8 @@ def sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def stream_response(streams: list[CompletionStream], request: Any, chunk: Any, rid: str, model: str,
-                          kind: str, include_usage: bool, response_class: Any) -> Any:
+async def stream_response(streams: list[CompletionStream], request: Any, chunk: Any, rid: str, created: int,
+                          model: str, kind: str, include_usage: bool, response_class: Any) -> Any:
     """Server-sent events: a chunk per completion each time it has new tokens or ends, then the usage (if
     asked) and `data: [DONE]`. The headers go once a first token is out, so a rejected request is
     still a 400; a client that disconnects aborts the requests (the generator is closed)."""
@@ -265,7 +267,7 @@ async def stream_response(streams: list[CompletionStream], request: Any, chunk: 
                     pass
             if include_usage:
                 outs = [cs.result() for cs in streams]
-                yield sse({"id": rid, "object": kind, "created": now(), "model": model, "choices": [],
+                yield sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
                            "usage": usage_of(outs)})
             yield "data: [DONE]\n\n"
         finally:  # closed early: the client went away
