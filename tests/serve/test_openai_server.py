@@ -37,7 +37,7 @@ class GateExecutor(Executor):
     def __init__(self, inner: Executor):
         self.inner, self.open = inner, threading.Event()
         self.open.set()
-        self.budget: int | None = None  # steps to run before closing the gate (None: leave it as it is)
+        self.budget: int | None = None  # steps to run before closing the gate; None again once closed
         self.rows = getattr(inner, "rows", None)
 
     def execute(self, scheduled, kv):
@@ -115,6 +115,7 @@ def test_a_chunk_goes_out_for_new_tokens_whose_text_is_held_back(server, llm):
             lines = (line for line in resp.iter_lines() if line.startswith("data: {"))
             first = json.loads(next(lines).removeprefix("data: "))["choices"][0]
             assert first["text"] == "" and len(first["logprobs"]["tokens"]) == 1 and first["finish_reason"] is None
+            wait_for(lambda: gate.budget is None, "the engine waiting at its gate")  # else it would close it after
             gate.open.set()
             rest = [json.loads(line.removeprefix("data: "))["choices"][0] for line in lines]
     finally:
@@ -193,6 +194,26 @@ def test_a_client_leaving_mid_stream_aborts_its_request_and_frees_its_kv(server,
     wait_for(lambda: req.is_finished, "the request ending")
     assert req.finish_reason.value == "aborted" and req.finish_message == "the client disconnected"
     assert 0 < len(req.output_token_ids) < 100
+    assert_idle(llm)
+
+
+def test_a_client_leaving_a_non_streamed_request_aborts_it(server, llm):
+    gate = llm.engine.executor
+    gate.budget = 1  # one step (the prefill), then the engine waits: the response cannot be ready
+    body = {"model": "tiny-test", "prompt": PROMPTS[0], "max_tokens": 50, "temperature": 0, "ignore_eos": True}
+    try:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=2.0))
+        [stream] = llm.loop._live.values()
+        req = stream.request
+        wait_for(lambda: llm.loop._aborts, "the server asking for the abort")
+        wait_for(lambda: gate.budget is None, "the engine waiting at its gate")
+    finally:
+        gate.budget = None
+        gate.open.set()
+    wait_for(lambda: req.is_finished, "the request ending")
+    assert req.finish_reason.value == "aborted" and req.finish_message == "the client disconnected"
+    assert len(req.output_token_ids) < 50
     assert_idle(llm)
 
 
