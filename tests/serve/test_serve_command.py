@@ -25,6 +25,7 @@ def start(*args: str, cwd: str = ROOT) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # a fresh interpreter loading torch and the model: ~7 s on a quiet machine
 def test_the_command_serves_the_default_model_with_its_chat_template(tmp_path):
     proc = start("server.port=0", "engine.max_model_len=256", cwd=str(tmp_path))
     try:
