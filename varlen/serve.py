@@ -331,12 +331,14 @@ def main() -> None:
     @hydra.main(config_path=str(conf_dir("run")), config_name="serve", version_base="1.3")
     def _main(cfg: Any) -> None:
         from varlen.attention_api import BackendUnavailable
-        from varlen.cli import errors_to_exit, fail
+        from varlen.cli import errors_to_exit, fail, interrupted
 
         try:
             serve(cfg)
         except errors_to_exit((BackendUnavailable, OSError)) as err:
             fail(str(err))
+        except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again
+            interrupted("stopped serving")
 
     from varlen.cli import run_cli
 
