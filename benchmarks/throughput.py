@@ -120,7 +120,7 @@ def run_varlen(path, prompts, outputs, scheduler, backend, block_size=16, max_ba
                   kv_cache_memory="1GiB")
     sps = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in outputs]
     t = time.perf_counter()
-    outs = llm.generate(prompts, sps)
+    outs = llm.generate(prompts, sps, use_tqdm=False)
     dt = time.perf_counter() - t
     assert [len(o.token_ids) for o in outs] == outputs
     timings = {**llm.engine.timings, **llm.executor.timings}
@@ -186,7 +186,8 @@ def forward_split(path, prompts, outputs, backend, repeats=3, fused=True):
         return out
 
     runner.execute = split
-    llm.generate(prompts, [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in outputs])
+    llm.generate(prompts, [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in outputs],
+                 use_tqdm=False)
     return rows
 
 

@@ -43,7 +43,8 @@ def real(window: int, n_req: int, max_tokens: int, block_size: int = 16) -> list
             llm = LLM(model=path, backend="torch_sdpa", scheduler="chunked", allocator=alloc, block_size=block_size,
                       num_blocks=n_req * -(-(64 + max_tokens) // block_size), max_model_len=64 + max_tokens)
             t = time.perf_counter()
-            outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+            outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                                use_tqdm=False)
             wall = time.perf_counter() - t
             got = [o.token_ids for o in outs]
             same = "-" if tokens is None else ("yes" if got == tokens else "NO")

@@ -27,7 +27,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 # triton: the tests run the triton backend's kernels in Triton's CPU interpreter (Linux wheels).
 # cluster: Hydra's submitit and Ray launchers, whose sweeps tests/cli/test_launchers.py runs.
-"$PY" -m pip install -q -e ".[test,fast,triton,cluster]"
+# serve: the OpenAI-compatible server (FastAPI, uvicorn), python -m varlen.serve.
+"$PY" -m pip install -q -e ".[test,fast,triton,cluster,serve]"
 # The simulator's scheduling core compiled with mypyc (~2x faster, same decisions; see
 # varlen/compiled.py). Optional: without it the pure-Python core runs.
 if ! "$PY" -m varlen.compile; then

@@ -296,7 +296,7 @@ def prop_matches_hf(subject: Subject, s: Any) -> None:
                   num_blocks=num_blocks, max_model_len=MAX_LEN)
         prompts = [p for p, _ in requests]
         sps = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
-        outs = llm.generate(prompts, sps)
+        outs = llm.generate(prompts, sps, use_tqdm=False)
         with torch.inference_mode():
             for i, (out, prompt) in enumerate(zip(outs, prompts)):
                 assert out.finish_reason in ("length", "rejected"), \

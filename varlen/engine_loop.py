@@ -5,12 +5,13 @@ it ends when nothing is left to serve, so an idle LLM holds no thread.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import math
 import threading
 import time
-from typing import Callable, Generic, Iterator, Sequence, TypeVar
+from typing import AsyncGenerator, AsyncIterator, Callable, Generic, Iterator, Sequence, TypeVar
 
 from varlen.engine import Engine, _error_message
 from varlen.request import FinishReason, Request
@@ -20,6 +21,9 @@ from varlen.steplog import StepLog
 MAX_ARRIVAL_S = 24 * 3600.0
 
 Out = TypeVar("Out")
+ToOutput = Callable[[Request, int, bool], Out]
+#: Called on the loop's thread after a step gave the request tokens: a message ends it `stop`.
+StopCheck = Callable[[Request], "str | None"]
 
 
 def arrival_problem(arrival: float) -> str:
@@ -35,13 +39,15 @@ def arrival_problem(arrival: float) -> str:
 class RequestStream(Generic[Out]):
     """A submitted request: wait for its result, stream its outputs, or abort it (`error`: a failed step's)."""
 
-    def __init__(self, loop: EngineLoop, request: Request, to_output: Callable[[Request, int, bool], Out]):
+    def __init__(self, loop: EngineLoop, request: Request, to_output: ToOutput[Out],
+                 stop_check: StopCheck | None = None):
         self.request = request
         self.error: BaseException | None = None
-        self._loop, self._to_output = loop, to_output
+        self._loop, self._to_output, self._stop_check = loop, to_output, stop_check
         self._tokens = 0  # output tokens published by the loop (the request's list may be ahead)
         self._done = False
         self._call: object = self  # requests submitted together end together when a step fails
+        self._listeners: list[Callable[[], None]] = []  # called (loop thread, lock held) on news
 
     @property
     def request_id(self) -> str:
@@ -72,6 +78,58 @@ class RequestStream(Generic[Out]):
             if done:
                 return
 
+    def add_listener(self, wake: Callable[[], None]) -> None:
+        """Call `wake()` whenever this request has new tokens or ends: on the loop's thread with its
+        lock held, so it must only signal (e.g. asyncio's call_soon_threadsafe)."""
+        with self._loop.cond:
+            self._listeners.append(wake)
+
+    def remove_listener(self, wake: Callable[[], None]) -> None:
+        with self._loop.cond:
+            if wake in self._listeners:
+                self._listeners.remove(wake)
+
+    def state(self) -> tuple[int, bool]:
+        """(output tokens published, ended) as the loop last published them."""
+        with self._loop.cond:
+            return self._tokens, self._done
+
+    async def __aiter__(self) -> AsyncIterator[Out]:
+        """As iterating, for an asyncio task: waits without holding a thread."""
+        async for _ in wait_async([self]):
+            tokens, done = self.state()
+            yield self._to_output(self.request, tokens, done)
+
+
+async def wait_async(streams: Sequence[RequestStream]) -> AsyncGenerator[None, None]:
+    """Yields once at once, then each time one of `streams` has news, until all have ended."""
+    aloop = asyncio.get_running_loop()
+    news = asyncio.Event()
+
+    def wake() -> None:
+        try:
+            aloop.call_soon_threadsafe(news.set)
+        except RuntimeError:  # the event loop has closed: no one is waiting any more
+            pass
+
+    for s in streams:
+        s.add_listener(wake)
+    try:
+        seen: list[tuple[int, bool]] = []
+        while True:
+            news.clear()
+            now = [s.state() for s in streams]
+            if now != seen:
+                seen = now
+                yield None
+                if all(done for _, done in now):
+                    return
+                continue
+            await news.wait()
+    finally:
+        for s in streams:
+            s.remove_listener(wake)
+
 
 class EngineLoop:
     """Serves the requests submitted by any thread on one engine."""
@@ -86,10 +144,16 @@ class EngineLoop:
         self._order = itertools.count()
         self._thread: threading.Thread | None = None
 
-    def submit(self, reqs: Sequence[Request], to_output: Callable[[Request, int, bool], Out]) -> list[RequestStream[Out]]:
-        """Queue `reqs` (`arrival`: seconds from now); a bad arrival ends `rejected` here."""
+    def submit(self, reqs: Sequence[Request], to_output: ToOutput[Out] | Sequence[ToOutput[Out]],
+               stop_checks: Sequence[StopCheck | None] | None = None) -> list[RequestStream[Out]]:
+        """Queue `reqs` (`arrival`: seconds from now); a bad arrival ends `rejected` here. `to_output`:
+        one for all requests or one each; `stop_checks`: one each (None: no check)."""
         now = self.engine.clock.now()
-        streams = [RequestStream(self, r, to_output) for r in reqs]
+        outs = list(to_output) if isinstance(to_output, Sequence) else [to_output] * len(reqs)
+        checks = list(stop_checks) if stop_checks is not None else [None] * len(reqs)
+        if len(outs) != len(reqs) or len(checks) != len(reqs):
+            raise ValueError(f"{len(reqs)} requests with {len(outs)} output makers and {len(checks)} stop checks")
+        streams = [RequestStream(self, r, o, c) for r, o, c in zip(reqs, outs, checks)]
         call = object()
         for s in streams:
             s._call = call
@@ -151,6 +215,8 @@ class EngineLoop:
                         s.request.finish(FinishReason.ABORTED, self.engine.clock.now(),
                                          _error_message("the engine loop failed", err))
                     s.error, s._done = err, True
+                    for wake in s._listeners:
+                        wake()
                 self._live.clear()
                 self._pending.clear()
                 self.cond.notify_all()
@@ -181,6 +247,7 @@ class EngineLoop:
                 except BaseException as err:  # the step's requests ended aborted with it; the loop goes on
                     error = err
                     self._stop_calls_of_failed(err)
+            self._check_stops()
             self._publish(error)
             if not eng.has_unfinished() and self._pending:
                 with self.cond:
@@ -207,9 +274,10 @@ class EngineLoop:
         try:
             self.engine.abort(req_id, message)
         except BaseException as err:  # a policy's remove() raising: the request still ends
-            s = self._live.get(req_id)
-            if s is not None and not s.request.is_finished:
-                s.request.finish(FinishReason.ABORTED, self.engine.clock.now(), f"{message} ({_error_message('abort', err)})")
+            live = self._live.get(req_id)
+            if live is not None and not live.request.is_finished:
+                live.request.finish(FinishReason.ABORTED, self.engine.clock.now(),
+                                    f"{message} ({_error_message('abort', err)})")
 
     def _stop_calls_of_failed(self, err: BaseException) -> None:
         """A step failed: the requests submitted with its requests end `aborted` too; others go on."""
@@ -220,15 +288,37 @@ class EngineLoop:
             if id(s._call) in failed and not s.request.is_finished:
                 self._abort(s.request_id, _error_message("the run stopped", err))
 
+    def _check_stops(self) -> None:
+        """Stop strings: a request whose new text holds one ends `stop` before the next step (one that
+        just ended `length` becomes `stop`), so it never computes a token past it."""
+        for s in list(self._live.values()):
+            r = s.request
+            check = s._stop_check
+            if check is None or len(r.output_token_ids) <= s._tokens or \
+                    r.finish_reason in (FinishReason.ABORTED, FinishReason.REJECTED):
+                continue
+            message = check(r)
+            if message is None:
+                continue
+            if not r.is_finished:
+                self.engine._finish(r, FinishReason.STOP, message)  # as a stop token would: KV freed now
+            else:
+                r.finish_reason, r.finish_message = FinishReason.STOP, message
+
     def _publish(self, error: BaseException | None) -> None:
         """Tell the callers what the step produced; `error`: the step raised it."""
         with self.cond:
             for req_id, s in list(self._live.items()):
                 r = s.request
-                s._tokens = len(r.output_token_ids)
+                tokens = len(r.output_token_ids)
+                news = tokens != s._tokens or r.is_finished
+                s._tokens = tokens
                 if r.is_finished:
                     if error is not None and r.finish_reason is FinishReason.ABORTED and s.error is None:
                         s.error = error
                     s._done = True
                     del self._live[req_id]
+                if news:
+                    for wake in s._listeners:
+                        wake()
             self.cond.notify_all()

@@ -5,8 +5,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import warnings
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -16,11 +15,11 @@ from varlen import registry
 from varlen.assembly import allocator_factory, build_engine, is_choice
 from varlen.attention_api import AttentionBackend
 from varlen.engine import _error_message
-from varlen.engine_loop import EngineLoop, RequestStream, arrival_problem
+from varlen.engine_loop import EngineLoop, RequestStream, arrival_problem, wait_async
 from varlen.executor import ModelExecutor
 from varlen.kv.base import KVAllocator
-from varlen.metrics import RequestMetrics
 from varlen.model_runner import ModelRunner, load_model
+from varlen.outputs import Completion, CompletionOutput, RequestOutput, token_text_cache
 from varlen.request import Request
 from varlen.sampler import Sampler
 from varlen.sampling_params import SamplingParams
@@ -28,21 +27,67 @@ from varlen.scheduler_api import SchedulerPolicy
 from varlen.settings import DEFAULT_MAX_NUM_SEQS, EngineSettings, check_engine_settings, size_kv_pool
 
 
-@dataclass
-class RequestOutput:
-    """A request's output; while it streams, `finish_reason` and `metrics` are None."""
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    finish_message: str
-    metrics: RequestMetrics | None
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "CompletionStream"]
+
+
+class CompletionStream:
+    """A submitted prompt's n completions: `.result()` waits for the RequestOutput, iterating (or
+    `async for`) yields one each time a completion has new tokens (the last one final), `.abort()`
+    ends them. Each completion is its own engine request (`streams`)."""
+
+    def __init__(self, request_id: str, prompt: str | None, streams: list[RequestStream[CompletionOutput]]):
+        self.request_id, self.prompt, self.streams = request_id, prompt, streams
 
     @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    def request(self) -> Request:
+        return self.streams[0].request
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error of a failed step that ended one of its completions, if any."""
+        return next((s.error for s in self.streams if s.error is not None), None)
+
+    def done(self) -> bool:
+        return all(s.done() for s in self.streams)
+
+    def abort(self, message: str = "aborted by the caller") -> None:
+        for s in self.streams:
+            s.abort(message)
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """The final output; raises TimeoutError if a completion has not ended within `timeout` s."""
+        loop = self.streams[0]._loop
+        if not loop.wait(self.streams, timeout=timeout):
+            raise TimeoutError(f"request {self.request_id!r} has not ended within {timeout} s")
+        return self._output([s.result() for s in self.streams])
+
+    def _output(self, outs: list[CompletionOutput]) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, list(self.request.prompt_token_ids), outs)
+
+    def _snapshot(self) -> RequestOutput:
+        outs = []
+        for s in self.streams:
+            tokens, done = s.state()
+            outs.append(s._to_output(s.request, tokens, done))
+        return self._output(outs)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        cond = self.streams[0]._loop.cond
+        seen: list[tuple[int, bool]] = []
+        while True:
+            with cond:
+                while [(s._tokens, s._done) for s in self.streams] == seen:
+                    cond.wait()
+                seen = [(s._tokens, s._done) for s in self.streams]
+            out = self._snapshot()
+            yield out
+            if all(done for _, done in seen):
+                return
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        """As iterating, for an asyncio task: waits without holding a thread (a server's streams)."""
+        async for _ in wait_async(self.streams):
+            yield self._snapshot()
 
 
 def resolve_model(model: str) -> str:
@@ -127,6 +172,7 @@ class LLM:
                                    vocab_size=hf.get_input_embeddings().num_embeddings)
         self.executor: ModelExecutor = self.engine.executor  # type: ignore[assignment]
         self._tokenizer = None
+        self._token_text: Callable[[int], str] | None = None
         self._ids = itertools.count()
         self.loop = EngineLoop(self.engine)
 
@@ -141,7 +187,14 @@ class LLM:
     def make_requests(self, prompts: Sequence[str | Sequence[int]] | str | Sequence[int],
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                       arrivals: Sequence[float] | None = None) -> list[Request]:
-        """One Request per prompt: text (tokenized) or token ids as given; anything else raises ValueError."""
+        """`sampling_params.n` Requests per prompt (text, tokenized, or token ids as given; anything else
+        raises ValueError), in prompt order."""
+        return [r for group in self._request_groups(prompts, sampling_params, arrivals) for r in group]
+
+    def _request_groups(self, prompts: Sequence[str | Sequence[int]] | str | Sequence[int],
+                        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                        arrivals: Sequence[float] | None = None) -> list[list[Request]]:
+        """Per prompt its n Requests: ids "7" for n = 1, else "7-0", "7-1", ... (seeded: seed + i)."""
         if _is_one_prompt(prompts):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -161,52 +214,90 @@ class LLM:
             if isinstance(p, (bytes, bytearray, Mapping)) or not isinstance(p, (str, Sequence, np.ndarray)) \
                     or (isinstance(p, np.ndarray) and p.ndim != 1):
                 raise ValueError(f"prompt {i} is a {type(p).__name__}: give text (str) or a flat list of token ids")
-        reqs = []
+        groups = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if isinstance(p, str):
                 ids = self.tokenizer(p, add_special_tokens=False).input_ids
             else:  # as given: int() would turn 5.7 into 5
                 ids = p if isinstance(p, np.ndarray) else list(p)
-            reqs.append(Request(str(next(self._ids)), ids, sp,
-                                arrival=arrivals[i] if arrivals is not None else 0.0,
-                                prompt=p if isinstance(p, str) else None))
-        return reqs
+            rid = str(next(self._ids))
+            arrival = arrivals[i] if arrivals is not None else 0.0
+            text = p if isinstance(p, str) else None
+            if sp.n == 1 or sp.problem():  # a bad one reaches the engine, which rejects it with the reason
+                groups.append([Request(rid, ids, sp, arrival=arrival, prompt=text)])
+            else:
+                groups.append([Request(f"{rid}-{k}", ids, _one_of(sp, k), arrival=arrival, prompt=text)
+                               for k in range(sp.n)])
+        return groups
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str | Sequence[int],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in input order. Thread-safe: calls
-        from several threads are batched together on one engine loop. A bad request ends `rejected`
-        (a warning when all of them are); on an error or Ctrl-C the call's requests end `aborted`."""
-        reqs = self.make_requests(prompts, sampling_params)
-        self.run(reqs, use_tqdm)
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); one RequestOutput per prompt, in input order,
+        holding its `n` completions. Thread-safe: calls from several threads are batched together on
+        one engine loop. A bad request ends `rejected` (a warning when all of them are); on an error or
+        Ctrl-C the call's requests end `aborted`. `use_tqdm`: a progress bar when stderr is a terminal."""
+        groups = self._request_groups(prompts, sampling_params)
+        reqs = [r for g in groups for r in g]
+        streams = self._serve(reqs, None if use_tqdm else False, [k for g in groups for k in range(len(g))])
         rejected = [r for r in reqs if r.finish_reason is not None and r.finish_reason.value == "rejected"]
         if reqs and len(rejected) == len(reqs):
             warnings.warn(f"all {len(reqs)} requests of this generate call were rejected; the first: "
                           f"{rejected[0].finish_message}", stacklevel=2)
-        return [self.output(r) for r in reqs]
+        outputs, i = [], 0
+        for g in groups:
+            part = streams[i:i + len(g)]
+            i += len(g)
+            outputs.append(CompletionStream(_parent_id(g), g[0].prompt, part).result())
+        return outputs
 
     def submit(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
-               arrival: float = 0.0) -> RequestStream[RequestOutput]:
-        """Queue one prompt on the engine loop and return at once: `.result()` waits for its output,
-        iterating yields its outputs as tokens come, `.abort()` ends it. `arrival`: seconds from now."""
-        [req] = self.make_requests([prompt], sampling_params, None if not arrival else [arrival])
-        [stream] = self.loop.submit([req], self.output)
-        return stream
+               arrival: float = 0.0) -> CompletionStream:
+        """Queue one prompt (its n completions) on the engine loop and return at once: `.result()` waits
+        for its output, iterating (or `async for`) yields outputs as tokens come, `.abort()` ends it.
+        `arrival`: seconds from now."""
+        [group] = self._request_groups([prompt], sampling_params, None if not arrival else [arrival])
+        return CompletionStream(_parent_id(group), group[0].prompt, self._submit(group, range(len(group))))
 
     def abort(self, request_id: str, message: str = "aborted by the caller") -> None:
-        """End a submitted request `aborted` after the current step, freeing its KV; no-op if it has ended."""
+        """End a submitted request (with n > 1: each of its completions) `aborted` after the current
+        step, freeing its KV; a no-op if it has ended."""
         self.loop.abort(request_id, message)
+        with self.loop.cond:
+            children = [k for k in self.loop._live if k.startswith(f"{request_id}-")]
+        for k in children:
+            self.loop.abort(k, message)
 
-    def run(self, reqs: Sequence[Request], use_tqdm: bool = False) -> None:
+    def _submit(self, reqs: Sequence[Request], index: Sequence[int] | None = None
+                ) -> list[RequestStream[CompletionOutput]]:
+        """Queue `reqs`, each with its Completion (text, stop strings, logprobs); `index`: each one's
+        place among its prompt's completions (0 if not given)."""
+        if self._token_text is None:
+            self._token_text = token_text_cache(self._decode)
+        states = [Completion(r, index[i] if index is not None else 0, self._decode, self._token_text)
+                  for i, r in enumerate(reqs)]
+        return self.loop.submit(reqs, [c.output for c in states],
+                                [c.check_stop if r.sampling.stop else None for c, r in zip(states, reqs)])
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def run(self, reqs: Sequence[Request], use_tqdm: bool = False) -> list[RequestStream[CompletionOutput]]:
         """Serve `reqs` to the end on the engine loop, each at its `arrival` (seconds from now); on an
-        error or Ctrl-C the rest end `aborted` and the error propagates."""
+        error or Ctrl-C the rest end `aborted` and the error propagates. Returns their streams
+        (`.result()`: each one's CompletionOutput). `use_tqdm`: a progress bar."""
+        return self._serve(reqs, use_tqdm)
+
+    def _serve(self, reqs: Sequence[Request], bar_on: bool | None, index: Sequence[int] | None = None
+               ) -> list[RequestStream[CompletionOutput]]:
+        """run(); `bar_on` None: a progress bar only when stderr is a terminal."""
         bar = None
-        if use_tqdm:
+        if bar_on is not False:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(reqs), unit="req", desc="requests")
-        streams = self.loop.submit(reqs, self.output)
+            bar = tqdm(total=len(reqs), unit="req", desc="requests", disable=None if bar_on is None else False)
+            bar = None if bar.disable else bar
+        streams = self._submit(reqs, index)
         try:
             try:
                 self.loop.wait(streams, on_done=bar.update if bar is not None else None)
@@ -220,8 +311,9 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()  # where it stands: after Ctrl-C it says how many ended
+        return streams
 
-    def _stop(self, streams: list[RequestStream[RequestOutput]], err: BaseException) -> None:
+    def _stop(self, streams: list[RequestStream[CompletionOutput]], err: BaseException) -> None:
         """End every unfinished request of a call `aborted` (the loop does it after its step), note it on `err`."""
         for s in streams:
             if not s.done():
@@ -237,14 +329,20 @@ class LLM:
         err.add_note(f"varlen: {aborted} of this call's {len(streams)} requests ended aborted; "
                      f"the LLM is ready for the next call")
 
-    def output(self, r: Request, num_tokens: int | None = None, finished: bool = True) -> RequestOutput:
-        """`r`'s output; `num_tokens`, `finished`: a snapshot while it streams."""
-        ids = list(r.output_token_ids if num_tokens is None else r.output_token_ids[:num_tokens])
-        return RequestOutput(
-            request_id=r.req_id, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids), token_ids=ids,
-            text=self.tokenizer.decode(ids, skip_special_tokens=True),
-            finish_reason=r.finish_reason.value if finished else None,
-            finish_message=r.finish_message if finished else "", metrics=RequestMetrics.of(r) if finished else None)
+
+
+def _parent_id(group: list[Request]) -> str:
+    """The prompt's id: its one request's, or its completions' ("7-0", "7-1") without the index."""
+    rid = group[0].req_id
+    return rid if len(group) == 1 else rid.rsplit("-", 1)[0]
+
+
+def _one_of(sp: SamplingParams, k: int) -> SamplingParams:
+    """Completion k's settings: n = 1 and, when seeded, seed + k (distinct, reproducible draws)."""
+    return SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
+                          seed=None if sp.seed is None else (sp.seed + k) % 2**64,
+                          stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, n=1, stop=sp.stop,
+                          logprobs=sp.logprobs)
 
 
 def _is_one_prompt(prompts: object) -> bool:

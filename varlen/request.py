@@ -39,6 +39,8 @@ class Request:
     expected_output_len: int | None = None  # known to traces and the `oracle` reservation only
 
     output_token_ids: list[int] = field(default_factory=list)
+    # With sampling.logprobs = k, per output token: (its logprob, its rank, the top-k ids, their logprobs).
+    output_logprobs: list[tuple[float, int, list[int], list[float]]] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     finish_message: str = ""
@@ -81,6 +83,7 @@ class Request:
         self.req_id, self.prompt_token_ids, self.sampling = req_id, prompt_token_ids, sp
         self.arrival, self.priority, self.prompt, self.expected_output_len = t, p, prompt, n
         self.output_token_ids = []
+        self.output_logprobs = []
         self.status = Status.WAITING
         self.finish_reason = None
         self.finish_message = ""

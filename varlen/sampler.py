@@ -20,6 +20,13 @@ class Sampler:
             self.generators.pop(req.req_id, None)
 
     def sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
+        tokens = self._choose(logits, reqs)
+        for i, r in enumerate(reqs):
+            if r.sampling.logprobs is not None:
+                r.output_logprobs.append(token_logprobs(logits[i], tokens[i], r.sampling.logprobs))
+        return tokens
+
+    def _choose(self, logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
         greedy = [i for i, r in enumerate(reqs) if r.sampling.greedy]
         if len(greedy) == len(reqs):  # all greedy: no copy of the rows
             return argmax_rows(logits)
@@ -58,3 +65,15 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
         return (logits.detach() if logits.requires_grad else logits).numpy().argmax(-1).tolist()
     return logits.argmax(-1).tolist()
+
+
+def token_logprobs(row: torch.Tensor, token: int, k: int) -> tuple[float, int, list[int], list[float]]:
+    """`token`'s logprob and rank (1 = the most likely) and the top-k (ids, logprobs), from the row of
+    logits the token was chosen from, in fp32: the model's distribution, before temperature or cuts."""
+    lp = row.detach().float().log_softmax(-1)
+    chosen = lp[token]
+    rank = int((lp > chosen).sum()) + 1
+    if k == 0:
+        return float(chosen), rank, [], []
+    top = torch.topk(lp, min(k, lp.shape[-1]))
+    return float(chosen), rank, top.indices.tolist(), top.values.tolist()

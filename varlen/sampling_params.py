@@ -11,6 +11,7 @@ import numpy as np
 #: Below this temperature logits / temperature may overflow (NaN after softmax): decode greedily.
 GREEDY_BELOW = 1e-5
 SEED_LIMIT = 2**64  # what torch.Generator.manual_seed takes
+MAX_LOGPROBS = 20  # top-k logprobs per token, at most (vLLM's default cap, OpenAI chat's top_logprobs)
 
 
 def _integer(v: object) -> int | None:
@@ -32,14 +33,15 @@ def _real(v: object) -> float | None:
     return f if math.isfinite(f) else None
 
 
-Normalized = tuple[int, float, int, float, "int | None", tuple[int, ...], bool]
+Normalized = tuple[int, float, int, float, "int | None", tuple[int, ...], bool, int, tuple[str, ...], "int | None"]
 
 
 def check_sampling(max_tokens: object, temperature: object, top_k: object, top_p: object, seed: object,
-                   stop_token_ids: object, ignore_eos: object) -> Normalized | str:
+                   stop_token_ids: object, ignore_eos: object, n: object = 1, stop: object = (),
+                   logprobs: object = None) -> Normalized | str:
     """The settings as their field types, or one line naming the wrong field, its value and the fix."""
-    n = _integer(max_tokens)
-    if n is None or n < 1:
+    mt = _integer(max_tokens)
+    if mt is None or mt < 1:
         return f"max_tokens={max_tokens!r}: must be an integer >= 1"
     t = _real(temperature)
     if t is None or t < 0:
@@ -50,10 +52,10 @@ def check_sampling(max_tokens: object, temperature: object, top_k: object, top_p
     p = _real(top_p)
     if p is None or not 0 < p <= 1:
         return f"top_p={top_p!r}: must be a number in (0, 1] (1 = no nucleus cut)"
-    s = None
+    sd = None
     if seed is not None:
-        s = _integer(seed)
-        if s is None or not 0 <= s < SEED_LIMIT:
+        sd = _integer(seed)
+        if sd is None or not 0 <= sd < SEED_LIMIT:
             return f"seed={seed!r}: must be None or an integer in [0, 2**64)"
     if not isinstance(stop_token_ids, (list, tuple, np.ndarray)):
         return f"stop_token_ids={stop_token_ids!r}: must be a list of token ids"
@@ -65,7 +67,23 @@ def check_sampling(max_tokens: object, temperature: object, top_k: object, top_p
         stops.append(i)
     if not isinstance(ignore_eos, (bool, np.bool_)):
         return f"ignore_eos={ignore_eos!r}: must be True or False"
-    return n, t, k, p, s, tuple(stops), bool(ignore_eos)
+    copies = _integer(n)
+    if copies is None or copies < 1:
+        return f"n={n!r}: must be an integer >= 1 (completions per prompt)"
+    bad_stop = f"stop={stop!r}: must be a non-empty string or a list of them (text that ends the output)"
+    items: list[object] = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, (list, tuple)) else [None]
+    texts: list[str] = []
+    for text in items:
+        if not isinstance(text, str) or not text:
+            return bad_stop
+        texts.append(text)
+    top = None
+    if logprobs is not None:
+        top = _integer(logprobs)
+        if top is None or not 0 <= top <= MAX_LOGPROBS:
+            return (f"logprobs={logprobs!r}: must be None or an integer in [0, {MAX_LOGPROBS}] (the top-k "
+                    f"alternatives per token; 0 = the chosen token's only)")
+    return mt, t, k, p, sd, tuple(stops), bool(ignore_eos), copies, tuple(texts), top
 
 
 @dataclass(init=False, slots=True)
@@ -77,19 +95,25 @@ class SamplingParams:
     seed: int | None  # per-request generator: same seed, same tokens, whatever the batch
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    n: int  # completions of the prompt, each its own request (seeded: seed, seed + 1, ...)
+    stop: tuple[str, ...]  # text that ends the output, cut from it (finish reason "stop")
+    logprobs: int | None  # per output token: the chosen token's logprob and the top-k's; None: none
 
     def __init__(self, max_tokens: object = 16, temperature: object = 1.0, top_k: object = 0, top_p: object = 1.0,
-                 seed: object = None, stop_token_ids: object = (), ignore_eos: object = False) -> None:
-        ok = check_sampling(max_tokens, temperature, top_k, top_p, seed, stop_token_ids, ignore_eos)
+                 seed: object = None, stop_token_ids: object = (), ignore_eos: object = False, n: object = 1,
+                 stop: object = (), logprobs: object = None) -> None:
+        """`stop`: a string or a list of them; `logprobs`: k in [0, 20] (0: the chosen token's only)."""
+        ok = check_sampling(max_tokens, temperature, top_k, top_p, seed, stop_token_ids, ignore_eos, n, stop,
+                            logprobs)
         if isinstance(ok, str):
             raise ValueError(f"SamplingParams {ok}")
         (self.max_tokens, self.temperature, self.top_k, self.top_p, self.seed, self.stop_token_ids,
-         self.ignore_eos) = ok
+         self.ignore_eos, self.n, self.stop, self.logprobs) = ok
 
     def problem(self) -> str:
         """What is wrong with these settings now ("" if nothing): fields may be set after construction."""
         ok = check_sampling(self.max_tokens, self.temperature, self.top_k, self.top_p, self.seed,
-                            self.stop_token_ids, self.ignore_eos)
+                            self.stop_token_ids, self.ignore_eos, self.n, self.stop, self.logprobs)
         return ok if isinstance(ok, str) else ""
 
     @property

@@ -18,6 +18,14 @@ _CORPUS = [
     "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \" @ # $ % ^ & _ ~",
 ]
 
+# A minimal chat template, so that chat endpoints work on the default model: each message on its own
+# line after its role, ended by the eos token; with add_generation_prompt the assistant's turn opens.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+TEMPLATE_FILE = "chat_template.jinja"  # where transformers reads a folder's chat template
+
 # Attention features get values that bite on short prompts, so coverage tests exercise them.
 WINDOW = 8
 ARCHITECTURES: dict[str, dict] = {
@@ -127,7 +135,10 @@ def _write_tokenizer(path: Path, vocab_size: int) -> int:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
+    if not (path / TEMPLATE_FILE).exists():  # older transformers keep it in tokenizer_config.json instead
+        (path / TEMPLATE_FILE).write_text(CHAT_TEMPLATE)
     return tok.get_vocab_size()
 
 
@@ -187,6 +198,10 @@ def ensure_tiny_model(arch: str = "qwen3") -> Path:
     (never half-written)."""
     path = default_model_dir(arch)
     if (path / "model.safetensors").exists():
+        if not (path / TEMPLATE_FILE).exists():  # written before the template shipped: add it, atomically
+            tmp = path / f"{TEMPLATE_FILE}.tmp{os.getpid()}"
+            tmp.write_text(CHAT_TEMPLATE)
+            os.replace(tmp, path / TEMPLATE_FILE)
         return path
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     write_tiny_model(tmp, arch)

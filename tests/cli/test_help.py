@@ -17,6 +17,7 @@ DOCUMENTED = {
     "sim.capacity": ["capacity.low", "capacity.criterion", "slo.tpot_s", "workload.rate"],
     "sim.search": ["search.target_rate", "workload.limit", "capacity.rel_tol", "slo.ttft_s"],
     "sim.explain": ["cost.model", "step.new", "engine.gpu_memory_utilization"],
+    "varlen.serve": ["server.port", "server.host", "server.chat_template", "engine.max_model_len"],
 }
 
 
