@@ -7,9 +7,14 @@ policy, `least_outstanding` routing, arriving at 80% of the fleet's capacity: 0.
 replica's sustainable rate at the default SLOs (found first by sim.capacity's bisection on 2,000
 requests, or given with --capacity). The grid: requests {10k, 100k, 1M} x replicas {1, 10, 100},
 plus 1,000 replicas at 1M; --quick runs 10k x {1, 10, 100} only. Each point is its own process
-(peak memory is the process's), stopped after --time-limit seconds; a point the memory guard
-refuses (sim/memory.py: more than the memory available) is shown as refused, with the estimate.
-Goal: 1M requests on 100 replicas in <= 60 s wall on one core and <= 2 GB peak.
+(peak memory is the process's own getrusage), stopped after --time-limit seconds. A point whose
+estimated memory (sim/memory.py's per-request estimate plus the replicas' engines) exceeds the
+memory available is skipped with the estimate, before it starts; one the child's own memory guard
+refuses is shown as refused. --azure adds the whole Azure conversation trace as one command,
+`python -m sim.run` from start to exit (goal: >= 10,000 requests/s of wall time).
+Goal: 1M requests on 100 replicas in <= 60 s wall on one core and <= 2 GB peak; requests/s of wall
+time at 1,000 replicas >= 0.5x that at 10 (equal load per replica).
+    taskset -c 1 python benchmarks/sim_scale.py --azure      # the whole grid, one core
 """
 
 from __future__ import annotations
@@ -30,6 +35,29 @@ GRID = [(n, r) for n in (10_000, 100_000, 1_000_000) for r in (1, 10, 100)] + [(
 QUICK = [(10_000, r) for r in (1, 10, 100)]
 LOAD = 0.8
 VIDUR = "Vidur: 330-455 requests/s of wall time on this machine (issue 26, whole Azure conversation trace)"
+# Resident bytes one replica's engine holds before any request (its KV allocator's tables, the
+# policy, the cost model) for Llama-3-8B on an H100: fitted to the peak RSS of 10,000 requests on
+# 100 and 1,000 replicas (main 3f5c08b); sim/memory.py's estimate covers the requests only.
+BYTES_PER_REPLICA = 1.7e6
+BASE_BYTES = 300e6  # the interpreter, its imports and the workload generator
+
+
+def estimate_bytes(requests: int, replicas: int) -> float:
+    """Peak memory a point is expected to need: its requests (sim/memory.py) and its replicas."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from sim import memory
+    from sim.run import CONF
+    from varlen.workload import load_workload
+
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("sim", overrides=overrides(min(requests, memory.SAMPLE), replicas, 1.0))
+    sample, _ = load_workload(OmegaConf.to_container(cfg.workload, resolve=True))
+    rows = sample.requests
+    per = memory.estimate_bytes(1, sum(r.prompt_len for r in rows) / len(rows),
+                                sum(r.output_len for r in rows) / len(rows), False)
+    return BASE_BYTES + requests * per + replicas * BYTES_PER_REPLICA
 
 
 def overrides(requests: int, replicas: int, rate: float) -> list[str]:
@@ -74,6 +102,11 @@ def one_replica_capacity() -> float:
 
 
 def run_point(requests: int, replicas: int, rate: float, limit_s: float) -> dict:
+    from sim.memory import available_bytes
+
+    need, have = estimate_bytes(requests, replicas), available_bytes()
+    if have is not None and need > have:
+        return {"status": f"skipped: needs an estimated {need / 1e9:.1f} GB, {have / 1e9:.1f} GB available"}
     cmd = [sys.executable, __file__, "--child", "--requests", str(requests), "--replicas", str(replicas),
            "--rate", repr(rate)]
     t0 = time.perf_counter()
@@ -95,6 +128,8 @@ def main() -> None:
     p.add_argument("--points", help="requests x replicas, comma-separated (e.g. 10000x1,100000x10)")
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds per point before it is stopped")
     p.add_argument("--capacity", type=float, help="one replica's capacity in req/s (default: found by bisection)")
+    p.add_argument("--azure", action="store_true", help="also the whole Azure conversation trace, python -m sim.run "
+                   "start to exit")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--requests", type=int, help=argparse.SUPPRESS)
     p.add_argument("--replicas", type=int, help=argparse.SUPPRESS)
@@ -104,6 +139,8 @@ def main() -> None:
         return child(args)
     points = ([tuple(int(x) for x in s.split("x")) for s in args.points.split(",")] if args.points
               else QUICK if args.quick else GRID)
+    if args.azure:  # first: its child's peak is then the only one getrusage(RUSAGE_CHILDREN) has seen
+        azure_row()
     cap = args.capacity if args.capacity else one_replica_capacity()
     print(f"one replica of Llama-3-8B on H100 (chunked, default SLOs): {cap:.3g} req/s; "
           f"each point at {LOAD:.0%} of replicas x that")
@@ -125,6 +162,27 @@ def main() -> None:
     print(f"req/s: requests per second of the whole process's wall time (loop: of the event loop's; CPU s: the "
           f"process's user + system time, steadier on a shared machine); {VIDUR}")
     print(f"goal: 1,000,000 requests on 100 replicas in <= 60 s wall on one core, <= 2 GB peak; core: {core}")
+
+
+def azure_row() -> None:
+    """`python -m sim.run` (the whole Azure conversation trace, Llama-3-8B on an H100) from start to exit."""
+    import tempfile
+
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="sim_scale_") as tmp:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "sim.run", f"hydra.run.dir={tmp}"],
+                              cwd=root, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+        wall = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if proc.returncode != 0:
+            raise SystemExit(f"python -m sim.run failed with exit {proc.returncode}:\n{proc.stderr[-3000:]}")
+        n = json.loads((Path(tmp) / "summary.json").read_text())["requests"]
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    print(f"whole Azure conversation trace, python -m sim.run start to exit: {n:,} requests, {wall:.2f} s wall "
+          f"({n / wall:,.0f} req/s), {cpu:.2f} s CPU ({n / cpu:,.0f} req/CPU s), peak {after.ru_maxrss / 1024:.0f} MB "
+          f"; goal >= 10,000 req/s of wall time", flush=True)
 
 
 if __name__ == "__main__":

@@ -44,18 +44,28 @@ class FastForwardEngine(Engine):
         self._growth: DecodeGrowth | None = None  # the allocator, if it has DecodeGrowth's methods
 
     def step(self, start: float | None = None, until: float | None = None) -> list[Request]:
-        """One step, then the pure-decode steps the policy promises up to `until` (None: exactly
-        Engine.step). A failure there aborts every running request."""
+        """The pure-decode steps the policy promises from `start` up to `until`, else one step and
+        then those (until None: exactly Engine.step). A failure there aborts every running request."""
         before, preemptions = len(self.steps), self.num_preemptions
+        if until is not None and (start is None or start == self.clock.now()) and self.clock.now() < until:
+            # A run cut short at `until` resumes as a run: no full step between two stretches of decodes.
+            batch = self.policy.next_decode_batch()
+            if batch and self._promises_kept():
+                finished = self._timed_decode_run(batch, until)
+                if len(self.steps) != before:
+                    return finished
         finished = super().step(start)
         if until is None or len(self.steps) == before or self.num_preemptions != preemptions:
             return finished  # no step recorded (nothing schedulable), or it preempted: no promise
         batch = self.policy.next_decode_batch()
         if not batch or not self._promises_kept():
             return finished
+        return finished + self._timed_decode_run(batch, until)
+
+    def _timed_decode_run(self, batch: list[Request], until: float) -> list[Request]:
         t0 = time.perf_counter()
         try:
-            finished += self._decode_run(batch, until)
+            finished = self._decode_run(batch, until)
         except BaseException as err:
             self._fail(list(self.policy.running), err, f"step {len(self.steps)} failed")
             raise

@@ -1,6 +1,12 @@
 """Discrete-event simulation: request arrivals, replicas behind a router, and on each replica the
 unmodified engine loop (`varlen.engine.Engine`) with a cost-model executor and a simulated clock.
 A step sees arrivals at its very start: with one replica this is `Engine.run` exactly.
+
+Replicas interact only through the router, so each advances on its own: to an arrival when it
+receives it, or when the router reads it (what a router reads: `reads`, sim/routers.py). A replica
+that is not looked at runs on, fast-forwarding its decodes in long stretches, whatever the other
+replicas' arrivals. The results are those of advancing every replica to every arrival (`lazy=False`,
+the reference loop), bit for bit (tests/sim/test_lazy_replicas.py).
 """
 
 from __future__ import annotations
@@ -10,12 +16,12 @@ import heapq
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from sim.executor import CostModelExecutor
 from sim.release import Release, arrival_order
 from sim.route_check import check_route
-from sim.routers import Router, make_router
+from sim.routers import Loads, Router, Unread, make_router, router_reads
 from sim.fast_forward import FastForwardEngine
 from sim.progress import for_run
 from varlen.clock import SimClock
@@ -84,14 +90,17 @@ class SimResult:
 
 def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tuple[Engine, CostModelExecutor]],
              num_replicas: int = 1, router: str | Router = "round_robin", fast_forward: bool = True,
-             router_options: dict | None = None, keep_requests: bool = True) -> SimResult:
+             router_options: dict | None = None, keep_requests: bool = True, lazy: bool = True) -> SimResult:
     """Serve `requests` on `num_replicas` engines, make_engine(clock) -> (engine, executor) for each;
     router: a conf/router name or a callable; fast_forward: tell each step the next arrival.
     keep_requests=False: each request is released as it ends (its slot in `requests` given a
-    placeholder) and the result holds their figures as columns (SimResult.requests a RequestResults)."""
+    placeholder) and the result holds their figures as columns (SimResult.requests a RequestResults).
+    lazy: advance a replica only when it gets an arrival or the router reads it (False: every
+    replica to every arrival, the reference; same results)."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     route = make_router(router, router_options)
+    reads = router_reads(route)
     replicas = []
     for i in range(num_replicas):
         clock = SimClock()
@@ -114,8 +123,11 @@ def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tupl
     t0 = time.perf_counter()
     with gc_paused():
         try:
-            _event_loop(pending, replicas, route, routed, fast_forward,
-                        progress if release is None else release.ticker(progress))
+            ticker = progress if release is None else release.ticker(progress)
+            if lazy:
+                _lazy_loop(pending, replicas, route, reads, routed, fast_forward, ticker)
+            else:
+                _event_loop(pending, replicas, route, routed, fast_forward, ticker)
         except BaseException as err:
             _end_all(pending, replicas, err)
             raise
@@ -137,8 +149,145 @@ def _end_all(pending: list[Request], replicas: list[Replica], err: BaseException
             r.finish(FinishReason.ABORTED, r.arrival, _error_message("the simulation stopped before this request arrived", err))
 
 
+class LeastIndex:
+    """Replicas' loads in a segment tree: the least loaded, lowest index on ties, in O(log replicas)."""
+
+    def __init__(self, n: int) -> None:
+        size = 1
+        while size < n:
+            size *= 2
+        self.size = size
+        self.tree = [0] * (2 * size)
+        for j in range(size + n, 2 * size):
+            self.tree[j] = 1 << 62  # no replica: never the least
+        for j in range(size - 1, 0, -1):
+            self.tree[j] = min(self.tree[2 * j], self.tree[2 * j + 1])
+
+    def set(self, k: int, load: int) -> None:
+        tree = self.tree
+        j = self.size + k
+        tree[j] = load
+        j >>= 1
+        while j:
+            left, right = tree[2 * j], tree[2 * j + 1]
+            tree[j] = left if left <= right else right
+            j >>= 1
+
+    def least(self) -> int:
+        tree, size = self.tree, self.size
+        j = 1
+        while j < size:
+            j = 2 * j if tree[2 * j] <= tree[2 * j + 1] else 2 * j + 1
+        return j - size
+
+
+def _advance(rep: Replica, t: float, until: float, fast_forward: bool) -> float:
+    """Replica `rep`'s step due at `t` (with the decodes it promises before `until`); its next step's
+    time, inf when it has nothing left."""
+    eng = rep.engine
+    rep.clock.sleep_until(t)
+    before = len(eng.steps)
+    if fast_forward:
+        assert isinstance(eng, FastForwardEngine)
+        eng.step(t, until)
+    else:
+        eng.step(t)
+    if len(eng.steps) == before and rep.clock.now() == t and eng.policy.running:
+        # Engine.run would spin here too; a simulation must not hang silently.
+        raise RuntimeError(f"replica {rep.index}: the policy scheduled nothing at t={t} with requests running")
+    return rep.executor.ready_time(rep.clock.now()) if eng.has_unfinished() else float("inf")
+
+
+def _lazy_loop(pending: list[Request], replicas: list[Replica], route: Router, reads: str, routed: dict[str, int],
+               fast_forward: bool, progress: Callable[[float, int, list[Replica]], None] | None = None) -> None:
+    """Arrivals in order; before each, the replicas the router reads (reads="nothing": none; else
+    every replica with a step due before the arrival), then the chosen one, advanced to it."""
+    num_replicas = len(replicas)
+    pick: Callable[[Any, Request], object] = route  # compiled: no int cast before check_route
+    inf = float("inf")
+    due = [inf] * num_replicas  # each replica's next step, inf when it has nothing to do
+    busy: list[tuple[float, int]] = []  # (due, replica) for the replicas the router reads
+    shared = reads != "nothing" and num_replicas > 1
+    counts = [0] * num_replicas
+    index = LeastIndex(num_replicas) if reads == "outstanding" else None
+    view: Any = replicas
+    if reads == "nothing":
+        view = Unread(route, num_replicas)
+    elif index is not None:
+        view = Loads(route, counts, index.least)
+    i, n = 0, len(pending)
+    events = 0
+    while i < n:
+        req = pending[i]
+        a = req.arrival
+        i += 1
+        if shared:
+            while busy and busy[0][0] < a:
+                t, k = heapq.heappop(busy)
+                events += 1
+                if events & 1023 == 0:
+                    poll()
+                t = due[k] = _advance(replicas[k], t, a, fast_forward)
+                if t < inf:
+                    heapq.heappush(busy, (t, k))
+                if index is not None:
+                    c = replicas[k].outstanding
+                    if c != counts[k]:
+                        counts[k] = c
+                        index.set(k, c)
+        events += 1
+        if events & 1023 == 0:
+            poll()  # Ctrl-C: compiled, this loop would not see it otherwise (varlen/interrupt.py)
+            if progress is not None:
+                progress(a, i - 1, replicas)
+        k = 0
+        if num_replicas > 1:
+            try:
+                k = check_route(route, pick(view, req), num_replicas)
+            except BaseException:
+                if not shared:  # stop where the reference loop stops: every replica at the arrival
+                    for j in range(num_replicas):
+                        _catch_up(replicas[j], due, a, fast_forward)
+                raise
+        rep = replicas[k]
+        routed[req.req_id] = k
+        if not shared:
+            events += _catch_up(rep, due, a, fast_forward)
+        idle = due[k] == inf
+        if idle:
+            rep.clock.sleep_until(a)
+        rep.engine.add_request(req)
+        if idle and rep.engine.has_unfinished():
+            due[k] = rep.executor.ready_time(rep.clock.now())
+            if shared:
+                heapq.heappush(busy, (due[k], k))
+        if index is not None:
+            c = rep.outstanding
+            if c != counts[k]:
+                counts[k] = c
+                index.set(k, c)
+    # Every arrival served: each replica runs to its end, on its own.
+    for k in range(num_replicas):
+        _catch_up(replicas[k], due, inf, fast_forward)
+
+
+def _catch_up(rep: Replica, due: list[float], until: float, fast_forward: bool) -> int:
+    """Replica `rep`'s steps due before `until`; how many calls that took."""
+    k = rep.index
+    t = due[k]
+    calls = 0
+    while t < until:
+        calls += 1
+        if calls & 1023 == 0:
+            poll()
+        t = _advance(rep, t, until, fast_forward)
+    due[k] = t
+    return calls
+
+
 def _event_loop(pending: list[Request], replicas: list[Replica], route: Router, routed: dict[str, int],
                 fast_forward: bool, progress: Callable[[float, int, list[Replica]], None] | None = None) -> None:
+    """The reference loop: every replica advanced to every arrival (simulate(lazy=False))."""
     num_replicas = len(replicas)
     pick: Callable[[list[Replica], Request], object] = route  # compiled: no int cast before check_route
     busy: list[tuple[float, int]] = []  # (time of the replica's next step, replica index)
