@@ -288,7 +288,7 @@ def main() -> None:
     for paper, build in (("vllm", vllm_rows), ("sarathi", sarathi_rows), ("distserve", distserve_rows)):
         if args.only in (None, paper):
             rows += build(args, traces)
-    for _, text in traces.values():
+    for text in dict.fromkeys(text for _, text in traces.values()):
         print("trace " + text)
     searches, out = Searches(args.rel_tol), []
     t0 = time.process_time()
