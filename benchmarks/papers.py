@@ -299,9 +299,10 @@ def main() -> None:
     p.add_argument("--rel-tol", type=float, default=0.05, help="bisection tolerance")
     p.add_argument("--csv", type=Path, help="also write the table here")
     args = p.parse_args()
-    if args.limit < 100 or args.sigma < 0:
-        print(f"error: --limit must be >= 100 (got {args.limit}) and --sigma >= 0 (got {args.sigma})", file=sys.stderr)
-        raise SystemExit(2)
+    if args.limit < 100:
+        p.error(f"--limit {args.limit}: give at least 100 requests per probe (the steady-state check needs them)")
+    if args.sigma < 0 or args.rel_tol <= 0:
+        p.error(f"--sigma {args.sigma} / --rel-tol {args.rel_tol}: give sigma >= 0 and rel-tol > 0")
     if args.quick and args.limit == 600:
         args.limit = 300
     from tqdm import tqdm
