@@ -164,7 +164,7 @@ def vllm_rows(args, traces: dict) -> list[Row]:
                     "Orca (Max)": ("2.7-8x (§6.2)", 2.7, 8.0) if sharegpt else ("vLLM ahead (Fig. 12)", None, None),
                     "FasterTransformer": ("up to 22x (§6.2)", None, 22.0) if sharegpt else ("vLLM ahead (Fig. 12)", None, None),
                 }[name]
-                note = ALPACA_NOTE if not sharegpt and "Max" not in name else FT_NOTE if "Faster" in name else ""
+                note = FT_NOTE if "Faster" in name else ALPACA_NOTE if not sharegpt and "Max" not in name else ""
                 rows.append(Row("vLLM SOSP'23", "Fig. 12", f"{setting}: vLLM / {name}", vllm, System(name, ov), common,
                                 text, lo, hi, note=note))
             if ds == "Alpaca" and not args.quick:
