@@ -4,6 +4,7 @@ checked on every step of a run with preemption, not on one hand-made state."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import yaml
@@ -175,3 +176,21 @@ def test_every_policy_config_names_a_registered_class_and_cites_its_behaviour():
         assert issubclass(cls, SchedulerPolicy) and cls.__name__ == yaml.safe_load(text)["_target_"].split(".")[-1]
     assert registry.target("scheduler", "orca") is ContinuousPolicy
     assert registry.target("scheduler", "fastertransformer") is StaticPolicy
+
+
+@pytest.mark.parametrize("prompt_blocks, watermark, admitted", [(18, 0.1, True), (19, 0.1, False), (19, 0.0, True)])
+def test_vllm_v0_admits_only_above_its_watermark(prompt_blocks, watermark, admitted):
+    # vLLM V0's block manager admits a prompt only when `watermark` of the pool stays free after it
+    # (here 2 of 20 blocks), so a request just preempted for memory is not re-admitted into the room
+    # its eviction made; with no watermark the pool fills to the last block.
+    pol = VllmV0Policy(max_num_seqs=4, max_num_batched_tokens=128, watermark=watermark)
+    kv = PagedAllocator(20, 4, 128)
+    eng = Engine(pol, kv, Recorder(), SimClock(), 128)
+    eng.add_request(Request("r", [3] * (4 * prompt_blocks), SamplingParams(max_tokens=2, ignore_eos=True), arrival=1e-9))
+    assert bool(pol.schedule(kv).scheduled) is admitted
+
+
+def test_vllm_v0_watermark_is_a_fraction_of_the_pool():
+    with pytest.raises(ValueError, match="watermark"):
+        VllmV0Policy(watermark=1.0)
+    assert yaml.safe_load((Path(__file__).parents[2] / "conf/scheduler/vllm_v0.yaml").read_text())["watermark"] == 0.01

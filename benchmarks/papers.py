@@ -1,0 +1,357 @@
+"""Reproduce the published results the simulator is compared with, side by side, in one command.
+
+    python benchmarks/papers.py [--quick] [--only vllm|sarathi|distserve] [--limit 600]
+
+Each row is a capacity ratio (system / baseline, the highest arrival rate each sustains: sim.capacity's
+bisection, every probe steady and passing the paper's own criterion, conf/criterion/) beside the
+paper's figure, with a status:
+
+- vLLM (Kwon et al., SOSP'23), Fig. 12 / §6.2: vLLM (vllm_v0 + paged) vs Orca (Oracle / Pow2 / Max:
+  the `orca` policy with contiguous reservations) and FasterTransformer (request-level batching,
+  max-length reservation), criterion normalized_latency; OPT-13B on one A100-40GB, OPT-66B on four
+  (TP4), OPT-175B on eight A100-80GB (TP8), the KV slots of the paper's Table 1.
+- Sarathi-Serve (Agrawal et al., OSDI'24), §5.1: sarathi (512-token budget strict, 2048 relaxed) vs
+  vLLM (vllm_v0), criterion tbt_p99_sched_delay (P99 TBT and median scheduling delay <= 2 s);
+  Mistral-7B on one A100-80GB, Yi-34B TP2.
+- DistServe (Zhong et al., OSDI'24), §6.2 / Fig. 8: goodput per GPU at 90% SLO attainment
+  (criterion distserve), a prefill/decode split with the placement given below vs colocated vLLM.
+
+Traces are synthesized (varlen.traces.SyntheticTrace): Poisson arrivals, lognormal lengths whose
+means match the paper's after clipping to the model's length (sigma is not stated: --sigma,
+printed), seeded. No constant here is fitted to a paper's result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# Mean prompt / output tokens as the papers state them.
+LENGTHS = {
+    "ShareGPT": (161.31, 337.99),  # vLLM §6.1 (Fig. 11): ShareGPT's input and output means
+    "Alpaca": (19.31, 58.45),      # vLLM §6.1 (Fig. 11): Alpaca's
+    # Not stated as numbers in DistServe's text: assumed, labelled as such in the table.
+    "HumanEval-like": (150.0, 120.0),
+    "LongBench-like": (1700.0, 100.0),
+}
+ASSUMED = {"HumanEval-like", "LongBench-like"}
+
+
+def requests_for(name: str, limit: int) -> int:
+    """Requests per probe: `limit` ShareGPT-sized requests' worth of tokens, never fewer than `limit`. Short
+    requests are served at high rates, so a fixed count would give the steady-state check a window of a
+    few seconds, shorter than the batch's ramp (Alpaca, OPT-13B: 600 requests 0.71x Orca (Oracle), 3,000 1.17x)."""
+    return max(limit, round(limit * sum(LENGTHS["ShareGPT"]) / sum(LENGTHS[name])))
+
+# vLLM Table 1: GPUs and KV slots per model (engine.num_blocks = slots / 16).
+VLLM_MODELS = {
+    "OPT-13B": dict(sim_model="opt_13b", hardware="a100_40gb_sxm", tensor=1, kv_slots=15_700),
+    "OPT-66B": dict(sim_model="opt_66b", hardware="a100_40gb_sxm", tensor=4, kv_slots=9_700),
+    "OPT-175B": dict(sim_model="opt_175b", hardware="a100_80gb_sxm", tensor=8, kv_slots=60_100),
+}
+
+
+@dataclass
+class System:
+    name: str
+    overrides: list[str]
+    gpus: int = 1
+
+
+@dataclass
+class Row:
+    paper: str
+    figure: str
+    setting: str
+    ours: System
+    base: System
+    common: list[str]
+    paper_text: str
+    lo: float | None = None  # the paper's ratio range (None: direction only)
+    hi: float | None = None
+    per_gpu: bool = False
+    note: str = ""  # the cause, shown when the row fails
+    ratio: float | None = None
+
+
+def matched(target: float, sample) -> float:
+    """The lognormal mean parameter whose seeded, clipped sample has mean `target` (the sample's mean
+    grows with the parameter: the same normal draws, scaled)."""
+    lo, hi = 1e-3, target * 100
+    if sample(hi) < target:
+        raise ValueError(f"a mean of {target:g} tokens cannot be reached under the clip")
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if sample(mid) < target else (lo, mid)
+    return hi
+
+
+def trace(name: str, sigma: float, max_len: int, limit: int, seed: int) -> tuple[list[str], str]:
+    """Workload overrides for a dataset-like trace whose prompt and output means, after clipping to
+    `max_len` (prompt + output, as the engine clips), are the paper's; and the line describing it."""
+    from varlen.traces import SyntheticTrace
+    from varlen.traces.synthetic import LengthDist
+
+    p_mean, o_mean = LENGTHS[name]
+    dist = lambda m: LengthDist("lognormal", mean=m, sigma=sigma, max=max_len - 1)  # noqa: E731
+    gen = lambda pm, om: SyntheticTrace(requests=limit, prompt_len=dist(pm), output_len=dist(om),  # noqa: E731
+                                        seed=seed).generate(lambda source: (None, None))
+    pm = matched(p_mean, lambda m: gen(m, 1.0).prompt.mean())
+    prompt = gen(pm, 1.0).prompt
+    om = matched(o_mean, lambda m: np.minimum(gen(pm, m).output, max_len - prompt).mean())
+    out = np.minimum(gen(pm, om).output, max_len - prompt)
+    src = "assumed" if name in ASSUMED else "paper"
+    text = (f"{name}: prompt mean {prompt.mean():.1f} "
+            f"({src} {p_mean:g}), output mean {out.mean():.1f} ({src} {o_mean:g}) after clipping to {max_len}; "
+            f"lognormal sigma {sigma:g}, {limit} requests, seed {seed}")
+    spec = lambda m: f"{{kind: lognormal, mean: {m:.9g}, sigma: {sigma:g}, max: {max_len - 1}}}"  # noqa: E731
+    return [f"workload.prompt_len={spec(pm)}", f"workload.output_len={spec(om)}"], text
+
+
+# Why a row fails, from the measurements in docs/decisions/papers.md (printed only when it does).
+ALPACA_NOTE = ("compute-bound, as the paper says of OPT-175B on Alpaca: the KV pool is a quarter used at the "
+               "baseline's capacity, so paging has nothing to win; the gap is the step rule: vLLM V0 runs a "
+               "prefill-only step for almost every arrival, each a full weight read, so its TPOT (125 vs 82 ms) "
+               "reaches the 0.1 s/token bound first. With the baseline on V0's step rule (the row 'on V0 steps'; "
+               "the paper does not say how its Orca batched) the two are equal, the paper's 'less pronounced'. "
+               "Unchanged with 8,000 requests a probe")
+FT_NOTE = ("FasterTransformer bound by normalized latency: under request-level batching a short output waits for the "
+           "whole previous batch (its longest output, up to ~2k tokens), and the mean of e2e/output is dominated "
+           "by those; the paper gives 22x as its largest gap, not per model")
+DISTSERVE_NOTE = ("colocation is not interference-bound in the cost model: a 161-token OPT-13B prefill costs 20.6 ms, "
+                  "about one 40-request decode step (22.2 ms; both weight reads), so colocated vLLM meets TTFT and "
+                  "TPOT (p50 41 ms vs 100 ms) up to its throughput limit, and the split is bound by its one decode GPU near one colocated GPU's rate while its prefill GPUs idle. DistServe's "
+                  "gains need colocated serving to miss the SLOs first (summarization: the one prefill instance "
+                  "bounds the split). Placement: one instance per phase, "
+                  "not checked against the paper's per-workload placement table (PP is not modelled in split pools)")
+
+
+def vllm_rows(args, traces: dict) -> list[Row]:
+    rows = []
+    models = ["OPT-13B"] if args.quick else list(VLLM_MODELS)
+    for model in models:
+        m = VLLM_MODELS[model]
+        for ds in ("ShareGPT", "Alpaca"):
+            n = requests_for(ds, args.limit)
+            wl, _ = traces.setdefault(("vllm", ds), trace(ds, args.sigma, 2048, n, args.seed))
+            common = ["workload=synthetic", f"workload.limit={n}", f"workload.seed={args.seed}", *wl,
+                      f"sim_model={m['sim_model']}", f"hardware={m['hardware']}", f"parallel.tensor={m['tensor']}",
+                      "engine.max_model_len=2048", f"engine.num_blocks={m['kv_slots'] // 16}",
+                      "capacity.criterion=normalized_latency", "capacity.low=0.02", "capacity.high=256"]
+            vllm = System("vLLM", ["scheduler=vllm_v0", "allocator=paged", "allocator.enable_prefix_caching=false"])
+            setting = f"{model} TP{m['tensor']} {m['hardware']}, {ds}"
+            bases = [("Orca (Oracle)", ["scheduler=orca", "allocator=contiguous", "allocator.reservation=oracle"]),
+                     ("Orca (Pow2)", ["scheduler=orca", "allocator=contiguous", "allocator.reservation=pow2"]),
+                     ("Orca (Max)", ["scheduler=orca", "allocator=contiguous", "allocator.reservation=max"]),
+                     ("FasterTransformer", ["scheduler=fastertransformer", "allocator=contiguous",
+                                            "allocator.reservation=max"])]
+            if args.quick:
+                bases = bases[:1] + bases[2:3]
+            for name, ov in bases:
+                sharegpt = ds == "ShareGPT"
+                text, lo, hi = {
+                    "Orca (Oracle)": ("1.7-2.7x (§6.2)", 1.7, 2.7) if sharegpt else ("vLLM ahead, less on 175B (§6.2)", None, None),
+                    "Orca (Pow2)": ("between Oracle and Max (Fig. 12)", None, None),
+                    "Orca (Max)": ("2.7-8x (§6.2)", 2.7, 8.0) if sharegpt else ("vLLM ahead (Fig. 12)", None, None),
+                    "FasterTransformer": ("up to 22x (§6.2)", None, 22.0) if sharegpt else ("vLLM ahead (Fig. 12)", None, None),
+                }[name]
+                note = FT_NOTE if "Faster" in name else ALPACA_NOTE if not sharegpt and "Max" not in name else ""
+                rows.append(Row("vLLM SOSP'23", "Fig. 12", f"{setting}: vLLM / {name}", vllm, System(name, ov), common,
+                                text, lo, hi, note=note))
+            if ds == "Alpaca" and not args.quick:
+                # The same comparison with the baseline on vLLM V0's step rule: memory management alone differs.
+                rows.append(Row("vLLM SOSP'23", "Fig. 12", f"{setting}: vLLM / Orca (Oracle) on V0 steps", vllm,
+                                System("Orca (Oracle), V0 steps", ["scheduler=vllm_v0", "allocator=contiguous",
+                                                                   "allocator.reservation=oracle"]),
+                                common, "vLLM ahead (Fig. 12)", note=ALPACA_NOTE))
+    return rows
+
+
+# Sarathi-Serve §5.1: P99 TBT SLOs (strict, relaxed) per model and the token budget used for each.
+SARATHI = {"Mistral-7B": dict(sim_model="mistral_7b", tensor=1, slo=(0.1, 0.5), paper=(2.6, None)),
+           "Yi-34B": dict(sim_model="yi_34b", tensor=2, slo=(0.2, 1.0), paper=(3.7, None))}
+
+
+def sarathi_rows(args, traces: dict) -> list[Row]:
+    rows = []
+    # The paper's traces (openchat_sharegpt4, arxiv_summarization) have long prompts, which is what makes
+    # a prefill stall decodes; their statistics are not used here: the shipped Azure conversation trace is.
+    traces.setdefault(("sarathi", "azure_conv"), ([], f"azure_conv (Sarathi rows): the Azure LLM inference 2023 "
+                                                     f"conversation trace, first {args.limit} requests, arrivals "
+                                                     f"rescaled to each probed rate"))
+    for model, m in SARATHI.items():
+        if args.quick and model != "Mistral-7B":
+            continue
+        for kind, tbt, budget in (("strict", m["slo"][0], 512), ("relaxed", m["slo"][1], 2048)):
+            if args.quick and kind == "relaxed":
+                continue
+            common = ["workload=azure_conv", f"workload.limit={args.limit}",
+                      f"sim_model={m['sim_model']}", "hardware=a100_80gb_sxm", f"parallel.tensor={m['tensor']}",
+                      "engine.max_model_len=4096", "scheduler.max_num_seqs=128", "allocator.enable_prefix_caching=false",
+                      f"slo.tbt_s={tbt}", "capacity.criterion=tbt_p99_sched_delay"]
+            up_to = m["paper"][0]
+            text, lo, hi = ((f"up to {up_to}x (abstract, §5.1)", 1.0, up_to) if kind == "strict"
+                            else ("Sarathi ahead, smaller gain (§5.1)", None, None))
+            rows.append(Row("Sarathi-Serve OSDI'24", "§5.1 capacity",
+                            f"{model} TP{m['tensor']} A100-80GB, azure_conv, {kind} P99 TBT {tbt:g} s: "
+                            f"Sarathi ({budget}) / vLLM",
+                            System(f"Sarathi {budget}", ["scheduler=sarathi", f"scheduler.max_num_batched_tokens={budget}"]),
+                            System("vLLM", ["scheduler=vllm_v0"]), common, text, lo, hi))
+    return rows
+
+
+# DistServe §6: workloads, SLOs (TTFT, TPOT) and placements (prefill TP, decode TP; one instance each).
+DISTSERVE = [("chatbot", "ShareGPT", "OPT-13B", "opt_13b", (0.25, 0.1), 1, (2, 1), (2.0, 4.6)),
+             ("code completion", "HumanEval-like", "OPT-66B", "opt_66b", (0.125, 0.2), 4, (4, 4), (5.7, 5.7)),
+             ("summarization", "LongBench-like", "OPT-66B", "opt_66b", (15.0, 0.15), 4, (4, 4), (4.3, 4.3))]
+
+
+def distserve_rows(args, traces: dict) -> list[Row]:
+    rows = []
+    for app, ds, model, sim_model, (ttft, tpot), tp, (ptp, dtp), (lo, hi) in DISTSERVE:
+        if args.quick and app != "chatbot":
+            continue
+        n = requests_for(ds, args.limit)
+        wl, _ = traces.setdefault(("distserve", ds), trace(ds, args.sigma, 2048, n, args.seed))
+        common = ["workload=synthetic", f"workload.limit={n}", f"workload.seed={args.seed}", *wl,
+                  f"sim_model={sim_model}", "hardware=a100_80gb_sxm", "engine.max_model_len=2048",
+                  "allocator.enable_prefix_caching=false", "scheduler=vllm_v0", f"slo.ttft_s={ttft}",
+                  f"slo.tpot_s={tpot}", "capacity.criterion=distserve", "capacity.low=0.05"]
+        split = System(f"P TP{ptp} + D TP{dtp}", ["cluster.mode=disaggregated", f"cluster.prefill.tensor={ptp}",
+                                                  f"cluster.decode.tensor={dtp}"], gpus=ptp + dtp)
+        colo = System(f"vLLM TP{tp}", [f"parallel.tensor={tp}"], gpus=tp)
+        text = f"{lo:g}-{hi:g}x (§6.2)" if lo != hi else f"{lo:g}x (§6.2)"
+        rows.append(Row("DistServe OSDI'24", "Fig. 8", f"{app}, {model} A100-80GB, {ds}, TTFT {ttft:g} s TPOT {tpot:g} s: "
+                        f"{split.name} / {colo.name}, per GPU", split, colo, common, text, lo, hi, per_gpu=True,
+                        note=DISTSERVE_NOTE))
+    return rows
+
+
+def status(ratio: float | None, row: Row) -> str:
+    if ratio is None or not np.isfinite(ratio):
+        return "not held (no capacity)"
+    if not ratio > 1:
+        return "not held"
+    if row.lo is None and row.hi is None:
+        return "direction held"
+    lo = row.lo if row.lo is not None else 1.0
+    hi = row.hi if row.hi is not None else math.inf
+    return "direction held / magnitude within 2x" if lo / 2 <= ratio <= hi * 2 else "direction held / magnitude off"
+
+
+class Searches:
+    """Capacity per (common + system) overrides, each searched once."""
+
+    def __init__(self, rel_tol: float) -> None:
+        self.rel_tol, self.done = rel_tol, {}
+
+    def capacity(self, overrides: list[str]) -> dict:
+        key = tuple(overrides)
+        if key not in self.done:
+            from hydra import compose, initialize_config_dir
+
+            from sim.capacity import VERIFY_BELOW, bisect_rate, bound_by, check_capacity_settings, probe_rate
+            from sim.run import CONF
+
+            with initialize_config_dir(CONF, version_base="1.3"):
+                cfg = compose("sim", overrides=[*overrides, "progress.enabled=false", f"capacity.rel_tol={self.rel_tol}"])
+            check_capacity_settings(cfg)
+            c = cfg.capacity
+            best, probes = bisect_rate(probe_rate(cfg), c.low, c.high, c.rel_tol, verify_below=list(VERIFY_BELOW))
+            self.done[key] = {"capacity": best, "bound_by": bound_by(best, probes, c.high), "probes": len(probes)}
+        return self.done[key]
+
+    def diagnose(self, overrides: list[str], rate: float) -> dict:
+        """One run at `rate`: the figures a cause is read from."""
+        from hydra import compose, initialize_config_dir
+
+        from sim.run import CONF, simulate_config
+
+        with initialize_config_dir(CONF, version_base="1.3"):
+            cfg = compose("sim", overrides=[*overrides, "progress.enabled=false", "output.requests=false",
+                                            f"workload.rate={rate}"])
+        _, r = simulate_config(cfg)
+        return {k: r.get(k) for k in ("preemptions", "mean_batch_size", "mean_kv_usage", "tpot_p50", "ttft_p50",
+                                      "tbt_p99")} | {"requests": int(cfg.workload.limit)}
+
+
+def cause(row: Row, a: dict, b: dict, da: dict, db: dict) -> str:
+    """What bound each side, and the run figures at the baseline's capacity."""
+    n = da["requests"]
+    parts = [f"{row.ours.name} bound by {a['bound_by']}, {row.base.name} by {b['bound_by']}",
+             f"at {row.base.name}'s capacity: batch {da['mean_batch_size']:.0f} vs {db['mean_batch_size']:.0f}, "
+             f"KV used {da['mean_kv_usage']:.0%} vs {db['mean_kv_usage']:.0%}, preemptions/request "
+             f"{(da['preemptions'] or 0) / n:.2f} vs {(db['preemptions'] or 0) / n:.2f}, TPOT p50 "
+             f"{1e3 * (da['tpot_p50'] or 0):.0f} vs {1e3 * (db['tpot_p50'] or 0):.0f} ms"]
+    failed = not status(row.ratio, row).endswith("within 2x") and status(row.ratio, row) != "direction held"
+    return "; ".join(parts) + (f"; {row.note}" if row.note and failed else "")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", choices=("vllm", "sarathi", "distserve"), help="one paper's rows")
+    p.add_argument("--quick", action="store_true", help="a smoke run: one model per paper, fewer baselines, 300 requests")
+    p.add_argument("--limit", type=int, default=600, help="ShareGPT-sized requests per probe; traces of shorter "
+                   "requests get as many tokens' worth (the steady-state check needs a window longer than the ramp)")
+    p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the lengths (no paper states one)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rel-tol", type=float, default=0.05, help="bisection tolerance")
+    p.add_argument("--csv", type=Path, help="also write the table here")
+    args = p.parse_args()
+    if args.limit < 100:
+        p.error(f"--limit {args.limit}: give at least 100 requests per probe (the steady-state check needs them)")
+    if args.sigma < 0 or args.rel_tol <= 0:
+        p.error(f"--sigma {args.sigma} / --rel-tol {args.rel_tol}: give sigma >= 0 and rel-tol > 0")
+    if args.quick and args.limit == 600:
+        args.limit = 300
+    from tqdm import tqdm
+
+    traces: dict = {}
+    rows: list[Row] = []
+    for paper, build in (("vllm", vllm_rows), ("sarathi", sarathi_rows), ("distserve", distserve_rows)):
+        if args.only in (None, paper):
+            rows += build(args, traces)
+    for text in dict.fromkeys(text for _, text in traces.values()):
+        print("trace " + text)
+    searches, out = Searches(args.rel_tol), []
+    t0 = time.process_time()
+    for row in tqdm(rows, desc="capacity searches", unit="row", file=sys.stderr):
+        a = searches.capacity(row.common + row.ours.overrides)
+        b = searches.capacity(row.common + row.base.overrides)
+        ca, cb = a["capacity"], b["capacity"]
+        ratio = None
+        if ca is not None and cb:
+            ratio = (ca / row.ours.gpus) / (cb / row.base.gpus)
+        row.ratio = ratio
+        diag = ""
+        if cb:
+            da = searches.diagnose(row.common + row.ours.overrides, cb)
+            db = searches.diagnose(row.common + row.base.overrides, cb)
+            diag = cause(row, a, b, da, db)
+        unit = "req/s/GPU" if row.per_gpu else "req/s"
+        fmt = lambda c, s: "none" if c is None else f"{c / s.gpus:.3g}"  # noqa: E731
+        out.append({"paper": row.paper, "figure": row.figure, "setting": row.setting, "paper's figure": row.paper_text,
+                    "simulated": "n/a" if ratio is None else f"{ratio:.2f}x ({fmt(ca, row.ours)} / {fmt(cb, row.base)} {unit})",
+                    "status": status(ratio, row), "cause": diag})
+    table = pd.DataFrame(out)
+    with pd.option_context("display.max_colwidth", None, "display.width", 250):
+        print(table.drop(columns="cause").to_string(index=False))
+        print("\ncauses (figures at the baseline's capacity: ours vs baseline):")
+        for r in out:
+            print(f"- {r['setting']}: {r['cause']}")
+    print(f"\n{len(searches.done)} capacity searches, {time.process_time() - t0:.0f} s CPU")
+    if args.csv:
+        table.to_csv(args.csv, index=False)
+
+
+if __name__ == "__main__":
+    main()
