@@ -238,7 +238,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     e = c["engine"]
     model_config = load_sim_model(c["sim_model"]["config"])
     hardware = HardwareSpec.from_dict(c["hardware"])
-    build_cost_model(c["cost"], model_config, hardware)  # a bad cost.path fails now, not per replica
+    cost_model = build_cost_model(c["cost"], model_config, hardware)  # a bad cost.path fails now, not per replica
     num_blocks = e.get("num_blocks")
     from sim.parallel import Parallelism, capacity
 
@@ -283,6 +283,9 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
         if lossy:
             print(lossy, flush=True)
         print(headline(c, labels, len(reqs), caching), flush=True)
+        guessed = unmeasured_notes(cost_model)
+        if guessed:
+            print(f"  cost {c['cost']['model']}, not from measurements: {'; '.join(guessed)}", flush=True)
         warning = over_length_warning(trace.stats, c, wl.get("max_model_len"))
         if warning:
             print(warning, flush=True)
@@ -385,6 +388,13 @@ def headline(c: Mapping[str, Any], labels: Mapping[str, Any] | None, num_request
     """sim.run's first lines: what is simulated and everything the figures depend on."""
     return (f"simulating {num_requests} requests of {trace_text(c)} (Ctrl-C stops)\n"
             f"  on {assumptions(c, labels, caching)}")
+
+
+def unmeasured_notes(cost_model: Any) -> list[str]:
+    """The parts of a table-driven cost model's figures that are predictions or estimates, not
+    measurements (its `notes`): a headline should not let them pass for measured."""
+    notes = getattr(cost_model, "notes", None) or []
+    return [n for n in notes if any(w in n for w in ("predicted", "estimated", "estimates"))]
 
 
 def over_length_warning(stats: Any, c: Mapping[str, Any], limit: int | None) -> str | None:

@@ -107,3 +107,16 @@ def test_disaggregated_runs_show_progress_from_their_loop_and_the_same_summary()
     assert done[-1] == 1500 and done[0] < 1500 and done == sorted(done)  # lines from inside the loop, then the end
     timing = ("sim_wall_s", "sim_requests_per_wall_s")
     assert {k: v for k, v in shown.items() if k not in timing} == {k: v for k, v in quiet.items() if k not in timing}
+
+
+def test_a_cost_model_s_estimates_are_named_in_the_headline(tmp_path, monkeypatch, capsys):
+    """`measured` on a GPU whose tables lack the attention cases predicts those parts: the headline says
+    which figures are not measured; the roofline (no tables, no notes) adds no such line."""
+    base = ["sim_model=llama3_8b", "workload.limit=20", "engine.num_blocks=null"]
+    out = _main(__import__("sim.run").run, [*base, "cost.model=measured", "hardware=a100_80gb_sxm",
+                                             "workload=synthetic", "output.requests=false"], tmp_path, monkeypatch, capsys)
+    line = next(ln for ln in out.splitlines() if "not from measurements" in ln)
+    assert "cost measured" in line and "predicted from its GEMM shape" in line
+    out = _main(__import__("sim.run").run, [*base, "workload=synthetic", "output.requests=false"],
+                tmp_path / "r", monkeypatch, capsys)
+    assert "not from measurements" not in out
