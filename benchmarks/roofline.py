@@ -7,7 +7,8 @@ workload's minimum time from its step log, and the decode-attention micro-benchm
 The decode micro-benchmark times one layer's attention call (the ~50M Qwen3 shape: 8 query heads,
 4 KV heads, head dim 64, fp32, blocks of 16, block ids shuffled over the pool) for each backend,
 best of `--repeats`, and reports the K/V bytes it must read per second as a fraction of the
-measured read bandwidth. benchmarks/throughput.py uses `host_peaks` and `minimum_time` for its
+read bandwidth measured just before it, in rounds (`--rounds`) so that drifting machine load hits both
+alike. benchmarks/throughput.py uses `host_peaks` and `minimum_time` for its
 end-to-end roofline fraction.
 """
 
@@ -39,6 +40,12 @@ def best_of(fn, repeats: int) -> float:
     return min(times)
 
 
+def read_bandwidth(repeats: int, mib: int = 512) -> float:
+    """Read bandwidth (summing `mib` MiB, far past any cache) with torch's current thread count."""
+    x = torch.ones(mib * 2**20 // 4)
+    return x.numel() * 4 / best_of(lambda: x.sum(), repeats)
+
+
 def host_peaks(repeats: int = 5, gemm_n: int = 1024, mib: int = 512) -> dict[str, float]:
     """fp32 GEMM FLOP/s (square `gemm_n` matmul) and read bandwidth (summing `mib` MiB, far past
     any cache), with torch's current thread count, best of `repeats`. The GEMM rate is the faster
@@ -53,9 +60,7 @@ def host_peaks(repeats: int = 5, gemm_n: int = 1024, mib: int = 512) -> dict[str
         packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), gemm_n)
         t_dnn = best_of(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""), repeats)
         rates["flops_onednn"] = 2 * gemm_n**3 / t_dnn
-    x = torch.ones(mib * 2**20 // 4)
-    t_rd = best_of(lambda: x.sum(), repeats)
-    return dict(flops=max(rates.values()), **rates, read_bw=x.numel() * 4 / t_rd)
+    return dict(flops=max(rates.values()), **rates, read_bw=read_bandwidth(repeats, mib))
 
 
 @dataclass
@@ -125,7 +130,8 @@ def decode_problem(batch: int, context: int, q_heads: int = 8, kv_heads: int = 4
     return fb, cache, q, k, v, kv_bytes
 
 
-def decode_attention_time(backend: str, problem, repeats: int) -> float:
+def decode_attention_call(backend: str, problem):
+    """A no-argument callable running one layer's decode attention of `problem` on `backend`."""
     fb, cache, q, k, v, _ = problem
     b = registry.build("backend", backend)
     nb, bs, hkv, d = cache.shape[1:]
@@ -133,7 +139,11 @@ def decode_attention_time(backend: str, problem, repeats: int) -> float:
     cache = own.view(-1).copy_(cache.view(-1)).view(own.shape)
     meta = b.prepare(fb, "cpu")
     scale = q.shape[-1] ** -0.5
-    return best_of(lambda: b.forward(q, k, v, cache, meta, scale), repeats)
+    return lambda: b.forward(q, k, v, cache, meta, scale)
+
+
+def decode_attention_time(backend: str, problem, repeats: int) -> float:
+    return best_of(decode_attention_call(backend, problem), repeats)
 
 
 def main() -> None:
@@ -142,6 +152,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="decode table: rounds of (bandwidth, each backend) measured back to back")
     ap.add_argument("--backends", nargs="+", default=["torch_paged", "torch_sdpa"])
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -149,20 +161,35 @@ def main() -> None:
     kernels = ", ".join(f"{k.removeprefix('flops_')} {v / 1e9:.1f}" for k, v in peaks.items() if k.startswith("flops_"))
     print(f"host ({a.threads} threads): fp32 GEMM {peaks['flops'] / 1e9:.1f} GFLOP/s (the faster of: {kernels}), "
           f"read bandwidth {peaks['read_bw'] / 1e9:.1f} GB/s")
-    print_decode_table(a.backends, a.batch, a.context, a.repeats, peaks)
+    print_decode_table(a.backends, a.batch, a.context, a.repeats, a.rounds)
 
 
-def print_decode_table(names: list[str], batch: int, context: int, repeats: int, peaks: dict[str, float]) -> None:
+def print_decode_table(names: list[str], batch: int, context: int, repeats: int, rounds: int) -> None:
+    """Each round measures the read bandwidth, then every backend (best of `repeats` calls each), back
+    to back, so that a round's ratio compares like with like on a machine whose load drifts; the
+    table gives the median round's ratio and the best round's."""
     problem = decode_problem(batch, context)
     kv_bytes = problem[-1]
-    times = {n: decode_attention_time(n, problem, repeats) for n in names}
-    base = times.get("torch_sdpa")
+    calls = {n: decode_attention_call(n, problem) for n in names}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    ratios: dict[str, list[float]] = {n: [] for n in names}
+    bws = []
+    for _ in range(rounds):
+        bws.append(read_bandwidth(3))
+        for n, fn in calls.items():
+            times[n].append(best_of(fn, repeats))
+            ratios[n].append(kv_bytes / times[n][-1] / bws[-1])
+    base = min(times["torch_sdpa"]) if "torch_sdpa" in times else None
     print(f"\ndecode attention, one layer: {batch} requests x {context} context, 8/4 heads x 64, fp32, "
-          f"{kv_bytes / 2**20:.0f} MiB of K/V (best of {repeats})")
-    print(f"{'backend':<12} {'ms':>8} {'GB/s':>7} {'of measured bw':>15} {'speedup vs torch_sdpa':>22}")
-    for n, t in times.items():
+          f"{kv_bytes / 2**20:.0f} MiB of K/V; {rounds} rounds of (read bandwidth: "
+          f"{' '.join(f'{b / 1e9:.1f}' for b in bws)} GB/s; each backend, best of {repeats})")
+    print(f"{'backend':<12} {'best ms':>8} {'GB/s':>7} {'of measured bw (median round, best round)':>43} "
+          f"{'speedup vs torch_sdpa':>22}")
+    for n in names:
+        t = min(times[n])
         ratio = f"{base / t:.2f}x" if base else "-"
-        print(f"{n:<12} {t * 1e3:>8.2f} {kv_bytes / t / 1e9:>7.1f} {kv_bytes / t / peaks['read_bw']:>15.0%} {ratio:>22}")
+        share = f"{float(np.median(ratios[n])):.0%}, {max(ratios[n]):.0%}"
+        print(f"{n:<12} {t * 1e3:>8.2f} {kv_bytes / t / 1e9:>7.1f} {share:>43} {ratio:>22}")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,9 @@
 #ifndef PF_HINT
 #define PF_HINT 1
 #endif
+#ifndef PF_SPREAD
+#define PF_SPREAD 1
+#endif
 
 /* exp(x) for x <= 0, ~1e-7 relative error; a polynomial so that loops over keys vectorise. */
 static inline float exp_neg(float x) {
@@ -102,6 +105,131 @@ typedef struct {
     const float *sinks;               /* [hq] sink logits, or NULL */
 } Dims;
 
+/* One chunk of keys (c..c+n-1 of a block, keys before j0k outside the window) for NH query heads
+ * that share one KV head: K (as [D, bs]) and V rows are loaded once for all NH heads. Rows h of
+ * q/acc/mx/sum are the heads' (stride D). Each head's numbers are computed in the same order
+ * whatever NH is: a score sums its D products as four partial sums (x % 4), (s0 + s1) + (s2 + s3);
+ * an output element adds p_j * v_j key by key in order. */
+static inline __attribute__((always_inline)) void heads_chunk(
+        const float *restrict Kt, const float *restrict V, const float *restrict q, float *restrict acc,
+        float *restrict mx, float *restrict sum, int bs, int c, int n, int j0k, float cap, const int D,
+        const int NH) {
+    float sc[NH][CHUNK];
+    if (n == CHUNK) {  /* fixed-size loops the compiler turns into whole vectors */
+        vf s[NH][4], k0, k1, k2, k3;
+        for (int h = 0; h < NH; h++) s[h][0] = s[h][1] = s[h][2] = s[h][3] = (vf){0};
+        int x = 0;
+        for (; x + 3 < D; x += 4) {
+            const float *kr = Kt + (int64_t)x * bs + c;
+            memcpy(&k0, kr, sizeof k0);
+            memcpy(&k1, kr + bs, sizeof k1);
+            memcpy(&k2, kr + 2 * bs, sizeof k2);
+            memcpy(&k3, kr + 3 * bs, sizeof k3);
+            for (int h = 0; h < NH; h++) {
+                const float *qh = q + (size_t)h * D + x;
+                s[h][0] += qh[0] * k0;
+                s[h][1] += qh[1] * k1;
+                s[h][2] += qh[2] * k2;
+                s[h][3] += qh[3] * k3;
+            }
+        }
+        for (; x < D; x++) {
+            memcpy(&k0, Kt + (int64_t)x * bs + c, sizeof k0);
+            for (int h = 0; h < NH; h++) s[h][0] += q[(size_t)h * D + x] * k0;
+        }
+        for (int h = 0; h < NH; h++) {
+            const vf sv = (s[h][0] + s[h][1]) + (s[h][2] + s[h][3]);
+            memcpy(sc[h], &sv, sizeof sv);
+        }
+    } else {  /* the same sums, key by key; missing keys weigh exactly 0 */
+        for (int h = 0; h < NH; h++) {
+            float part[4][CHUNK] = {{0}};
+            const float *qh = q + (size_t)h * D;
+            for (int x = 0; x < D; x++) {
+                const float qx = qh[x];
+                const float *restrict kr = Kt + (int64_t)x * bs + c;
+                float *restrict pp = part[x < (D & ~3) ? x % 4 : 0];  /* as the vector path */
+                for (int j = 0; j < n; j++) pp[j] += qx * kr[j];
+            }
+            for (int j = 0; j < CHUNK; j++)
+                sc[h][j] = j < n ? (part[0][j] + part[1][j]) + (part[2][j] + part[3][j]) : -3.0e38f;
+        }
+    }
+    for (int h = 0; h < NH; h++) {
+        float *restrict am = acc + (size_t)h * D;
+        float cmax = -3.0e38f;
+        if (cap > 0.0f || j0k > 0) /* soft-cap the visible scores; keys outside weigh 0 */
+            for (int j = 0; j < CHUNK; j++)
+                sc[h][j] = j < j0k || j >= n ? -3.0e38f : cap > 0.0f ? cap * tanhf(sc[h][j] / cap) : sc[h][j];
+        for (int j = 0; j < CHUNK; j++) cmax = sc[h][j] > cmax ? sc[h][j] : cmax;
+        if (cmax > mx[h]) {
+            const float corr = exp_neg(mx[h] - cmax);
+            sum[h] *= corr;
+#pragma omp simd
+            for (int x = 0; x < D; x++) am[x] *= corr;
+            mx[h] = cmax;
+        }
+        vf sv;
+        memcpy(&sv, sc[h], sizeof sv);
+        sv = vexp_neg(sv - mx[h]);
+        memcpy(sc[h], &sv, sizeof sv);
+        float csum = 0.0f;
+        for (int j = j0k; j < n; j++) csum += sc[h][j];  /* in key order: the same sum always */
+        sum[h] += csum;
+    }
+    /* out += p_j * v_j: a 4-vector slice of every head's output stays in registers over the chunk's
+     * keys (4 * NH independent FMA chains), each V row loaded once for the NH heads. */
+    if (D % (4 * CHUNK) == 0) {
+        float *restrict a0p = acc, *restrict a1p = acc + (NH > 1 ? D : 0);
+        for (int x0 = 0; x0 < D; x0 += 4 * CHUNK) {
+            vf a0, a1, a2, a3, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0}, v0, v1, v2, v3;
+            memcpy(&a0, a0p + x0, sizeof a0);
+            memcpy(&a1, a0p + x0 + CHUNK, sizeof a1);
+            memcpy(&a2, a0p + x0 + 2 * CHUNK, sizeof a2);
+            memcpy(&a3, a0p + x0 + 3 * CHUNK, sizeof a3);
+            if (NH > 1) {
+                memcpy(&b0, a1p + x0, sizeof b0);
+                memcpy(&b1, a1p + x0 + CHUNK, sizeof b1);
+                memcpy(&b2, a1p + x0 + 2 * CHUNK, sizeof b2);
+                memcpy(&b3, a1p + x0 + 3 * CHUNK, sizeof b3);
+            }
+            for (int j = j0k; j < n; j++) {
+                const float *vr = V + (int64_t)(c + j) * D + x0;
+                memcpy(&v0, vr, sizeof v0);
+                memcpy(&v1, vr + CHUNK, sizeof v1);
+                memcpy(&v2, vr + 2 * CHUNK, sizeof v2);
+                memcpy(&v3, vr + 3 * CHUNK, sizeof v3);
+                const float p = sc[0][j];
+                a0 += p * v0; a1 += p * v1; a2 += p * v2; a3 += p * v3;
+                if (NH > 1) {
+                    const float p1 = sc[NH > 1 ? 1 : 0][j];
+                    b0 += p1 * v0; b1 += p1 * v1; b2 += p1 * v2; b3 += p1 * v3;
+                }
+            }
+            memcpy(a0p + x0, &a0, sizeof a0);
+            memcpy(a0p + x0 + CHUNK, &a1, sizeof a1);
+            memcpy(a0p + x0 + 2 * CHUNK, &a2, sizeof a2);
+            memcpy(a0p + x0 + 3 * CHUNK, &a3, sizeof a3);
+            if (NH > 1) {
+                memcpy(a1p + x0, &b0, sizeof b0);
+                memcpy(a1p + x0 + CHUNK, &b1, sizeof b1);
+                memcpy(a1p + x0 + 2 * CHUNK, &b2, sizeof b2);
+                memcpy(a1p + x0 + 3 * CHUNK, &b3, sizeof b3);
+            }
+        }
+    } else {
+        for (int h = 0; h < NH; h++) {
+            float *restrict am = acc + (size_t)h * D;
+            for (int j = j0k; j < n; j++) {
+                const float *restrict vj = V + (int64_t)(c + j) * D;
+                const float p = sc[h][j];
+#pragma omp simd
+                for (int x = 0; x < D; x++) am[x] += p * vj[x];
+            }
+        }
+    }
+}
+
 /* One unit: query rows t0..t1-1 of request `seq`, every head. Blocks are the outer loop, so each
  * block's K and V (all KV heads: one contiguous run each) are read once, sequentially, and the next
  * block is prefetched while this one is used. Elements are float (elem == 4) or bf16 (elem == 2);
@@ -110,7 +238,7 @@ typedef struct {
 static inline __attribute__((always_inline)) void unit_d(
         const void *q, const void *kc, const void *vc, void *out, int elem, const int32_t *qsl,
         const int32_t *seq_lens, const int32_t *bt, const Dims *dm, int seq, int t0, int t1, float *scratch,
-        const int D) {
+        const int D, const int NH) {
     const int hq = dm->hq, G = dm->hq / dm->hkv, bs = dm->bs, hkv = dm->hkv;
     const int qs = qsl[seq], qlen = qsl[seq + 1] - qs, L = seq_lens[seq], off = L - qlen;
     const int R = t1 - t0, M = R * hq;        /* row m = (query row r, query head qh): m = r * hq + qh */
@@ -137,13 +265,19 @@ static inline __attribute__((always_inline)) void unit_d(
     for (int b = first_key / bs; b < nblk; b++) {
         const int j0 = b * bs, jn = last - j0 < bs ? last - j0 : bs;
         const int64_t base = (int64_t)table[b] * blk_elems;
-        if (b + PF_DIST < nblk) {  /* a later block lies anywhere in the pool: fetch it ahead, into L2 */
-            const char *nk = (const char *)kc + (int64_t)table[b + PF_DIST] * blk_elems * elem;
-            const char *nv = (const char *)vc + (int64_t)table[b + PF_DIST] * blk_elems * elem;
-            for (int64_t c = 0; c < blk_elems * elem; c += 64) {
+        /* a later block lies anywhere in the pool: fetch it ahead, into L2, a slice per head group */
+        const char *nk = NULL, *nv = NULL;
+        const int64_t pf_bytes = blk_elems * elem, pf_slice = (pf_bytes / (hq / NH) + 63) & ~(int64_t)63;
+        if (b + PF_DIST < nblk) {
+            nk = (const char *)kc + (int64_t)table[b + PF_DIST] * pf_bytes;
+            nv = (const char *)vc + (int64_t)table[b + PF_DIST] * pf_bytes;
+#if !PF_SPREAD
+            for (int64_t c = 0; c < pf_bytes; c += 64) {
                 __builtin_prefetch(nk + c, 0, PF_HINT);
                 __builtin_prefetch(nv + c, 0, PF_HINT);
             }
+            nk = NULL;
+#endif
         }
         const float *Kb, *Vb;
         if (elem == 4) {
@@ -160,94 +294,21 @@ static inline __attribute__((always_inline)) void unit_d(
             const int lim = pos + 1 - j0 < jn ? pos + 1 - j0 : jn;
             const int lo = W > 0 && pos - W + 1 - j0 > 0 ? pos - W + 1 - j0 : 0;  /* first key of the window */
             if (lim <= lo) continue;
-            for (int qh = 0; qh < hq; qh++) {
-                const int m = r * hq + qh;
-                const float *restrict Kt = Kb + (qh / G) * head_elems, *restrict V = Vb + (qh / G) * head_elems;
-                const float *restrict qm = qb + (size_t)m * D;
-                float *restrict am = acc + (size_t)m * D;
-                /* Keys in chunks of CHUNK: fixed-size loops the compiler turns into whole vectors
-                 * (the scores, their max and exps); a partial chunk's missing keys weigh exactly 0.
-                 * Each score sums its D products in order, whatever the chunk: the same number
-                 * for the same key and row, always. */
-                for (int c = lo - lo % CHUNK; c < lim; c += CHUNK) {
-                    const int n = lim - c < CHUNK ? lim - c : CHUNK;
-                    const int j0k = lo > c ? lo - c : 0;  /* keys j0k..n-1 of the chunk are visible */
-                    /* Four partial sums over x (x % 4), then (s0 + s1) + (s2 + s3): four
-                     * independent FMA chains instead of one latency-bound chain. */
-                    vf sv;
-                    if (n == CHUNK) {
-                        vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, k0, k1, k2, k3;
-                        int x = 0;
-                        for (; x + 3 < D; x += 4) {
-                            const float *kr = Kt + (int64_t)x * bs + c;
-                            memcpy(&k0, kr, sizeof k0);
-                            memcpy(&k1, kr + bs, sizeof k1);
-                            memcpy(&k2, kr + 2 * bs, sizeof k2);
-                            memcpy(&k3, kr + 3 * bs, sizeof k3);
-                            s0 += qm[x] * k0;
-                            s1 += qm[x + 1] * k1;
-                            s2 += qm[x + 2] * k2;
-                            s3 += qm[x + 3] * k3;
-                        }
-                        for (; x < D; x++) {
-                            memcpy(&k0, Kt + (int64_t)x * bs + c, sizeof k0);
-                            s0 += qm[x] * k0;
-                        }
-                        sv = (s0 + s1) + (s2 + s3);
-                    } else {  /* the same sums, key by key */
-                        float part[4][CHUNK] = {{0}}, sc[CHUNK];
-                        for (int x = 0; x < D; x++) {
-                            const float qx = qm[x];
-                            const float *restrict kr = Kt + (int64_t)x * bs + c;
-                            float *restrict pp = part[x < (D & ~3) ? x % 4 : 0];  /* as the vector path */
-                            for (int j = 0; j < n; j++) pp[j] += qx * kr[j];
-                        }
-                        for (int j = 0; j < CHUNK; j++)
-                            sc[j] = j < n ? (part[0][j] + part[1][j]) + (part[2][j] + part[3][j]) : -3.0e38f;
-                        memcpy(&sv, sc, sizeof sv);
-                    }
-                    float sc[CHUNK], cmax = -3.0e38f;
-                    memcpy(sc, &sv, sizeof sc);
-                    if (cap > 0.0f || j0k > 0) {  /* soft-cap the visible scores; keys outside weigh 0 */
-                        for (int j = 0; j < CHUNK; j++)
-                            sc[j] = j < j0k || j >= n ? -3.0e38f : cap > 0.0f ? cap * tanhf(sc[j] / cap) : sc[j];
-                        memcpy(&sv, sc, sizeof sv);
-                    }
-                    for (int j = 0; j < CHUNK; j++) cmax = sc[j] > cmax ? sc[j] : cmax;
-                    if (cmax > mx[m]) {
-                        const float corr = exp_neg(mx[m] - cmax);
-                        sum[m] *= corr;
-#pragma omp simd
-                        for (int x = 0; x < D; x++) am[x] *= corr;
-                        mx[m] = cmax;
-                    }
-                    sv = vexp_neg(sv - mx[m]);
-                    memcpy(sc, &sv, sizeof sc);
-                    float csum = 0.0f;
-                    for (int j = j0k; j < n; j++) csum += sc[j];  /* in key order: the same sum always */
-                    sum[m] += csum;
-                    /* out += p_j * v_j, keys in order for every element; a CHUNK-wide slice of
-                     * the output stays in a register over all the keys of the chunk. */
-                    if (D % CHUNK == 0) {
-                        for (int x0 = 0; x0 < D; x0 += CHUNK) {
-                            vf a, vv;
-                            memcpy(&a, am + x0, sizeof a);
-                            for (int j = j0k; j < n; j++) {
-                                memcpy(&vv, V + (int64_t)(c + j) * D + x0, sizeof vv);
-                                a += sc[j] * vv;
-                            }
-                            memcpy(am + x0, &a, sizeof a);
-                        }
-                    } else {
-                        for (int j = j0k; j < n; j++) {
-                            const float *restrict vj = V + (int64_t)(c + j) * D;
-                            const float p = sc[j];
-#pragma omp simd
-                            for (int x = 0; x < D; x++) am[x] += p * vj[x];
-                        }
+            for (int qh = 0; qh < hq; qh += NH) {  /* NH query heads of one KV head share each K/V load */
+                if (nk) {
+                    const int64_t c0 = (qh / NH) * pf_slice, c1 = c0 + pf_slice < pf_bytes ? c0 + pf_slice : pf_bytes;
+                    for (int64_t c = c0; c < c1; c += 64) {
+                        __builtin_prefetch(nk + c, 0, PF_HINT);
+                        __builtin_prefetch(nv + c, 0, PF_HINT);
                     }
                 }
+                const int64_t kvo = (int64_t)(qh / G) * head_elems;
+                const int m = r * hq + qh;
+                for (int c = lo - lo % CHUNK; c < lim; c += CHUNK)
+                    heads_chunk(Kb + kvo, Vb + kvo, qb + (size_t)m * D, acc + (size_t)m * D, mx + m, sum + m,
+                                bs, c, lim - c < CHUNK ? lim - c : CHUNK, lo > c ? lo - c : 0, cap, D, NH);
             }
+            nk = NULL;  /* the next block is on its way: once per block, whatever the unit's rows */
         }
     }
     for (int m = 0; m < M; m++) {
@@ -269,9 +330,14 @@ static inline __attribute__((always_inline)) void unit_d(
 #define UNIT_ARGS const void *q, const void *kc, const void *vc, void *out, int elem, const int32_t *qsl, \
     const int32_t *seq_lens, const int32_t *bt, const Dims *dm, int seq, int t0, int t1, float *scratch
 #define UNIT_CALL q, kc, vc, out, elem, qsl, seq_lens, bt, dm, seq, t0, t1, scratch
-static void unit_64(UNIT_ARGS) { unit_d(UNIT_CALL, 64); }
-static void unit_128(UNIT_ARGS) { unit_d(UNIT_CALL, 128); }
-static void unit_any(UNIT_ARGS) { unit_d(UNIT_CALL, dm->d); }
+/* Specialised by head size and by how many query heads share a K/V load (2 or 1: NH * D / 16
+ * vector accumulators must fit the registers). */
+static void unit_64x2(UNIT_ARGS) { unit_d(UNIT_CALL, 64, 2); }
+static void unit_64(UNIT_ARGS) { unit_d(UNIT_CALL, 64, 1); }
+static void unit_128x2(UNIT_ARGS) { unit_d(UNIT_CALL, 128, 2); }
+static void unit_128(UNIT_ARGS) { unit_d(UNIT_CALL, 128, 1); }
+static void unit_anyx2(UNIT_ARGS) { unit_d(UNIT_CALL, dm->d, 2); }
+static void unit_any(UNIT_ARGS) { unit_d(UNIT_CALL, dm->d, 1); }
 
 /* units: [num_units, 3] int32 (request, first query row, end query row), heaviest first.
  * out: [N, Hq, D] contiguous. Returns 0, or -1 if scratch memory ran out. */
@@ -283,7 +349,9 @@ int varlen_paged_attention(const void *q, int64_t q_tok, int64_t q_head, const v
     Dims dm = {q_tok, q_head, num_seqs, hq, hkv, d, bs, bt_stride, scale, window, softcap, sinks};
     const size_t M = (size_t)TILE * hq;
     const size_t need = (M * d * 2 + M * 2 + bs + (size_t)2 * bs * hkv * d) * sizeof(float);
-    void (*run)(UNIT_ARGS) = d == 64 ? unit_64 : d == 128 ? unit_128 : unit_any;
+    const int pair = (hq / hkv) % 2 == 0;
+    void (*run)(UNIT_ARGS) = d == 64 ? (pair ? unit_64x2 : unit_64) : d == 128 ? (pair ? unit_128x2 : unit_128)
+                             : pair ? unit_anyx2 : unit_any;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && num_units > 1)
     {

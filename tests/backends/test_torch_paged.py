@@ -259,3 +259,29 @@ def test_threads_change_nothing(p):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, three)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_heads_sharing_a_kv_head_get_the_same_bits_as_heads_that_do_not(head_dim):
+    """The kernel processes the query heads of one KV head together (each K/V load serves both):
+    every head's output is bitwise what it is when its KV head serves it alone (the same K/V
+    duplicated per query head), on decodes, a prefill tile and partial blocks."""
+    gen = torch.Generator().manual_seed(head_dim)
+    hkv, group, bs = 2, 2, 16
+    seqs = [SeqSlice([1], 36, [0, 1, 2]), SeqSlice(list(range(5)), 55, [3, 4, 5, 6]), SeqSlice([2], 15, [7])]
+    batch = build_batch(seqs, bs, 8)
+    n, d = batch.num_tokens, head_dim
+    cache = torch.randn(2, 8, bs, hkv, d, generator=gen)
+    q, k, v = torch.randn(n, hkv * group, d, generator=gen), torch.randn(n, hkv, d, generator=gen), \
+        torch.randn(n, hkv, d, generator=gen)
+    backend = registry.build("backend", "torch_paged")
+
+    def forward(cache, k, v):
+        return backend.forward(q, k, v, tp.from_nhd(cache), backend.prepare(batch, "cpu"), d ** -0.5)
+
+    shared = forward(cache, k, v)
+    alone = forward(cache.repeat_interleave(group, dim=3), k.repeat_interleave(group, dim=1),
+                    v.repeat_interleave(group, dim=1))
+    assert torch.equal(shared, alone)
+    p = dict(batch=batch, cache=cache, q=q, k=k, v=v, scale=d ** -0.5)
+    torch.testing.assert_close(shared, reference(p)[0], atol=ATOL, rtol=0)
