@@ -179,8 +179,6 @@ def fidelity_model(name: str, tmp: str) -> tuple[str, str]:
                                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32))
     else:
         folder = name
-        if not (Path(folder) / "config.json").is_file():
-            raise SystemExit(f"--model {name!r}: not 50m, tiny or a model folder holding config.json")
     c = json.loads((Path(folder) / "config.json").read_text())
     return folder, (f"{c.get('model_type', '?')} hidden {c.get('hidden_size')} x {c.get('num_hidden_layers')} layers, "
                     f"vocab {c.get('vocab_size')} ({name})")
@@ -245,6 +243,8 @@ def main() -> None:
     p.add_argument("--features", default=None,
                    help="comma-separated profiled-model features (default: sim.cost.fitted.DEFAULT_FEATURES)")
     args = p.parse_args()
+    if args.model not in ("50m", "tiny") and not (Path(args.model) / "config.json").is_file():
+        p.error(f"--model {args.model!r}: not 50m, tiny or a model folder holding config.json")
     # The engine busy about half the time: near saturation a few percent of step time moves the
     # TTFT tail by tens of percent in the real engine itself, and the comparison measures queueing.
     small = args.model == "tiny"
