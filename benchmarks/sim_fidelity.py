@@ -1,4 +1,4 @@
-"""Fidelity of the `profiled` cost model: fit it on one real run, predict another.
+"""Fidelity of the `profiled` and `measured` cost models against the real engine on CPU.
 
 The engine on CPU (1 torch thread; --model 50m, the default: benchmarks/throughput.py's ~50M Qwen3
 shape, whose steps take tens of ms, so one run's jitter stays small next to them) serves two slices of the Azure
