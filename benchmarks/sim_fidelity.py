@@ -1,13 +1,15 @@
-"""Fidelity of the `profiled` cost model: fit it on one real run, predict another.
+"""Fidelity of the `profiled` and `measured` cost models against the real engine on CPU.
 
-The engine on CPU (1 torch thread, a small local Qwen3) serves two slices of the Azure
+The engine on CPU (1 torch thread; --model 50m, the default: benchmarks/throughput.py's ~50M Qwen3
+shape, whose steps take tens of ms, so one run's jitter stays small next to them) serves two slices of the Azure
 conversation trace, A and B at two rates, --repeats times each, interleaved; the model fitted on
 A's step logs simulates B and vice versa, against the median of the real repeats and beside the
 noise floor (how far one real run strays from that median). --clock cpu (default) counts this
 process's CPU time and skips idle waits (other processes stretch wall-clock steps at random);
 garbage collection is off during real runs, as its pauses are not a function of the batch.
 
-    taskset -c 1 python benchmarks/sim_fidelity.py [--rate-a 1.0] [--rate-b 1.5] [--n 100] [--repeats 3]
+    taskset -c 1 python benchmarks/sim_fidelity.py --measured     # the ~50M model: ~5 minutes on a quiet core
+    taskset -c 1 python benchmarks/sim_fidelity.py --model tiny   # ~4 ms steps: run-to-run jitter dominates
 
 --measured also predicts both slices with cost.model=measured built by `python -m sim.profile`'s
 functions on the same model and machine (operators, attention backend, engine overhead): a model
@@ -155,9 +157,44 @@ def compare(cost, desc: str, target: list[RealRun]) -> pd.DataFrame:
     # How far a single real run strays from the median of its repeats: what one measurement of
     # the real engine varies by, which no cost model can be checked below.
     df["noise %"] = (real.div(df["real median"], axis=0) - 1.0).abs().max(axis=1) * 100.0
-    print(f"{dst}, real ({len(target)} runs) vs simulated ({desc}):")
+    print(f"{dst}, real ({len(target)} runs) vs simulated ({desc}); {step_ratios(cost, target)}:")
     print(pd.concat([real, df], axis=1).to_string(float_format=lambda x: f"{x:.2f}"))
     return df
+
+
+def fidelity_model(name: str, tmp: str) -> tuple[str, str]:
+    """The served model's folder and a one-line description: 50m (benchmarks/throughput.py's ~50M
+    Qwen3 shape, written once where it writes it), tiny (hidden 256 x 4 layers, in `tmp`) or an HF folder."""
+    import json
+
+    from varlen.tiny_model import write_tiny_model
+
+    if name == "50m":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from throughput import model_dir  # the benchmark model's one generator
+
+        folder = str(model_dir("50m"))
+    elif name == "tiny":
+        folder = str(write_tiny_model(os.path.join(tmp, "m"), "qwen3", hidden_size=256, intermediate_size=768,
+                                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32))
+    else:
+        folder = name
+    c = json.loads((Path(folder) / "config.json").read_text())
+    return folder, (f"{c.get('model_type', '?')} hidden {c.get('hidden_size')} x {c.get('num_hidden_layers')} layers, "
+                    f"vocab {c.get('vocab_size')} ({name})")
+
+
+def step_ratios(cost, target: list[RealRun]) -> str:
+    """The model's time for each real step over the real one, median by kind: where a systematic
+    error sits (decodes or steps with a prompt chunk), before queueing amplifies it."""
+    from sim.cost.fitted import profile_rows
+
+    kinds: dict[str, list[float]] = {"decode": [], "prefill": []}
+    for r in target:
+        for new, cached, t, logits in profile_rows(r.steps):
+            kinds["prefill" if max(new, default=0) > 1 else "decode"].append(cost.step_time(new, cached, logits) / t)
+    return "step time model/real, median: " + ", ".join(
+        f"{k} steps {np.median(v):.3f} (n={len(v)})" for k, v in kinds.items() if v)
 
 
 def profile_measured(model_dir: str, backend: str, out: str):
@@ -184,9 +221,14 @@ def profile_measured(model_dir: str, backend: str, out: str):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=100, help="requests per slice")
-    p.add_argument("--rate-a", type=float, default=1.0, help="req/s of slice A (requests 0..n)")
-    p.add_argument("--rate-b", type=float, default=1.5, help="req/s of slice B (requests n..2n)")
+    p.add_argument("--model", default="50m",
+                   help="50m (benchmarks/throughput.py's ~50M Qwen3 shape: steps of tens of ms), tiny (hidden 256 "
+                        "x 4 layers: ~4 ms steps, jitter-bound) or an HF model folder")
+    p.add_argument("--n", type=int, default=None, help="requests per slice (default: 30 on 50m, 100 on tiny)")
+    p.add_argument("--rate-a", type=float, default=None,
+                   help="req/s of slice A, requests 0..n (default: 0.3 on 50m, 1.0 on tiny)")
+    p.add_argument("--rate-b", type=float, default=None,
+                   help="req/s of slice B, requests n..2n (default: 0.45 on 50m, 1.5 on tiny)")
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--seqs", type=int, default=16)
@@ -201,6 +243,14 @@ def main() -> None:
     p.add_argument("--features", default=None,
                    help="comma-separated profiled-model features (default: sim.cost.fitted.DEFAULT_FEATURES)")
     args = p.parse_args()
+    if args.model not in ("50m", "tiny") and not (Path(args.model) / "config.json").is_file():
+        p.error(f"--model {args.model!r}: not 50m, tiny or a model folder holding config.json")
+    # The engine busy about half the time: near saturation a few percent of step time moves the
+    # TTFT tail by tens of percent in the real engine itself, and the comparison measures queueing.
+    small = args.model == "tiny"
+    args.n = args.n or (100 if small else 30)
+    args.rate_a = args.rate_a or (1.0 if small else 0.3)
+    args.rate_b = args.rate_b or (1.5 if small else 0.45)
 
     import torch
 
@@ -208,7 +258,6 @@ def main() -> None:
     from varlen import registry
     from sim.cost.fitted import DEFAULT_FEATURES
     from varlen import LLM
-    from varlen.tiny_model import write_tiny_model
     from varlen.traces import load_trace
 
     backend = args.backend or ("torch_sdpa" if "torch_sdpa" in registry.names("backend") else "torch_ref")
@@ -216,11 +265,9 @@ def main() -> None:
     slices = {"A": (0, args.n, args.rate_a), "B": (args.n, 2 * args.n, args.rate_b)}
     runs: dict[str, list[RealRun]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(write_tiny_model(os.path.join(tmp, "m"), "qwen3", hidden_size=256, intermediate_size=768,
-                                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                                         head_dim=32))
+        model_dir, described = fidelity_model(args.model, tmp)
         LLM(model_dir, backend=backend).generate([[5] * 300, [7] * 20], None)  # warm the kernels up
-        print(f"model: qwen3 hidden 256 x 4 layers, backend {backend}, chunked budget {args.budget}, "
+        print(f"model: {described}, backend {backend}, chunked budget {args.budget}, "
               f"{args.seqs} seats, 1 torch thread, {args.clock} clock, gc off during runs")
         # A, B, A, B, ...: interleaved, so the repeats of both slices span the same stretch of
         # the machine's time (a shared VM's speed drifts by several percent over minutes).
@@ -238,15 +285,22 @@ def main() -> None:
     if measured is not None:
         tables.update({"measured -> A": compare(measured, "measured, from sim.profile", runs["A"]),
                        "measured -> B": compare(measured, "measured, from sim.profile", runs["B"])})
-    summary = pd.DataFrame({name: t.loc[GOAL_METRICS, "sim error %"].abs() for name, t in tables.items()})
-    noise = pd.DataFrame({name: t.loc[GOAL_METRICS, "noise %"].abs() for name, t in tables.items()})
-    out = pd.concat({"|sim error| %": summary, "|noise| %": noise}, axis=1)
-    print("\nsummary (fit on one slice and rate, predict the other; noise: the largest deviation of one "
-          "real run from the median of its repeats):")
+    print(f"\nsummary: real median of {args.repeats} runs per slice; noise: the largest deviation of one real run "
+          "from that median; profiled: fitted on the other slice; measured: sim.profile's tables, no trace run")
+    out = pd.DataFrame(index=pd.MultiIndex.from_product([("A", "B"), GOAL_METRICS], names=["slice", "metric"]))
+    for label, other in (("A", "B"), ("B", "A")):
+        t = tables[f"{other} -> {label}"]
+        out.loc[label, "real median"] = t.loc[GOAL_METRICS, "real median"].values
+        out.loc[label, "noise %"] = t.loc[GOAL_METRICS, "noise %"].values
+        for name, key in (("profiled", f"{other} -> {label}"), ("measured", f"measured -> {label}")):
+            if key in tables:
+                out.loc[label, name] = tables[key].loc[GOAL_METRICS, "sim"].values
+                out.loc[label, f"{name} err %"] = tables[key].loc[GOAL_METRICS, "sim error %"].values
     print(out.to_string(float_format=lambda x: f"{x:.1f}"))
-    print(f"\nworst error over TTFT p50/p90, TPOT p50, throughput: {summary.values.max():.1f}% (goal <= 5%); "
-          f"worst real-vs-real noise on the same metrics: {noise.values.max():.1f}%")
-
+    worst = {c: out[c].abs().max() for c in out.columns if c.endswith("err %")}
+    print("\nworst error over TTFT p50/p90, TPOT p50, throughput: "
+          + ", ".join(f"{c.split()[0]} {v:.1f}%" for c, v in worst.items())
+          + f" (goal <= 5%); worst real-vs-real noise on the same metrics: {out['noise %'].max():.1f}%")
 
 if __name__ == "__main__":
     main()

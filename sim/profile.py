@@ -44,16 +44,28 @@ def model_folder(name: str) -> Path:
     return p
 
 
-def _timer(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> list[float]:
+def op_clock(device: str) -> Callable[[], float]:
+    """The clock operators are timed by: on CPU with one torch thread this process's CPU time, as the
+    engine's steps are (profile_engine, benchmarks/sim_fidelity.py): another process on the core
+    stretches wall-clock timings at random and the tables would disagree with the steps they predict."""
+    import torch
+
+    if device == "cpu" and torch.get_num_threads() == 1:
+        return time.process_time
+    return time.perf_counter
+
+
+def _timer(fn: Callable[[], Any], repeats: int, sync: Callable[[], None],
+           clock: Callable[[], float] = time.perf_counter) -> list[float]:
     for _ in range(2):
         fn()
     sync()
     out = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         sync()
-        out.append((time.perf_counter() - t0) * 1e3)
+        out.append((clock() - t0) * 1e3)
     return out
 
 
@@ -73,6 +85,7 @@ def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: s
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    clock = op_clock(device)
     rows = []
     with torch.inference_mode():
         for t in tokens:
@@ -106,7 +119,7 @@ def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: s
             }
             row: dict[str, Any] = {}
             for op in OPS:
-                row.update({f"time_stats.{op}.{k}": v for k, v in _stats(_timer(ops[op], repeats, sync)).items()})
+                row.update({f"time_stats.{op}.{k}": v for k, v in _stats(_timer(ops[op], repeats, sync, clock)).items()})
             row.update(n_head=heads, n_kv_head=kv_heads, n_embd=cfg.hidden_size,
                        n_expanded_embd=cfg.intermediate_size, vocab_size=cfg.vocab_size, use_gated_mlp=True,
                        num_tokens=t, num_tensor_parallel_workers=1, head_dim=head_dim)
@@ -136,6 +149,7 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
     tdtype = getattr(torch, dtype)
     backend.bind(hq, hkv, d, tdtype, block_size, device)  # as the model runner does, before any step
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    clock = op_clock(device)
     cases = [("decode", b, 1, c) for b, c in DECODE_GRID] + [("prefill", b, n, c) for b, n, c in PREFILL_GRID]
     rows = []
     with torch.inference_mode():
@@ -151,8 +165,8 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
             n = batch.num_tokens
             q, k, v = (torch.randn(n, h, d, device=device, dtype=tdtype) for h in (hq, hkv, hkv))
             meta = backend.prepare(batch, device)
-            fwd = _timer(lambda: backend.forward(q, k, v, cache, meta, d ** -0.5), repeats, sync)
-            prep = _timer(lambda: backend.prepare(batch, device), repeats, sync)
+            fwd = _timer(lambda: backend.forward(q, k, v, cache, meta, d ** -0.5), repeats, sync, clock)
+            prep = _timer(lambda: backend.prepare(batch, device), repeats, sync, clock)
             rows.append({"kind": kind, "batch_size": batch_size, "new_tokens": new, "cached_tokens": cached,
                          **{f"time_stats.attention.{k}": v for k, v in _stats(fwd).items()},
                          "time_stats.attention_prepare.median": statistics.median(prep),

@@ -24,7 +24,9 @@ FEATURES: dict[str, Callable[[StepSums], float]] = {
     "logit_rows": lambda s: float(s.num_logits),
     "prefill_seqs": lambda s: float(s.num_prefills),  # per-prompt work: attention call, mask, gathers
 }
-DEFAULT_FEATURES = ("const", "new_tokens", "num_seqs", "attn_work", "cached_tokens", "prefill_seqs")
+# logit_rows: the LM head and sampling run on sampled rows only, and a prompt chunk that does not end
+# the prompt samples nothing; on step logs that do not tell the two apart it is fitted at 0.
+DEFAULT_FEATURES = ("const", "new_tokens", "num_seqs", "attn_work", "cached_tokens", "prefill_seqs", "logit_rows")
 
 
 @dataclass(slots=True)
@@ -136,7 +138,11 @@ class ProfiledCostModel(CostModel):
         if weighting not in ("relative", "absolute"):
             raise ValueError(f"weighting must be 'relative' or 'absolute', got {weighting!r}")
         model = cls(features=features)
-        X, y = model._design(steps)
+        X_all, y = model._design(steps)
+        # A column equal to an earlier one on every step (logit_rows when every request sampled)
+        # cannot be told apart from it: fitted at 0 rather than splitting the cost at random.
+        used = [j for j in range(X_all.shape[1]) if not any(np.array_equal(X_all[:, j], X_all[:, i]) for i in range(j))]
+        X = X_all[:, used]
         keep: Any = np.ones(len(y), bool)
         coef = np.zeros(X.shape[1])
         for it in range(max(1, iterations)):
@@ -154,9 +160,10 @@ class ProfiledCostModel(CostModel):
                 keep = ~(y > outlier_factor * np.maximum(pred, 1e-12))
                 if keep.sum() < X.shape[1]:
                     keep[:] = True
-        model.coef = coef
+        model.coef = np.zeros(X_all.shape[1])
+        model.coef[used] = coef
         model._set_terms()
-        model.report = model._score(X, y)
+        model.report = model._score(X_all, y)
         model.meta = {"weighting": weighting, "outliers_dropped": int((~keep).sum())}
         return model
 

@@ -85,3 +85,27 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case, said):
     assert not (tmp_path / "fit.json").exists()
     with pytest.raises(FitInputError):
         fit_run(run_dir)
+
+
+def test_the_default_fit_charges_the_lm_head_per_sampled_row():
+    # Chunked prefill: a chunk that does not end its prompt samples nothing, so the LM head's rows
+    # (logit_rows) differ from the step's requests; the default features must tell them apart.
+    def cost(new, cached, logits):
+        return 20e-3 + 0.6e-3 * sum(new) + 0.3e-3 * len(new) + 1e-3 * logits
+
+    rows = []
+    for chunk in (64, 128, 256):
+        for decodes in (0, 1, 4, 9):
+            for ends_prompt in (False, True):
+                new, cached = [chunk] + [1] * decodes, [chunk] + [300 + 7 * i for i in range(decodes)]
+                logits = decodes + ends_prompt
+                rows.append((new, cached, cost(new, cached, logits), logits))
+    model = ProfiledCostModel.fit(rows)
+    got = model.coefficients()
+    assert {k: got[k] for k in ("const", "new_tokens", "num_seqs", "logit_rows")} == pytest.approx(
+        {"const": 20e-3, "new_tokens": 0.6e-3, "num_seqs": 0.3e-3, "logit_rows": 1e-3}, rel=1e-6)
+    assert model.report.max_ape == pytest.approx(0.0, abs=1e-6)
+    # A log where every request sampled cannot split the two: the request pays, logit_rows is 0.
+    same = [(n, c, cost(n, c, len(n)), len(n)) for n, c, _, _ in rows]
+    both = ProfiledCostModel.fit(same).coefficients()
+    assert both["logit_rows"] == 0.0 and both["num_seqs"] == pytest.approx(1.3e-3, rel=1e-6)

@@ -434,3 +434,24 @@ def test_malformed_tables_name_the_file_line_and_column(tmp_path: Path) -> None:
     empty = table("header_only.csv", [lines[0]])
     with pytest.raises(ProfileError, match="header_only.csv: a header and no rows"):
         read_compute_table(empty, "x", "org/m")
+
+
+def test_cpu_operators_are_timed_in_cpu_time_like_the_engine_steps() -> None:
+    # The engine's steps are logged in CPU time on CPU (profile_engine, sim_fidelity); operator
+    # tables in wall time would count the time another process holds the core and disagree.
+    import time
+
+    import torch
+
+    from sim.profile import _timer, op_clock
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        clock = op_clock("cpu")
+    finally:
+        torch.set_num_threads(threads)
+    assert clock is time.process_time and op_clock("cuda") is time.perf_counter
+    idle = lambda: time.sleep(0.02)  # noqa: E731 (the core is someone else's for 20 ms)
+    assert max(_timer(idle, 2, lambda: None, clock)) < 10.0
+    assert min(_timer(idle, 2, lambda: None, time.perf_counter)) >= 20.0
