@@ -104,6 +104,8 @@ def test_a_correct_policy_passes_from_the_command_line(plugins, tmp_path):
                  "each request alone (HF greedy)"):
         assert any(prop in r for r in rows), prop
     assert "info  fast-forward covers" in res.stdout and "info  step overhead" in res.stdout
+    assert res.stdout.rstrip().endswith("4 passed, 0 failed")  # the verdict is the last thing said
+    assert "leaked" not in res.stdout + res.stderr
 
 
 def test_a_policy_one_token_over_budget_fails_named(plugins, capsys):
