@@ -5,10 +5,12 @@ into one result (docs/decisions/cells.md).
 The front door is state-free: a request's cell is a function of the request and its position in
 the trace alone (`front_door`), so every cell process loads the same trace description, keeps its
 own share, and runs the ordinary single-fleet simulation (`sim.run`) on it: its own router and
-`cluster.replicas` replicas (or its own prefill and decode pools). A cell sends back columns: per
-request its times and counts, its token times as one flat array, per replica the step columns.
-The merged summary is `varlen.metrics.summarize` over the merged requests and steps, the very
-function a single run's summary comes from; nothing is averaged per cell.
+`cluster.replicas` replicas (or its own prefill and decode pools). A cell sends back columns: its
+requests' `RequestResults` (per request its times, counts and latencies; the inter-token gaps as
+one exact value -> count table), or, with token-level output (`output.token_times=true`) and for
+disaggregated cells, per request its times and counts and its token times as one flat array; per
+replica the step columns. The merged summary is `varlen.metrics.summarize` over the merged
+requests and steps, the very function a single run's summary comes from; nothing is averaged per cell.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from varlen.cli import SettingError, number
+from varlen.metrics import RequestResults
 from varlen.steplog import StepLog
 
 CELLS_ON = ("local", "ray")
@@ -217,8 +220,8 @@ class CellOutput:
 
     cell: int
     positions: np.ndarray  # each request's index in the whole trace
-    columns: dict[str, Any]  # per request (see _pack)
-    token_times: np.ndarray  # every request's token times, end to end
+    columns: dict[str, Any]  # per request (see _pack; only `replica` where `results` is set)
+    token_times: np.ndarray  # every request's token times, end to end (empty where `results` is set)
     token_counts: np.ndarray
     replicas: list[tuple[int, Any, int, float]]  # (index in the cell, steps as tuples or columns, KV pool tokens, clock)
     row: dict[str, Any]
@@ -227,13 +230,21 @@ class CellOutput:
     num_prefill: int | None = None  # disaggregated: the first num_prefill replicas are prefill instances
     transfers: dict[str, np.ndarray] | None = None
     prefill_hit_tokens: np.ndarray | None = None
+    results: RequestResults | None = None  # the requests' figures as columns, without token times
 
 
 _REASONS = ("length", "stop", "aborted", "rejected")
 
 
 def _pack(cell: int, positions: np.ndarray, res: Any, row: dict[str, Any], full_steps: bool) -> CellOutput:
+    replicas = [(r.index, _portable_log(r.engine.steps) if full_steps else _step_columns(r.engine.steps),
+                 r.engine.kv.capacity_tokens, r.clock.now()) for r in res.replicas]
     reqs = res.requests
+    if isinstance(reqs, RequestResults):  # no token-level output: the columns, as the run kept them
+        reqs.itl.table()  # the buffered gaps folded: one table crosses
+        routed = np.array([res.routed.get(r, -1) for r in reqs.req_id], np.int64)
+        return CellOutput(cell, positions, dict(replica=routed), np.empty(0, np.float64), np.empty(0, np.int64),
+                          replicas, row, res.num_steps, res.wall_s, results=reqs)
     nan = float("nan")
     code = {r: i for i, r in enumerate(_REASONS)}
     cols: dict[str, Any] = dict(
@@ -251,10 +262,7 @@ def _pack(cell: int, positions: np.ndarray, res: Any, row: dict[str, Any], full_
         replica=np.array([res.routed.get(r.req_id, -1) for r in reqs], np.int64))
     counts = np.fromiter((len(r.token_times) for r in reqs), np.int64, len(reqs))
     flat = np.fromiter((t for r in reqs for t in r.token_times), np.float64, int(counts.sum()))
-    out = CellOutput(cell, positions, cols, flat, counts,
-                     [(r.index, _portable_log(r.engine.steps) if full_steps else _step_columns(r.engine.steps),
-                       r.engine.kv.capacity_tokens, r.clock.now()) for r in res.replicas],
-                     row, res.num_steps, res.wall_s)
+    out = CellOutput(cell, positions, cols, flat, counts, replicas, row, res.num_steps, res.wall_s)
     if hasattr(res, "decode_routed"):  # disaggregated
         cols["decode_replica"] = np.array([res.decode_routed.get(r.req_id, -1) for r in reqs], np.int64)
         out.num_prefill = res.num_prefill
@@ -276,8 +284,9 @@ def run_cell(config: dict[str, Any], cell: int, labels: Mapping[str, Any] | None
     cfg = OmegaConf.create(config)
     cells, key_blocks = cells_of(cfg), int(OmegaConf.select(cfg, "cluster.cell_key_blocks", default=2))
     cfg.cluster.cells = 1  # the cell itself is one fleet
-    # The merge re-derives the fleet's metrics from each request's token times, so a cell keeps them.
-    OmegaConf.update(cfg, "output.token_times", True, force_add=True)
+    if OmegaConf.select(cfg, "cluster.mode", default="colocated") == "disaggregated":
+        # Its transfer and pool figures are read off its Requests: the merge rebuilds them, token times too.
+        OmegaConf.update(cfg, "output.token_times", True, force_add=True)
     sink = None if board is None else (lambda t, done, total: board.report.remote(cell, t, done, total))
     try:
         with _one_cell(_Share(cell, cells, key_blocks)) as share, \
@@ -298,7 +307,7 @@ class CellsResult:
     """SimResult's interface over every cell's replicas (cell c's replica k is replica c·R + k,
     R replicas per cell, disaggregated: its P prefill then its decode instances), requests in trace order."""
 
-    requests: list[RequestRecord]
+    requests: list[RequestRecord] | RequestResults  # RequestResults: cells without token-level output
     replicas: list[ReplicaRecord]
     wall_s: float
     routed: dict[str, int]
@@ -315,6 +324,13 @@ class CellsResult:
     @property
     def steps(self) -> StepLog:
         return StepLog.concat(r.engine.steps for r in self.steps_of)
+
+    @property
+    def results(self) -> RequestResults:
+        """Every request's figures as columns (the summary's and requests.csv's input)."""
+        from varlen.metrics import results_of
+
+        return results_of(self.requests)
 
     def __getattr__(self, name: str) -> Any:
         # write_outputs asks hasattr(res, "decode_routed"): only a disaggregated fleet has one.
@@ -348,24 +364,16 @@ def merge(outs: Sequence[CellOutput], wall_s: float) -> CellsResult:
     disagg = outs[0].num_prefill is not None
     prefill, decode, steps_of, transfers = [], [], [], []
     hits: dict[str, int] = {}
+    columns = all(o.results is not None for o in outs)
     for o in outs:
         c, R = o.columns, len(o.replicas)
         P = o.num_prefill or 0
-        times = o.token_times.tolist()
-        ends = np.cumsum(o.token_counts).tolist()
-        lists = [c[k].tolist() if isinstance(c[k], np.ndarray) else c[k] for k in
-                 ("req_id", "arrival", "first_scheduled", "finish_time", "finish_reason", "finish_message",
-                  "num_prompt_tokens", "num_output_tokens", "num_preemptions", "num_prefix_hit_tokens", "priority",
-                  "replica")]
-        start, where = 0, o.positions.tolist()
-        for j, (rid, arr, fs, fin, why, msg, npr, nout, npre, nhit, prio, rep) in enumerate(zip(*lists)):
-            end = ends[j]
-            records[where[j]] = RequestRecord(
-                rid, arr, None if fs != fs else fs, None if fin != fin else fin, None if why < 0 else reasons[why],
-                msg, npr, nout, npre, nhit, prio, times[start:end])
-            start = end
-            if rep >= 0:
-                routed[rid] = o.cell * R + rep
+        if columns:
+            assert o.results is not None
+            routed.update((rid, o.cell * R + rep) for rid, rep in zip(o.results.req_id, c["replica"].tolist())
+                          if rep >= 0)
+        else:
+            _records(o, records, routed, reasons)
         reps = [ReplicaRecord(o.cell * R + i, _Engine(_rebuilt_log(log) if isinstance(log, list) else _column_log(log),
                                                       _Kv(cap)), _Clock(now)) for i, log, cap, now in o.replicas]
         replicas += reps
@@ -385,34 +393,55 @@ def merge(outs: Sequence[CellOutput], wall_s: float) -> CellsResult:
             steps_of += reps
     first = outs[0].replicas[0]
     total_slots = (decode[0].engine.kv.capacity_tokens if disagg else first[2])
-    return CellsResult(records, replicas, wall_s, routed, sum(o.num_steps for o in outs), len(outs), steps_of,
+    requests: Any = (RequestResults.placed([(o.results, o.positions) for o in outs], n)  # type: ignore[misc]
+                     if columns else records)
+    return CellsResult(requests, replicas, wall_s, routed, sum(o.num_steps for o in outs), len(outs), steps_of,
                        total_slots, decode_routed if disagg else None, prefill, decode, transfers, hits)
 
 
-def merged_row(res: CellsResult, rows: Sequence[Mapping[str, Any]], slo: Mapping[str, Any]) -> tuple[dict[str, Any], dict]:
-    """(summary row, request latencies) of the merged fleet: its figures computed from the merged
+def _records(o: CellOutput, records: list, routed: dict[str, int], reasons: list) -> None:
+    """Cell o's requests rebuilt from their columns and token times, each into its trace position."""
+    c, R = o.columns, len(o.replicas)
+    times = o.token_times.tolist()
+    ends = np.cumsum(o.token_counts).tolist()
+    lists = [c[k].tolist() if isinstance(c[k], np.ndarray) else c[k] for k in
+             ("req_id", "arrival", "first_scheduled", "finish_time", "finish_reason", "finish_message",
+              "num_prompt_tokens", "num_output_tokens", "num_preemptions", "num_prefix_hit_tokens", "priority",
+              "replica")]
+    start, where = 0, o.positions.tolist()
+    for j, (rid, arr, fs, fin, why, msg, npr, nout, npre, nhit, prio, rep) in enumerate(zip(*lists)):
+        end = ends[j]
+        records[where[j]] = RequestRecord(
+            rid, arr, None if fs != fs else fs, None if fin != fin else fin, None if why < 0 else reasons[why],
+            msg, npr, nout, npre, nhit, prio, times[start:end])
+        start = end
+        if rep >= 0:
+            routed[rid] = o.cell * R + rep
+
+
+def merged_row(res: CellsResult, rows: Sequence[Mapping[str, Any]],
+               slo: Mapping[str, Any]) -> tuple[dict[str, Any], RequestResults]:
+    """(summary row, the requests' RequestResults) of the merged fleet: its figures computed from the merged
     requests and steps exactly as a single run's; the run's settings and trace figures as any
     cell's (they describe the whole trace); counts of replicas, GPUs and steps summed."""
     from sim.run import prefix_hit_rate
-    from varlen.metrics import request_latencies, summarize
+    from varlen.metrics import summarize
 
     row = dict(rows[0])  # a single run's keys, in its order
     per_cell = row["replicas"]
-    reqs: Any = res.requests  # RequestRecords: the fields of a Request the metrics read
-    latencies = request_latencies(reqs)
-    row.update(summarize(reqs, res.steps, res.total_slots, slo["ttft_s"], slo["tpot_s"], slo.get("tbt_s"),
-                         latencies=latencies))
+    results = res.results  # RequestRecords carry the fields of a Request the metrics read
+    row.update(summarize(results, res.steps, res.total_slots, slo["ttft_s"], slo["tpot_s"], slo.get("tbt_s")))
     row.update(replicas=sum(r["replicas"] for r in rows), gpus=sum(r["gpus"] for r in rows))
     if row.get("mode") == "disaggregated":
         from sim.cluster import cluster_figures
 
         row.update(cluster_figures(res))
     else:
-        row["prefix_hit_rate"] = prefix_hit_rate(res.requests)
-    n = len(res.requests)
+        row["prefix_hit_rate"] = prefix_hit_rate(results)
+    n = len(results)
     row.update(steps=res.num_steps, sim_wall_s=res.wall_s, sim_requests_per_wall_s=n / max(res.wall_s, 1e-9),
                sim_time_s=max(r["sim_time_s"] for r in rows), cells=res.cells, replicas_per_cell=per_cell)
-    return row, latencies
+    return row, results
 
 
 # ---------------------------------------------------------------------------------------------

@@ -63,11 +63,21 @@ class GapCounts:
         if not self._buffer:
             return
         v, c = np.unique(np.concatenate(self._buffer), return_counts=True)
+        self._buffer, self._buffered = [], 0
+        self._merge(v, c)
+
+    def _merge(self, v: np.ndarray, c: np.ndarray) -> None:
+        """Add the table (v distinct ascending, c counts) to this one."""
         if len(self._values):
             v, inv = np.unique(np.concatenate([self._values, v]), return_inverse=True)
             c = np.bincount(inv, np.concatenate([self._counts, c]).astype(np.float64), len(v)).astype(np.int64)
         self._values, self._counts = v, c
-        self._buffer, self._buffered = [], 0
+
+    def absorb(self, other: "GapCounts") -> None:
+        """Count `other`'s gaps too: a fleet's table from its cells' (the counts summed)."""
+        v, c = other.table()
+        if len(v):
+            self._merge(v, c)
 
     def table(self) -> tuple[np.ndarray, np.ndarray]:
         """(distinct gaps ascending, how many of each)."""
@@ -124,6 +134,22 @@ class RequestResults:
 
     def __len__(self) -> int:
         return len(self.req_id)
+
+    _ARRAYS = ("reason", "prompt_tokens", "output_tokens", "num_preemptions", "prefix_hit_tokens", "priority",
+               "arrival", "first_scheduled", "first_token", "finish", "tpot", "max_tbt", "filled")
+
+    @classmethod
+    def placed(cls, parts: Sequence[tuple["RequestResults", np.ndarray]], n: int) -> "RequestResults":
+        """n rows from `parts`, each (results, the row each of its rows goes to): a fleet's from its
+        cells', rows back in trace order, the gap tables summed."""
+        out = cls(n)
+        for part, rows in parts:
+            for k in cls._ARRAYS:
+                getattr(out, k)[rows] = getattr(part, k)
+            for j, i in enumerate(rows.tolist()):
+                out.req_id[i], out.finish_message[i] = part.req_id[j], part.finish_message[j]
+            out.itl.absorb(part.itl)
+        return out
 
     @classmethod
     def of(cls, requests: Sequence[Request]) -> "RequestResults":

@@ -1,7 +1,8 @@
 """`cluster.cells=N` (sim/cells.py): independent cells behind a state-free front door, merged into
 one fleet's result. A round-robin front door before round-robin routers places every request
 where one round-robin fleet of all the replicas would: the merged result is that fleet's, request
-for request and figure for figure. Cells on Ray give what the same cells give in one process,
+for request and figure for figure, whether the cells send their requests' columns (the default)
+or every token time (output.token_times=true). Cells on Ray give what the same cells give in one process,
 bit for bit (one small run on a local Ray instance; skipped without the `cluster` extra)."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from sim.cells import front_door
 from sim.run import CONF, _simulate_paused
 from tests.cli.test_cli_errors import run_main
 from varlen.cli import SettingError
-from varlen.metrics import request_table
+from varlen.metrics import GapCounts, RequestResults, request_table
 from varlen.traces.trace import Trace, TraceRequest, TraceStats
 
 SMALL = ["workload=synthetic", "workload.limit=300", "workload.rate=30", "engine.num_blocks=400",
@@ -34,9 +35,14 @@ def config(*overrides: str):
         return compose("sim", overrides=list(overrides))
 
 
-def test_round_robin_cells_are_the_round_robin_fleet():
-    one, rows_one, lat_one = _simulate_paused(config(*SMALL, "cluster.replicas=4"), None, False)
-    cells, row, lat = _simulate_paused(config(*SMALL, "cluster.replicas=2", "cluster.cells=2"), None, False)
+TOKEN_MODES = pytest.mark.parametrize("tokens", [[], ["output.token_times=true"]], ids=["columns", "token_times"])
+
+
+@TOKEN_MODES
+def test_round_robin_cells_are_the_round_robin_fleet(tokens):
+    one, rows_one, lat_one = _simulate_paused(config(*SMALL, *tokens, "cluster.replicas=4"), None, False)
+    cells, row, lat = _simulate_paused(config(*SMALL, *tokens, "cluster.replicas=2", "cluster.cells=2"), None, False)
+    assert isinstance(cells.requests, RequestResults) == (not tokens)
     assert row["preemptions"] > 0  # a loaded fleet: the comparison covers preemption and recompute
     pd.testing.assert_frame_equal(request_table(cells.requests, lat), request_table(one.requests, lat_one),
                                   check_exact=True)
@@ -159,14 +165,52 @@ def test_capacity_probes_run_the_celled_fleet(monkeypatch, capsys, tmp_path):
     assert len(found[0]) >= 3
 
 
-def test_one_cell_is_todays_run(monkeypatch, capsys, tmp_path):
+@TOKEN_MODES
+def test_one_cell_is_todays_run(tokens, monkeypatch, capsys, tmp_path):
     """cluster.cells=1 takes the single-fleet path, whatever cells_on says: nothing of Ray starts."""
     for name, args in (("plain", []), ("one", ["cluster.cells=1", "cluster.cells_on=ray"])):
-        code, _, err = run_main("sim.run", [*SMALL, "workload.limit=60", *args, f"hydra.run.dir={tmp_path / name}"],
+        code, _, err = run_main("sim.run", [*SMALL, *tokens, "workload.limit=60", *args,
+                                            f"hydra.run.dir={tmp_path / name}"],
                                 monkeypatch, capsys)
         assert code == 0, err
     _same_run(tmp_path / "plain", tmp_path / "one")
     assert "cells" not in json.loads((tmp_path / "one" / "summary.json").read_text())
+
+
+def test_cells_send_columns_not_token_times_and_the_files_are_the_same(monkeypatch, capsys, tmp_path):
+    """Without token-level output a cell sends its RequestResults (gaps as a value -> count table),
+    no token time; the merged run's files equal those of cells that send every token time."""
+    from omegaconf import OmegaConf
+
+    from sim.cells import run_cell
+
+    for tokens, columns in (([], True), (["output.token_times=true"], False)):
+        cfg = OmegaConf.to_container(config(*SMALL, *tokens, "workload.limit=40", "cluster.cells=2"), resolve=True)
+        out = run_cell(cfg, 0, None)
+        assert isinstance(out.results, RequestResults) == columns
+        assert (len(out.token_times) == 0) == columns and len(out.positions) == 20
+        if columns:
+            assert len(out.results) == 20 and len(out.results.itl) > 0 and set(out.columns) == {"replica"}
+    for name, tokens in (("columns", []), ("tokens", ["output.token_times=true"])):
+        code, _, err = run_main("sim.run", [*SMALL, *tokens, "cluster.cells=2", "cluster.replicas=2",
+                                            f"hydra.run.dir={tmp_path / name}"], monkeypatch, capsys)
+        assert code == 0, err
+    _same_run(tmp_path / "columns", tmp_path / "tokens")
+
+
+def test_gap_tables_summed_are_the_table_of_all_gaps():
+    rng = np.random.default_rng(1)
+    parts = [rng.choice([0.0125, 0.0125 + 1e-17, 0.3, 1 / 3, 7.0], int(k)) for k in rng.integers(0, 50, 5)]
+    whole, merged = GapCounts(), GapCounts()
+    for p in parts:
+        whole.add(p)
+        g = GapCounts()
+        g.add(p)
+        merged.absorb(g)
+    merged.absorb(GapCounts())  # an empty cell's table adds nothing
+    qs = [0, 12.5, 50, 90, 99, 100]
+    assert len(merged) == len(whole) == sum(map(len, parts))
+    assert merged.percentiles(qs) == whole.percentiles(qs) == [float(v) for v in np.percentile(np.concatenate(parts), qs)]
 
 
 def _same_run(a: Path, b: Path) -> None:
