@@ -1,6 +1,7 @@
 """The measured operator cost model (`cost.model=measured`): step times from per-operator timings
 taken on real GPUs (sim/profiles/ or a user's folder), predicted (gemm.py) where a table is missing,
-the roofline's where the GPU has no tables at all; `notes` say which. The formula is precomputed per token count when the model is built."""
+the roofline's where the GPU has no tables at all; `notes` say which. The formula is precomputed per
+token count when the model is built."""
 
 from __future__ import annotations
 
