@@ -1,9 +1,9 @@
 """`python -m varlen.compare DIR... [--baseline LABEL] [--metrics a,b] [--plot out.png]`: runs side by side.
 
-Reads varlen.run, sim.run and sim.capacity run directories and sweeps (a folder whose subfolders
-hold runs) and prints one table: a row per run, labelled by the overrides that differ between the
+Reads varlen.run, sim.run and sim.capacity run directories (capacity.mode=slo_scale's too) and
+sweeps (a folder whose subfolders hold runs) and prints one table: a row per run, labelled by the overrides that differ between the
 runs, the key metrics, and each metric's ratio to the baseline run (default: the first). Reads
-files only: summary.json / capacity.json and .hydra/overrides.yaml of each run.
+files only: summary.json / capacity.json / slo_scale.json and .hydra/overrides.yaml of each run.
 """
 
 from __future__ import annotations
@@ -20,10 +20,13 @@ import pandas as pd
 import yaml
 
 #: The metrics shown by default, by summary key; varlen.run has no SLO figures, a capacity run only
-#: its capacity and bound_by (NaN elsewhere; the table says which).
+#: its capacity and bound_by, an SLO scale run its scale and bound_by (NaN elsewhere; the table says which).
 METRICS = ["requests_per_s", "output_tokens_per_s", "goodput_requests_per_s", "slo_attainment",
-           "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "capacity_requests_per_s", "bound_by"]
-RUN_FILES = ("summary.json", "capacity.json")
+           "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "capacity_requests_per_s", "slo_scale", "bound_by"]
+RUN_FILES = ("summary.json", "capacity.json", "slo_scale.json")
+#: A run's kind by the file it wrote (summary.json: by its content).
+FILE_KINDS = {"capacity.json": "sim.capacity", "slo_scale.json": "sim.capacity/slo_scale"}
+DIRS_HINT = "give varlen.run, sim.run or sim.capacity run or sweep directories"
 
 
 class NotARun(ValueError):
@@ -31,8 +34,8 @@ class NotARun(ValueError):
 
 
 def kind_of(summary: dict[str, Any], file: str) -> str:
-    if file == "capacity.json":
-        return "sim.capacity"
+    if file in FILE_KINDS:
+        return FILE_KINDS[file]
     return "sim.run" if "cost_model" in summary else "varlen.run"
 
 
@@ -52,7 +55,7 @@ def find_runs(d: str | Path) -> list[Path]:
     """The run directories in `d`: `d` itself, or its subfolders (a sweep), in name order."""
     d = Path(d)
     if not d.is_dir():
-        raise NotARun(f"{d}: no such directory; give varlen.run, sim.run or sim.capacity run or sweep directories")
+        raise NotARun(f"{d}: no such directory; {DIRS_HINT}")
     if any((d / f).is_file() for f in RUN_FILES):
         return [d]
     def order(p: Path) -> tuple[float, str]:  # a sweep's job folders are numbered: 0_..., 1_..., 10_...
@@ -61,8 +64,8 @@ def find_runs(d: str | Path) -> list[Path]:
 
     runs = sorted({f.parent for name in RUN_FILES for f in d.rglob(name)}, key=order)
     if not runs:
-        raise NotARun(f"{d}: not a run (no summary.json or capacity.json in it or its subfolders); give "
-                      "varlen.run, sim.run or sim.capacity run or sweep directories")
+        raise NotARun(f"{d}: not a run (no summary.json, capacity.json or slo_scale.json in it or its "
+                      f"subfolders); {DIRS_HINT}")
     return runs
 
 
@@ -122,6 +125,7 @@ def table(df: pd.DataFrame, metrics: Sequence[str] = METRICS, baseline: str | No
         col = pd.to_numeric(out[m], errors="coerce")
         if m == "bound_by" or col.isna().all() and out[m].notna().any():
             continue  # text: no ratio
+        out[m] = col  # a run's null (no SLO scale passes) is NaN, like a metric it lacks
         b = pd.to_numeric(pd.Series([base.get(m)]), errors="coerce").iloc[0]
         out[f"{m}/base"] = col / b if b and not math.isnan(b) else math.nan
     return out
@@ -168,7 +172,8 @@ def plot(t: pd.DataFrame, metrics: Sequence[str], path: str | Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     p = argparse.ArgumentParser(prog="python -m varlen.compare", description=__doc__.splitlines()[0])
-    p.add_argument("dirs", nargs="+", help="run or sweep directories of varlen.run, sim.run or sim.capacity")
+    p.add_argument("dirs", nargs="+", help="run or sweep directories of varlen.run, sim.run or sim.capacity "
+                                           "(capacity.mode=slo_scale too)")
     p.add_argument("--baseline", help="the label of the run the ratios are against (default: the first run)")
     p.add_argument("--metrics", help=f"comma-separated summary keys (default: {','.join(METRICS)})")
     p.add_argument("--plot", help="write a bar chart of the metrics to this file (e.g. compare.png)")

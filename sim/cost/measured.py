@@ -1,6 +1,7 @@
 """The measured operator cost model (`cost.model=measured`): step times from per-operator timings
-taken on real GPUs (sim/profiles/ or a user's folder), predicted (gemm.py) where a table is missing;
-`notes` say which. The formula is precomputed per token count when the model is built."""
+taken on real GPUs (sim/profiles/ or a user's folder), predicted (gemm.py) where a table is missing,
+the roofline's where the GPU has no tables at all; `notes` say which. The formula is precomputed per
+token count when the model is built."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
 from sim.cost.attention import calibrate_attention
 from sim.cost.collectives import Collectives
 from sim.cost.gemm import _operator_model, layer_op_ms, moe_layer_ms
+from sim.cost.roofline import RooflineCostModel
 from sim.cost.profiles import (
-    GRID_TOKENS, HEAD_ROWS, LAYER_OPS, PER_LAYER, ModelKey, ProfileError, is_gated, load_profiles, resolve_gpu,
+    GRID_TOKENS, HEAD_ROWS, LAYER_OPS, PER_LAYER, ModelKey, ProfileError, is_gated, load_profiles, table_gpu,
 )
 
 
@@ -44,7 +46,8 @@ class MeasuredCostModel(CostModel):
         self.dtype_bytes = d = int(dtype_bytes if dtype_bytes is not None else hw.dtype_bytes)
         self.overhead_s = float(overhead_s if overhead_s is not None else hw.step_overhead_s)
         self.profiles = load_profiles(profiles)
-        self.gpu = resolve_gpu(hw, self.profiles)
+        gpu = table_gpu(hw, self.profiles)
+        self.gpu = gpu or hw.profile_gpu or hw.name
         tp = self.tensor
         tokens = np.arange(GRID_TOKENS + 1, dtype=np.float64)
         if m.is_moe:
@@ -53,16 +56,29 @@ class MeasuredCostModel(CostModel):
                                 m.head_dim)
         else:
             self.key = ModelKey.of(m, is_gated(cfg))
-        ops, self.linear_source = layer_op_ms(self.profiles, self.gpu, self.key, m.head_dim, tp, tokens, exclude,
-                                               m.vocab)
-        layer = np.sum([PER_LAYER[op] * ops[op] for op in LAYER_OPS], axis=0)
-        if m.is_moe:
-            router = self._router_ms(tokens)
-            dense_source = self.linear_source
-            moe, self.linear_source = moe_layer_ms(self.profiles, self.gpu, m, tp, tokens, router, exclude, m.vocab)
-            if m.dense_layers:
-                self.linear_source += f"; its {m.dense_layers} dense layers {dense_source}"
-            layer = (m.dense_layers * layer + m.moe_layers * moe) / m.layers
+        # No tables for this GPU: the linear block and the LM head are the roofline's (the one-GPU
+        # shard, as cost.model=roofline builds it), labelled as estimated in `notes`.
+        self._roof: RooflineCostModel | None = None
+        if gpu is None:
+            from sim.parallel import shard_config  # sim.parallel imports the roofline module
+
+            self._roof = RooflineCostModel(shard_config(cfg, tp), hw, dtype_bytes=d)
+            self.linear_source = (f"estimated (roofline: no operator tables for {hw.name}; tables exist for "
+                                  f"{', '.join(self.profiles.gpus) or 'none'}: cost.profiles=DIR adds yours, "
+                                  f"python -m sim.profile writes them)")
+            layer = np.zeros_like(tokens)
+            ops = {"emb": np.zeros_like(tokens)}
+        else:
+            ops, self.linear_source = layer_op_ms(self.profiles, self.gpu, self.key, m.head_dim, tp, tokens, exclude,
+                                                   m.vocab)
+            layer = np.sum([PER_LAYER[op] * ops[op] for op in LAYER_OPS], axis=0)
+            if m.is_moe:
+                router = self._router_ms(tokens)
+                dense_source = self.linear_source
+                moe, self.linear_source = moe_layer_ms(self.profiles, self.gpu, m, tp, tokens, router, exclude, m.vocab)
+                if m.dense_layers:
+                    self.linear_source += f"; its {m.dense_layers} dense layers {dense_source}"
+                layer = (m.dense_layers * layer + m.moe_layers * moe) / m.layers
         layer[0] = 0.0
         emb = ops["emb"].copy()
         emb[0] = 0.0
@@ -83,11 +99,14 @@ class MeasuredCostModel(CostModel):
         # Summed once per token count: a step is then three lookups and attention.
         L = m.layers
         self._fixed: list[float] = [e + L * (ly + a) + p for e, ly, a, p in zip(self._emb, self._layer, self._ar, self._pp)]
-        om = _operator_model(self.profiles, self.gpu, frozenset(exclude))
-        rows = np.arange(HEAD_ROWS + 1, dtype=np.float64)
-        head = om.gemm_ms(rows, max(m.vocab // tp, 1), m.hidden) * 1e-3
-        head[0] = 0.0
-        self._head: list[float] = head.tolist()
+        if gpu is None:
+            self._head: list[float] = [0.0]  # the roofline's, per step (it depends on the tokens too)
+        else:
+            om = _operator_model(self.profiles, self.gpu, frozenset(exclude))
+            rows = np.arange(HEAD_ROWS + 1, dtype=np.float64)
+            head = om.gemm_ms(rows, max(m.vocab // tp, 1), m.hidden) * 1e-3
+            head[0] = 0.0
+            self._head = head.tolist()
         q_dim = (m.heads // tp) * m.head_dim
         kv_dim = max(m.kv_heads // tp, 1) * m.head_dim
         self._pair_flops = 4.0 * q_dim
@@ -122,7 +141,9 @@ class MeasuredCostModel(CostModel):
             self.overhead_s = self._o0
             overhead = (f"overhead: the engine's, profiled ({prof_ov[0]}): {c['const_ms']:.3g} ms per step + "
                         f"{c['per_seq_ms']:.3g} ms per request + {c['per_prefill_ms']:.3g} ms per prefill")
-        self.notes = [f"linear: {self.linear_source}", "lm_head: predicted from its GEMM shape", attention,
+        lm_head = ("lm_head: predicted from its GEMM shape" if gpu else
+                   f"lm_head: estimated (roofline, with the embedding; no operator tables for {hw.name})")
+        self.notes = [f"linear: {self.linear_source}", lm_head, attention,
                       overhead, *self.comm.notes]
 
     def _router_ms(self, tokens: Any) -> Any:
@@ -149,6 +170,15 @@ class MeasuredCostModel(CostModel):
         if not t:
             return StepFixed(0.0, 0.0, overhead, num_seqs=num_seqs, embedding_s=0.0, linear_s=0.0,
                              lm_head_s=0.0, overhead_s=overhead)
+        roof = self._roof
+        if roof is not None:  # no tables for this GPU: the roofline's linear block and LM head
+            L = self.shape.layers
+            lin = roof.linear_time(new)
+            head_f, head_b = roof.head_work(new, num_logits)
+            head_s = max(head_f / self.hardware.flops, head_b / self.hardware.bandwidth)
+            comm = L * self._at(self._ar, t) + self._at(self._pp, t)
+            return StepFixed(L, lin, head_s + comm + overhead, num_seqs=num_seqs, new=new, linear_s=L * lin,
+                             lm_head_s=head_s, communication_s=comm, overhead_s=overhead)
         fixed, head, at = self._fixed, self._head, self._at
         lm_head = head[num_logits] if num_logits < len(head) else at(head, num_logits)
         base = (fixed[t] if t < len(fixed) else at(fixed, t)) + lm_head + overhead

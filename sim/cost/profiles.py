@@ -318,14 +318,9 @@ def is_gated(cfg: Mapping[str, Any]) -> bool:
     return str(c.get("model_type", "llama")) not in NON_GATED
 
 
-def resolve_gpu(hardware: HardwareSpec, profiles: Profiles) -> str:
-    """The compute-table GPU for a hardware spec, or a one-line error naming the fix."""
+def table_gpu(hardware: HardwareSpec, profiles: Profiles) -> str | None:
+    """The compute-table GPU for a hardware spec, or None where no tables hold it."""
     for name in (hardware.profile_gpu, hardware.name):
         if name and name in profiles.gpus:
             return name
-    have = ", ".join(profiles.gpus) or "none"
-    raise ProfileError(
-        f"cost.model=measured: no operator tables for hardware {hardware.name!r}"
-        f"{f' (profile_gpu {hardware.profile_gpu!r})' if hardware.profile_gpu else ''}; tables exist for: {have}. "
-        f"Point cost.profiles at a folder with compute/{hardware.profile_gpu or hardware.name}/<org>/<model>/mlp.csv "
-        f"(python -m sim.profile writes one), or use cost.model=roofline")
+    return None

@@ -1,5 +1,5 @@
-"""`python -m varlen.compare`: runs of varlen.run, sim.run and sim.capacity side by side in one table,
-and `sim.capacity -m` ending with it."""
+"""`python -m varlen.compare`: runs of varlen.run, sim.run and sim.capacity (its slo_scale mode too)
+side by side in one table, and `sim.capacity -m` ending with it."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_labels_say_what_differs_and_ratios_come_from_the_summaries(sweep, tmp_p
             assert row[m] == runs[name][m]
             assert row[f"{m}/base"] == pytest.approx(runs[name][m] / base[m])
         assert math.isnan(row["capacity_requests_per_s"])  # not a capacity run: NaN, and the table says so
-    assert "sim.run runs: n/a (NaN) for capacity_requests_per_s, bound_by" in out
+    assert "sim.run runs: n/a (NaN) for capacity_requests_per_s, slo_scale, bound_by" in out
     assert (tmp_path / "cmp.png").stat().st_size > 0
 
     # Another baseline, chosen by its label; fewer metrics.
@@ -80,6 +80,31 @@ def test_runs_of_each_kind_in_one_table(sweep, tmp_path, capsys):
     assert "varlen.run runs: n/a (NaN) for goodput_requests_per_s, slo_attainment" in out
 
 
+def test_slo_scale_runs_get_their_column_and_ratios(sweep, tmp_path, capsys):
+    """Two `sim.capacity capacity.mode=slo_scale` runs (60 requests at 2 req/s, tiny model: seconds)
+    next to the sim.run sweep: the scale, its ratio to the baseline's, bound_by, NaN elsewhere."""
+    found = {}
+    for name in ("chunked", "static"):
+        res = command(tmp_path, "sim.capacity", f"hydra.run.dir={tmp_path / name}", "capacity.mode=slo_scale",
+                      *SIM_SMALL, "workload.rate=2", "workload.limit=60", "slo.ttft_s=0.5", "slo.tpot_s=0.05",
+                      "capacity.slo_scale.rel_tol=0.3", f"scheduler={name}")
+        assert res.returncode == 0, res.stderr
+        found[name] = json.loads((tmp_path / name / "slo_scale.json").read_text())
+    assert all(f["slo_scale"] is not None for f in found.values()), found  # the ratio below is of two scales
+    t = main([str(tmp_path / "static"), str(tmp_path / "chunked"), str(sweep)])
+    out = capsys.readouterr().out
+    assert list(t["kind"]) == ["sim.capacity/slo_scale"] * 2 + ["sim.run"] * 2
+    for i, name in enumerate(["static", "chunked"]):
+        row = t.iloc[i]
+        assert row["label"].startswith("sim.capacity/slo_scale") and f"scheduler={name}" in row["label"]
+        assert row["slo_scale"] == found[name]["slo_scale"] and row["bound_by"] == found[name]["bound_by"]
+        assert row["slo_scale/base"] == pytest.approx(found[name]["slo_scale"] / found["static"]["slo_scale"])
+        assert math.isnan(row["requests_per_s"]) and math.isnan(row["capacity_requests_per_s"])
+    assert t["slo_scale"].iloc[2:].isna().all()
+    assert "sim.capacity/slo_scale runs: n/a (NaN) for requests_per_s," in out
+    assert "sim.run runs: n/a (NaN) for capacity_requests_per_s, slo_scale, bound_by" in out
+
+
 @pytest.mark.parametrize("args", [["EMPTY"], ["SWEEP", "--baseline", "scheduler=fifo"], ["SWEEP", "--metrics", "speed"]])
 def test_bad_input_fails_in_one_line(sweep, tmp_path, args):
     (tmp_path / "empty").mkdir()
@@ -88,7 +113,7 @@ def test_bad_input_fails_in_one_line(sweep, tmp_path, args):
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr
     assert res.stderr.startswith("error: ")
     if args[0].endswith("empty"):
-        assert f"{tmp_path / 'empty'}: not a run" in res.stderr and "summary.json or capacity.json" in res.stderr
+        assert f"{tmp_path / 'empty'}: not a run" in res.stderr and "summary.json, capacity.json or slo_scale.json" in res.stderr
 
 
 def test_a_capacity_sweep_ends_with_the_table(tmp_path):

@@ -15,7 +15,7 @@ from sim.cost.fitted import ProfiledCostModel
 from sim.cost.hardware import HardwareSpec, load_model_config
 from sim.cost.replay import ReplayCostModel
 from sim.explain import PARTS, breakdown
-from sim.cost.profiles import ProfileError, load_profiles
+from sim.cost.profiles import load_profiles
 from sim.cost.registry import build_cost_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,9 +46,12 @@ def test_parts_sum_to_total_for_every_model_hardware_and_cost_model(model: str, 
         meas = breakdown(build_cost_model({"model": "measured"}, cfg, spec, None), *STEP)
         _check(meas)
         assert None not in meas.values() and meas["linear_s"] > meas["lm_head_s"] > 0
-    else:
-        with pytest.raises(ProfileError, match="no operator tables"):
-            build_cost_model({"model": "measured"}, cfg, spec, None)
+    else:  # no tables for this GPU: the roofline's parts (test_measured_cost.py checks they are labelled)
+        meas = breakdown(build_cost_model({"model": "measured"}, cfg, spec, None), *STEP)
+        _check(meas)
+        assert meas.keys() == roof.keys()
+        for k, v in roof.items():
+            assert meas[k] is None if v is None else meas[k] == pytest.approx(v, rel=1e-12), k
     fitted = ProfiledCostModel(coef={"const": 1e-3, "new_tokens": 2e-5, "num_seqs": 1e-4, "attn_work": 1e-9,
                                      "cached_tokens": 1e-7, "prefill_seqs": 5e-4})
     p = breakdown(fitted, *STEP)
