@@ -150,7 +150,8 @@ def probe_rate(cfg: DictConfig, labels: dict[str, Any] | None = None,
                log: Callable[[str], None] | None = None) -> Callable[[float], tuple[bool, dict[str, Any]]]:
     """meets(rate) for bisect_rate: simulate `cfg` at that rate; passes when the criterion does and the run is steady."""
     from sim.criteria import checked, steady_state
-    from sim.run import LOSSY_KEYS, _simulate_paused, over_length_warning
+    from sim.headline import LOSSY_KEYS, over_length_warning
+    from sim.run import _simulate_paused
     from varlen.metrics import request_table
 
     warned: list[bool] = []
@@ -206,7 +207,8 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from sim.progress import showing
-    from sim.run import assumptions, hydra_labels, progress_settings, trace_text
+    from sim.headline import assumptions, trace_text
+    from sim.run import hydra_labels, progress_settings
     from varlen.cli import errors_to_exit, fail, interrupted
 
     labels = hydra_labels()
@@ -217,7 +219,7 @@ def main(cfg: DictConfig) -> None:
         if cfg.capacity.get("mode", "rate") == "slo_scale":  # the tightest SLO scale at workload.rate
             from sim.slo_scale import run_slo_scale
 
-            run_slo_scale(cfg, labels, out, done)
+            run_slo_scale(cfg, labels, out, done, probe=probe_rate)
             return
         from sim.criteria import SloAttainment
 

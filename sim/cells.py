@@ -34,6 +34,8 @@ from varlen.metrics import RequestResults
 from varlen.steplog import StepLog
 
 CELLS_ON = ("local", "ray")
+#: sim.run's single-fleet simulation, (cfg, labels, announce) -> (result, summary row, latencies).
+SimulateOne = Callable[[DictConfig, "Mapping[str, Any] | None", bool], Any]
 RAY_HINT = "install the cluster extra (pip install -e '.[cluster]'; scripts/setup.sh does), or use cluster.cells_on=local"
 
 
@@ -272,13 +274,12 @@ def _pack(cell: int, positions: np.ndarray, res: Any, row: dict[str, Any], full_
     return out
 
 
-def run_cell(config: dict[str, Any], cell: int, labels: Mapping[str, Any] | None,
+def run_cell(config: dict[str, Any], cell: int, labels: Mapping[str, Any] | None, simulate_one: SimulateOne,
              board: Any = None, interval_s: float = 5.0) -> CellOutput | str:
-    """Simulate cell `cell` of config's cluster.cells (a resolved config as a plain dict): its
-    CellOutput, or the one-line message of a bad setting or input. board: a Ray actor the cell
-    reports its progress to every interval_s (_Board)."""
+    """Simulate cell `cell` of config's cluster.cells (a resolved config as a plain dict) with
+    simulate_one (sim.run's single-fleet simulation): its CellOutput, or the one-line message of a
+    bad setting or input. board: a Ray actor the cell reports its progress to every interval_s (_Board)."""
     from sim.progress import showing
-    from sim.run import _simulate_paused
     from varlen.cli import errors_to_exit
 
     cfg = OmegaConf.create(config)
@@ -291,7 +292,7 @@ def run_cell(config: dict[str, Any], cell: int, labels: Mapping[str, Any] | None
     try:
         with _one_cell(_Share(cell, cells, key_blocks)) as share, \
                 showing(interval_s, enabled=sink is not None, sink=sink):
-            res, row, _ = _simulate_paused(cfg, labels, False)
+            res, row, _ = simulate_one(cfg, labels, False)
     except errors_to_exit() as err:
         return str(err)
     assert share.positions is not None
@@ -424,7 +425,7 @@ def merged_row(res: CellsResult, rows: Sequence[Mapping[str, Any]],
     """(summary row, the requests' RequestResults) of the merged fleet: its figures computed from the merged
     requests and steps exactly as a single run's; the run's settings and trace figures as any
     cell's (they describe the whole trace); counts of replicas, GPUs and steps summed."""
-    from sim.run import prefix_hit_rate
+    from sim.headline import prefix_hit_rate
     from varlen.metrics import summarize
 
     row = dict(rows[0])  # a single run's keys, in its order
@@ -448,12 +449,13 @@ def merged_row(res: CellsResult, rows: Sequence[Mapping[str, Any]],
 # Running the cells
 
 
-def simulate_cells(cfg: DictConfig, labels: Mapping[str, Any] | None = None,
-                   announce: bool = False) -> tuple[CellsResult, dict[str, Any], dict[str, Any]]:
-    """sim.run's (result, summary row, latencies) for a fleet of cluster.cells cells."""
+def simulate_cells(cfg: DictConfig, labels: Mapping[str, Any] | None, announce: bool,
+                   simulate_one: SimulateOne) -> tuple[CellsResult, dict[str, Any], dict[str, Any]]:
+    """sim.run's (result, summary row, latencies) for a fleet of cluster.cells cells, each simulated
+    by simulate_one (handed in by sim.run, which dispatches here: no import back)."""
     from types import SimpleNamespace
 
-    from sim.run import LOSSY_KEYS, assumptions, lossy_line, over_length_warning, trace_text
+    from sim.headline import LOSSY_KEYS, assumptions, lossy_line, over_length_warning, trace_text
 
     cells = cells_of(cfg)
     on = OmegaConf.select(cfg, "cluster.cells_on", default="local")
@@ -466,7 +468,7 @@ def simulate_cells(cfg: DictConfig, labels: Mapping[str, Any] | None = None,
     if on == "ray":
         _ray_init(config)  # before the clock starts: a capacity search starts Ray once for all its probes
     t0 = time.perf_counter()
-    outs = (_run_ray if on == "ray" else _run_local)(config, cells, labels)
+    outs = (_run_ray if on == "ray" else _run_local)(config, cells, labels, simulate_one)
     wall = time.perf_counter() - t0
     bad = [o for o in outs if isinstance(o, str)]
     if bad:
@@ -488,13 +490,14 @@ def door_text(c: Mapping[str, Any]) -> str:
     return f"a hash of a request's first {k} prefix hash ids where it has them, else round-robin"
 
 
-def _run_local(config: dict[str, Any], cells: int, labels: Mapping[str, Any] | None) -> list[CellOutput | str]:
+def _run_local(config: dict[str, Any], cells: int, labels: Mapping[str, Any] | None,
+               simulate_one: SimulateOne) -> list[CellOutput | str]:
     from sim.progress import labelled
 
     outs: list[CellOutput | str] = []
     for k in range(cells):
         with labelled(f"cell {k + 1}/{cells}"):
-            outs.append(run_cell(config, k, labels))
+            outs.append(run_cell(config, k, labels, simulate_one))
         gc.collect()  # the cell's engines, before the next cell's (the collector is paused while simulating)
         if isinstance(outs[-1], str):
             break  # a bad setting is the same in every cell
@@ -565,7 +568,8 @@ def fleet_line(label: str, cells: int, figures: Mapping[int, tuple[float, int, i
     return (line + f", every cell simulated past {t:,.1f} s, elapsed {_duration(elapsed)}, ETA {eta}")
 
 
-def _run_ray(config: dict[str, Any], cells: int, labels: Mapping[str, Any] | None) -> list[CellOutput | str]:
+def _run_ray(config: dict[str, Any], cells: int, labels: Mapping[str, Any] | None,
+             simulate_one: SimulateOne) -> list[CellOutput | str]:
     from sim.progress import settings as progress_settings
 
     ray = _ray_init(config)
@@ -574,7 +578,8 @@ def _run_ray(config: dict[str, Any], cells: int, labels: Mapping[str, Any] | Non
     board = None if shown is None else ray.remote(num_cpus=0)(_Board).remote()
     task = ray.remote(num_cpus=1, max_retries=0)(run_cell)
     cfg_ref = ray.put(config)
-    refs = [task.remote(cfg_ref, k, dict(labels) if labels else None, board, interval or 5.0) for k in range(cells)]
+    refs = [task.remote(cfg_ref, k, dict(labels) if labels else None, simulate_one, board, interval or 5.0)
+            for k in range(cells)]
     t0 = time.monotonic()
     results: dict[int, CellOutput | str] = {}
     pending, index = list(refs), {r: k for k, r in enumerate(refs)}

@@ -94,11 +94,9 @@ def search_scale(meets_at: Callable[[float], tuple[bool, dict[str, Any]]], low: 
     return ScaleResult(hi, bound, probes, True)
 
 
-def scaled_meets(cfg: DictConfig, labels: dict[str, Any] | None,
-                 log: Callable[[str], None] | None) -> Callable[[float], tuple[bool, dict[str, Any]]]:
+def scaled_meets(cfg: DictConfig, labels: dict[str, Any] | None, log: Callable[[str], None] | None,
+                 probe_rate: Callable[..., Any]) -> Callable[[float], tuple[bool, dict[str, Any]]]:
     """meets_at(scale): sim.capacity's probe at workload.rate with every SLO set multiplied by scale."""
-    from sim.capacity import probe_rate
-
     base = {k: cfg.slo.get(k) for k in SLO_KEYS}
     rate = float(cfg.workload.rate)
 
@@ -124,17 +122,19 @@ def slo_line(base: dict[str, Any], scale: float) -> str:
 
 
 def run_slo_scale(cfg: DictConfig, labels: dict[str, Any], out: Path,
-                  probes_out: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Search, print the answer line, write slo_scale.json and slo_scale_probes.csv; returns the JSON."""
+                  probes_out: list[dict[str, Any]] | None = None, *, probe: Callable[..., Any]) -> dict[str, Any]:
+    """Search, print the answer line, write slo_scale.json and slo_scale_probes.csv; returns the JSON.
+    probe: sim.capacity's probe_rate (handed in by sim.capacity, which dispatches here)."""
     import pandas as pd
     from omegaconf import OmegaConf
 
+    from sim.headline import assumptions, trace_text
     from sim.progress import showing
-    from sim.run import assumptions, progress_settings, trace_text
+    from sim.run import progress_settings
 
     c = cfg.capacity.slo_scale
     base = {k: cfg.slo.get(k) for k in SLO_KEYS}
-    meets = scaled_meets(cfg, labels, lambda line: print(line, flush=True))
+    meets = scaled_meets(cfg, labels, lambda line: print(line, flush=True), probe)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     print(f"SLO scale search at {float(cfg.workload.rate):g} req/s: {labels['scheduler']}/{labels['allocator']}, "
           f"criterion {cfg.capacity.get('criterion', 'slo_attainment')} with every SLO set x scale in "

@@ -128,7 +128,7 @@ def test_installed_packages_come_from_the_install(installed, tmp_path):
     assert conf == installed.root / ("varlen/conf" if installed.kind == "wheel" else "conf")
     # Each group once, found on the commands' search path: the commands' roots hold no copies.
     assert {"allocator", "backend", "hardware", "model", "scheduler", "workload"} <= {p.name for p in conf.iterdir()}
-    assert sorted(p.name for p in (conf / "run").iterdir()) == ["config.yaml", "workload_defaults"]
+    assert sorted(p.name for p in (conf / "run").iterdir()) == ["config.yaml", "serve.yaml", "workload_defaults"]
     assert sorted(p.name for p in (conf / "sim").iterdir() if p.is_dir()) == ["hydra", "workload_defaults"]
     if installed.kind == "wheel":  # no generic top-level `conf`; Hydra's plug-in namespace
         assert sorted(p.name for p in installed.root.iterdir() if not p.name.endswith(".dist-info")) == [

@@ -26,6 +26,7 @@ FLOORS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
         "varlen.promises", "varlen.interrupt", "varlen.batch", "varlen.settings", "varlen.registry",
         "varlen.traces", "varlen.traces.*", "varlen.workload", "varlen.metrics", "varlen.tiny_model", "varlen.cli",
         "varlen.timeline",  # timeline.json from step logs and request times
+        "varlen.outputs",  # what generate and the server return: completions, logprobs
         "sim",  # the package marker only (sim.cost.profiles finds its data next to it)
     )}),
     ("interfaces", {"interfaces": (
@@ -45,9 +46,11 @@ FLOORS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
         "varlen",  # the package's facade: LLM, lazily
         "varlen.llm", "varlen.run", "varlen.demo", "varlen.compile", "varlen.architectures",
         "sim.run", "sim.capacity", "sim.explain", "sim.search", "sim.profile", "sim.fit",
+        "sim.slo_scale", "sim.cells",  # a capacity mode, and a run split into cells: both drive sim.run's probes
         "varlen.testing", "varlen.testing.*",  # the property suites: they drive every layer
         "varlen.check", "varlen.check_properties",  # the command that runs them on one plug-in
         "varlen.compare", "sim.callbacks",  # runs side by side; the sweeps' Hydra callbacks print it
+        "varlen.serve", "varlen.openai_protocol",  # the OpenAI-compatible server and its wire format
     )}),
 ]
 

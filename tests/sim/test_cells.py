@@ -183,10 +183,11 @@ def test_cells_send_columns_not_token_times_and_the_files_are_the_same(monkeypat
     from omegaconf import OmegaConf
 
     from sim.cells import run_cell
+    from sim.run import _simulate_paused
 
     for tokens, columns in (([], True), (["output.token_times=true"], False)):
         cfg = OmegaConf.to_container(config(*SMALL, *tokens, "workload.limit=40", "cluster.cells=2"), resolve=True)
-        out = run_cell(cfg, 0, None)
+        out = run_cell(cfg, 0, None, _simulate_paused)
         assert isinstance(out.results, RequestResults) == columns
         assert (len(out.token_times) == 0) == columns and len(out.positions) == 20
         if columns:
@@ -254,6 +255,7 @@ def test_a_cell_hands_its_progress_to_a_sink_and_the_fleet_line_sums_them():
     from omegaconf import OmegaConf
 
     from sim.cells import fleet_line, run_cell
+    from sim.run import _simulate_paused
 
     class Board:  # a Ray actor handle's shape: board.report.remote(...)
         def __init__(self):
@@ -265,7 +267,7 @@ def test_a_cell_hands_its_progress_to_a_sink_and_the_fleet_line_sums_them():
 
     board = Board()
     cfg = OmegaConf.to_container(config(*SMALL, "workload.limit=40", "cluster.cells=2"), resolve=True)
-    out = run_cell(cfg, 1, None, board, interval_s=0)
+    out = run_cell(cfg, 1, None, _simulate_paused, board, interval_s=0)
     assert board.seen and {f[0] for f in board.seen} == {1}
     assert board.seen[-1][2:] == (20, 20) == (len(out.positions),) * 2  # the last report: all done
     line = fleet_line("simulating", 2, {0: (5.0, 10, 20), 1: (7.5, 20, 20)}, 1, 4.0)

@@ -1,4 +1,4 @@
-"""What a run assumed, said before its figures (sim/run.py `headline`, sim/capacity.py), and progress
+"""What a run assumed, said before its figures (sim/headline.py, sim/capacity.py), and progress
 of disaggregated runs (sim/disagg.py's loop on sim/progress.py).
 
 sim.run's first lines name the model, hardware, TP/PP, trace and limit, policy, allocator, cost model

@@ -244,7 +244,7 @@ def test_unprofiled_shapes_and_gpus_are_predicted_and_flagged() -> None:
 @pytest.mark.parametrize("hw", ["h200_sxm", "cpu_2core"])
 def test_gpu_without_tables_uses_the_roofline_for_those_parts_and_says_so(hw: str) -> None:
     from sim.cost.roofline import RooflineCostModel
-    from sim.run import unmeasured_notes
+    from sim.headline import unmeasured_notes
 
     m, roof = MeasuredCostModel(LLAMA3_8B, hw), RooflineCostModel(LLAMA3_8B, hw)
     # Decodes, a mixed batch, a prefill past the tables' token grid: the roofline's times, finite.

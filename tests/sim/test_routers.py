@@ -11,7 +11,8 @@ from schedulers import ChunkedPolicy
 from sim.cost.roofline import RooflineCostModel
 from sim.executor import CostModelExecutor
 from sim.routers import PrefixAwareRouter
-from sim.run import check_router, prefix_hit_rate
+from sim.headline import prefix_hit_rate
+from sim.run import check_router
 from sim.simulator import simulate
 from varlen import registry
 from varlen.cli import SettingError

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sim.capacity import probe_rate
 from sim.slo_scale import ScaleResult, scaled_meets, search_scale
 
 # A 7B model on an A100 with vLLM V0 scheduling, ShareGPT-like lengths (as tests/sim/test_capacity.py).
@@ -73,7 +74,7 @@ def test_the_scale_found_is_the_attainment_quantile_of_the_run() -> None:
     need = np.maximum(t["ttft"].to_numpy(float) / 0.1, np.nan_to_num(t["tpot"].to_numpy(float) / 0.02))
     need = np.sort(np.where(done, need, np.inf))
     exact = need[math.ceil(0.9 * len(need)) - 1]
-    r = search_scale(scaled_meets(cfg, None, None), 0.25, 8.0, 0.2)
+    r = search_scale(scaled_meets(cfg, None, None, probe_rate), 0.25, 8.0, 0.2)
     assert 0.25 < exact < 8
     assert r.sustained and r.scale is not None and exact <= r.scale <= exact * 1.2 + 1e-12, (exact, r)
     assert cfg.slo.ttft_s == 0.1 and cfg.slo.tpot_s == 0.02  # restored after the search
@@ -81,7 +82,7 @@ def test_the_scale_found_is_the_attainment_quantile_of_the_run() -> None:
 
 def test_an_unsustained_rate_fails_at_every_scale_after_one_probe() -> None:
     cfg = compose("workload.rate=200")
-    r = search_scale(scaled_meets(cfg, None, None), 0.1, 10.0, 0.05)
+    r = search_scale(scaled_meets(cfg, None, None, probe_rate), 0.1, 10.0, 0.05)
     assert r.scale is None and not r.sustained and r.bound_by in ("throughput", "queue_growth")
     assert len(r.probes) == 1
 
