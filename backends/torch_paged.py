@@ -11,13 +11,8 @@ torch_ref's for a model with soft-capping or sinks. K tiles are stored transpose
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,58 +24,16 @@ import torch.nn.functional as F
 
 from varlen.attention_api import BATCH_INVARIANT, AttentionBackend, AttentionMetadata, LayerAttention
 from varlen.batch import ForwardBatch
+from varlen.c_build import build_cached
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=gnu11")
-LIBS = ("-lm",)
 _ELEM = {torch.float32: 4, torch.bfloat16: 2}
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler() -> str:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
-
-
-def build_key(compiler_version: str) -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
-    for part in (compiler_version, " ".join(CFLAGS + LIBS), _cpu_flags(), torch.__version__, sys.version, platform.machine()):
-        h.update(part.encode())
-    return h.hexdigest()[:20]
-
-
 def build(verbose: bool = False) -> Path:
-    """Compile the kernel into the cache (once per key); returns the shared library. Raises on failure."""
-    from varlen.compiled import cache_dir
-
-    cc = _compiler()
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as err:
-        raise RuntimeError(f"no working C compiler ({cc}: {err}); install gcc or set CC") from None
-    target = cache_dir() / f"paged-attn-{build_key(version)}" / "paged_attention.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    cmd = [cc, *CFLAGS, str(SOURCE), "-o", tmp, *LIBS]
-    if verbose:
-        print(" ".join(cmd), file=sys.stderr)
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    if run.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"{' '.join(cmd)} failed: {(run.stderr or run.stdout).strip()[-600:]}")
-    os.replace(tmp, target)  # atomic: a concurrent reader sees no library or a whole one
-    return target
+    """Compile the kernel into the cache (once per source, compiler, flags, CPU, torch and Python);
+    returns the shared library. Raises on failure."""
+    return build_cached(SOURCE, "paged-attn", (torch.__version__,), verbose)
 
 
 _kernel: Any = None  # the loaded library, False once it failed (warned once per process)

@@ -14,13 +14,8 @@ RoPE is not fused here: it runs inside the attention module, whose code would ha
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 import warnings
 from functools import partial
 from pathlib import Path
@@ -29,57 +24,19 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from varlen.c_build import build_cached
+
 SOURCE = Path(__file__).with_name("csrc") / "layer_kernels.c"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=gnu11")
-LIBS = ("-lm",)
 ENV = "VARLEN_LAYER_KERNELS"
 C, TORCH, OFF = "c", "torch", "off"
 
 # --- building and loading the C library ------------------------------------------------------------
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler() -> str:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
-
-
 def build(verbose: bool = False) -> Path:
     """Compile the library into the cache (once per source, compiler, flags, CPU and Python);
     returns its path. Raises RuntimeError on failure."""
-    from varlen.compiled import cache_dir
-
-    cc = _compiler()
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as err:
-        raise RuntimeError(f"no working C compiler ({cc}: {err}); install gcc or set CC") from None
-    h = hashlib.sha256(SOURCE.read_bytes())
-    for part in (version, " ".join(CFLAGS + LIBS), _cpu_flags(), sys.version, platform.machine()):
-        h.update(part.encode())
-    target = cache_dir() / f"layer-kernels-{h.hexdigest()[:20]}" / "layer_kernels.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    cmd = [cc, *CFLAGS, str(SOURCE), "-o", tmp, *LIBS]
-    if verbose:
-        print(" ".join(cmd), file=sys.stderr)
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    if run.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"{' '.join(cmd)} failed: {(run.stderr or run.stdout).strip()[-600:]}")
-    os.replace(tmp, target)  # atomic: a concurrent reader sees no library or a whole one
-    return target
+    return build_cached(SOURCE, "layer-kernels", verbose=verbose)
 
 
 _lib: Any = None  # the loaded library, or the reason it is unavailable (a str), decided once

@@ -27,6 +27,7 @@ FLOORS: list[tuple[str, dict[str, tuple[str, ...]]]] = [
         "varlen.traces", "varlen.traces.*", "varlen.workload", "varlen.metrics", "varlen.tiny_model", "varlen.cli",
         "varlen.timeline",  # timeline.json from step logs and request times
         "varlen.outputs",  # what generate and the server return: completions, logprobs
+        "varlen.c_build",  # compiles the C kernels (torch_paged, layer kernels) into the cache
         "sim",  # the package marker only (sim.cost.profiles finds its data next to it)
     )}),
     ("interfaces", {"interfaces": (
