@@ -14,7 +14,6 @@ the backends' declarations.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -27,6 +26,7 @@ if not torch.cuda.is_available():
     # (backends/triton_paged.py says why); nothing has yet.
     os.environ["TRITON_INTERPRET"] = "1"
 
+from tests.engine.test_equivalence import NO_INTERPRETER  # noqa: E402  (why the interpreted runs skip)
 from varlen import registry  # noqa: E402
 from varlen.architectures import (  # noqa: E402
     FEATURE_TITLES, backend_features, backends_table, markdown_table, readme_backends_table, readme_table, rows,
@@ -76,12 +76,6 @@ def test_architecture_matches_hf_per_request(arch_models, backend, data):
 # optional feature (Gemma 2: query scale, windows on half the layers, soft-cap; gpt-oss: windows on
 # half the layers, sinks); its kernel meets each feature on mixed steps in test_triton_backend.py.
 INTERPRETED_ARCHS = ["gemma2", "gpt_oss"]
-if torch.cuda.is_available():
-    NO_INTERPRETER = "this machine has CUDA: Triton runs compiled here (tests/backends/test_gpu_backends.py)"
-elif importlib.util.find_spec("triton") is None:
-    NO_INTERPRETER = 'triton is not installed: pip install -e ".[triton]"'
-else:
-    NO_INTERPRETER = ""
 
 
 @pytest.mark.skipif(bool(NO_INTERPRETER), reason=NO_INTERPRETER or "-")
