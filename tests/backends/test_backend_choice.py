@@ -55,7 +55,7 @@ def test_cuda_rule_by_what_is_installed_and_the_dtype(present, dtype, needs, wan
 
 def test_cuda_rule_on_a_machine_without_a_gpu_names_what_is_missing():
     if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
+        pytest.skip("checks the messages on a machine without a GPU; this one has a CUDA device (test_cuda_rule_by_what_is_installed_and_the_dtype covers it)")
     name, passed = choose("cuda", torch.bfloat16, 256, PLAIN)
     assert name == "torch_sdpa" and [p.split(":")[0] for p in passed] == ["flashinfer", "flash_attn", "triton"]
     assert all("needs an NVIDIA GPU" in p for p in passed), passed
