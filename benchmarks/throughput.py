@@ -424,7 +424,7 @@ def main() -> None:
         if "micro" not in skip:
             # auto as what it picks for this (plain causal, fp32) model on CPU
             named = {choose("cpu", torch.float32, 16, frozenset())[0] if b == "auto" else b for b in backends}
-            print_decode_table(sorted({"torch_paged", "torch_sdpa"} & named) or sorted(named), 64, 1024, 5, peaks)
+            print_decode_table(sorted({"torch_paged", "torch_sdpa"} & named) or sorted(named), 64, 1024, 5, 5)
 
     if "breakdown" not in skip:
         b = backends[0]
