@@ -14,11 +14,14 @@ paper's figure, with a status:
   vLLM (vllm_v0), criterion tbt_p99_sched_delay (P99 TBT and median scheduling delay <= 2 s);
   Mistral-7B on one A100-80GB, Yi-34B TP2.
 - DistServe (Zhong et al., OSDI'24), §6.2 / Fig. 8: goodput per GPU at 90% SLO attainment
-  (criterion distserve), a prefill/decode split with the placement given below vs colocated vLLM.
+  (criterion distserve), a prefill/decode split with the placement given below vs colocated vLLM,
+  both with the artifact's server settings; the chatbot systems also simulated at the rates the
+  artifact measured them, beside its figures (ARTIFACT_RUNS).
 
 Traces are synthesized (varlen.traces.SyntheticTrace): Poisson arrivals, lognormal lengths whose
-means match the paper's after clipping to the model's length (sigma is not stated: --sigma,
-printed), seeded. No constant here is fitted to a paper's result.
+means match the paper's after clipping to the model's length (sigma, where no published requests
+give it: --sigma, printed), seeded; DistServe's datasets as its artifact builds them. No constant
+here is fitted to a paper's result.
 """
 
 from __future__ import annotations
