@@ -148,7 +148,9 @@ ALPACA_NOTE = ("compute-bound, as the paper says of OPT-175B on Alpaca: the KV p
                "Unchanged with 8,000 requests a probe")
 FT_NOTE = ("FasterTransformer bound by normalized latency: under request-level batching a short output waits for the "
            "whole previous batch (its longest output, up to ~2k tokens), and the mean of e2e/output is dominated "
-           "by those; the paper gives 22x as its largest gap, not per model")
+           "by those, so the ratio follows the output lengths' spread, which the paper does not state: OPT-175B "
+           "54x at sigma 1.0, 22.3x at 0.75, 10.6x at 0.5 (OPT-13B 10.6x, 7.4x, 5.9x); the paper gives 22x as "
+           "its largest gap, not per model")
 # The DistServe rows' causes, from the runs in docs/decisions/papers.md (printed only when a row fails).
 ENGINE_NOTE = ("the artifact's measured engines spend 30-60 ms of every TTFT outside the work the cost model "
                "holds (vLLM on OPT-13B: TTFT = 59 ms + 0.120 ms/token fitted at 1 req/s; the cost model: about 1 ms "
