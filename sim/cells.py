@@ -7,9 +7,10 @@ the trace alone (`front_door`), so every cell process loads the same trace descr
 own share, and runs the ordinary single-fleet simulation (`sim.run`) on it: its own router and
 `cluster.replicas` replicas (or its own prefill and decode pools). A cell sends back columns: its
 requests' `RequestResults` (per request its times, counts and latencies; the inter-token gaps as
-one exact value -> count table), or, with token-level output (`output.token_times=true`) and for
-disaggregated cells, per request its times and counts and its token times as one flat array; per
-replica the step columns. The merged summary is `varlen.metrics.summarize` over the merged
+one exact value -> count table), disaggregated cells also each request's decode instance, the
+transfers' times and bytes and the prefill prefix hits; or, with token-level output
+(`output.token_times=true`), per request its times and counts and its token times as one flat
+array; per replica the step columns. The merged summary is `varlen.metrics.summarize` over the merged
 requests and steps, the very function a single run's summary comes from; nothing is averaged per cell.
 """
 
@@ -238,15 +239,22 @@ class CellOutput:
 _REASONS = ("length", "stop", "aborted", "rejected")
 
 
-def _pack(cell: int, positions: np.ndarray, res: Any, row: dict[str, Any], full_steps: bool) -> CellOutput:
+def _pack(cell: int, positions: np.ndarray, res: Any, row: dict[str, Any], full_steps: bool,
+          results: RequestResults | None = None) -> CellOutput:
+    """Cell `cell`'s CellOutput. results: its requests' RequestResults, sent instead of every token time
+    (a colocated run without token-level output keeps only those: res.requests)."""
     replicas = [(r.index, _portable_log(r.engine.steps) if full_steps else _step_columns(r.engine.steps),
                  r.engine.kv.capacity_tokens, r.clock.now()) for r in res.replicas]
     reqs = res.requests
-    if isinstance(reqs, RequestResults):  # no token-level output: the columns, as the run kept them
-        reqs.itl.table()  # the buffered gaps folded: one table crosses
-        routed = np.array([res.routed.get(r, -1) for r in reqs.req_id], np.int64)
-        return CellOutput(cell, positions, dict(replica=routed), np.empty(0, np.float64), np.empty(0, np.int64),
-                          replicas, row, res.num_steps, res.wall_s, results=reqs)
+    if isinstance(reqs, RequestResults):
+        results = reqs
+    if results is not None:  # no token-level output: the columns, as the run kept them
+        results.itl.table()  # the buffered gaps folded: one table crosses
+        routed = np.array([res.routed.get(r, -1) for r in results.req_id], np.int64)
+        out = CellOutput(cell, positions, dict(replica=routed), np.empty(0, np.float64), np.empty(0, np.int64),
+                         replicas, row, res.num_steps, res.wall_s, results=results)
+        _pack_pools(out, res, results.req_id)
+        return out
     nan = float("nan")
     code = {r: i for i, r in enumerate(_REASONS)}
     cols: dict[str, Any] = dict(
@@ -265,13 +273,20 @@ def _pack(cell: int, positions: np.ndarray, res: Any, row: dict[str, Any], full_
     counts = np.fromiter((len(r.token_times) for r in reqs), np.int64, len(reqs))
     flat = np.fromiter((t for r in reqs for t in r.token_times), np.float64, int(counts.sum()))
     out = CellOutput(cell, positions, cols, flat, counts, replicas, row, res.num_steps, res.wall_s)
-    if hasattr(res, "decode_routed"):  # disaggregated
-        cols["decode_replica"] = np.array([res.decode_routed.get(r.req_id, -1) for r in reqs], np.int64)
-        out.num_prefill = res.num_prefill
-        tr = res.transfers
-        out.transfers = {k: np.array([getattr(x, k) for x in tr], np.float64) for k in ("ready", "start", "end", "bytes")}
-        out.prefill_hit_tokens = np.array([res.prefill_hit_tokens.get(r.req_id, 0) for r in reqs], np.int64)
+    _pack_pools(out, res, cols["req_id"])
     return out
+
+
+def _pack_pools(out: CellOutput, res: Any, req_ids: Sequence[str]) -> None:
+    """A disaggregated cell's own figures into `out`: each request's decode instance, the transfers, the
+    prefill instances' prefix hits (nothing for a colocated cell)."""
+    if not hasattr(res, "decode_routed"):
+        return
+    out.columns["decode_replica"] = np.array([res.decode_routed.get(r, -1) for r in req_ids], np.int64)
+    out.num_prefill = res.num_prefill
+    tr = res.transfers
+    out.transfers = {k: np.array([getattr(x, k) for x in tr], np.float64) for k in ("ready", "start", "end", "bytes")}
+    out.prefill_hit_tokens = np.array([res.prefill_hit_tokens.get(r, 0) for r in req_ids], np.int64)
 
 
 def run_cell(config: dict[str, Any], cell: int, labels: Mapping[str, Any] | None, simulate_one: SimulateOne,
@@ -285,18 +300,19 @@ def run_cell(config: dict[str, Any], cell: int, labels: Mapping[str, Any] | None
     cfg = OmegaConf.create(config)
     cells, key_blocks = cells_of(cfg), int(OmegaConf.select(cfg, "cluster.cell_key_blocks", default=2))
     cfg.cluster.cells = 1  # the cell itself is one fleet
-    if OmegaConf.select(cfg, "cluster.mode", default="colocated") == "disaggregated":
-        # Its transfer and pool figures are read off its Requests: the merge rebuilds them, token times too.
-        OmegaConf.update(cfg, "output.token_times", True, force_add=True)
     sink = None if board is None else (lambda t, done, total: board.report.remote(cell, t, done, total))
     try:
         with _one_cell(_Share(cell, cells, key_blocks)) as share, \
                 showing(interval_s, enabled=sink is not None, sink=sink):
-            res, row, _ = simulate_one(cfg, labels, False)
+            res, row, results = simulate_one(cfg, labels, False)
     except errors_to_exit() as err:
         return str(err)
     assert share.positions is not None
-    return _pack(cell, share.positions, res, row, bool(OmegaConf.select(cfg, "output.steps")))
+    # A disaggregated run keeps its Requests whatever the output: without token-level output the cell sends
+    # their RequestResults, as a colocated cell does (a timeline is refused with cells, so token_times decides).
+    tokens = bool(OmegaConf.select(cfg, "output.token_times", default=False))
+    return _pack(cell, share.positions, res, row, bool(OmegaConf.select(cfg, "output.steps")),
+                 None if tokens else results)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,7 +395,8 @@ def merge(outs: Sequence[CellOutput], wall_s: float) -> CellsResult:
                                                       _Kv(cap)), _Clock(now)) for i, log, cap, now in o.replicas]
         replicas += reps
         if disagg:
-            for rid, d in zip(c["req_id"], c["decode_replica"].tolist()):
+            ids = o.results.req_id if columns else c["req_id"]  # type: ignore[union-attr]
+            for rid, d in zip(ids, c["decode_replica"].tolist()):
                 if d >= 0:  # an instance's index in the cell, as routed's: prefill 0..P-1, decode P..R-1
                     decode_routed[rid] = o.cell * R + d
             prefill += reps[:P]
@@ -389,7 +406,7 @@ def merge(outs: Sequence[CellOutput], wall_s: float) -> CellsResult:
             assert t is not None and o.prefill_hit_tokens is not None
             transfers += [_Transfer(*x) for x in zip(t["ready"].tolist(), t["start"].tolist(), t["end"].tolist(),
                                                      t["bytes"].tolist())]
-            hits.update(zip(c["req_id"], o.prefill_hit_tokens.tolist()))
+            hits.update(zip(ids, o.prefill_hit_tokens.tolist()))
         else:
             steps_of += reps
     first = outs[0].replicas[0]

@@ -173,13 +173,28 @@ def pool_utilisation(reps: list, span: float) -> dict[str, float]:
     return dict(busy=busy / n / max(span, 1e-12), mean_kv_usage=kv_mean / n, peak_kv_usage=kv_peak)
 
 
+def _span_and_prompt(requests: Any) -> tuple[float, float, int]:
+    """(first arrival, last finish, prompt tokens) of the requests: Requests, or their RequestResults (the
+    columns a cell sends: the same figures)."""
+    from varlen.metrics import RequestResults
+
+    if isinstance(requests, RequestResults):
+        if not len(requests):
+            return 0.0, 0.0, 0
+        start = float(requests.arrival.min())
+        fin = requests.finish[~np.isnan(requests.finish)]
+        return start, float(fin.max()) if len(fin) else start, int(requests.prompt_tokens.sum())
+    start = min((r.arrival for r in requests), default=0.0)
+    end = max((r.finish_time for r in requests if r.finish_time is not None), default=start)
+    return start, end, sum(r.num_prompt_tokens for r in requests)
+
+
 def cluster_figures(res: Any) -> dict[str, float]:
     """Transfers (time, wait, bytes) and each pool's utilisation over the run's span."""
     tr = res.transfers
     t = np.array([x.end - x.start for x in tr]) if tr else np.array([np.nan])
     wait = np.array([x.start - x.ready for x in tr]) if tr else np.array([np.nan])
-    start = min((r.arrival for r in res.requests), default=0.0)
-    end = max((r.finish_time for r in res.requests if r.finish_time is not None), default=start)
+    start, end, prompt = _span_and_prompt(res.requests)
     span = end - start
     row: dict[str, float] = dict(transfers=len(tr), transfer_mean_s=float(np.mean(t)),
                                  transfer_p99_s=float(np.percentile(t, 99)),
@@ -188,6 +203,5 @@ def cluster_figures(res: Any) -> dict[str, float]:
     for name, reps in (("prefill", res.prefill), ("decode", res.decode)):
         for k, v in pool_utilisation(reps, span).items():
             row[f"{name}_{k}"] = v
-    prompt = sum(r.num_prompt_tokens for r in res.requests)
     row["prefix_hit_rate"] = sum(res.prefill_hit_tokens.values()) / prompt if prompt else 0.0
     return row

@@ -199,6 +199,40 @@ def test_cells_send_columns_not_token_times_and_the_files_are_the_same(monkeypat
     _same_run(tmp_path / "columns", tmp_path / "tokens")
 
 
+DISAGG = ["workload=synthetic", "workload.limit=80", "workload.rate=20", "cluster.mode=disaggregated",
+          "cluster.prefill_replicas=1", "cluster.decode_replicas=2", "cluster.decode.num_blocks=120"]
+
+
+def test_disaggregated_cells_send_columns_and_the_files_are_the_token_times_ones(monkeypatch, capsys, tmp_path):
+    """A disaggregated cell too sends its requests' RequestResults (gaps as a value -> count table), each
+    request's decode instance and the transfers, no token time; the merged run's files (requests.csv with
+    both instances, kv_usage.csv, summary.json with the transfer and pool figures) equal, bit for bit,
+    those of the same cells sending every token time."""
+    from omegaconf import OmegaConf
+
+    from sim.cells import run_cell
+
+    for tokens, columns in (([], True), (["output.token_times=true"], False)):
+        cfg = OmegaConf.to_container(config(*DISAGG, *tokens, "cluster.cells=2"), resolve=True)
+        out = run_cell(cfg, 0, None, _simulate_paused)
+        assert isinstance(out.results, RequestResults) == columns and (len(out.token_times) == 0) == columns
+        sent = out.columns["decode_replica"] >= 0  # a request ended by its first token is not sent
+        assert out.num_prefill == 1 and len(out.positions) == 40 and len(out.prefill_hit_tokens) == 40
+        assert 30 <= len(out.transfers["bytes"]) == sent.sum() and (out.columns["decode_replica"][sent] >= 1).all()
+        if columns:
+            assert set(out.columns) == {"replica", "decode_replica"} and len(out.results.itl) > 0
+    for name, tokens in (("columns", []), ("tokens", ["output.token_times=true"])):
+        code, _, err = run_main("sim.run", [*DISAGG, *tokens, "cluster.cells=2", f"hydra.run.dir={tmp_path / name}"],
+                                monkeypatch, capsys)
+        assert code == 0, err
+    _same_run(tmp_path / "columns", tmp_path / "tokens")
+    s = json.loads((tmp_path / "columns" / "summary.json").read_text())
+    table = pd.read_csv(tmp_path / "columns" / "requests.csv")
+    assert s["cells"] == 2 and s["preemptions"] > 0  # the decode pools were full
+    assert s["transfers"] == table.decode_replica.notna().sum() >= 60
+    assert set(table.replica) == {0, 3} and set(table.decode_replica.dropna()) == {1, 2, 4, 5}
+
+
 def test_gap_tables_summed_are_the_table_of_all_gaps():
     rng = np.random.default_rng(1)
     parts = [rng.choice([0.0125, 0.0125 + 1e-17, 0.3, 1 / 3, 7.0], int(k)) for k in rng.integers(0, 50, 5)]
@@ -225,14 +259,15 @@ def _same_run(a: Path, b: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                     reason="ray is not installed: install the cluster extra: pip install -e '.[cluster]' (scripts/setup.sh does)")
-def test_cells_on_ray_equal_cells_in_one_process(tmp_path):
+@pytest.mark.parametrize("fleet", [[*SMALL, "workload.limit=120"], DISAGG], ids=["colocated", "disaggregated"])
+def test_cells_on_ray_equal_cells_in_one_process(fleet, tmp_path):
     """One run on a local Ray instance (2 CPUs, no dashboard), in a subprocess of its own so that the
     instance ends with it; the same cells in this process give the same files, bit for bit."""
     import os
     import subprocess
     import sys
 
-    args = [*SMALL, "workload.limit=120", "cluster.cells=3", "output.steps=true"]
+    args = [*fleet, "cluster.cells=3", "output.steps=true"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s="180",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]))
