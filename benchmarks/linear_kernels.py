@@ -60,7 +60,8 @@ def merged_vs_separate(cfg, rows: list[int], repeats: int) -> None:
                "merged (4)": [packed(q + 2 * kv, h), packed(h, q), packed(2 * inter, h), packed(h, inter)]}
     print(f"one decoder layer's linear layers (hidden {h}, q {q}, k/v {kv}, intermediate {inter}), packed oneDNN, "
           f"{torch.get_num_threads()} threads; best of {repeats} rounds of 20 calls, alternating")
-    print(f"{'M':>5} {'separate wall us':>17} {'merged':>8} {'ratio':>6} {'separate CPU us':>16} {'merged':>8} {'ratio':>6}")
+    print(f"{'M':>5} {'separate wall us':>17} {'merged':>8} {'ratio':>6} {'separate CPU us':>16} {'merged':>8} "
+          f"{'ratio':>6}")
     for m in rows:
         xs = {k: torch.randn(m, k, generator=gen) for k in {h, q, inter}}
         best = {name: [float("inf"), float("inf")] for name in layouts}

@@ -190,7 +190,8 @@ def forward_split(path, prompts, outputs, backend, repeats=3, fused=True):
             execute(batch)
         finally:
             counter.remove()
-        handles = [h for m in linears for h in (m.register_forward_pre_hook(lin_pre), m.register_forward_hook(lin_post))]
+        handles = [h for m in linears
+                   for h in (m.register_forward_pre_hook(lin_pre), m.register_forward_hook(lin_post))]
         be.forward = timed_attend
         try:
             for _ in range(repeats):
@@ -218,7 +219,8 @@ def forward_split(path, prompts, outputs, backend, repeats=3, fused=True):
         seq = batch.seq_lens.astype(np.float64)
         pairs = float((new * (seq - new) + new * (new + 1) / 2).sum())
         row.update(alone=best_wall(run_alone), calls=n_calls[0], tokens=batch.num_tokens, seqs=batch.num_seqs,
-                   keys=int(seq.sum()), sampled=len(batch.logits_indices), linear_flops=sum(2.0 * n * m.in_features * m.out_features for m, n in calls),
+                   keys=int(seq.sum()), sampled=len(batch.logits_indices),
+                   linear_flops=sum(2.0 * n * m.in_features * m.out_features for m, n in calls),
                    kv_bytes=2.0 * shape.layers * shape.kv_heads * shape.head_dim * shape.elem * seq.sum(),
                    attn_flops=4.0 * shape.layers * shape.q_heads * shape.head_dim * pairs)
         rows[kind] = row
