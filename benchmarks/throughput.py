@@ -17,9 +17,11 @@ picks torch_paged here; named by `--backends`) to the same run with torch_sdpa, 
 `auto` (all measured in the same run). Then: the host's roofline (measured GEMM FLOP/s and read
 bandwidth, the minimum time of each varlen run's own schedule, varlen's fraction of it), the
 decode-attention micro-benchmark (benchmarks/roofline.py), a varlen step broken into phases, and one
-decode and one mixed forward split into linear layers / attention / rest in thread CPU time (robust
-to other load on the machine, unlike the wall-clock figures), with varlen's fused per-layer kernels
-(varlen/layer_kernels.py, the default) and without them (VARLEN_LAYER_KERNELS=0). `--unfused` also
+decode and one mixed forward split into linear layers / attention / rest in wall time with the run's
+thread count, each part against what bounds it, measured in the same run: the linear layers against
+the same GEMM calls replayed alone on the same packed kernels and against the host's GEMM peak,
+attention against the read bandwidth, the rest per module call; with varlen's fused per-layer
+kernels (varlen/layer_kernels.py, the default) and without them (VARLEN_LAYER_KERNELS=0). `--unfused` also
 runs each scheduler without them, alternating with the rest, for a tok/s ratio in the same run.
 """
 
@@ -127,68 +129,144 @@ def run_varlen(path, prompts, outputs, scheduler, backend, block_size=16, max_ba
     return sum(outputs) / dt, dt, timings, list(llm.engine.steps), [o.token_ids for o in outs]
 
 
+class _Measured(Exception):
+    """Both steps of the forward breakdown are measured: its run stops there."""
+
+
 def forward_split(path, prompts, outputs, backend, repeats=3, fused=True):
-    """CPU time of one forward split into linear layers (nn.Linear incl. the LM head), the attention
-    backend and the rest (norms, RoPE, activations, HF's module code, metadata), for the first pure
-    decode step holding every request and the first step of >= 500 tokens (prefill chunks). Each is
-    re-run `repeats` times on the same batch (it rewrites the same K/V); best of them. Thread CPU
-    time, not wall time: other processes on the machine do not count. `fused`: varlen's fused
-    per-layer kernels on (the default) or off."""
+    """One forward, in wall time with torch's current thread count (OpenMP workers included), for the
+    first pure decode step holding every request and the first step of >= 500 tokens (prefill
+    chunks), each re-run `repeats` times on the same batch (it rewrites the same K/V), best of them:
+    `plain` the forward alone; then with timing hooks `total`, `linear` (every nn.Linear call, the LM
+    head included; hooks on the modules see the packed kernels too) and `attention` (the backend's
+    calls); `alone` the same linear calls (modules, row counts, packed kernels) replayed back to back
+    outside the model; `calls` the module calls in the forward. With the step's shapes: `linear_flops`,
+    `kv_bytes` (the K/V its attention must read) and `attn_flops`. `fused`: varlen's fused per-layer
+    kernels on (the default) or off."""
     with layer_kernels(fused):
         llm = LLM(str(path), backend=backend, scheduler="chunked", block_size=16, max_num_seqs=len(prompts),
                   max_model_len=2048, max_num_batched_tokens=512, kv_cache_memory="1GiB")
     runner, be = llm.runner, llm.runner.backend
     execute, attend = runner.execute, be.forward
+    shape = Shape.of(runner.model)
+    linears = [m for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
     acc = {"attention": 0.0, "linear": 0.0}
-    # Linear layers timed by module hooks: they may run on F.linear or on a packed kernel
-    # (varlen/linear_kernels.py), which a patched F.linear would not see.
-    on = {"linear": False}
+    calls: list[tuple[torch.nn.Module, int]] = []
 
     def lin_pre(module, args):
-        module._t0 = time.thread_time()
+        module._t0 = time.perf_counter()
 
     def lin_post(module, args, out):
-        if on["linear"]:
-            acc["linear"] += time.thread_time() - module._t0
+        acc["linear"] += time.perf_counter() - module._t0
+        calls.append((module, args[0].numel() // args[0].shape[-1]))
 
-    for m in llm.runner.model.modules():
-        if isinstance(m, torch.nn.Linear):
-            m.register_forward_pre_hook(lin_pre)
-            m.register_forward_hook(lin_post)
-    rows: dict[str, tuple] = {}
+    def timed_attend(*args, **kwargs):
+        t = time.perf_counter()
+        out = attend(*args, **kwargs)
+        acc["attention"] += time.perf_counter() - t
+        return out
 
-    def timed(key, fn):
-        def wrapper(*args, **kwargs):
-            t = time.thread_time()
-            out = fn(*args, **kwargs)
-            acc[key] += time.thread_time() - t
-            return out
-        return wrapper
+    def best_wall(fn):
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    rows: dict[str, dict] = {}
 
     def split(batch):
         decode = batch.is_pure_decode and batch.num_seqs == len(prompts)
         kind = "decode" if decode else "mixed" if batch.num_tokens >= 500 else None
         if kind is None or kind in rows:
             return execute(batch)
-        on["linear"], be.forward = True, timed("attention", attend)
+        out = execute(batch)  # first use of these row counts (oneDNN primitives) is not timed
+        row = dict(plain=best_wall(lambda: execute(batch)))
+        n_calls = [0]
+        counter = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda m, args: n_calls.__setitem__(0, n_calls[0] + 1))
         try:
-            best = None
+            execute(batch)
+        finally:
+            counter.remove()
+        handles = [h for m in linears
+                   for h in (m.register_forward_pre_hook(lin_pre), m.register_forward_hook(lin_post))]
+        be.forward = timed_attend
+        try:
             for _ in range(repeats):
                 acc.update(attention=0.0, linear=0.0)
-                t = time.thread_time()
-                out = execute(batch)
-                total = time.thread_time() - t
-                if best is None or total < best[0]:
-                    best = (total, acc["linear"], acc["attention"])
+                calls.clear()
+                t = time.perf_counter()
+                execute(batch)
+                total = time.perf_counter() - t
+                if "total" not in row or total < row["total"]:
+                    row.update(total=total, linear=acc["linear"], attention=acc["attention"])
         finally:
-            on["linear"], be.forward = False, attend
-        rows[kind] = (batch.num_tokens, batch.num_seqs, int(batch.seq_lens.sum()), *best)
+            be.forward = attend
+            for h in handles:
+                h.remove()
+        gen = torch.Generator().manual_seed(0)
+        # Through the module call, as in the model (its hooks are gone again).
+        replay = [(m, torch.randn(n, m.in_features, generator=gen)) for m, n in calls]
+
+        def run_alone():
+            for f, x in replay:
+                f(x)
+
+        run_alone()
+        new = np.diff(batch.query_start_loc).astype(np.float64)
+        seq = batch.seq_lens.astype(np.float64)
+        pairs = float((new * (seq - new) + new * (new + 1) / 2).sum())
+        row.update(alone=best_wall(run_alone), calls=n_calls[0], tokens=batch.num_tokens, seqs=batch.num_seqs,
+                   keys=int(seq.sum()), sampled=len(batch.logits_indices),
+                   linear_flops=sum(2.0 * n * m.in_features * m.out_features for m, n in calls),
+                   kv_bytes=2.0 * shape.layers * shape.kv_heads * shape.head_dim * shape.elem * seq.sum(),
+                   attn_flops=4.0 * shape.layers * shape.q_heads * shape.head_dim * pairs)
+        rows[kind] = row
+        if len(rows) == 2:
+            raise _Measured
         return out
 
     runner.execute = split
-    llm.generate(prompts, [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in outputs],
-                 use_tqdm=False)
+    sps = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in outputs]
+    with contextlib.suppress(_Measured):  # the rest of the run is not needed
+        llm.engine.run(llm.make_requests(prompts, sps))
     return rows
+
+
+def print_forward_split(backend: str, threads: int, peaks: dict[str, float], prompts, outputs, path) -> None:
+    """What bounds each part of one decode and one mixed forward (forward_split), fused and unfused."""
+    split = {fused: forward_split(path, prompts, outputs, backend, fused=fused) for fused in (True, False)}
+    print(f"\none forward of varlen chunked + {backend}, wall ms with {threads} threads (best of 3 on the same batch), "
+          f"with the fused per-layer kernels (the default) and without (VARLEN_LAYER_KERNELS=0); the bounds use "
+          f"this run's host peaks ({peaks['flops'] / 1e9:.1f} GFLOP/s GEMM, {peaks['read_bw'] / 1e9:.1f} GB/s read):\n"
+          f"  linear: every nn.Linear call (LM head incl.); xalone: its time / the same calls (shapes, packed "
+          f"kernels) replayed outside the model (1.00x: the model around them costs nothing); %peak: their "
+          f"FLOPs at the GEMM peak / its time\n"
+          f"  attention: the backend's calls; %bound: max(K/V bytes at the read bandwidth, FLOPs at the GEMM peak) "
+          f"/ its time\n"
+          f"  rest: total - linear - attention (norms, RoPE, activation, adds, module code, metadata), per module "
+          f"call of the forward; plain: the forward without the timing hooks")
+    print(f"{'step':<7} {'kernels':<8} {'tokens':>6} {'seqs':>5} {'keys':>6} {'plain':>6} {'total':>6} | "
+          f"{'linear':>12} {'xalone':>6} {'%peak':>5} | {'attention':>12} {'%bound':>6} | {'rest':>12} "
+          f"{'calls':>5} {'us/call':>7}")
+    for kind in ("decode", "mixed"):
+        for fused in (True, False):
+            r = split[fused].get(kind)
+            if r is None:
+                continue
+            tot = r["total"]
+            rest = tot - r["linear"] - r["attention"]
+            att_min = max(r["kv_bytes"] / peaks["read_bw"], r["attn_flops"] / peaks["flops"])
+
+            def part(v):
+                return f"{v * 1e3:>6.2f} ({v / tot:>3.0%})"
+
+            print(f"{kind:<7} {'fused' if fused else 'unfused':<8} {r['tokens']:>6} {r['seqs']:>5} {r['keys']:>6} "
+                  f"{r['plain'] * 1e3:>6.2f} {tot * 1e3:>6.2f} | {part(r['linear'])} {r['linear'] / r['alone']:>5.2f}x "
+                  f"{r['linear_flops'] / peaks['flops'] / r['linear']:>5.0%} | {part(r['attention'])} "
+                  f"{att_min / r['attention']:>6.0%} | {part(rest)} {r['calls']:>5} {rest / r['calls'] * 1e6:>7.1f}")
 
 
 def run_varlen_online(path, prompts, outputs, scheduler, rate, seed=0):
@@ -405,6 +483,7 @@ def main() -> None:
             print(f"{sched:<12} {row['output_tokens_per_s']:>10.1f} {row['ttft_p50']:>9.3f} {row['ttft_p90']:>9.3f} "
                   f"{row['tpot_p50']:>9.3f} {row['tpot_p90']:>9.3f} {row['e2e_p50']:>8.2f}")
 
+    peaks = None
     if "roofline" not in skip:
         peaks = host_peaks()
         shape = Shape.of(hf)
@@ -435,19 +514,7 @@ def main() -> None:
             print(f"  {k:<12} {timings[k] * 1e3:>9.1f} ms {100 * timings[k] / total:>6.1f}%")
         outside = total - timings["forward"]
         print(f"  outside the forward: {100 * outside / total:.1f}% of step time")
-        print(f"\none forward of varlen chunked + {b}, thread CPU ms (best of 3; linear: nn.Linear incl. LM head), "
-              f"with the fused per-layer kernels (the default) and without (VARLEN_LAYER_KERNELS=0):")
-        print(f"{'step':<8} {'kernels':<8} {'tokens':>6} {'seqs':>5} {'keys':>7} {'total':>8} {'linear':>15} "
-              f"{'attention':>15} {'rest':>15}")
-        split = {fused: forward_split(path, prompts, outputs, b, fused=fused) for fused in (True, False)}
-        for kind in split[True]:
-            for fused in (True, False):
-                if kind not in split[fused]:
-                    continue
-                n, ns, keys, tot, lin, att = split[fused][kind]
-                rest = tot - lin - att
-                print(f"{kind:<8} {'fused' if fused else 'unfused':<8} {n:>6} {ns:>5} {keys:>7} {tot * 1e3:>8.1f} "
-                      + " ".join(f"{v * 1e3:>8.1f} ({v / tot:>3.0%})" for v in (lin, att, rest)))
+        print_forward_split(b, a.threads, peaks if peaks is not None else host_peaks(), prompts, outputs, path)
 
 
 if __name__ == "__main__":
