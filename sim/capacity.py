@@ -198,8 +198,8 @@ def probe_rate(cfg: DictConfig, labels: dict[str, Any] | None = None,
 
 def judged(crit: "Criterion", steady: "SteadyState", res: Any, row: dict[str, Any],
            latencies: Any) -> tuple[bool, dict[str, Any]]:
-    """(passes, the figures kept with bound_by and reason) of one simulation: the criterion and the
-    steady state, the pass test of every capacity probe and of sim.search's check at the target."""
+    """(passes, the figures kept with bound_by and reason) of one probe's simulation: the criterion
+    and the steady state."""
     from sim.criteria import checked, steady_state
     from varlen.metrics import request_table
 
