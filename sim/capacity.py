@@ -136,10 +136,30 @@ def criterion(cfg: DictConfig) -> "Criterion":
                            context)
 
 
-def slo_text(cfg: DictConfig) -> str:
-    """The SLOs set, e.g. 'TTFT <= 2 s, TBT <= 0.2 s'."""
-    names = (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("TBT", "tbt_s"))
-    return ", ".join(f"{n} <= {cfg.slo.get(k)} s" for n, k in names if cfg.slo.get(k) is not None)
+def criterion_text(cfg: DictConfig, crit: "Criterion", spelled: bool = False) -> str:
+    """The pass test in words, e.g. 'criterion slo_attainment (the SLO below for 90% of requests),
+    steady state required': what every capacity figure is relative to. spelled: the SLOs written out
+    even when they are the run's (for a JSON field or a line with no headline below it)."""
+    from sim.criteria import SloAttainment
+
+    name = cfg.capacity.get("criterion", "slo_attainment")
+    if isinstance(crit, SloAttainment):
+        text = ("the SLO below" if not spelled and all(cfg.slo.get(k) == v for k, v in crit.slos.items()) else
+                "SLO " + ", ".join(f"{k[:-2].upper()} <= {v:g} s" for k, v in crit.slos.items() if v is not None))
+        detail = f" ({text} for {crit.attainment:.0%} of requests)"
+    else:  # its thresholds, as the criterion holds them
+        numbers = {k: v for k, v in vars(crit).items() if not k.startswith("_") and isinstance(v, (int, float))
+                   and not isinstance(v, bool)}
+        detail = f" ({', '.join(f'{k}={v:g}' for k, v in numbers.items())})" if numbers else ""
+    return f"criterion {name}{detail}, steady state required"
+
+
+def cost_model_of(c: dict[str, Any]) -> Any:
+    """The cost model sim.run builds for the resolved config `c` (its notes say what is estimated)."""
+    from sim.cost.hardware import HardwareSpec
+    from sim.run import build_cost_model, load_sim_model
+
+    return build_cost_model(c["cost"], load_sim_model(c["sim_model"]["config"]), HardwareSpec.from_dict(c["hardware"]))
 
 
 KEEP = ("slo_attainment", "requests_per_s", "ttft_p90", "tpot_p90", "tbt_p99", "normalized_latency_mean",
@@ -149,10 +169,8 @@ KEEP = ("slo_attainment", "requests_per_s", "ttft_p90", "tpot_p90", "tbt_p99", "
 def probe_rate(cfg: DictConfig, labels: dict[str, Any] | None = None,
                log: Callable[[str], None] | None = None) -> Callable[[float], tuple[bool, dict[str, Any]]]:
     """meets(rate) for bisect_rate: simulate `cfg` at that rate; passes when the criterion does and the run is steady."""
-    from sim.criteria import checked, steady_state
-    from sim.headline import LOSSY_KEYS, over_length_warning
+    from sim.headline import LOSSY_KEYS, lossy_line, over_length_warning
     from sim.run import _simulate_paused
-    from varlen.metrics import request_table
 
     warned: list[bool] = []
 
@@ -163,22 +181,34 @@ def probe_rate(cfg: DictConfig, labels: dict[str, Any] | None = None,
             cfg.workload.rate = rate
         res, row, latencies = _simulate_paused(cfg, labels, False)
         if log is not None and not warned:
-            warned.append(True)  # the trace is the same at every rate: warn once
-            warning = over_length_warning(SimpleNamespace(**{k: row[f"trace_{k}"] for k in LOSSY_KEYS}),
-                                          OmegaConf.to_container(cfg, resolve=True), row["trace_max_model_len"])
-            if warning:
-                log(warning)
-        table = request_table(res.requests, latencies)
-        verdicts = [checked(crit, table, row), steady_state(table, steady)]
-        failed = next((v for v in verdicts if not v.ok), None)
-        kept = {k: row.get(k) for k in KEEP}
-        kept.update(bound_by=failed.bound_by if failed else None, reason="; ".join(v.reason for v in verdicts))
+            warned.append(True)  # the trace is the same at every rate: say what its options changed once
+            stats = SimpleNamespace(**{k: row[f"trace_{k}"] for k in LOSSY_KEYS})
+            for line in (lossy_line(stats), over_length_warning(stats, OmegaConf.to_container(cfg, resolve=True),
+                                                                row["trace_max_model_len"])):
+                if line:
+                    log(line)
+        ok, kept = judged(crit, steady, res, row, latencies)
         if log is not None:
-            log(f"  rate {rate:8.3f} req/s: {'meets' if failed is None else 'fails (bound_by ' + str(failed.bound_by) + ')'}"
+            log(f"  rate {rate:8.3f} req/s: {'meets' if ok else 'fails (bound_by ' + str(kept['bound_by']) + ')'}"
                 f": {kept['reason']}")
-        return failed is None, kept
+        return ok, kept
 
     return meets
+
+
+def judged(crit: "Criterion", steady: "SteadyState", res: Any, row: dict[str, Any],
+           latencies: Any) -> tuple[bool, dict[str, Any]]:
+    """(passes, the figures kept with bound_by and reason) of one probe's simulation: the criterion
+    and the steady state."""
+    from sim.criteria import checked, steady_state
+    from varlen.metrics import request_table
+
+    table = request_table(res.requests, latencies)
+    verdicts = [checked(crit, table, row), steady_state(table, steady)]
+    failed = next((v for v in verdicts if not v.ok), None)
+    kept = {k: row.get(k) for k in KEEP}
+    kept.update(bound_by=failed.bound_by if failed else None, reason="; ".join(v.reason for v in verdicts))
+    return failed is None, kept
 
 
 def capacity_search(cfg: DictConfig, labels: dict[str, Any] | None = None,
@@ -207,7 +237,7 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from sim.progress import showing
-    from sim.headline import assumptions, trace_text
+    from sim.headline import assumed, assumed_fields, trace_text, unmeasured_notes
     from sim.run import hydra_labels, progress_settings
     from varlen.cli import errors_to_exit, fail, interrupted
 
@@ -216,22 +246,15 @@ def main(cfg: DictConfig) -> None:
     done: list[dict[str, Any]] = []
     try:
         check_capacity_settings(cfg)
+        c = OmegaConf.to_container(cfg, resolve=True)
+        notes = unmeasured_notes(cost_model_of(c))  # type: ignore[arg-type]
         if cfg.capacity.get("mode", "rate") == "slo_scale":  # the tightest SLO scale at workload.rate
             from sim.slo_scale import run_slo_scale
 
-            run_slo_scale(cfg, labels, out, done, probe=probe_rate)
+            run_slo_scale(cfg, labels, out, done, probe=probe_rate, cost_notes=notes)
             return
-        from sim.criteria import SloAttainment
-
-        crit, slos = criterion(cfg), ""
-        c = OmegaConf.to_container(cfg, resolve=True)
-        if isinstance(crit, SloAttainment):
-            text = ("the SLO below" if all(cfg.slo.get(k) == v for k, v in crit.slos.items()) else
-                    "SLO " + ", ".join(f"{k[:-2].upper()} <= {v:g} s" for k, v in crit.slos.items() if v is not None))
-            slos = f" ({text} for {crit.attainment:.0%} of requests)"
-        print(f"capacity search: {labels['scheduler']}/{labels['allocator']}, criterion "
-              f"{cfg.capacity.get('criterion', 'slo_attainment')}{slos}, steady state required\n"
-              f"  trace {trace_text(c)} on {assumptions(c, labels)}")
+        print(f"capacity search: {labels['scheduler']}/{labels['allocator']}, {criterion_text(cfg, criterion(cfg))}\n"
+              f"  trace {trace_text(c)} {assumed(c, labels, notes)}", flush=True)
         with showing(**progress_settings(cfg), label="capacity probe"):
             best, probes = capacity_search(cfg, labels, done)
     except errors_to_exit() as err:
@@ -247,8 +270,9 @@ def main(cfg: DictConfig) -> None:
     result = {**labels, "capacity_requests_per_s": best, "bound_by": bound,
               "criterion": str(cfg.capacity.get("criterion", "slo_attainment")), "slo_ttft_s": cfg.slo.ttft_s,
               "slo_tpot_s": cfg.slo.tpot_s, "slo_tbt_s": cfg.slo.get("tbt_s"), "attainment": cfg.capacity.attainment,
-              "steady_state": vars(steady_settings(cfg)),
-              "search_high": cfg.capacity.high, "probes": len(probes)}
+              "criterion_text": criterion_text(cfg, criterion(cfg), spelled=True), "steady_state": vars(steady_settings(cfg)),
+              "search_high": cfg.capacity.high, "probes": len(probes),
+              **assumed_fields(c, labels, notes)}  # type: ignore[arg-type]
     (out / "capacity.json").write_text(json.dumps(result, indent=2))
     if best is None:
         print(f"even {cfg.capacity.low} req/s fails (bound_by {bound})")

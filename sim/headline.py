@@ -1,11 +1,12 @@
-"""What a simulated run assumed and how its trace was changed, in the lines sim.run, sim.capacity and
-the cells print before their figures (model, hardware, parallelism, policy, allocator, cost model,
-SLOs, trace; lossy trace options; estimated cost parts), and the prefix hit rate they report."""
+"""What a simulated run assumed and how its trace was changed, in the lines sim.run, sim.capacity
+(both modes), sim.search and the cells print before their figures (model, hardware, parallelism,
+policy, allocator, cost model, SLOs, trace; lossy trace options; the cost model's parts not from
+measurements), and the prefix hit rate they report."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from omegaconf import OmegaConf
 
@@ -75,10 +76,27 @@ def trace_text(c: Mapping[str, Any]) -> str:
     return f"{wl.get('source')} ({'all requests' if limit is None else f'limit {limit}'})"
 
 
-def headline(c: Mapping[str, Any], labels: Mapping[str, Any] | None, num_requests: int, caching: bool) -> str:
+def headline(c: Mapping[str, Any], labels: Mapping[str, Any] | None, num_requests: int, caching: bool,
+             cost_model: Any = None) -> str:
     """sim.run's first lines: what is simulated and everything the figures depend on."""
     return (f"simulating {num_requests} requests of {trace_text(c)} (Ctrl-C stops)\n"
-            f"  on {assumptions(c, labels, caching)}")
+            f"  {assumed(c, labels, unmeasured_notes(cost_model), caching)}")
+
+
+def assumed(c: Mapping[str, Any], labels: Mapping[str, Any] | None, cost_notes: Sequence[str],
+            caching: bool | None = None) -> str:
+    """'on <assumptions>', and a second line naming the cost model's parts that are not from
+    measurements (`cost_notes`: its unmeasured_notes) when it has any: what every entry point that
+    reports figures prints before them."""
+    line = not_measured_line(c, cost_notes)
+    return f"on {assumptions(c, labels, caching)}" + (f"\n{line}" if line else "")
+
+
+def assumed_fields(c: Mapping[str, Any], labels: Mapping[str, Any] | None, cost_notes: Sequence[str]) -> dict[str, Any]:
+    """What capacity.json, slo_scale.json and search.json record of what their figures assumed: the
+    headline's words and the cost model's parts not from measurements (`cost_notes`)."""
+    return {"trace": trace_text(c), "assumptions": assumptions(c, labels), "cost_model": c["cost"]["model"],
+            "cost_notes": list(cost_notes)}
 
 
 def unmeasured_notes(cost_model: Any) -> list[str]:
@@ -86,6 +104,12 @@ def unmeasured_notes(cost_model: Any) -> list[str]:
     measurements (its `notes`): a headline should not let them pass for measured."""
     notes = getattr(cost_model, "notes", None) or []
     return [n for n in notes if any(w in n for w in ("predicted", "estimated", "estimates"))]
+
+
+def not_measured_line(c: Mapping[str, Any], notes: Sequence[str]) -> str | None:
+    """'  cost NAME, not from measurements: ...' naming a cost model's parts that are predicted or
+    estimated (`notes`: its unmeasured_notes), or None when there are none."""
+    return f"  cost {c['cost']['model']}, not from measurements: {'; '.join(notes)}" if notes else None
 
 
 def over_length_warning(stats: Any, c: Mapping[str, Any], limit: int | None) -> str | None:

@@ -16,8 +16,7 @@ from typing import Any, Mapping
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from sim.headline import (LOSSY_KEYS, headline, lossy_line, over_length_warning, prefix_hit_rate,
-                          unmeasured_notes)
+from sim.headline import LOSSY_KEYS, headline, lossy_line, over_length_warning, prefix_hit_rate
 from varlen.cli import SettingError, check_missing, check_slo, existing_file, number
 from varlen.registry import conf_dir
 
@@ -264,10 +263,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     if announce:
         if lossy:
             print(lossy, flush=True)
-        print(headline(c, labels, len(reqs), caching), flush=True)
-        guessed = unmeasured_notes(cost_model)
-        if guessed:
-            print(f"  cost {c['cost']['model']}, not from measurements: {'; '.join(guessed)}", flush=True)
+        print(headline(c, labels, len(reqs), caching, cost_model), flush=True)
         warning = over_length_warning(trace.stats, c, wl.get("max_model_len"))
         if warning:
             print(warning, flush=True)

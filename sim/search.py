@@ -62,6 +62,7 @@ class Point:
     capacity_at_top: bool = False  # the bisection's top (capacity.high) met the SLOs: a lower bound
     probes: int = 0
     bound_by: str | None = None  # the condition that bound replica_capacity (sim.capacity.bound_by)
+    cost_notes: list[str] = field(default_factory=list)  # the cost model's parts not from measurements
     replicas: int | None = None  # colocated: replicas; disaggregated: units of the P:D split
     verified: bool | None = None  # None: not checked
     verified_attainment: float | None = None
@@ -304,7 +305,8 @@ class Search:
         return None
 
     def replica_capacity(self, p: Point) -> None:
-        from sim.capacity import bisect_rate, bound_by, probe_rate
+        from sim.capacity import bisect_rate, bound_by, cost_model_of, probe_rate
+        from sim.headline import unmeasured_notes
 
         if p.split is not None and p.pipeline != 1:
             p.status, p.reason = "skipped", (f"cluster.mode=disaggregated does not model pipeline parallelism "
@@ -321,6 +323,7 @@ class Search:
             return
 
         try:
+            p.cost_notes = unmeasured_notes(cost_model_of(OmegaConf.to_container(c, resolve=True)))
             best, probes = bisect_rate(probe_rate(c, self._labels(p)), float(c.capacity.low), float(c.capacity.high),
                                        float(c.capacity.rel_tol), verify_below=list(c.capacity.get("verify_below", [])))
         except (ValueError, KeyError) as e:  # a setting of this point the simulation refuses (SettingError too)
@@ -329,7 +332,9 @@ class Search:
         p.probes, p.bound_by = len(probes), bound_by(best, probes, float(c.capacity.high))
         if best is None:
             p.low_attainment = probes[0].get("slo_attainment") if probes else None
-            p.status, p.reason = "misses SLOs", f"misses the SLOs even at capacity.low={c.capacity.low} req/s"
+            # bound_by says whether the criterion or the steady state failed: not always an SLO.
+            p.status, p.reason = "misses SLOs", (f"fails even at capacity.low={c.capacity.low} req/s (bound_by "
+                                                 f"{p.bound_by}): {probes[0].get('reason', '') if probes else ''}")
             return
         p.replica_capacity, p.capacity_at_top = best, best >= float(c.capacity.high)
         p.replicas = replicas_for(self.target, best)
@@ -339,14 +344,22 @@ class Search:
         p.status = "ok"
 
     def verify(self, p: Point) -> tuple[bool, Any, dict[str, Any], DictConfig]:
-        """Simulate the deployment (p.replicas replicas or P:D units) at the target rate."""
-        from sim.run import simulate_config
+        """Simulate the deployment (p.replicas replicas or P:D units) at the target rate; it passes when
+        the capacity criterion does (the one its replicas were sized by, not always the SLOs). The
+        steady state is the sizing's: each replica takes no more than the rate it sustained, and the
+        target's shorter arrival window on the same trace could not show it."""
+        from sim.capacity import criterion
+        from sim.criteria import checked
+        from sim.run import _simulate_paused
+        from varlen.metrics import request_table
 
         assert p.replicas is not None
         c = self.config(p, p.replicas, self.target)
-        res, row = simulate_config(c, self._labels(p))
-        ok = row["slo_attainment"] >= self.attainment
-        p.checks.append({"replicas": p.replicas, "slo_attainment": row["slo_attainment"], "meets": ok})
+        res, row, latencies = _simulate_paused(c, self._labels(p), False)
+        v = checked(criterion(c), request_table(res.requests, latencies), row)
+        ok = v.ok
+        p.checks.append({"replicas": p.replicas, "slo_attainment": row["slo_attainment"], "meets": ok,
+                         "bound_by": v.bound_by, "reason": v.reason})
         p.verified, p.verified_attainment = ok, row["slo_attainment"]
         return ok, res, row, c
 
@@ -360,8 +373,10 @@ class Search:
             p = points[i]
             budget -= 1
             ok, res, row, c = self.verify(p)
-            self.log(f"check {p.label()} {p.size_text()} at {self.target:g} req/s: SLO attainment "
-                     f"{row['slo_attainment']:.1%} -> {'meets' if ok else 'misses'} the SLOs")
+            last = p.checks[-1] if p.checks else {}
+            self.log(f"check {p.label()} {p.size_text()} at {self.target:g} req/s: "
+                     f"{last.get('reason') or 'SLO attainment ' + format(row['slo_attainment'], '.1%')} -> "
+                     + ("meets" if ok else f"fails (bound_by {last.get('bound_by')})"))
             if ok:
                 return p, res, row, c
             if (p.replicas + 1) * p.gpus_per_replica > max_gpus:
@@ -374,29 +389,39 @@ class Search:
         return None, None, None, None
 
     def run(self, points: Sequence[Point]) -> tuple[Point | None, Any, dict[str, Any] | None, Any]:
+        from sim.headline import not_measured_line
+
+        said: set[tuple[str, ...]] = set()
         for k, p in enumerate(points, 1):
             self.replica_capacity(p)
             if p.status == "ok":
                 bound = ">=" if p.capacity_at_top else ""
                 unit = "one replica" if p.split is None else "one unit"
-                self.log(f"[{k}/{len(points)}] {p.label()}: {unit} {bound}{p.replica_capacity:.3g} req/s -> "
-                         f"{p.size_text()}, {p.gpus} GPUs, ${p.cost_per_hour:.2f}/h")
+                self.log(f"[{k}/{len(points)}] {p.label()}: {unit} {bound}{p.replica_capacity:.3g} req/s "
+                         f"(bound_by {p.bound_by}) -> {p.size_text()}, {p.gpus} GPUs, ${p.cost_per_hour:.2f}/h")
             else:
                 self.log(f"[{k}/{len(points)}] {p.label()}: {p.status}: {p.reason}")
+            if p.cost_notes and (p.hardware, *p.cost_notes) not in said:  # once per hardware, not per point
+                said.add((p.hardware, *p.cost_notes))
+                self.log(f"{not_measured_line(self.cfg, p.cost_notes)} ({p.hardware})")
         return self.cheapest_verified(points)
 
 
-def nothing_met(points: Sequence[Point], target: float, attainment: float, max_gpus: int, max_verify: int) -> str:
-    """The one line of a search that found no deployment: what bound its closest candidate."""
-    head = f"no deployment met the SLOs ({attainment:.0%} of requests) at {target:g} req/s"
+def nothing_met(points: Sequence[Point], target: float, attainment: float, max_gpus: int, max_verify: int,
+                criterion: str | None = None) -> str:
+    """The one line of a search that found no deployment: what bound its closest candidate.
+    criterion: the pass test in words (sim.capacity.criterion_text); None: the SLOs for `attainment`."""
+    head = (f"no deployment met the SLOs ({attainment:.0%} of requests) at {target:g} req/s" if criterion is None
+            else f"no deployment passed at {target:g} req/s ({criterion})")
     checked = [p for p in points if p.checks]
     if checked:
         p = max(checked, key=lambda q: q.checks[-1].get("slo_attainment", 0.0))
         last = p.checks[-1]
         why = (f"one replica more exceeds search.max_gpus={max_gpus}" if p.status == "over max_gpus"
                else f"search.max_verify={max_verify} checks used up")
+        failed = f" SLO attainment, bound_by {last['bound_by']}" if last.get("bound_by") else ""
         return (f"{head}; closest: {p.label()} {p.size_text(last['replicas'])} reached "
-                f"{last.get('slo_attainment', math.nan):.1%} ({why})")
+                f"{last.get('slo_attainment', math.nan):.1%}{failed} ({why})")
     big = [p for p in points if p.status == "over max_gpus"]
     if big:
         p = min(big, key=lambda q: (q.gpus or q.gpus_per_replica, q.cost_per_gpu_hour))
@@ -430,7 +455,8 @@ def main(cfg: DictConfig) -> None:
     from hydra import compose
     from hydra.core.hydra_config import HydraConfig
 
-    from sim.capacity import slo_text
+    from sim.capacity import criterion, criterion_text
+    from sim.headline import assumed, assumptions, slo_text, trace_text
     from sim.report import pareto_table, plot_pareto
     from sim.progress import showing
     from sim.run import hydra_labels, progress_settings, write_outputs
@@ -443,7 +469,8 @@ def main(cfg: DictConfig) -> None:
 
     def write_table() -> None:
         if points:
-            pd.DataFrame([p.row() for p in points]).to_csv(out / "search.csv", index=False)
+            rows = [{**p.row(), "cost_notes": "; ".join(p.cost_notes)} for p in points]  # one cell, not a list's repr
+            pd.DataFrame(rows).to_csv(out / "search.csv", index=False)
 
     try:
         check_search_settings(cfg, task)
@@ -451,10 +478,12 @@ def main(cfg: DictConfig) -> None:
         for line in left_out:
             print(f"note: {line}")
         points = grid(cfg, prices)
-        print(f"deployment search: {len(points)} designs for {cfg.search.target_rate:g} req/s, SLO "
-              f"{slo_text(cfg)} for {cfg.capacity.attainment:.0%} of requests, {cfg.sim_model.name}, "
-              f"{cfg.workload.source} (limit {cfg.workload.limit})", flush=True)
-        search = Search(cfg, lambda o: compose(config_name="search", overrides=[*task, *o]), hydra_labels(),
+        c = OmegaConf.to_container(cfg, resolve=True)
+        labels = hydra_labels()
+        print(f"deployment search: {len(points)} designs for {cfg.search.target_rate:g} req/s, "
+              f"{criterion_text(cfg, criterion(cfg))}\n  trace {trace_text(c)}, {cfg.sim_model.name}, allocator "
+              f"{labels['allocator']}, cost {cfg.cost.model}; {slo_text(c)}", flush=True)
+        search = Search(cfg, lambda o: compose(config_name="search", overrides=[*task, *o]), labels,
                         log=lambda s: print(s, flush=True))
         with showing(**progress_settings(cfg), label="search simulation"):
             chosen, res, row, ccfg = search.run(points)
@@ -466,16 +495,23 @@ def main(cfg: DictConfig) -> None:
                     else f"nothing written to {out}")
     write_table()
     front = pareto_front([p for p in points if p.status == "ok"])
+    chosen_c: dict[str, Any] = {}
     if chosen is not None:
         write_outputs(res, row, out / "verified", ccfg)
+        chosen_c = OmegaConf.to_container(ccfg, resolve=True)  # type: ignore[assignment]
     plot_pareto(points, front, chosen, search.target, out / "pareto.png")
     result = {"target_rate": search.target, "slo_ttft_s": cfg.slo.ttft_s, "slo_tpot_s": cfg.slo.tpot_s,
               "slo_tbt_s": cfg.slo.get("tbt_s"), "attainment": search.attainment, "model": cfg.sim_model.name,
               "trace": cfg.workload.source, "limit": cfg.workload.limit, "left_out": left_out,
+              "criterion": str(cfg.capacity.get("criterion", "slo_attainment")),
+              "criterion_text": criterion_text(cfg, criterion(cfg), spelled=True), "cost_model": cfg.cost.model,
+              # the cost model's parts not from measurements, by hardware (each point's are in search.csv)
+              "cost_notes": {p.hardware: p.cost_notes for p in points if p.cost_notes},
               "cluster_modes_searched": list(_names(cfg, "search.cluster_mode")),
               "pd_splits": [list(s) for s in pd_splits(cfg)] if "disaggregated" in _names(cfg, "search.cluster_mode")
               else None,
               "chosen": None if chosen is None else {**chosen.row(), "checks": chosen.checks,
+                                                     "assumptions": assumptions(chosen_c, search._labels(chosen)),
                                                      "sim_run": " ".join(sim_run_args(task, cfg, chosen))},
               "pareto": [p.row() for p in front]}
     (out / "search.json").write_text(json.dumps(result, indent=2, default=str))
@@ -488,15 +524,17 @@ def main(cfg: DictConfig) -> None:
         from hydra.types import RunMode
 
         print(f"written to {out} (search.csv says why each design was left out)")
+        other = None if cfg.capacity.get("criterion", "slo_attainment") == "slo_attainment" else \
+            criterion_text(cfg, criterion(cfg), spelled=True)
         print(nothing_met(points, search.target, search.attainment, int(cfg.search.max_gpus),
-                          int(cfg.search.max_verify)), file=sys.stderr)
+                          int(cfg.search.max_verify), other), file=sys.stderr)
         if hc.mode != RunMode.MULTIRUN:
             sys.exit(1)
         return
     else:
         print(f"\ncheapest: {chosen.label()} {chosen.size_text()} = {chosen.gpus} GPUs, "
-              f"${chosen.cost_per_hour:.2f}/h; at {search.target:g} req/s SLO attainment "
-              f"{chosen.verified_attainment:.1%} (simulated)")
+              f"${chosen.cost_per_hour:.2f}/h; at {search.target:g} req/s (simulated): {chosen.checks[-1]['reason']}\n"
+              f"  {assumed(chosen_c, search._labels(chosen), chosen.cost_notes)}")
         print(f"  python -m sim.run {result['chosen']['sim_run']}")
     print(f"written to {out}")
 

@@ -18,7 +18,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from omegaconf import DictConfig, open_dict
 
@@ -100,6 +100,14 @@ def scaled_meets(cfg: DictConfig, labels: dict[str, Any] | None, log: Callable[[
     base = {k: cfg.slo.get(k) for k in SLO_KEYS}
     rate = float(cfg.workload.rate)
 
+    said: set[str] = set()
+
+    def once(line: str) -> None:
+        # The trace is the same at every scale: what its options changed is said once, not per probe.
+        if log is not None and not (line.startswith(("warning: ", "workload (")) and line in said):
+            said.add(line)
+            log(line)
+
     def meets_at(scale: float) -> tuple[bool, dict[str, Any]]:
         with open_dict(cfg):
             for k, v in base.items():
@@ -107,7 +115,7 @@ def scaled_meets(cfg: DictConfig, labels: dict[str, Any] | None, log: Callable[[
         try:
             if log is not None:
                 log(f"  SLO scale {scale:7.3f} ({slo_line(base, scale)}):")
-            return probe_rate(cfg, labels, log)(rate)
+            return probe_rate(cfg, labels, None if log is None else once)(rate)
         finally:
             with open_dict(cfg):
                 for k, v in base.items():
@@ -122,24 +130,26 @@ def slo_line(base: dict[str, Any], scale: float) -> str:
 
 
 def run_slo_scale(cfg: DictConfig, labels: dict[str, Any], out: Path,
-                  probes_out: list[dict[str, Any]] | None = None, *, probe: Callable[..., Any]) -> dict[str, Any]:
+                  probes_out: list[dict[str, Any]] | None = None, *, probe: Callable[..., Any],
+                  cost_notes: Sequence[str] = ()) -> dict[str, Any]:
     """Search, print the answer line, write slo_scale.json and slo_scale_probes.csv; returns the JSON.
-    probe: sim.capacity's probe_rate (handed in by sim.capacity, which dispatches here)."""
+    probe: sim.capacity's probe_rate, cost_notes: the run's cost model's parts not from measurements,
+    both handed in by sim.capacity, which dispatches here."""
     import pandas as pd
     from omegaconf import OmegaConf
 
-    from sim.headline import assumptions, trace_text
+    from sim.headline import assumed, assumed_fields, trace_text
     from sim.progress import showing
     from sim.run import progress_settings
 
     c = cfg.capacity.slo_scale
     base = {k: cfg.slo.get(k) for k in SLO_KEYS}
     meets = scaled_meets(cfg, labels, lambda line: print(line, flush=True), probe)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     print(f"SLO scale search at {float(cfg.workload.rate):g} req/s: {labels['scheduler']}/{labels['allocator']}, "
           f"criterion {cfg.capacity.get('criterion', 'slo_attainment')} with every SLO set x scale in "
           f"[{float(c.low):g}, {float(c.high):g}], steady state required\n"
-          f"  trace {trace_text(resolved)} on {assumptions(resolved, labels)}")
+          f"  trace {trace_text(resolved)} {assumed(resolved, labels, cost_notes)}", flush=True)
 
     def recorded(scale: float) -> tuple[bool, dict[str, Any]]:
         ok, row = meets(scale)
@@ -156,7 +166,8 @@ def run_slo_scale(cfg: DictConfig, labels: dict[str, Any], out: Path,
               "bound_by": res.bound_by, "sustained": res.sustained, "criterion": crit,
               **{f"slo_{k}": v for k, v in base.items()},
               **{f"scaled_{k}": (None if v is None or res.scale is None else v * res.scale) for k, v in base.items()},
-              "search_low": float(c.low), "search_high": float(c.high), "probes": len(res.probes)}
+              "search_low": float(c.low), "search_high": float(c.high), "probes": len(res.probes),
+              **assumed_fields(resolved, labels, cost_notes)}
     (out / "slo_scale.json").write_text(json.dumps(result, indent=2))
     if res.scale is None and not res.sustained:
         print(f"{rate:g} req/s is not sustained (bound_by {res.bound_by}): it fails at every SLO scale")

@@ -141,6 +141,19 @@ def not_applicable(t: pd.DataFrame, metrics: Sequence[str]) -> list[str]:
     return lines
 
 
+def not_measured(df: pd.DataFrame) -> list[str]:
+    """One line per run whose figures rest partly on a cost model's predictions or estimates (the
+    `cost_notes` sim.capacity records), so that a table does not pass them for measured."""
+    if "cost_notes" not in df.columns:
+        return []
+    lines = []
+    for _, r in df.iterrows():
+        notes = r["cost_notes"]
+        if isinstance(notes, list) and notes:
+            lines.append(f"{r['label']}: cost {r.get('cost_model')}, not from measurements: {'; '.join(notes)}")
+    return lines
+
+
 def plot(t: pd.DataFrame, metrics: Sequence[str], path: str | Path) -> None:
     """One bar chart per numeric metric, four to a row; one colour per run, named in the legend
     (labels can be long: under the bars they would overlap)."""
@@ -180,14 +193,15 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     a = p.parse_args(argv)
     metrics = [m for m in (a.metrics or "").split(",") if m] or METRICS
     try:
-        t = table(gather(a.dirs), metrics, a.baseline)
+        gathered = gather(a.dirs)
+        t = table(gathered, metrics, a.baseline)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     with pd.option_context("display.width", 250, "display.max_columns", 60, "display.max_colwidth", 60,
                            "display.float_format", "{:.4g}".format):
         print(t.to_string(index=False))
-    for line in not_applicable(t, metrics):
+    for line in not_applicable(t, metrics) + not_measured(gathered):
         print(line)
     print(f"ratios (METRIC/base) against: {a.baseline or t['label'].iloc[0]}")
     if a.plot:

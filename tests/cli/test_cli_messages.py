@@ -68,6 +68,12 @@ def test_nothing_met_names_the_bound_of_the_closest_candidate():
         nothing_met(unfit, 10.0, 0.9, 8, 8)
     unchecked = [pt("i", status="ok", replicas=2, replica_capacity=6.0)]
     assert "1 estimated to meet them were not checked (search.max_verify=0)" in nothing_met(unchecked, 10.0, 0.9, 8, 0)
+    # Another criterion: the line names it instead of the SLOs, and the check's bound_by.
+    near.checks[-1].update(bound_by="normalized_latency")
+    line = nothing_met([far, near], 10.0, 0.9, 4, 8, "criterion normalized_latency (max_s_per_token=0.1), "
+                                                     "steady state required")
+    assert line.startswith("no deployment passed at 10 req/s (criterion normalized_latency (max_s_per_token=0.1)")
+    assert "x4 replicas reached 85.0% SLO attainment, bound_by normalized_latency (" in line
 
 
 # ---------------------------------------------------------------------------------------------

@@ -122,15 +122,64 @@ def test_a_capacity_sweep_ends_with_the_table(tmp_path):
     assert res.returncode == 0, res.stderr
     tail = res.stdout[res.stdout.index(f"capacity sweep {tmp_path / 'cap'}:"):]
     lines = tail.splitlines()
-    assert lines[1].split() == ["label", "kind", "capacity_requests_per_s", "bound_by", "capacity_requests_per_s/base"]
+    assert lines[1].split() == ["label", "kind", "capacity_requests_per_s", "bound_by", "criterion",
+                                "capacity_requests_per_s/base"]
     found = {json.loads(f.read_text())["scheduler"]: json.loads(f.read_text())
              for f in (tmp_path / "cap").rglob("capacity.json")}
     assert set(found) == {"chunked", "static"}
     for line, name in zip(lines[2:4], ["chunked", "static"]):
         cells = line.split()
         assert cells[0] == f"scheduler={name}" and cells[3] == found[name]["bound_by"]
+        assert cells[4] == found[name]["criterion"] == "slo_attainment"
         assert float(cells[2]) == pytest.approx(found[name]["capacity_requests_per_s"], rel=1e-3)
     # sim.report does not read capacity sweeps: it says which command does, in one line.
     res = command(tmp_path, "sim.report", str(tmp_path / "cap"))
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0
     assert "python -m varlen.compare" in res.stderr
+
+
+def test_an_slo_scale_sweep_ends_with_its_own_table_and_a_mixed_one_says_so(tmp_path):
+    """`sim.capacity -m capacity.mode=slo_scale`: the table shows each run's scale, its rate, bound_by
+    and criterion (not an empty capacity column); a sweep over both modes says they differ."""
+    small = [*(o for o in SIM_SMALL if not o.startswith(("workload.rate=", "workload.limit="))), "workload.rate=2",
+             "workload.limit=60", "slo.ttft_s=0.5", "slo.tpot_s=0.05",
+             "capacity.slo_scale.rel_tol=0.5", "capacity.rel_tol=0.5",
+             "hydra.sweep.subdir=${hydra.job.num}"]  # job folders named by number: the overrides are too long
+    res = command(tmp_path, "sim.capacity", "-m", f"hydra.sweep.dir={tmp_path / 'scale'}", *small,
+                  "capacity.mode=slo_scale", "scheduler=chunked,static")
+    assert res.returncode == 0, res.stderr
+    tail = res.stdout[res.stdout.index(f"capacity sweep {tmp_path / 'scale'} (capacity.mode=slo_scale):"):]
+    lines = tail.splitlines()
+    assert lines[1].split() == ["label", "kind", "slo_scale", "rate_requests_per_s", "bound_by", "criterion",
+                                "slo_scale/base", "rate_requests_per_s/base"]
+    found = {json.loads(f.read_text())["scheduler"]: json.loads(f.read_text())
+             for f in (tmp_path / "scale").rglob("slo_scale.json")}
+    for line, name in zip(lines[2:4], ["chunked", "static"]):
+        cells = line.split()
+        assert cells[0] == f"scheduler={name}" and cells[4:6] == [found[name]["bound_by"], "slo_attainment"]
+        assert float(cells[2]) == pytest.approx(found[name]["slo_scale"], rel=1e-3) and float(cells[3]) == 2
+    assert "mixes" not in res.stdout
+
+    res = command(tmp_path, "sim.capacity", "-m", f"hydra.sweep.dir={tmp_path / 'mixed'}", *small,
+                  "capacity.mode=rate,slo_scale")
+    assert res.returncode == 0, res.stderr
+    tail = res.stdout[res.stdout.index(f"capacity sweep {tmp_path / 'mixed'}:"):]
+    assert "this sweep mixes capacity.mode=rate and capacity.mode=slo_scale runs" in tail
+    header = tail.splitlines()[2].split()
+    assert header[2:7] == ["capacity_requests_per_s", "slo_scale", "rate_requests_per_s", "bound_by", "criterion"]
+    assert "sim.capacity runs: n/a (NaN) for slo_scale, rate_requests_per_s" in tail
+    assert "sim.capacity/slo_scale runs: n/a (NaN) for capacity_requests_per_s" in tail
+
+
+def test_runs_whose_cost_is_partly_estimated_say_so_under_the_table(tmp_path, capsys):
+    """A capacity run's cost_notes (what its cost model predicted or estimated) are printed under
+    the table, naming the run; a run without any adds no line."""
+    for name, notes in (("estimated", ["linear: estimated (roofline)"]), ("measured", [])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "capacity.json").write_text(json.dumps(
+            {"scheduler": name, "capacity_requests_per_s": 2.0, "bound_by": "throughput", "criterion": "slo_attainment",
+             "cost_model": "measured", "cost_notes": notes}))
+    main([str(tmp_path / "estimated"), str(tmp_path / "measured")])
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if "not from measurements" in ln]
+    assert lines == ["[estimated]: cost measured, not from measurements: linear: estimated (roofline)"], out

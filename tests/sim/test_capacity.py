@@ -159,3 +159,18 @@ def test_capacity_command_writes_bound_by(tmp_path):
     assert f"bound_by {result['bound_by']}" in out.stdout
     probes = pd.read_csv(tmp_path / "capacity_probes.csv")
     assert {"bound_by", "reason"} <= set(probes.columns)
+
+
+def test_the_criterion_is_named_with_its_thresholds():
+    """The header and capacity.json say what a capacity is relative to: the SLOs and share for
+    slo_attainment (spelled out for the JSON), another criterion's own thresholds."""
+    from sim.capacity import criterion, criterion_text
+
+    cfg = compose("slo.ttft_s=0.5")
+    assert criterion_text(cfg, criterion(cfg)) == \
+        "criterion slo_attainment (the SLO below for 90% of requests), steady state required"
+    assert criterion_text(cfg, criterion(cfg), spelled=True) == \
+        "criterion slo_attainment (SLO TTFT <= 0.5 s, TPOT <= 0.1 s for 90% of requests), steady state required"
+    cfg = compose("capacity.criterion=normalized_latency", "+capacity.criterion_options.max_s_per_token=0.3")
+    assert criterion_text(cfg, criterion(cfg)) == \
+        "criterion normalized_latency (max_s_per_token=0.3), steady state required"

@@ -120,3 +120,64 @@ def test_a_cost_model_s_estimates_are_named_in_the_headline(tmp_path, monkeypatc
     out = _main(__import__("sim.run").run, [*base, "workload=synthetic", "output.requests=false"],
                 tmp_path / "r", monkeypatch, capsys)
     assert "not from measurements" not in out
+
+
+# cost.model=measured on an H200 (no operator tables): its linear, lm_head, attention and overhead
+# figures are estimates; a short trace and a two-probe bisection keep each command to seconds.
+ESTIMATED = ["sim_model=llama3_8b", "hardware=h200_sxm", "cost.model=measured", "engine.num_blocks=null",
+             "workload=synthetic", "workload.limit=60", "workload.prompt_len=uniform:16:400",
+             "workload.output_len=uniform:4:32", "capacity.low=1", "capacity.high=2", "capacity.rel_tol=0.5",
+             "capacity.verify_below=[]", "progress.enabled=false"]
+ENTRY_POINTS = {
+    "sim.capacity": ([], "capacity.json"),
+    "sim.capacity slo_scale": (["capacity.mode=slo_scale", "workload.rate=2", "capacity.slo_scale.rel_tol=1"],
+                               "slo_scale.json"),
+    "sim.search": (["search.target_rate=2", "search.hardware=[h200_sxm]", "search.tensor=[1]",
+                    "search.scheduler=[chunked]", "search.max_num_batched_tokens=[512]", "search.max_verify=1"],
+                   "search.json"),
+}
+
+
+def _entry(name: str, overrides: list, tmp_path, monkeypatch, capsys) -> tuple[str, dict]:
+    import importlib
+    import json
+
+    extra, file = ENTRY_POINTS[name]
+    if name == "sim.search":  # it sets the hardware itself, from search.hardware
+        overrides = [o for o in overrides if not o.startswith("hardware=")]
+    out = _main(importlib.import_module(name.split()[0]), [*overrides, *extra], tmp_path, monkeypatch, capsys)
+    return out, json.loads((tmp_path / file).read_text())
+
+
+@pytest.mark.parametrize("name", list(ENTRY_POINTS))
+def test_every_figure_reporting_entry_point_names_the_cost_model_s_estimates(name, tmp_path, monkeypatch, capsys):
+    """sim.capacity (both modes) and sim.search print sim.run's not-from-measurements line, in its
+    words, and record the same notes (`cost_notes`) in their JSON; the roofline's has none."""
+    from omegaconf import OmegaConf
+
+    from sim.capacity import cost_model_of
+    from sim.headline import not_measured_line, unmeasured_notes
+
+    out, found = _entry(name, ESTIMATED, tmp_path, monkeypatch, capsys)
+    with initialize_config_dir(CONF, version_base="1.3"):
+        expected = unmeasured_notes(cost_model_of(OmegaConf.to_container(compose("sim", overrides=ESTIMATED[:4]),
+                                                                          resolve=True)))
+    assert any(n.startswith("linear: estimated") for n in expected), expected  # not vacuous
+    line = not_measured_line({"cost": {"model": "measured"}}, expected)
+    # sim.search: after the hardware's first point, and under the chosen deployment's assumptions.
+    assert [ln for ln in out.splitlines() if "not from measurements" in ln] == (
+        [line + " (h200_sxm)", line] if name == "sim.search" else [line]), out
+    notes = found["cost_notes"]["h200_sxm"] if name == "sim.search" else found["cost_notes"]
+    assert notes == expected and found["cost_model"] == "measured"
+    if name != "sim.search":
+        assert "llama3_8b on h200_sxm TP1 PP1" in found["assumptions"] and "cost measured" in found["assumptions"]
+        assert f"on {found['assumptions']}" in out  # the headline's words, printed and recorded
+    else:
+        import pandas as pd
+
+        assert found["chosen"]["cost_notes"] == expected and "cost measured" in found["chosen"]["assumptions"]
+        assert pd.read_csv(tmp_path / "search.csv").cost_notes.str.contains("linear: estimated").all()
+
+    roofline = [o for o in ESTIMATED if not o.startswith("cost.model")]
+    out, found = _entry(name, roofline, tmp_path / "roofline", monkeypatch, capsys)
+    assert "not from measurements" not in out and found["cost_notes"] in ([], {})

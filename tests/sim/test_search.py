@@ -113,6 +113,31 @@ def test_a_deployment_that_misses_at_the_target_gets_another_replica() -> None:
     assert chosen is b and [c["replicas"] for c in a.checks] == [2] and a.replicas == 3 and a.verified is None
 
 
+@pytest.mark.parametrize("max_s_per_token, meets", [(10.0, True), (1e-4, False)])
+def test_the_check_at_the_target_is_the_capacity_criterion_not_slo_attainment(max_s_per_token, meets) -> None:
+    """capacity.criterion=normalized_latency: the check of a deployment at the target applies the
+    criterion its replicas were sized by, whatever the SLOs (set unmeetable here) say."""
+    from hydra import compose, initialize_config_dir
+
+    from sim.run import CONF
+    from sim.search import Search
+
+    base = ["workload=synthetic", "workload.limit=60", "slo.ttft_s=0.0001", "search.target_rate=2",
+            "capacity.criterion=normalized_latency", f"+capacity.criterion_options.max_s_per_token={max_s_per_token}"]
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("search", overrides=base)
+        search = Search(cfg, lambda o: compose("search", overrides=[*base, *o]),
+                        labels={"scheduler": "chunked", "allocator": "paged"}, log=lambda _: None)
+        p = Point("a100_80gb_sxm", 1, 1, "chunked", 512, cost_per_gpu_hour=1.0)
+        p.replicas = 1
+        ok, _, row, _ = search.verify(p)
+    assert row["slo_attainment"] < 0.9  # the SLOs alone would call it a miss
+    check = p.checks[-1]
+    assert ok is meets and p.verified is meets and check["meets"] is meets
+    assert check["reason"].startswith("mean normalized latency")
+    assert check["bound_by"] == (None if meets else "normalized_latency")
+
+
 def test_a_replica_larger_than_max_gpus_is_left_out_unsimulated() -> None:
     from omegaconf import OmegaConf
 
