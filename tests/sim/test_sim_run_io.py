@@ -74,6 +74,7 @@ def _mappings():
     yield {"f": np.array([], np.float64), "s": []}
     yield {"s": ["", None, "a,b", "x"]}  # one column: a lone empty field is quoted
     yield {"s": ["cr\rhere", 'only"quote', "plain", "tab\there"], "i": [1, 2, 3, 4]}
+    yield {"s": ["plain", "", "x y"], "t": ["a", "b", "c"], "i": [1, 2, 3]}  # only text: no array made of it
 
 
 @pytest.mark.parametrize("table", list(_mappings()))
