@@ -6,19 +6,27 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import re
-from pathlib import Path
-from typing import Any, Mapping
+import gc
+import sys
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+if __name__ == "__main__" and not {"-m", "--multirun"} & set(sys.argv[1:]):
+    # One run: its imports and Hydra's composition make many objects and almost no cyclic garbage,
+    # and each collector pass over them costs start-up time; main() turns it back on.
+    gc.disable()
 
-from sim.headline import LOSSY_KEYS, headline, lossy_line, over_length_warning, prefix_hit_rate
-from varlen.cli import SettingError, check_missing, check_slo, existing_file, number
-from varlen.registry import conf_dir
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Mapping  # noqa: E402
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from sim.headline import LOSSY_KEYS, headline, lossy_line, over_length_warning, prefix_hit_rate  # noqa: E402
+from varlen.cli import SettingError, check_missing, check_slo, existing_file, number  # noqa: E402
+from varlen.registry import conf_dir  # noqa: E402
 
 CONF = str(conf_dir("sim"))
 
@@ -348,7 +356,10 @@ def write_csv(table: Any, path: Path) -> None:
         names, texts = [str(c) for c in table], []
         for col in table.values():
             # Typed as pandas would type it: numbers (and bools) as an array, text as it is.
-            arr = np.asarray(col) if not isinstance(col, np.ndarray) else col
+            if not isinstance(col, np.ndarray) and len(col) and set(map(type, col)) == {str}:
+                arr = np.empty(0, str)  # text: no array of it needed
+            else:
+                arr = np.asarray(col) if not isinstance(col, np.ndarray) else col
             if arr.dtype.kind == "f":
                 text = list(map(repr, arr.tolist()))
                 for i in np.isnan(arr).nonzero()[0].tolist():
@@ -475,6 +486,8 @@ def format_row(row: Mapping[str, Any]) -> str:
 @hydra.main(config_path=CONF, config_name="run", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     import time
+
+    gc.enable()  # off while the command started (see the top of this module)
 
     from hydra.core.hydra_config import HydraConfig
 

@@ -44,26 +44,76 @@ class GapCounts:
     its whole batch, so the table grows with steps, not tokens. percentiles() is np.percentile of all
     the gaps, bit for bit."""
 
-    FOLD = 1 << 18  # gaps buffered before they are folded into the table
+    FOLD = 1 << 18  # table rows buffered before they are folded into the table
 
     def __init__(self) -> None:
         self._values = np.empty(0, np.float64)  # sorted, distinct
         self._counts = np.empty(0, np.int64)
-        self._buffer: list[np.ndarray] = []
-        self._buffered = 0
+        self._buffer: list[tuple[np.ndarray, np.ndarray | None]] = []  # (values, counts; None: one each)
+        self._rows = 0  # values buffered
+        self._buffered = 0  # gaps buffered
 
     def add(self, gaps: np.ndarray) -> None:
         if len(gaps):
-            self._buffer.append(np.asarray(gaps, np.float64))
-            self._buffered += len(gaps)
-            if self._buffered >= self.FOLD:
-                self._fold()
+            self._push(np.asarray(gaps, np.float64), None, len(gaps))
+
+    def add_timelines(self, times: np.ndarray, lens: np.ndarray) -> None:
+        """The gaps between consecutive entries of each timeline (`times`: timelines end to end,
+        ascending for speed; `lens`: their lengths). Requests served by the same steps share their
+        times, so their gaps are the same differences of the same numbers: a gap between neighbouring
+        distinct times is counted, not sorted; only the others (a skipped step) are sorted."""
+        n = len(times)
+        if n < 2:
+            return
+        times = np.asarray(times, np.float64)
+        lens = np.asarray(lens, np.int64)
+        starts = np.cumsum(lens) - lens
+        within = np.ones(n - 1, bool)  # False where a pair spans two timelines
+        within[starts[(lens > 0) & (starts > 0)] - 1] = False
+        s = np.sort(times, kind="stable")  # ascending runs: merged, far cheaper than a sort from scratch
+        new = np.empty(n, bool)
+        new[0] = True
+        np.not_equal(s[1:], s[:-1], out=new[1:])
+        distinct = s[new]
+        # Each time's index in `distinct`: a timeline that moves step by step walks it one by one
+        # from its first time; the entries off that walk are searched.
+        live = lens > 0
+        rank = np.repeat(np.searchsorted(distinct, times[starts[live]]) - starts[live], lens[live])
+        rank += np.arange(n)
+        off = rank >= len(distinct)
+        rank[off] = 0
+        off |= distinct[rank] != times
+        if off.any():
+            rank[off] = np.searchsorted(distinct, times[off])
+        nxt = np.diff(rank) == 1
+        step = within & nxt
+        counts = np.bincount(rank[:-1][step], minlength=len(distinct) - 1)[:len(distinct) - 1]
+        used = counts > 0
+        other = within & ~nxt
+        # Neighbouring distinct times: distinct[k + 1] - distinct[k] is each such gap, to the bit.
+        values = np.concatenate([(distinct[1:] - distinct[:-1])[used], times[1:][other] - times[:-1][other]])
+        weights = np.concatenate([counts[used], np.ones(int(other.sum()), np.int64)])
+        if len(values):
+            self._push(values, weights, int(weights.sum()))
+
+    def _push(self, values: np.ndarray, counts: np.ndarray | None, gaps: int) -> None:
+        self._buffer.append((values, counts))
+        self._rows += len(values)
+        self._buffered += gaps
+        if self._rows >= self.FOLD:
+            self._fold()
 
     def _fold(self) -> None:
         if not self._buffer:
             return
-        v, c = np.unique(np.concatenate(self._buffer), return_counts=True)
-        self._buffer, self._buffered = [], 0
+        values = np.concatenate([v for v, _ in self._buffer])
+        if all(c is None for _, c in self._buffer):
+            v, c = np.unique(values, return_counts=True)
+        else:
+            weights = np.concatenate([np.ones(len(v), np.int64) if c is None else c for v, c in self._buffer])
+            v, inv = np.unique(values, return_inverse=True)
+            c = np.bincount(inv, weights.astype(np.float64), len(v)).astype(np.int64)
+        self._buffer, self._rows, self._buffered = [], 0, 0
         self._merge(v, c)
 
     def _merge(self, v: np.ndarray, c: np.ndarray) -> None:
@@ -169,11 +219,11 @@ class RequestResults:
             if not sel.any():
                 continue
             group = [r for r, d in zip(requests, sel) if d] if not sel.all() else requests
-            lat = request_latencies(group)
+            lat, times, lens = _latencies(group)
             i = idx[sel]
             self.first_token[i], self.tpot[i], self.max_tbt[i] = lat["first_token"], lat["tpot"], lat["max_tbt"]
             if sel is done:
-                self.itl.add(lat["itl"])
+                self.itl.add_timelines(times, lens)
         self.reason[idx] = codes
         for j, r in zip(idx.tolist(), requests):
             self.req_id[j] = r.req_id
@@ -286,6 +336,11 @@ def request_latencies(reqs: Sequence[Request]) -> dict[str, np.ndarray]:
     """Per request: arrival, first_token, finish, ttft, tpot, e2e, max_tbt (longest gap; NaN where
     undefined), and all inter-token gaps as one array (itl). Costly on long runs: compute once and
     pass it to summarize and request_columns."""
+    return _latencies(reqs)[0]
+
+
+def _latencies(reqs: Sequence[Request]) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """(request_latencies, every token time end to end, each request's count of them)."""
     times = [r.token_times for r in reqs]
     lens = np.fromiter(map(len, times), np.int64, len(times))
     flat = np.fromiter(itertools.chain.from_iterable(times), np.float64, int(lens.sum()))
@@ -308,7 +363,7 @@ def request_latencies(reqs: Sequence[Request]) -> dict[str, np.ndarray]:
         ngaps = np.where(many, lens - 1, 0)
         max_tbt[many] = np.maximum.reduceat(itl, (np.cumsum(ngaps) - ngaps)[many])
     return dict(arrival=arrival, first_token=first_token, finish=finish, ttft=first_token - arrival, tpot=tpot,
-                e2e=finish - arrival, itl=itl, max_tbt=max_tbt)
+                e2e=finish - arrival, itl=itl, max_tbt=max_tbt), flat, lens
 
 
 def summarize(requests: "Sequence[Request] | RequestResults", steps: Sequence, total_slots: int,

@@ -74,6 +74,7 @@ def _mappings():
     yield {"f": np.array([], np.float64), "s": []}
     yield {"s": ["", None, "a,b", "x"]}  # one column: a lone empty field is quoted
     yield {"s": ["cr\rhere", 'only"quote', "plain", "tab\there"], "i": [1, 2, 3, 4]}
+    yield {"s": ["plain", "", "x y"], "t": ["a", "b", "c"], "i": [1, 2, 3]}  # only text: no array made of it
 
 
 @pytest.mark.parametrize("table", list(_mappings()))
@@ -86,3 +87,18 @@ def test_write_csv_of_columns_is_to_csv(tmp_path, table):
 def test_write_csv_refuses_columns_of_different_lengths(tmp_path):
     with pytest.raises(ValueError, match="different lengths.*a: 2, b: 3"):
         sim_run.write_csv({"a": [1, 2], "b": [1.0, 2.0, 3.0]}, tmp_path / "x.csv")
+
+
+@pytest.mark.parametrize("args, collecting", [(["--help"], False), (["-m", "--help"], True)])
+def test_single_run_starts_without_the_collector_and_a_sweep_with_it(args, collecting):
+    """`python -m sim.run` turns the cyclic collector off while it imports and Hydra composes (main
+    turns it on again; --help never reaches main); a sweep, whose jobs may share the process, keeps it."""
+    import subprocess
+    import sys
+
+    code = ("import gc, runpy, sys\nsys.argv = ['sim.run', *sys.argv[1:]]\ntry:\n"
+            "    runpy.run_module('sim.run', run_name='__main__', alter_sys=True)\nexcept SystemExit:\n    pass\n"
+            "print('collecting', gc.isenabled())")
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == f"collecting {collecting}"
