@@ -467,12 +467,14 @@ def merged_row(res: CellsResult, rows: Sequence[Mapping[str, Any]],
 
 
 def simulate_cells(cfg: DictConfig, labels: Mapping[str, Any] | None, announce: bool,
-                   simulate_one: SimulateOne) -> tuple[CellsResult, dict[str, Any], dict[str, Any]]:
+                   simulate_one: SimulateOne, cost_notes: Sequence[str] = ()
+                   ) -> tuple[CellsResult, dict[str, Any], dict[str, Any]]:
     """sim.run's (result, summary row, latencies) for a fleet of cluster.cells cells, each simulated
-    by simulate_one (handed in by sim.run, which dispatches here: no import back)."""
+    by simulate_one (handed in by sim.run, which dispatches here: no import back); cost_notes: the
+    cost model's parts not from measurements, named in the headline."""
     from types import SimpleNamespace
 
-    from sim.headline import LOSSY_KEYS, assumptions, lossy_line, over_length_warning, trace_text
+    from sim.headline import LOSSY_KEYS, assumptions, lossy_line, not_measured_line, over_length_warning, trace_text
 
     cells = cells_of(cfg)
     on = OmegaConf.select(cfg, "cluster.cells_on", default="local")
@@ -482,6 +484,9 @@ def simulate_cells(cfg: DictConfig, labels: Mapping[str, Any] | None, announce: 
         caching = bool(config["allocator"].get("enable_prefix_caching")) and bool(config["workload"].get("token_ids"))
         print(f"simulating {trace_text(config)} in {cells} cells on {on} (Ctrl-C stops); front door: "
               f"{door_text(config)}\n  each cell: {assumptions(config, labels, caching)}", flush=True)
+        line = not_measured_line(config, cost_notes)
+        if line:
+            print(line, flush=True)
     if on == "ray":
         _ray_init(config)  # before the clock starts: a capacity search starts Ray once for all its probes
     t0 = time.perf_counter()

@@ -24,7 +24,8 @@ from typing import Any, Mapping  # noqa: E402
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from sim.headline import LOSSY_KEYS, headline, lossy_line, over_length_warning, prefix_hit_rate  # noqa: E402
+from sim.headline import (LOSSY_KEYS, headline, lossy_line, over_length_warning, prefix_hit_rate,  # noqa: E402
+                          unmeasured_notes)
 from varlen.cli import SettingError, check_missing, check_slo, existing_file, number  # noqa: E402
 from varlen.registry import conf_dir  # noqa: E402
 
@@ -220,14 +221,15 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     check_settings(cfg)
     from sim.cells import cells_of, simulate_cells
 
-    if cells_of(cfg) > 1:  # independent cells behind a front door, merged into one fleet's result
-        return simulate_cells(cfg, labels, announce, _simulate_paused)
-    keep = token_level(cfg)
     c = OmegaConf.to_container(cfg, resolve=True)
-    e = c["engine"]
     model_config = load_sim_model(c["sim_model"]["config"])
     hardware = HardwareSpec.from_dict(c["hardware"])
     cost_model = build_cost_model(c["cost"], model_config, hardware)  # a bad cost.path fails now, not per replica
+    cost_notes = unmeasured_notes(cost_model)
+    if cells_of(cfg) > 1:  # independent cells behind a front door, merged into one fleet's result
+        return simulate_cells(cfg, labels, announce, _simulate_paused, cost_notes)
+    keep = token_level(cfg)
+    e = c["engine"]
     num_blocks = e.get("num_blocks")
     from sim.parallel import Parallelism, capacity
 
@@ -314,7 +316,7 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
                num_blocks=num_blocks, block_size=e["block_size"], max_model_len=res.replicas[0].engine.max_model_len,
                max_num_seqs=c["scheduler"].get("max_num_seqs"),
                max_num_batched_tokens=c["scheduler"].get("max_num_batched_tokens"),
-               rate=trace.stats.mean_rate, trace=c["workload"].get("source"))
+               rate=trace.stats.mean_rate, trace=c["workload"].get("source"), cost_notes=cost_notes)
     row.update({f"trace_{k}": getattr(trace.stats, k) for k in LOSSY_KEYS})
     row["trace_max_model_len"] = wl.get("max_model_len")
     row.update(summarize(results, steps, total_slots, c["slo"]["ttft_s"], c["slo"]["tpot_s"], c["slo"].get("tbt_s")))

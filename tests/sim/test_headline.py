@@ -181,3 +181,21 @@ def test_every_figure_reporting_entry_point_names_the_cost_model_s_estimates(nam
     roofline = [o for o in ESTIMATED if not o.startswith("cost.model")]
     out, found = _entry(name, roofline, tmp_path / "roofline", monkeypatch, capsys)
     assert "not from measurements" not in out and found["cost_notes"] in ([], {})
+
+
+@pytest.mark.parametrize("cells", [1, 2])
+def test_sim_run_records_the_cost_model_s_estimates_and_a_celled_fleet_prints_them(cells, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """sim.run's summary.json records `cost_notes` (varlen.compare flags such runs), and a fleet of
+    cells prints the not-from-measurements line as a single fleet does."""
+    import json
+
+    from sim.headline import not_measured_line
+
+    run = [o for o in ESTIMATED if not o.startswith(("capacity.", "progress."))]
+    out = _main(__import__("sim.run").run, [*run, f"cluster.cells={cells}", "output.requests=false"],
+                tmp_path, monkeypatch, capsys)
+    notes = json.loads((tmp_path / "summary.json").read_text())["cost_notes"]
+    assert any(n.startswith("linear: estimated") for n in notes), notes
+    assert [ln for ln in out.splitlines() if "not from measurements" in ln] == [
+        not_measured_line({"cost": {"model": "measured"}}, notes)], out
