@@ -1,0 +1,25 @@
+"""A process that runs the engine ends with its own output: nothing is printed at interpreter
+teardown after it (Triton's bindings print `nanobind: leaked ...` lines there when Triton objects
+outlive the program; transformers' model code imports torch._dynamo, which imports triton)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+CODE = """
+import sys
+from varlen import LLM, SamplingParams
+out = LLM("tiny").generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+assert len(out[0].outputs[0].token_ids) == 2, out
+print("the program's last line", file=sys.stderr, flush=True)
+"""
+
+
+def test_a_tiny_engine_step_on_the_default_backend_ends_with_the_programs_last_line():
+    run = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stderr.rstrip().endswith("the program's last line"), run.stderr[-3000:]
+    assert "backend: auto -> torch_paged" in run.stderr and "nanobind" not in run.stderr
