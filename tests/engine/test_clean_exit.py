@@ -1,6 +1,9 @@
 """A process that runs the engine ends with its own output: nothing is printed at interpreter
 teardown after it (Triton's bindings print `nanobind: leaked ...` lines there when Triton objects
-outlive the program; transformers' model code imports torch._dynamo, which imports triton)."""
+outlive the program). Triton itself is imported by any process that loads a transformers model
+(transformers 5.24: modeling_utils -> integrations.finegrained_fp8 -> integrations.deepgemm, whose
+module-level `@torch._dynamo...` decorators import torch._dynamo, whose utils import triton when it
+is installed); importing it alone prints nothing at exit."""
 
 from __future__ import annotations
 
