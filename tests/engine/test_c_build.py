@@ -7,11 +7,13 @@ import ctypes
 import re
 import shutil
 
+import torch
+
 import backends.torch_paged as tp
 from varlen import c_build
 from varlen import layer_kernels as lk
 
-KERNELS = {"paged-attn": (tp.SOURCE, (tp.torch.__version__,)), "layer-kernels": (lk.SOURCE, ())}
+KERNELS = {"paged-attn": (tp.SOURCE, (torch.__version__,)), "layer-kernels": (lk.SOURCE, ())}
 
 
 def test_both_kernels_include_the_one_shared_header_and_define_no_exp_of_their_own():
