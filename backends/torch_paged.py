@@ -3,9 +3,10 @@
 One call per layer of a C kernel (backends/csrc/paged_attention.c, via ctypes) covers the batch;
 requests with >= LONG_SDPA_MIN new tokens go to SDPA (unless a layer soft-caps or has sinks, which
 SDPA cannot do: then the kernel takes them too). Sliding windows, soft-capping and sinks are the
-kernel's. The kernel is built at first use into the varlen cache, keyed by source, compiler, flags,
-CPU and torch; without it (no compiler, fp16, VARLEN_PAGED_KERNEL=0) torch_sdpa's code runs, or
-torch_ref's for a model with soft-capping or sinks. K tiles are stored transposed ([D, block_size]).
+kernel's. The kernel is built at first use into the varlen cache, keyed by source, shared headers
+(varlen/csrc/vec_exp.h), compiler, flags, CPU and torch; without it (no compiler, fp16,
+VARLEN_PAGED_KERNEL=0) torch_sdpa's code runs, or torch_ref's for a model with soft-capping or
+sinks. K tiles are stored transposed ([D, block_size]).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ _ELEM = {torch.float32: 4, torch.bfloat16: 2}
 
 
 def build(verbose: bool = False) -> Path:
-    """Compile the kernel into the cache (once per source, compiler, flags, CPU, torch and Python);
+    """Compile the kernel into the cache (once per source, shared headers, compiler, flags, CPU, torch and Python);
     returns the shared library. Raises on failure."""
     return build_cached(SOURCE, "paged-attn", (torch.__version__,), verbose)
 

@@ -11,6 +11,7 @@ the reference loop), bit for bit (tests/sim/test_lazy_replicas.py).
 
 from __future__ import annotations
 
+import atexit
 import gc
 import heapq
 import time
@@ -49,7 +50,9 @@ class Replica:
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """The cyclic collector off for the block (millions of long-lived objects, no cycles); survivors are
-    frozen on the way out so its next pass skips them."""
+    frozen on the way out so its next pass skips them, and unfrozen at exit: a frozen object is never
+    collected, not even at shutdown, so garbage cycles frozen with them would outlive the modules they
+    hold (Triton's bindings then print `nanobind: leaked ...` lines after the program's output)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -57,6 +60,8 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.freeze()
+            atexit.unregister(gc.unfreeze)  # registered once, however many simulations run
+            atexit.register(gc.unfreeze)
             gc.enable()
 
 

@@ -34,7 +34,7 @@ C, TORCH, OFF = "c", "torch", "off"
 
 
 def build(verbose: bool = False) -> Path:
-    """Compile the library into the cache (once per source, compiler, flags, CPU and Python);
+    """Compile the library into the cache (once per source, shared headers, compiler, flags, CPU and Python);
     returns its path. Raises RuntimeError on failure."""
     return build_cached(SOURCE, "layer-kernels", verbose=verbose)
 

@@ -26,8 +26,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec_exp.h"  /* vf, vi, exp_neg, vexp_neg (varlen/csrc/) */
+
 #define TILE 16
 #define CHUNK 16
+_Static_assert(CHUNK == VF_LANES, "a chunk of keys is one vf (vec_exp.h)");
 /* Prefetch distance (blocks ahead) and locality hint (1: into L2); measured best of the simple
  * options on a 2-core EPYC (decode at 64 x 1k context: ~10% over no prefetch). */
 #ifndef PF_DIST
@@ -39,46 +42,6 @@
 #ifndef PF_SPREAD
 #define PF_SPREAD 1
 #endif
-
-/* exp(x) for x <= 0, ~1e-7 relative error; a polynomial so that loops over keys vectorise. */
-static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float s;
-    memcpy(&s, &bits, sizeof s);
-    return p * s;
-}
-
-/* The same for a whole chunk of keys, with GCC/Clang vector extensions (whatever SIMD the CPU
- * has: one AVX-512 register, two AVX2 ones, ...). Round-to-nearest by the 1.5 * 2^23 trick. */
-typedef float vf __attribute__((vector_size(CHUNK * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(CHUNK * sizeof(float))));
-
-static inline vf vexp_neg(vf x) {
-    const vi low = x < -87.0f;
-    x = (vf)(((vi)x & ~low) | ((vi)(x - x - 87.0f) & low));
-    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const vf r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    vf p = r * (1.0f / 5040.0f) + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-    return p * (vf)bits;
-}
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,20 +49,30 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
+def source_copy(src: Path) -> Path:
+    """A copy of the tracked layout: setuptools' build/ folder in the checkout may hold stale files
+    that would travel into a wheel (and a build there leaves none behind)."""
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("varlen", "backends", "schedulers", "sim", "conf", "hydra_plugins"):
+        shutil.copytree(ROOT / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    return src
+
+
+# The C sources built at first use and the headers they include (varlen/c_build.py): none may be
+# missing from a wheel or an sdist (a missing header only shows as a failed build on a user's machine).
+C_FILES = sorted(str(p.relative_to(ROOT)) for d in ("varlen/csrc", "backends/csrc") for p in (ROOT / d).iterdir()
+                 if p.suffix in (".c", ".h"))
+
+
 @pytest.fixture(scope="module", params=["wheel", "editable"])
 def installed(request, tmp_path_factory) -> Install:
     """This checkout installed without dependencies (the test environment's torch, hydra, ...
     serve): a wheel into a folder of its own, or editable into a venv that sees the environment's
     packages (its own varlen first)."""
     tmp = tmp_path_factory.mktemp(request.param)
-    # From a copy of the tracked layout: setuptools' build/ folder in the checkout may hold stale
-    # files that would travel into the wheel (and a build here leaves none behind).
-    src = tmp / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "setup.py", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    for name in ("varlen", "backends", "schedulers", "sim", "conf", "hydra_plugins"):
-        shutil.copytree(ROOT / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    src = source_copy(tmp / "src")
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     if request.param == "editable":
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(tmp / "venv")],
@@ -136,6 +147,32 @@ def test_installed_packages_come_from_the_install(installed, tmp_path):
         assert sorted(p.name for p in (installed.root / "varlen" / "traces_data").iterdir()) == sorted(
             [f"{f}.gz" for f in NAMED_TRACES.values()] + ["README.md", "AzureLLMInferenceDataset2023.md",
                                                            "LICENSE-Apache-2.0.txt"])
+
+
+@wheel_test
+def test_installed_c_kernels_build_from_the_installed_files(installed, tmp_path):
+    """Both C kernels compile from the installed package, with the header they share: it is on the
+    include path (varlen/c_build.py) and in the package data."""
+    assert [f for f in C_FILES if not (installed.root / f).is_file()] == []
+    code = ("import backends.torch_paged as tp, varlen.layer_kernels as lk\n"
+            "for m in (tp, lk): print(m.SOURCE); print(m.build())")
+    env = {**installed.env, "VARLEN_CACHE_DIR": str(tmp_path / "cache")}
+    out = run_installed(Install(installed.kind, installed.python, env, installed.root), tmp_path, "-c", code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sources, libs = out.stdout.split()[::2], out.stdout.split()[1::2]
+    assert all(s.startswith(str(installed.root)) for s in sources), sources
+    assert all(lib.startswith(str(tmp_path / "cache")) and Path(lib).is_file() for lib in libs), libs
+
+
+@wheel_test
+def test_sdist_holds_the_c_sources_and_their_headers(tmp_path):
+    src = source_copy(tmp_path / "src")
+    code = "from setuptools import build_meta; print(build_meta.build_sdist('dist'))"
+    build = subprocess.run([sys.executable, "-c", code], cwd=src, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    with tarfile.open(src / "dist" / build.stdout.split()[-1]) as sdist:
+        names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
+    assert [f for f in C_FILES if f not in names] == []
 
 
 @wheel_test

@@ -13,9 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define LANES 16
-typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(LANES * sizeof(float))));
+#include "vec_exp.h"  /* vf, vi (VF_LANES fp32 lanes), vexp_neg */
 
 /* Below this many elements a call stays on the calling thread. */
 #define PAR_MIN 65536
@@ -23,23 +21,23 @@ typedef int32_t vi __attribute__((vector_size(LANES * sizeof(float))));
 static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* Sum of squares in a fixed order: LANES partial sums, then the lanes in order, then the tail. */
+/* Sum of squares in a fixed order: VF_LANES partial sums, then the lanes in order, then the tail. */
 static inline float sum_sq(const float *x, int64_t d) {
     vf acc = {0};
     int64_t j = 0;
-    for (; j + LANES <= d; j += LANES) {
+    for (; j + VF_LANES <= d; j += VF_LANES) {
         vf v = vload(x + j);
         acc += v * v;
     }
     float s = 0.0f;
-    for (int l = 0; l < LANES; l++) s += acc[l];
+    for (int l = 0; l < VF_LANES; l++) s += acc[l];
     for (; j < d; j++) s += x[j] * x[j];
     return s;
 }
 
 static inline void scale_row(const float *x, const float *w, float r, float *out, int64_t d) {
     int64_t j = 0;
-    for (; j + LANES <= d; j += LANES) vstore(out + j, vload(w + j) * (vload(x + j) * r));
+    for (; j + VF_LANES <= d; j += VF_LANES) vstore(out + j, vload(w + j) * (vload(x + j) * r));
     for (; j < d; j++) out[j] = w[j] * (x[j] * r);
 }
 
@@ -62,29 +60,12 @@ int varlen_add_rmsnorm(const float *a, int64_t a_stride, const float *b, int64_t
         const float *ai = a + i * a_stride, *bi = b + i * b_stride;
         float *si = sum + i * sum_stride;
         int64_t j = 0;
-        for (; j + LANES <= d; j += LANES) vstore(si + j, vload(ai + j) + vload(bi + j));
+        for (; j + VF_LANES <= d; j += VF_LANES) vstore(si + j, vload(ai + j) + vload(bi + j));
         for (; j < d; j++) si[j] = ai[j] + bi[j];
         float r = 1.0f / sqrtf(sum_sq(si, d) / (float)d + eps);
         scale_row(si, w, r, out + i * out_stride, d);
     }
     return 0;
-}
-
-/* exp(x) for x <= 0, ~1e-7 relative error, vectorised (round-to-nearest by the 1.5 * 2^23 trick). */
-static inline vf vexp_neg(vf x) {
-    const vi low = x < -87.0f;
-    x = (vf)(((vi)x & ~low) | ((vi)(x - x - 87.0f) & low));
-    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const vf r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    vf p = r * (1.0f / 5040.0f) + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-    return p * (vf)bits;
 }
 
 /* silu(g) = g * sigmoid(g); sigmoid from e = exp(-|g|) <= 1, so nothing overflows. */
@@ -104,7 +85,7 @@ int varlen_silu_mul(const float *gate, int64_t g_stride, const float *up, int64_
         const float *gi = gate + i * g_stride, *ui = up + i * u_stride;
         float *oi = out + i * out_stride;
         int64_t j = 0;
-        for (; j + LANES <= d; j += LANES) vstore(oi + j, vsilu(vload(gi + j)) * vload(ui + j));
+        for (; j + VF_LANES <= d; j += VF_LANES) vstore(oi + j, vsilu(vload(gi + j)) * vload(ui + j));
         for (; j < d; j++) {
             float g = gi[j];
             oi[j] = g / (1.0f + expf(-g)) * ui[j];
