@@ -472,3 +472,52 @@ def test_cpu_operators_are_timed_in_cpu_time_like_the_engine_steps() -> None:
     idle = lambda: time.sleep(0.02)  # noqa: E731 (the core is someone else's for 20 ms)
     assert max(_timer(idle, 2, lambda: None, clock)) < 10.0
     assert min(_timer(idle, 2, lambda: None, time.perf_counter)) >= 20.0
+
+
+def test_profiler_times_the_operators_as_the_engine_runs_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sim.profile's model runs the engine's kernels (packed oneDNN linears, fused norms, add+norm and
+    SiLU·mul), and its table times the fused add+norm and SiLU·mul: stock modules' GEMMs are slower
+    than the engine's, and `measured` predicted every prefill slow."""
+    import sim.profile
+    from varlen import LLM
+    from varlen.layer_kernels import describe_layers
+    from varlen.linear_kernels import describe_linears
+    from varlen.tiny_model import ensure_tiny_model
+
+    folder = ensure_tiny_model("qwen3")
+    for kernel in ("onednn", "torch"):
+        runner = LLM(str(folder), linear_kernel=kernel).runner
+        model = sim.profile.engine_model(folder, linear_kernel=kernel)
+        assert describe_linears(model) == runner.linear_kernel
+        assert describe_layers(model) == runner.layer_kernels != "none"
+    timed: list[str] = []
+    real = sim.profile._fused_ops
+
+    def spy(module):  # records which fused operations the profiler calls
+        ops = real(module)
+        if ops is None:
+            return None
+
+        class Spy:
+            def __getattr__(self, name: str):
+                timed.append(name)
+                return getattr(ops, name)
+
+        return Spy()
+
+    monkeypatch.setattr(sim.profile, "_fused_ops", spy)
+    rows = sim.profile.profile_model(folder, (1, 8), 1)
+    assert {"silu_mul", "add_rmsnorm"} <= set(timed)
+    assert all(r["time_stats.post_attention_layernorm.min"] >= 0 for r in rows)
+
+
+def test_engine_profile_keeps_every_step_of_every_batch() -> None:
+    """profile_engine's rows are all the steps of its timed batches: each request computes its prompt
+    and all but its last output token (the engine loop's log restarts per call; slicing it by the
+    previous call's length once dropped most steps)."""
+    from sim.profile import ENGINE_BATCHES, profile_engine
+    from varlen.tiny_model import ensure_tiny_model
+
+    rows = profile_engine(ensure_tiny_model("qwen3"), "torch_sdpa", 3)
+    assert sum(sum(new) for new, *_ in rows) == sum(b * (p + o - 1) for b, p, o in ENGINE_BATCHES)
+    assert sum(1 for new, *_ in rows if max(new) > 1) >= len(ENGINE_BATCHES)
