@@ -55,13 +55,42 @@ def op_clock(device: str) -> Callable[[], float]:
     return time.perf_counter
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size from sysfs (32 MiB where it cannot be read)."""
+    best = 0
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (d / "size").read_text().strip().upper()
+            best = max(best, int(text.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1))
+        except (OSError, ValueError, IndexError):
+            continue
+    return best or 32 << 20
+
+
+def cache_evictor(device: str) -> Callable[[], None] | None:
+    """On CPU, a call that rewrites a buffer twice the last-level cache. A step reads each layer's
+    weights from memory once; an operator timed over and over on the same weights finds them in
+    cache and decode GEMMs came out several times fast (the engine overhead fit then absorbed the
+    weights' memory time as a constant, and charged it to every prefill too)."""
+    if not device.startswith("cpu"):
+        return None
+    import torch
+
+    buf = torch.zeros(2 * last_level_cache_bytes() // 4, dtype=torch.float32)
+    return lambda: buf.add_(1.0)
+
+
 def _timer(fn: Callable[[], Any], repeats: int, sync: Callable[[], None],
-           clock: Callable[[], float] = time.perf_counter) -> list[float]:
+           clock: Callable[[], float] = time.perf_counter, evict: Callable[[], Any] | None = None) -> list[float]:
+    """`repeats` timings of fn in ms after two untimed calls; `evict` (untimed) runs before each."""
     for _ in range(2):
         fn()
     sync()
     out = []
     for _ in range(repeats):
+        if evict is not None:
+            evict()
+            sync()
         t0 = clock()
         fn()
         sync()
@@ -114,6 +143,7 @@ def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: s
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     clock = op_clock(device)
+    evict = cache_evictor(device)  # weights and KV cold, as a step meets them
     rows = []
     with torch.inference_mode():
         for t in tokens:
@@ -148,12 +178,12 @@ def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: s
             }
             if (fused := _fused_ops(mlp)) is not None:
                 ops["mlp_act"] = lambda: fused.silu_mul(gate, up)
-            times = {op: _timer(ops[op], repeats, sync, clock) for op in OPS}
+            times = {op: _timer(ops[op], repeats, sync, clock, evict) for op in OPS}
             if (fused_layer := _fused_ops(layer)) is not None:
                 # The engine adds the attention's output into the residual and norms in one kernel:
                 # timed less one add, the table's two adds per layer then sum to what it runs.
                 both = _timer(lambda: fused_layer.add_rmsnorm(x, resid, post.weight, post._varlen_eps), repeats,
-                              sync, clock)
+                              sync, clock, evict)
                 add = statistics.median(times["add"])
                 times["post_attention_layernorm"] = [max(ms - add, 0.0) for ms in both]
             row: dict[str, Any] = {}
@@ -189,6 +219,7 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
     backend.bind(hq, hkv, d, tdtype, block_size, device)  # as the model runner does, before any step
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     clock = op_clock(device)
+    evict = cache_evictor(device)  # weights and KV cold, as a step meets them
     cases = [("decode", b, 1, c) for b, c in DECODE_GRID] + [("prefill", b, n, c) for b, n, c in PREFILL_GRID]
     rows = []
     with torch.inference_mode():
@@ -204,8 +235,8 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
             n = batch.num_tokens
             q, k, v = (torch.randn(n, h, d, device=device, dtype=tdtype) for h in (hq, hkv, hkv))
             meta = backend.prepare(batch, device)
-            fwd = _timer(lambda: backend.forward(q, k, v, cache, meta, d ** -0.5), repeats, sync, clock)
-            prep = _timer(lambda: backend.prepare(batch, device), repeats, sync, clock)
+            fwd = _timer(lambda: backend.forward(q, k, v, cache, meta, d ** -0.5), repeats, sync, clock, evict)
+            prep = _timer(lambda: backend.prepare(batch, device), repeats, sync, clock, evict)
             rows.append({"kind": kind, "batch_size": batch_size, "new_tokens": new, "cached_tokens": cached,
                          **{f"time_stats.attention.{k}": v for k, v in _stats(fwd).items()},
                          "time_stats.attention_prepare.median": statistics.median(prep),
