@@ -7,6 +7,14 @@ A's step logs simulates B and vice versa, against the median of the real repeats
 noise floor (how far one real run strays from that median). --clock cpu (default) counts this
 process's CPU time and skips idle waits (other processes stretch wall-clock steps at random);
 garbage collection is off during real runs, as its pauses are not a function of the batch.
+Warm-up, excluded from every run: each step size 1..budget and 1..seats sampled rows once, untimed,
+in one engine before the first timed run (a GEMM's first call at a new row count creates its oneDNN
+primitive, a few ms that would land on whichever run met that size first).
+
+The noise diagnosis printed after the runs says where run-to-run noise comes from: each run's step
+time over one model fitted on every run (a run whose steps are all slow: the machine, e.g. another
+core's memory traffic, which CPU time does not exclude), whether it made the slice's first run's
+batches, its CPU time, page faults and preemptions.
 
     taskset -c 1 python benchmarks/sim_fidelity.py --measured     # the ~50M model: ~5 minutes on a quiet core
     taskset -c 1 python benchmarks/sim_fidelity.py --model tiny   # ~4 ms steps: run-to-run jitter dominates

@@ -55,42 +55,13 @@ def op_clock(device: str) -> Callable[[], float]:
     return time.perf_counter
 
 
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache's size from sysfs (32 MiB where it cannot be read)."""
-    best = 0
-    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            text = (d / "size").read_text().strip().upper()
-            best = max(best, int(text.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1))
-        except (OSError, ValueError, IndexError):
-            continue
-    return best or 32 << 20
-
-
-def cache_evictor(device: str) -> Callable[[], None] | None:
-    """On CPU, a call that rewrites a buffer twice the last-level cache. A step reads each layer's
-    weights from memory once; an operator timed over and over on the same weights finds them in
-    cache and decode GEMMs came out several times fast (the engine overhead fit then absorbed the
-    weights' memory time as a constant, and charged it to every prefill too)."""
-    if not device.startswith("cpu"):
-        return None
-    import torch
-
-    buf = torch.zeros(2 * last_level_cache_bytes() // 4, dtype=torch.float32)
-    return lambda: buf.add_(1.0)
-
-
 def _timer(fn: Callable[[], Any], repeats: int, sync: Callable[[], None],
-           clock: Callable[[], float] = time.perf_counter, evict: Callable[[], Any] | None = None) -> list[float]:
-    """`repeats` timings of fn in ms after two untimed calls; `evict` (untimed) runs before each."""
+           clock: Callable[[], float] = time.perf_counter) -> list[float]:
     for _ in range(2):
         fn()
     sync()
     out = []
     for _ in range(repeats):
-        if evict is not None:
-            evict()
-            sync()
         t0 = clock()
         fn()
         sync()
@@ -143,7 +114,6 @@ def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: s
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     clock = op_clock(device)
-    evict = cache_evictor(device)  # weights and KV cold, as a step meets them
     rows = []
     with torch.inference_mode():
         for t in tokens:
@@ -153,39 +123,14 @@ def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: s
             cos, sin = model.model.rotary_emb(x, pos)
             q = attn.q_proj(x).view(1, t, heads, head_dim)
             k = attn.k_proj(x).view(1, t, kv_heads, head_dim)
-            qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-
-            def rope() -> Any:
-                qq, kk = (qn(q) if qn else q).transpose(1, 2), (kn(k) if kn else k).transpose(1, 2)
-                return rotary(qq, kk, cos, sin)
-
             attn_out = torch.randn(1, t, heads * head_dim, device=device, dtype=x.dtype)
             gate, up = mlp.gate_proj(x), mlp.up_proj(x)
             inner = mlp.act_fn(gate) * up
             resid = x.clone()
-            post = layer.post_attention_layernorm
-            ops: dict[str, Callable[[], Any]] = {
-                "emb": lambda: model.model.embed_tokens(ids),
-                "input_layernorm": lambda: layer.input_layernorm(x),
-                "attn_pre_proj": lambda: (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)),
-                "attn_rope": rope,
-                "attn_post_proj": lambda: attn.o_proj(attn_out),
-                "post_attention_layernorm": lambda: post(x),
-                "mlp_up_proj": lambda: (mlp.gate_proj(x), mlp.up_proj(x)),
-                "mlp_act": lambda: mlp.act_fn(gate) * up,
-                "mlp_down_proj": lambda: mlp.down_proj(inner),
-                "add": lambda: x + resid,
-            }
-            if (fused := _fused_ops(mlp)) is not None:
-                ops["mlp_act"] = lambda: fused.silu_mul(gate, up)
-            times = {op: _timer(ops[op], repeats, sync, clock, evict) for op in OPS}
-            if (fused_layer := _fused_ops(layer)) is not None:
-                # The engine adds the attention's output into the residual and norms in one kernel:
-                # timed less one add, the table's two adds per layer then sum to what it runs.
-                both = _timer(lambda: fused_layer.add_rmsnorm(x, resid, post.weight, post._varlen_eps), repeats,
-                              sync, clock, evict)
-                add = statistics.median(times["add"])
-                times["post_attention_layernorm"] = [max(ms - add, 0.0) for ms in both]
+            layer_ops = [_layer_ops(lyr, rotary, x, q, k, cos, sin, attn_out, gate, up, inner, resid)
+                         for lyr in model.model.layers]
+            times = _time_in_step_order(layer_ops, repeats, sync, clock)
+            times["emb"] = _timer(lambda: model.model.embed_tokens(ids), repeats, sync, clock)
             row: dict[str, Any] = {}
             for op in OPS:
                 row.update({f"time_stats.{op}.{k}": v for k, v in _stats(times[op]).items()})
@@ -194,6 +139,62 @@ def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: s
                        num_tokens=t, num_tensor_parallel_workers=1, head_dim=head_dim)
             rows.append(row)
     return rows
+
+
+def _layer_ops(layer: Any, rotary: Callable[..., Any], x: Any, q: Any, k: Any, cos: Any, sin: Any, attn_out: Any,
+               gate: Any, up: Any, inner: Any, resid: Any) -> dict[str, Callable[[], Any]]:
+    """One decoder layer's operators on its own weights, as the engine's kernels run them; with the
+    layer's add+norm fused, "post_attention_layernorm" times that kernel (the add is taken off later)."""
+    attn, mlp, post = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+
+    def rope() -> Any:
+        qq, kk = (qn(q) if qn else q).transpose(1, 2), (kn(k) if kn else k).transpose(1, 2)
+        return rotary(qq, kk, cos, sin)
+
+    ops: dict[str, Callable[[], Any]] = {
+        "input_layernorm": lambda: layer.input_layernorm(x),
+        "attn_pre_proj": lambda: (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)),
+        "attn_rope": rope,
+        "attn_post_proj": lambda: attn.o_proj(attn_out),
+        "post_attention_layernorm": lambda: post(x),
+        "mlp_up_proj": lambda: (mlp.gate_proj(x), mlp.up_proj(x)),
+        "mlp_act": lambda: mlp.act_fn(gate) * up,
+        "mlp_down_proj": lambda: mlp.down_proj(inner),
+        "add": lambda: x + resid,
+    }
+    if (fused := _fused_ops(mlp)) is not None:
+        ops["mlp_act"] = lambda: fused.silu_mul(gate, up)
+    if (fused_layer := _fused_ops(layer)) is not None:
+        ops["post_attention_layernorm"] = lambda: fused_layer.add_rmsnorm(x, resid, post.weight, post._varlen_eps)
+        ops["fused_add"] = lambda: None  # marks the add inside the kernel
+    return ops
+
+
+def _time_in_step_order(layer_ops: list[dict[str, Callable[[], Any]]], repeats: int, sync: Callable[[], None],
+                        clock: Callable[[], float]) -> dict[str, list[float]]:
+    """Each operator's ms per layer: every layer's operators in the order a step runs them, each timed,
+    summed over the layers. A step reads each layer's weights once: one operator timed over and over on
+    the same weights finds them in cache (decode GEMMs 3-7x fast), while a flushed cache before each
+    call made them ~40% slow; in step order the caches hold what they hold in the engine."""
+    names = [op for op in OPS if op != "emb"]
+    out: dict[str, list[float]] = {op: [] for op in names}
+    for rep in range(repeats + 2):  # two untimed passes first
+        acc = dict.fromkeys(names, 0.0)
+        for ops in layer_ops:
+            for op in names:
+                t0 = clock()
+                ops[op]()
+                sync()
+                acc[op] += clock() - t0
+        if rep >= 2:
+            for op in names:
+                out[op].append(acc[op] / len(layer_ops) * 1e3)
+    if "fused_add" in layer_ops[0]:
+        # The engine adds the attention's output into the residual and norms in one kernel: less one
+        # add, the table's two adds per layer sum to what it runs.
+        out["post_attention_layernorm"] = [max(b - a, 0.0) for b, a in zip(out["post_attention_layernorm"], out["add"])]
+    return out
 
 
 DECODE_GRID = ((1, 64), (1, 512), (1, 2048), (8, 64), (8, 512), (8, 2048), (32, 256), (32, 1024), (64, 512))
@@ -219,7 +220,6 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
     backend.bind(hq, hkv, d, tdtype, block_size, device)  # as the model runner does, before any step
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     clock = op_clock(device)
-    evict = cache_evictor(device)  # weights and KV cold, as a step meets them
     cases = [("decode", b, 1, c) for b, c in DECODE_GRID] + [("prefill", b, n, c) for b, n, c in PREFILL_GRID]
     rows = []
     with torch.inference_mode():
@@ -235,8 +235,8 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
             n = batch.num_tokens
             q, k, v = (torch.randn(n, h, d, device=device, dtype=tdtype) for h in (hq, hkv, hkv))
             meta = backend.prepare(batch, device)
-            fwd = _timer(lambda: backend.forward(q, k, v, cache, meta, d ** -0.5), repeats, sync, clock, evict)
-            prep = _timer(lambda: backend.prepare(batch, device), repeats, sync, clock, evict)
+            fwd = _timer(lambda: backend.forward(q, k, v, cache, meta, d ** -0.5), repeats, sync, clock)
+            prep = _timer(lambda: backend.prepare(batch, device), repeats, sync, clock)
             rows.append({"kind": kind, "batch_size": batch_size, "new_tokens": new, "cached_tokens": cached,
                          **{f"time_stats.attention.{k}": v for k, v in _stats(fwd).items()},
                          "time_stats.attention_prepare.median": statistics.median(prep),
