@@ -16,7 +16,7 @@ time over one model fitted on every run (a run whose steps are all slow: the mac
 core's memory traffic, which CPU time does not exclude), whether it made the slice's first run's
 batches, its CPU time, page faults and preemptions.
 
-    taskset -c 1 python benchmarks/sim_fidelity.py --measured     # the ~50M model: ~5 minutes on a quiet core
+    taskset -c 1 python benchmarks/sim_fidelity.py --measured     # the ~50M model: ~7 minutes on a quiet core
     taskset -c 1 python benchmarks/sim_fidelity.py --model tiny   # ~4 ms steps: run-to-run jitter dominates
 
 --measured also predicts both slices with cost.model=measured built by `python -m sim.profile`'s
