@@ -7,8 +7,16 @@ A's step logs simulates B and vice versa, against the median of the real repeats
 noise floor (how far one real run strays from that median). --clock cpu (default) counts this
 process's CPU time and skips idle waits (other processes stretch wall-clock steps at random);
 garbage collection is off during real runs, as its pauses are not a function of the batch.
+Warm-up, excluded from every run: each step size 1..budget and 1..seats sampled rows once, untimed,
+in one engine before the first timed run (a GEMM's first call at a new row count creates its oneDNN
+primitive, a few ms that would land on whichever run met that size first).
 
-    taskset -c 1 python benchmarks/sim_fidelity.py --measured     # the ~50M model: ~5 minutes on a quiet core
+The noise diagnosis printed after the runs says where run-to-run noise comes from: each run's step
+time over one model fitted on every run (a run whose steps are all slow: the machine, e.g. another
+core's memory traffic, which CPU time does not exclude), whether it made the slice's first run's
+batches, its CPU time, page faults and preemptions.
+
+    taskset -c 1 python benchmarks/sim_fidelity.py --measured     # the ~50M model: ~7 minutes on a quiet core
     taskset -c 1 python benchmarks/sim_fidelity.py --model tiny   # ~4 ms steps: run-to-run jitter dominates
 
 --measured also predicts both slices with cost.model=measured built by `python -m sim.profile`'s
@@ -22,6 +30,7 @@ import argparse
 import dataclasses
 import gc
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -72,6 +81,7 @@ class RealRun:
     max_model_len: int
     wall_s: float
     busy: float  # fraction of the run's clock time the engine spent in steps
+    usage: dict[str, float]  # the process's user and system CPU s, page faults, involuntary switches in the run
 
 
 def real_run(label: str, model_dir: str, backend: str, treqs, args) -> RealRun:
@@ -95,18 +105,66 @@ def real_run(label: str, model_dir: str, backend: str, treqs, args) -> RealRun:
     gc.disable()
     try:
         eng.clock = CpuClock() if args.clock == "cpu" else WallClock()  # arrivals count from now
-        t = time.perf_counter()
+        r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         eng.run(reqs)
-        wall = time.perf_counter() - t
+        wall, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
         end = eng.clock.now()
     finally:
         gc.enable()
+    usage = {"user s": r1.ru_utime - r0.ru_utime, "sys s": r1.ru_stime - r0.ru_stime,
+             "page faults": r1.ru_minflt - r0.ru_minflt + r1.ru_majflt - r0.ru_majflt,
+             "preempted": r1.ru_nivcsw - r0.ru_nivcsw}
     steps = list(eng.steps)
     kv = eng.kv
     make_kv = partial(PagedAllocator, kv.num_blocks, kv.block_size, kv.max_model_len)
     busy = sum(s.duration for s in steps) / end
     return RealRun(label, steps, headline(reqs, steps, kv.capacity_tokens), originals, make_policy, make_kv,
-                   eng.max_model_len, wall, busy)
+                   eng.max_model_len, wall, busy, usage)
+
+
+def diagnose(runs: dict[str, list[RealRun]], features) -> None:
+    """Where the real engine's run-to-run noise comes from: each run's step speed against one model
+    fitted on every run (a run whose steps are all x% slow: the machine, not the schedule), whether
+    the run made the same batches as the slice's first run, and its CPU time, page faults, preemptions."""
+    from sim.cost.fitted import ProfiledCostModel, profile_rows
+    from sim.validate import batch_sequence, first_difference
+
+    pooled = ProfiledCostModel.fit([row for rs in runs.values() for r in rs for row in profile_rows(r.steps)],
+                                   features=features)
+    table = {}
+    for label, rs in runs.items():
+        first = batch_sequence(rs[0].steps)
+        for i, r in enumerate(rs):
+            kinds: dict[str, list[float]] = {"decode": [], "prefill": []}
+            for new, cached, t, logits in profile_rows(r.steps):
+                kinds["prefill" if max(new, default=0) > 1 else "decode"].append(t / pooled.step_time(new, cached, logits))
+            diff = first_difference(first, batch_sequence(r.steps))
+            table[f"{label} #{i + 1}"] = {
+                "decode speed": np.median(kinds["decode"]), "prefill speed": np.median(kinds["prefill"]),
+                "decode p90/p10": np.percentile(kinds["decode"], 90) / np.percentile(kinds["decode"], 10),
+                "batches as #1": "same" if diff is None else diff.split(":")[0], **r.usage}
+    print("\nnoise diagnosis: each run's step time over one model fitted on all runs (median by step kind; "
+          "1.00 = the pooled average), the spread of its decode steps, whether it made the batches the "
+          "slice's first run made, and the process's CPU time, page faults and involuntary preemptions")
+    print(pd.DataFrame(table).T.to_string(float_format=lambda x: f"{x:.3f}"))
+
+
+def warm_row_counts(model_dir: str, backend: str, args) -> None:
+    """Run every step size the timed runs can meet once, untimed: a GEMM's first call at a new row
+    count creates its oneDNN primitive (process-wide, cached), a one-off that would land on whichever
+    run met that size first; the cost models predict the steady state."""
+    from varlen import LLM
+    from varlen.sampling_params import SamplingParams
+
+    llm = LLM(model_dir, backend=backend, max_num_seqs=args.seqs, max_num_batched_tokens=args.budget,
+              max_model_len=args.max_len, num_blocks=args.blocks)
+    rng, vocab = np.random.default_rng(0), llm.runner.config.vocab_size
+    once = SamplingParams(max_tokens=1, ignore_eos=True)
+    for n in range(1, args.budget + 1):  # a step of n tokens (one prompt chunk; random: no prefix-cache hits)
+        llm.generate(rng.integers(3, vocab, (1, n)).tolist(), once, use_tqdm=False)
+    for k in range(1, args.seqs + 1):  # k sampled rows at the LM head
+        llm.generate(rng.integers(3, vocab, (k, 2)).tolist(), SamplingParams(max_tokens=2, ignore_eos=True),
+                     use_tqdm=False)
 
 
 def headline(reqs, steps, slots) -> dict[str, float]:
@@ -240,6 +298,8 @@ def main() -> None:
     p.add_argument("--measured", action="store_true",
                    help="also predict both slices with cost.model=measured built by sim.profile on this machine "
                         "(operators, attention backend, engine overhead; no trace run)")
+    p.add_argument("--no-warm", dest="warm", action="store_false",
+                   help="warm up on one batch only, not on every step size (first uses then land in the timed runs)")
     p.add_argument("--features", default=None,
                    help="comma-separated profiled-model features (default: sim.cost.fitted.DEFAULT_FEATURES)")
     args = p.parse_args()
@@ -266,9 +326,15 @@ def main() -> None:
     runs: dict[str, list[RealRun]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, described = fidelity_model(args.model, tmp)
-        LLM(model_dir, backend=backend).generate([[5] * 300, [7] * 20], None)  # warm the kernels up
+        t = time.process_time()
+        if args.warm:
+            warm_row_counts(model_dir, backend, args)
+        else:
+            LLM(model_dir, backend=backend).generate([[5] * 300, [7] * 20], None)
         print(f"model: {described}, backend {backend}, chunked budget {args.budget}, "
-              f"{args.seqs} seats, 1 torch thread, {args.clock} clock, gc off during runs")
+              f"{args.seqs} seats, 1 torch thread, {args.clock} clock, gc off during runs; warm-up "
+              + (f"(every step size 1..{args.budget} and 1..{args.seqs} sampled rows, once, untimed): "
+                 if args.warm else "(one batch): ") + f"{time.process_time() - t:.1f} s CPU")
         # A, B, A, B, ...: interleaved, so the repeats of both slices span the same stretch of
         # the machine's time (a shared VM's speed drifts by several percent over minutes).
         for i in range(args.repeats):
@@ -280,6 +346,7 @@ def main() -> None:
                       f"busy {r.busy:.0%} of the time, {r.wall_s:.1f} s wall", flush=True)
         measured = profile_measured(model_dir, backend, os.path.join(tmp, "profiles")) if args.measured else None
     features = tuple(args.features.split(",")) if args.features else DEFAULT_FEATURES
+    diagnose(runs, features)
     tables = {"A -> B": predict(runs["A"], runs["B"], features, args.weighting),
               "B -> A": predict(runs["B"], runs["A"], features, args.weighting)}
     if measured is not None:

@@ -69,15 +69,43 @@ def _timer(fn: Callable[[], Any], repeats: int, sync: Callable[[], None],
     return out
 
 
-def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: str = "cpu",
-                  dtype: str = "float32") -> list[dict[str, Any]]:
-    """One row per token count: the operators' time statistics (ms) and the shape columns."""
+def engine_model(folder: Path, device: str = "cpu", dtype: str = "float32", linear_kernel: str = "auto") -> Any:
+    """The HF model with the kernels the engine swaps in (varlen/model_runner.py): packed oneDNN
+    linears (`linear_kernel` as LLM's) and the fused norms, add+norm and SiLU·mul; timing stock
+    modules instead put MKL's slower GEMMs in the tables, and every prefill came out slow."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from varlen.layer_kernels import fuse_layers
+    from varlen.linear_kernels import MIN_PACKED_ELEMENTS, pack_linears
+
+    if linear_kernel not in ("auto", "onednn", "torch"):
+        raise ValueError(f"--linear-kernel {linear_kernel!r}: must be auto, onednn or torch (as the engine's)")
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
+    tdtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=tdtype).to(device).eval()
+    if linear_kernel != "torch":
+        pack_linears(model, torch.device(device), tdtype,
+                     min_elements=0 if linear_kernel == "onednn" else MIN_PACKED_ELEMENTS)
+    fuse_layers(model, torch.device(device), tdtype)
+    return model
+
+
+def _fused_ops(module: Any) -> Any:
+    """The fused-kernel ops object a module's swapped forward calls (varlen.layer_kernels), or None."""
+    f = module.__dict__.get("forward")
+    args = getattr(f, "args", ())
+    return args[1] if len(args) > 1 else None
+
+
+def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: str = "cpu",
+                  dtype: str = "float32", linear_kernel: str = "auto") -> list[dict[str, Any]]:
+    """One row per token count: the operators' time statistics (ms) and the shape columns, each
+    operator timed as the engine runs it (engine_model)."""
+    import torch
+
+    model = engine_model(folder, device, dtype, linear_kernel)
     cfg = model.config
     layer = model.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
@@ -95,36 +123,78 @@ def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: s
             cos, sin = model.model.rotary_emb(x, pos)
             q = attn.q_proj(x).view(1, t, heads, head_dim)
             k = attn.k_proj(x).view(1, t, kv_heads, head_dim)
-            qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-
-            def rope() -> Any:
-                qq, kk = (qn(q) if qn else q).transpose(1, 2), (kn(k) if kn else k).transpose(1, 2)
-                return rotary(qq, kk, cos, sin)
-
             attn_out = torch.randn(1, t, heads * head_dim, device=device, dtype=x.dtype)
             gate, up = mlp.gate_proj(x), mlp.up_proj(x)
             inner = mlp.act_fn(gate) * up
             resid = x.clone()
-            ops: dict[str, Callable[[], Any]] = {
-                "emb": lambda: model.model.embed_tokens(ids),
-                "input_layernorm": lambda: layer.input_layernorm(x),
-                "attn_pre_proj": lambda: (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)),
-                "attn_rope": rope,
-                "attn_post_proj": lambda: attn.o_proj(attn_out),
-                "post_attention_layernorm": lambda: layer.post_attention_layernorm(x),
-                "mlp_up_proj": lambda: (mlp.gate_proj(x), mlp.up_proj(x)),
-                "mlp_act": lambda: mlp.act_fn(gate) * up,
-                "mlp_down_proj": lambda: mlp.down_proj(inner),
-                "add": lambda: x + resid,
-            }
+            layer_ops = [_layer_ops(lyr, rotary, x, q, k, cos, sin, attn_out, gate, up, inner, resid)
+                         for lyr in model.model.layers]
+            times = _time_in_step_order(layer_ops, repeats, sync, clock)
+            times["emb"] = _timer(lambda: model.model.embed_tokens(ids), repeats, sync, clock)
             row: dict[str, Any] = {}
             for op in OPS:
-                row.update({f"time_stats.{op}.{k}": v for k, v in _stats(_timer(ops[op], repeats, sync, clock)).items()})
+                row.update({f"time_stats.{op}.{k}": v for k, v in _stats(times[op]).items()})
             row.update(n_head=heads, n_kv_head=kv_heads, n_embd=cfg.hidden_size,
                        n_expanded_embd=cfg.intermediate_size, vocab_size=cfg.vocab_size, use_gated_mlp=True,
                        num_tokens=t, num_tensor_parallel_workers=1, head_dim=head_dim)
             rows.append(row)
     return rows
+
+
+def _layer_ops(layer: Any, rotary: Callable[..., Any], x: Any, q: Any, k: Any, cos: Any, sin: Any, attn_out: Any,
+               gate: Any, up: Any, inner: Any, resid: Any) -> dict[str, Callable[[], Any]]:
+    """One decoder layer's operators on its own weights, as the engine's kernels run them; with the
+    layer's add+norm fused, "post_attention_layernorm" times that kernel (the add is taken off later)."""
+    attn, mlp, post = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+
+    def rope() -> Any:
+        qq, kk = (qn(q) if qn else q).transpose(1, 2), (kn(k) if kn else k).transpose(1, 2)
+        return rotary(qq, kk, cos, sin)
+
+    ops: dict[str, Callable[[], Any]] = {
+        "input_layernorm": lambda: layer.input_layernorm(x),
+        "attn_pre_proj": lambda: (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)),
+        "attn_rope": rope,
+        "attn_post_proj": lambda: attn.o_proj(attn_out),
+        "post_attention_layernorm": lambda: post(x),
+        "mlp_up_proj": lambda: (mlp.gate_proj(x), mlp.up_proj(x)),
+        "mlp_act": lambda: mlp.act_fn(gate) * up,
+        "mlp_down_proj": lambda: mlp.down_proj(inner),
+        "add": lambda: x + resid,
+    }
+    if (fused := _fused_ops(mlp)) is not None:
+        ops["mlp_act"] = lambda: fused.silu_mul(gate, up)
+    if (fused_layer := _fused_ops(layer)) is not None:
+        ops["post_attention_layernorm"] = lambda: fused_layer.add_rmsnorm(x, resid, post.weight, post._varlen_eps)
+        ops["fused_add"] = lambda: None  # marks the add inside the kernel
+    return ops
+
+
+def _time_in_step_order(layer_ops: list[dict[str, Callable[[], Any]]], repeats: int, sync: Callable[[], None],
+                        clock: Callable[[], float]) -> dict[str, list[float]]:
+    """Each operator's ms per layer: every layer's operators in the order a step runs them, each timed,
+    summed over the layers. A step reads each layer's weights once: one operator timed over and over on
+    the same weights finds them in cache (decode GEMMs 3-7x fast), while a flushed cache before each
+    call made them ~40% slow; in step order the caches hold what they hold in the engine."""
+    names = [op for op in OPS if op != "emb"]
+    out: dict[str, list[float]] = {op: [] for op in names}
+    for rep in range(repeats + 2):  # two untimed passes first
+        acc = dict.fromkeys(names, 0.0)
+        for ops in layer_ops:
+            for op in names:
+                t0 = clock()
+                ops[op]()
+                sync()
+                acc[op] += clock() - t0
+        if rep >= 2:
+            for op in names:
+                out[op].append(acc[op] / len(layer_ops) * 1e3)
+    if "fused_add" in layer_ops[0]:
+        # The engine adds the attention's output into the residual and norms in one kernel: less one
+        # add, the table's two adds per layer sum to what it runs.
+        out["post_attention_layernorm"] = [max(b - a, 0.0) for b, a in zip(out["post_attention_layernorm"], out["add"])]
+    return out
 
 
 DECODE_GRID = ((1, 64), (1, 512), (1, 2048), (8, 64), (8, 512), (8, 2048), (32, 256), (32, 1024), (64, 512))
@@ -179,23 +249,42 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
 ENGINE_BATCHES = ((1, 32, 24), (4, 64, 24), (16, 128, 16), (32, 200, 8), (8, 400, 4))  # requests, prompt, output
 
 
-def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu", dtype: str = "float32") -> list[Any]:
-    """The real engine's step log over a few synthetic batches (sim.cost.fitted.profile_rows)."""
+def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu", dtype: str = "float32",
+                   linear_kernel: str = "auto") -> list[Any]:
+    """The real engine's step log over a few synthetic batches (sim.cost.fitted.profile_rows), each
+    batch run once untimed first: a GEMM's first call at a new row count creates its oneDNN
+    primitive, a one-off the operator tables (timed after warm calls) and a long run do not pay."""
+    import numpy as np
+
     from sim.cost.fitted import profile_rows
     from varlen import LLM, SamplingParams
 
     llm = LLM(str(folder), backend=backend, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=2048,
-              device=device, dtype=dtype)
+              device=device, dtype=dtype, linear_kernel=linear_kernel)
     if device == "cpu":
         # CPU time: on a shared machine other processes stretch wall-clock steps at random.
         llm.engine.clock = _CpuClock()
-    llm.generate([[5] * 40] * 2, SamplingParams(max_tokens=4, ignore_eos=True))
+    rng = np.random.default_rng(0)
+    vocab = llm.runner.config.vocab_size
+
+    def run(b: int, prompt: int, out: int) -> list[Any]:
+        # Random prompts: repeated ones would be prefix-cache hits, and the prefills not computed.
+        before = llm.engine.steps
+        first = len(before)
+        llm.generate(rng.integers(3, vocab, (b, prompt)).tolist(), SamplingParams(max_tokens=out, ignore_eos=True),
+                     use_tqdm=False)
+        # The engine loop starts a new log when it leaves idle (each call here): slicing that one
+        # by the old log's length dropped most of every batch's steps.
+        steps = llm.engine.steps
+        return profile_rows(list(steps) if steps is not before else list(steps)[first:])
+
+    run(2, 40, 4)
+    for batch in ENGINE_BATCHES:
+        run(*batch)
     rows: list[Any] = []
     for _ in range(max(1, repeats // 3)):
-        for b, prompt, out in ENGINE_BATCHES:
-            first = len(list(llm.engine.steps))
-            llm.generate([[7 + i] * prompt for i in range(b)], SamplingParams(max_tokens=out, ignore_eos=True))
-            rows += profile_rows(list(llm.engine.steps)[first:])
+        for batch in ENGINE_BATCHES:
+            rows += run(*batch)
     return rows
 
 
@@ -254,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated token counts")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per operator and size (their min, max, mean, median, std are written)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
+    ap.add_argument("--linear-kernel", default="auto", choices=("auto", "onednn", "torch"),
+                    help="the linear layers' kernel, as the engine you simulate runs them (LLM's linear_kernel)")
     ap.add_argument("--backend", default="torch_sdpa", help="attention backend to profile ('' to skip attention)")
     ap.add_argument("--no-engine", dest="engine", action="store_false",
                     help="skip the engine's per-step overhead (a few real engine runs)")
@@ -299,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         print("collectives: one device, not profiled (--collectives N with N >= 2 to force on CPU)")
     if folder is None:
         return 0
-    rows = profile_model(folder, tokens, a.repeats, a.device, a.dtype)
+    rows = profile_model(folder, tokens, a.repeats, a.device, a.dtype, a.linear_kernel)
     name = {"tiny": "tiny", "big": "bench-qwen3-50m"}.get(a.model, folder.name)
     path = write_table(rows, Path(a.out), gpu, name)
     print(f"{len(rows)} token counts x {len(OPS)} operators -> {path}")
@@ -309,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.engine:
             import json
 
-            steps = profile_engine(folder, a.backend, a.repeats, a.device, a.dtype)
+            steps = profile_engine(folder, a.backend, a.repeats, a.device, a.dtype, a.linear_kernel)
             fit = fit_engine_overhead(steps, json.loads((folder / "config.json").read_text()), gpu, Path(a.out))
             path = write_table([fit], Path(a.out), gpu, name, "overhead")
             print(f"engine overhead from {fit['steps']} real steps: {fit['const_ms']:.3g} ms + {fit['per_seq_ms']:.3g} ms "

@@ -4,6 +4,7 @@ the roofline (labelled) for GPUs without tables, user profile folders, the simul
 from __future__ import annotations
 
 import gzip
+import json
 import shutil
 import subprocess
 import sys
@@ -472,3 +473,75 @@ def test_cpu_operators_are_timed_in_cpu_time_like_the_engine_steps() -> None:
     idle = lambda: time.sleep(0.02)  # noqa: E731 (the core is someone else's for 20 ms)
     assert max(_timer(idle, 2, lambda: None, clock)) < 10.0
     assert min(_timer(idle, 2, lambda: None, time.perf_counter)) >= 20.0
+
+
+def test_profiler_times_the_operators_as_the_engine_runs_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sim.profile's model runs the engine's kernels (packed oneDNN linears, fused norms, add+norm and
+    SiLU·mul), and its table times the fused add+norm and SiLU·mul: stock modules' GEMMs are slower
+    than the engine's, and `measured` predicted every prefill slow."""
+    import sim.profile
+    from varlen import LLM
+    from varlen.layer_kernels import describe_layers
+    from varlen.linear_kernels import describe_linears
+    from varlen.tiny_model import ensure_tiny_model
+
+    folder = ensure_tiny_model("qwen3")
+    for kernel in ("onednn", "torch"):
+        runner = LLM(str(folder), linear_kernel=kernel).runner
+        model = sim.profile.engine_model(folder, linear_kernel=kernel)
+        assert describe_linears(model) == runner.linear_kernel
+        assert describe_layers(model) == runner.layer_kernels != "none"
+    timed: list[str] = []
+    real = sim.profile._fused_ops
+
+    def spy(module):  # records which fused operations the profiler calls
+        ops = real(module)
+        if ops is None:
+            return None
+
+        class Spy:
+            def __getattr__(self, name: str):
+                timed.append(name)
+                return getattr(ops, name)
+
+        return Spy()
+
+    monkeypatch.setattr(sim.profile, "_fused_ops", spy)
+    rows = sim.profile.profile_model(folder, (1, 8), 1)
+    assert {"silu_mul", "add_rmsnorm"} <= set(timed)
+    assert all(r["time_stats.post_attention_layernorm.min"] >= 0 for r in rows)
+
+
+def test_engine_profile_keeps_every_step_of_every_batch() -> None:
+    """profile_engine's rows are all the steps of its timed batches: each request computes its prompt
+    and all but its last output token (the engine loop's log restarts per call; slicing it by the
+    previous call's length once dropped most steps)."""
+    from sim.profile import ENGINE_BATCHES, profile_engine
+    from varlen.tiny_model import ensure_tiny_model
+
+    rows = profile_engine(ensure_tiny_model("qwen3"), "torch_sdpa", 3)
+    assert sum(sum(new) for new, *_ in rows) == sum(b * (p + o - 1) for b, p, o in ENGINE_BATCHES)
+    assert sum(1 for new, *_ in rows if max(new) > 1) >= len(ENGINE_BATCHES)
+
+
+def test_operators_are_timed_over_every_layer_in_step_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step reads each layer's weights once: sim.profile times each operator on every layer in turn,
+    in the step's order, not one layer's operator over and over on weights the cache then holds
+    (cache-resident decode GEMMs timed 3-7x fast)."""
+    import sim.profile
+    from varlen.tiny_model import ensure_tiny_model
+
+    order: list[int] = []
+    real = sim.profile.engine_model
+
+    def spy(*args, **kwargs):
+        model = real(*args, **kwargs)
+        for i, layer in enumerate(model.model.layers):
+            layer.mlp.down_proj.register_forward_hook(lambda *_, i=i: order.append(i))
+        return model
+
+    monkeypatch.setattr(sim.profile, "engine_model", spy)
+    rows = sim.profile.profile_model(ensure_tiny_model("qwen3"), (1, 8), 2)
+    layers = json.loads((ensure_tiny_model("qwen3") / "config.json").read_text())["num_hidden_layers"]
+    assert layers > 1 and order == list(range(layers)) * (2 + 2) * 2  # (2 untimed + 2 timed passes) x token counts
+    assert all(r[f"time_stats.{op}.median"] > 0 for r in rows for op in ("attn_pre_proj", "mlp_down_proj"))
