@@ -32,6 +32,8 @@ class CostModelExecutor(FastForwardExecutor):
         self._decode = (self._sums and type(cost).next_start is CostModel.next_start
                         and keeps_promise(cost, "decode_step_time", ("step_time_sums",), CostModel))
         self._decode_fns: dict[int, Callable[[int], float]] = {}  # batch size -> cost.decode_step_time
+        self._known: list[float] = []  # end times of the pure-decode stretch timed last (decode_run)
+        self._known_seqs, self._known_cached, self._known_start = 0, 0, 0.0  # its batch size, cached tokens, start
 
     def execute(self, scheduled: Sequence[tuple[Request, int]], kv: KVAllocator) -> list[int | None]:
         out: list[int | None] = []
@@ -77,13 +79,31 @@ class CostModelExecutor(FastForwardExecutor):
             step_time = self._decode_fns[num_seqs] = self.cost.decode_step_time(num_seqs)
         t = self.clock.now()
         cached = sum(r.num_computed_tokens for r in batch)
+        # Its times depend on (start, batch size, cached tokens) only: the stretch timed last (a replica's
+        # horizon times it ahead of the steps) is reused from any of its step boundaries, and extended.
+        known = self._known
         ends: list[float] = []
+        j = (cached - self._known_cached) // num_seqs
+        if (num_seqs == self._known_seqs and cached - self._known_cached == j * num_seqs and 0 <= j <= len(known)
+                and t == (self._known_start if j == 0 else known[j - 1])):
+            while j < len(known) and len(ends) < max_steps and t < until:
+                t = known[j]
+                ends.append(t)
+                j += 1
+            cached += len(ends) * num_seqs
+            extend = j == len(known)
+        else:
+            known = self._known = []
+            self._known_seqs, self._known_cached, self._known_start = num_seqs, cached, t
+            extend = True
         # The clock's own sum, one step at a time: bit-identical end times.
-        for _ in range(max_steps):
+        for _ in range(max_steps - len(ends)):
             if t >= until:
                 break
             t += step_seconds(self.cost, step_time(cached))
             ends.append(t)
+            if extend:
+                known.append(t)
             cached += num_seqs
         return SIM_TOKEN, ends
 

@@ -7,6 +7,7 @@ logs one `DecodeRun`, with the same results step for step (tests/sim/test_sim_fa
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from typing import Sequence
 
@@ -27,7 +28,8 @@ class FastForwardExecutor(Executor):
 
     def decode_run(self, batch: Sequence[Request], max_steps: int, until: float) -> tuple[int, list[float]] | None:
         """Time up to `max_steps` pure-decode steps of `batch` starting before `until`: (tokens, step ends);
-        the clock is not moved. None: this executor steps one at a time."""
+        the clock is not moved, nothing else changes (the simulator also asks it ahead of the steps, for
+        a replica's horizon). None: this executor steps one at a time."""
         return None
 
 
@@ -42,6 +44,7 @@ class FastForwardEngine(Engine):
         self.num_fast_forwarded_steps = 0  # steps run by _decode_run rather than one by one
         self._decode_promises = -1  # whether the allocator's and executor's promises are their own (-1: not checked)
         self._growth: DecodeGrowth | None = None  # the allocator, if it has DecodeGrowth's methods
+        self._fits = -1  # whether the allocator's decode_steps_fit is its own class's (-1: not checked)
 
     def step(self, start: float | None = None, until: float | None = None) -> list[Request]:
         """The pure-decode steps the policy promises from `start` up to `until`, else one step and
@@ -62,6 +65,34 @@ class FastForwardEngine(Engine):
             return finished
         return finished + self._timed_decode_run(batch, until)
 
+    def count_horizon(self) -> float:
+        """With no arrival, the start of the first step that may end a request or leave the promised
+        decodes (a finish, a stop token, an allocation that may fail): the count of unfinished requests
+        holds for every step starting before it. The clock's now when that is not known."""
+        now = self.clock.now()
+        batch = self.policy.next_decode_batch()
+        if not batch or not self._promises_kept() or self._fits < 1:
+            return now
+        max_len = self.max_model_len
+        base = [r.num_computed_tokens for r in batch]
+        k = min(min(r.sampling.max_tokens - n, max_len - r.num_prompt_tokens - n)
+                for r, n in zip(batch, [len(r.output_token_ids) for r in batch]))
+        if k <= 1:
+            return now
+        ex = self.executor
+        assert isinstance(ex, FastForwardExecutor)
+        try:
+            run = ex.decode_run(batch, k, math.inf)
+            if run is None:
+                return now
+            tok, ends = run
+            if any(self._is_stop_token(r, tok) for r in batch):
+                return now
+            j = min(k - 1, len(ends), self.kv.decode_steps_fit(batch, base, k))
+        except Exception:  # raised again by the step itself, when the replica gets there
+            return now
+        return ends[j - 1] if j > 0 else now
+
     def _timed_decode_run(self, batch: list[Request], until: float) -> list[Request]:
         t0 = time.perf_counter()
         try:
@@ -81,6 +112,8 @@ class FastForwardEngine(Engine):
                     isinstance(ex, FastForwardExecutor)
                     and keeps_promise(ex, "decode_run", ("execute",), FastForwardExecutor)]
             self._decode_promises = int(all(kept))
+            self._fits = int(all(kept) and keeps_promise(kv, "decode_steps_fit", (*ALLOCATION_PROMISE_BEHAVIOUR,
+                             "next_allocation_event", "grow_decodes"), KVAllocator))
             self._growth = kv if isinstance(kv, DecodeGrowth) else None
         return self._decode_promises > 0
 

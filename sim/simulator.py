@@ -205,16 +205,22 @@ def _advance(rep: Replica, t: float, until: float, fast_forward: bool) -> float:
 
 def _lazy_loop(pending: list[Request], replicas: list[Replica], route: Router, reads: str, routed: dict[str, int],
                fast_forward: bool, progress: Callable[[float, int, list[Replica]], None] | None = None) -> None:
-    """Arrivals in order; before each, the replicas the router reads (reads="nothing": none; else
-    every replica with a step due before the arrival), then the chosen one, advanced to it."""
+    """Arrivals in order; before each, the replicas the router reads (reads="nothing": none; "all":
+    every replica with a step due before the arrival; "outstanding": those whose count may have
+    changed before it), advanced to it; then the chosen one, advanced to it."""
     num_replicas = len(replicas)
     pick: Callable[[Any, Request], object] = route  # compiled: no int cast before check_route
     inf = float("inf")
     due = [inf] * num_replicas  # each replica's next step, inf when it has nothing to do
-    busy: list[tuple[float, int]] = []  # (due, replica) for the replicas the router reads
+    # (horizon, replica) for the replicas the router reads: a replica is advanced to an arrival after
+    # its horizon, its next step for "all", the first step that may change its count for "outstanding"
+    # (until then its count is exact however far behind it is). Stale entries are skipped.
+    busy: list[tuple[float, int]] = []
+    horizon = [inf] * num_replicas  # each replica's live entry in `busy`
     shared = reads != "nothing" and num_replicas > 1
     counts = [0] * num_replicas
     index = LeastIndex(num_replicas) if reads == "outstanding" else None
+    ahead = index is not None and fast_forward  # horizons past the next step
     view: Any = replicas
     if reads == "nothing":
         view = Unread(route, num_replicas)
@@ -228,13 +234,13 @@ def _lazy_loop(pending: list[Request], replicas: list[Replica], route: Router, r
         i += 1
         if shared:
             while busy and busy[0][0] < a:
-                t, k = heapq.heappop(busy)
-                events += 1
-                if events & 1023 == 0:
-                    poll()
-                t = due[k] = _advance(replicas[k], t, a, fast_forward)
-                if t < inf:
-                    heapq.heappush(busy, (t, k))
+                h, k = heapq.heappop(busy)
+                if h != horizon[k]:
+                    continue
+                events += _catch_up(replicas[k], due, a, fast_forward)
+                h = horizon[k] = _horizon(replicas[k], due[k], ahead)
+                if h < inf:
+                    heapq.heappush(busy, (h, k))
                 if index is not None:
                     c = replicas[k].outstanding
                     if c != counts[k]:
@@ -250,22 +256,25 @@ def _lazy_loop(pending: list[Request], replicas: list[Replica], route: Router, r
             try:
                 k = check_route(route, pick(view, req), num_replicas)
             except BaseException:
-                if not shared:  # stop where the reference loop stops: every replica at the arrival
-                    for j in range(num_replicas):
-                        _catch_up(replicas[j], due, a, fast_forward)
+                # Stop where the reference loop stops: every replica at the arrival.
+                for j in range(num_replicas):
+                    _catch_up(replicas[j], due, a, fast_forward)
                 raise
         rep = replicas[k]
         routed[req.req_id] = k
-        if not shared:
-            events += _catch_up(rep, due, a, fast_forward)
+        events += _catch_up(rep, due, a, fast_forward)
         idle = due[k] == inf
         if idle:
             rep.clock.sleep_until(a)
         rep.engine.add_request(req)
         if idle and rep.engine.has_unfinished():
             due[k] = rep.executor.ready_time(rep.clock.now())
-            if shared:
-                heapq.heappush(busy, (due[k], k))
+        if shared:
+            h = _horizon(rep, due[k], ahead)
+            if h != horizon[k]:
+                horizon[k] = h
+                if h < inf:
+                    heapq.heappush(busy, (h, k))
         if index is not None:
             c = rep.outstanding
             if c != counts[k]:
@@ -274,6 +283,15 @@ def _lazy_loop(pending: list[Request], replicas: list[Replica], route: Router, r
     # Every arrival served: each replica runs to its end, on its own.
     for k in range(num_replicas):
         _catch_up(replicas[k], due, inf, fast_forward)
+
+
+def _horizon(rep: Replica, t: float, ahead: bool) -> float:
+    """Replica `rep`'s horizon (sim/simulator.py's _lazy_loop) given its next step's time `t`."""
+    if not ahead or t != rep.clock.now():  # not at its step (a replayed timeline): no promise
+        return t
+    eng = rep.engine
+    assert isinstance(eng, FastForwardEngine)
+    return eng.count_horizon()
 
 
 def _catch_up(rep: Replica, due: list[float], until: float, fast_forward: bool) -> int:

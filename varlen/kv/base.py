@@ -85,6 +85,11 @@ class KVAllocator(ABC):
         bs = self.block_size
         return KVUsage(self.live_tokens, (self.num_blocks - free_blocks) * bs, free_blocks * bs, self.num_blocks * bs)
 
+    def decode_steps_fit(self, reqs: Sequence[Request], counts: Sequence[int], num_steps: int) -> int:
+        """How many of the next `num_steps` decode steps of `reqs` (allocate(reqs[p], counts[p] + j + 1)
+        for step j) certainly succeed, asked without side effects; 0 when the allocator cannot tell."""
+        return 0
+
     def max_request_tokens(self) -> int:
         """The longest request (prompt + output) this pool can ever hold on its own."""
         return min(self.capacity_tokens, self.max_model_len)

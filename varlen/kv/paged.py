@@ -141,6 +141,21 @@ class PagedAllocator(KVAllocator):
                 self._record_count(reqs[p].req_id, counts[p] + ok + 1)
         return ok, changed
 
+    def decode_steps_fit(self, reqs: Sequence[Request], counts: Sequence[int], num_steps: int) -> int:
+        # A decode takes at most one block, when its count passes its table; any free block serves.
+        bs, tables = self.block_size, self.tables
+        takes = []
+        for p, r in enumerate(reqs):
+            j = len(tables[r.req_id]) * bs - counts[p]
+            while j < num_steps:
+                takes.append(j)
+                j += bs
+        free = len(self.free_plain) + len(self.free_cached)
+        if len(takes) <= free:
+            return num_steps
+        takes.sort()
+        return takes[free]
+
     def _register_full_blocks(self, req: Request, num_tokens: int) -> None:
         # Findable now: a forward writes all new K/V before any attention reads them.
         if not self.enable_prefix_caching:

@@ -54,6 +54,10 @@ class WindowedPagedAllocator(PagedAllocator):
                      num_steps: int) -> tuple[int, dict[int, int]] | None:
         return None  # the bulk path knows nothing of freeing: the caller makes the calls
 
+    def decode_steps_fit(self, reqs: Sequence[Request], counts: Sequence[int], num_steps: int) -> int:
+        # Releases only add free blocks before a step takes one: the paged count is a lower bound.
+        return super().decode_steps_fit(reqs, counts, num_steps)
+
     def free(self, req: Request) -> None:
         done = self.released.pop(req.req_id, 0)
         table = self.tables.get(req.req_id)
