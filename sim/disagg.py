@@ -163,7 +163,8 @@ def receiving(cls: type) -> type:
     if sub is None:
         base: Any = cls
         # The decode-growth methods (varlen/kv/growth.py) come from cls, not ReceivingAllocator, where cls has them.
-        ns = {n: getattr(base, n) for n in ("next_allocation_event", "grow_decodes") if hasattr(base, n)}
+        ns = {n: getattr(base, n) for n in ("next_allocation_event", "grow_decodes", "decode_steps_fit")
+              if hasattr(base, n)}
         ns["__module__"] = __name__
 
         def __init__(self: Any, *a: Any, **kw: Any) -> None:

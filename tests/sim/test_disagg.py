@@ -116,6 +116,12 @@ def test_receiving_allocator_keeps_its_decode_promises():
     kv = receiving(PagedAllocator)(10, 16, 160, enable_prefix_caching=False)
     assert keeps_promise(kv, ("next_allocation_event", "grow_decodes"), ALLOCATION_PROMISE_BEHAVIOUR, KVAllocator)
     assert receiving(PagedAllocator) is type(kv)
+    # The count horizon's promise too (it rests on the decode-growth methods the subclass re-declares):
+    # otherwise every disaggregated run warns and its decode pools lose the horizon.
+    from varlen.promises import broken_by
+
+    assert broken_by(type(kv), "decode_steps_fit", (*ALLOCATION_PROMISE_BEHAVIOUR, "next_allocation_event",
+                                                    "grow_decodes"), KVAllocator) == ""
 
 
 def sim_cfg(*overrides):
