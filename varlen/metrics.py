@@ -57,16 +57,27 @@ class GapCounts:
         if len(gaps):
             self._push(np.asarray(gaps, np.float64), None, len(gaps))
 
+    CHUNK = 1 << 18  # token times counted at once: bounds the ~10 temporaries of that size
+
     def add_timelines(self, times: np.ndarray, lens: np.ndarray) -> None:
         """The gaps between consecutive entries of each timeline (`times`: timelines end to end,
         ascending for speed; `lens`: their lengths). Requests served by the same steps share their
         times, so their gaps are the same differences of the same numbers: a gap between neighbouring
-        distinct times is counted, not sorted; only the others (a skipped step) are sorted."""
+        distinct times is counted, not sorted; only the others (a skipped step) are sorted. Counted in
+        chunks of whole timelines (no gap spans two), so memory stays bounded however many are given."""
+        times = np.asarray(times, np.float64)
+        lens = np.asarray(lens, np.int64)
+        ends = np.cumsum(lens)
+        j, t = 0, 0
+        while j < len(lens):
+            k = max(int(np.searchsorted(ends, t + self.CHUNK, side="right")), j + 1)
+            self._add_chunk(times[t:int(ends[k - 1])], lens[j:k])
+            j, t = k, int(ends[k - 1])
+
+    def _add_chunk(self, times: np.ndarray, lens: np.ndarray) -> None:
         n = len(times)
         if n < 2:
             return
-        times = np.asarray(times, np.float64)
-        lens = np.asarray(lens, np.int64)
         starts = np.cumsum(lens) - lens
         within = np.ones(n - 1, bool)  # False where a pair spans two timelines
         within[starts[(lens > 0) & (starts > 0)] - 1] = False

@@ -41,13 +41,14 @@ def test_gap_table_percentiles_are_numpy_percentiles_bit_for_bit(parts, qs):
 @given(st.lists(st.lists(st.integers(0, 12), max_size=12), min_size=1, max_size=8),
        st.sampled_from([[0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 3.0, 3.1, 7.0, 1 / 3, 0.1, 0.3],
                         [0.0, 0.1, 0.2, 0.30000000000000004, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, float("nan")]]),
-       st.booleans(), st.integers(1, 8))
-def test_gap_table_from_timelines_counts_every_gap_as_the_plain_gaps_do(picks, grid, ascending, fold):
-    """add_timelines (gaps between neighbouring shared times counted, the rest sorted) gives the
-    table of the plain gaps, whatever the timelines: steps skipped, times repeated or out of order."""
+       st.booleans(), st.integers(1, 8), st.integers(1, 30))
+def test_gap_table_from_timelines_counts_every_gap_as_the_plain_gaps_do(picks, grid, ascending, fold, chunk):
+    """add_timelines (gaps between neighbouring shared times counted, the rest sorted; in chunks of
+    whole timelines) gives the table of the plain gaps, whatever the timelines: steps skipped, times
+    repeated or out of order."""
     lines = [[grid[k] for k in (sorted(p) if ascending else p)] for p in picks]
     g, want = GapCounts(), GapCounts()
-    g.FOLD = fold
+    g.FOLD, g.CHUNK = fold, chunk
     g.add_timelines(np.array([t for line in lines for t in line], np.float64), np.array([len(x) for x in lines]))
     for line in lines:
         want.add(np.diff(np.array(line, np.float64)))
