@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
@@ -110,14 +111,14 @@ def build(group: str, choice: str | Mapping[str, Any], /, *, context: Mapping[st
     target(group, cfg)
     if overrides:
         cfg = OmegaConf.merge(cfg, overrides)
-    root = OmegaConf.create({**(dict(context) if context else {}), "__plugin__": cfg})
+    full = dict(context) if context else {}
+    named = _named(cfg, full)
     try:
-        resolved = OmegaConf.to_container(root.__plugin__, resolve=True, throw_on_missing=True)
-    except MissingMandatoryValue as e:  # a ??? in its yaml that nothing set
-        key = str(e.full_key).removeprefix("__plugin__.")
-        raise ValueError(f"{group} {_label(choice)}: {key} must be set (??? in its yaml); give {key}=...") from None
-    except Exception as e:  # an interpolation the context does not hold
-        raise ValueError(f"{group} {_label(choice)}: {' '.join(str(e).split())}") from None
+        resolved = _resolve(group, choice, cfg, full if named is None else named)
+    except ValueError:
+        if named is None:
+            raise
+        resolved = _resolve(group, choice, cfg, full)  # its entries may interpolate others: as it always was
     try:
         return instantiate(resolved, _convert_="all")
     except InstantiationException as e:
@@ -125,6 +126,40 @@ def build(group: str, choice: str | Mapping[str, Any], /, *, context: Mapping[st
         given = ", ".join(k for k in resolved if not k.startswith("_"))
         raise ValueError(f"{group} {_label(choice)}: {type(cause).__name__}: {' '.join(str(cause).split())} "
                          f"(settings given: {given or 'none'})") from None
+
+
+def _named(cfg: DictConfig, context: dict[str, Any]) -> dict[str, Any] | None:
+    """The context's top-level entries `cfg`'s interpolations name (an engine builds its policy once
+    a replica: a whole run's config made an OmegaConf object each time), or None when a resolver, a
+    relative or a nested interpolation leaves it unclear."""
+    names: set[str] = set()
+    stack: list[Any] = [OmegaConf.to_container(cfg, resolve=False)]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, str) and "${" in v:
+            for expr in re.findall(r"\$\{([^}]*)\}", v):
+                if ":" in expr or expr.startswith(".") or "$" in expr or not expr:
+                    return None
+                names.add(re.split(r"[.\[]", expr, maxsplit=1)[0])
+            if v.count("${") != len(re.findall(r"\$\{([^}]*)\}", v)):
+                return None
+    return {k: context[k] for k in names if k in context}
+
+
+def _resolve(group: str, choice: Any, cfg: DictConfig, context: Mapping[str, Any]) -> Any:
+    """`cfg` as a plain container, its interpolations read from `context`; a ValueError naming the plug-in."""
+    root = OmegaConf.create({**context, "__plugin__": cfg})
+    try:
+        return OmegaConf.to_container(root.__plugin__, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as e:  # a ??? in its yaml that nothing set
+        key = str(e.full_key).removeprefix("__plugin__.")
+        raise ValueError(f"{group} {_label(choice)}: {key} must be set (??? in its yaml); give {key}=...") from None
+    except Exception as e:  # an interpolation the context does not hold
+        raise ValueError(f"{group} {_label(choice)}: {' '.join(str(e).split())}") from None
 
 
 def _label(choice: Any) -> str:

@@ -184,3 +184,21 @@ def test_the_shipped_groups_join_varlens_config_roots_only(tmp_path):
         cfg = compose("sim", overrides=["scheduler=sarathi"], return_hydra_config=True)
         assert {"provider": "varlen", "path": "varlen.conf", "schema": "pkg"} in cfg.hydra.runtime.config_sources
         assert cfg.scheduler._target_ == registry.spec("scheduler", "sarathi")._target_
+
+
+def test_interpolations_read_the_context_they_name_and_fall_back_to_all_of_it():
+    """A plug-in's config resolves against the context entries it names (an engine per replica made
+    a whole run's config an OmegaConf object each time); an entry that interpolates another, a
+    resolver or a nested interpolation still resolves against the whole context, as before."""
+    unheld = object()  # OmegaConf cannot hold it: only a context cut to the named entries builds
+    got = registry.build("scheduler", {"_target_": "collections.OrderedDict", "n": "${engine.max_model_len}"},
+                         context={"engine": {"max_model_len": 64}, "other": unheld})
+    assert dict(got) == {"n": 64}
+    chained = {"a": {"x": "${b.y}"}, "b": {"y": 3}}
+    got = registry.build("scheduler", {"_target_": "collections.OrderedDict", "v": "${a.x}"}, context=chained)
+    assert dict(got) == {"v": 3}
+    got = registry.build("scheduler", {"_target_": "collections.OrderedDict", "v": "${b.${k}}"},
+                         context={"b": {"y": 5}, "k": "y"})
+    assert dict(got) == {"v": 5}
+    with pytest.raises(ValueError, match="scheduler 'collections.OrderedDict'"):
+        registry.build("scheduler", {"_target_": "collections.OrderedDict", "v": "${nope.x}"}, context=chained)
