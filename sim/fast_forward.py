@@ -73,10 +73,8 @@ class FastForwardEngine(Engine):
         batch = self.policy.next_decode_batch()
         if not batch or not self._promises_kept() or self._fits < 1:
             return now
-        max_len = self.max_model_len
         base = [r.num_computed_tokens for r in batch]
-        k = min(min(r.sampling.max_tokens - n, max_len - r.num_prompt_tokens - n)
-                for r, n in zip(batch, [len(r.output_token_ids) for r in batch]))
+        k = min(self._steps_to_limit(batch, [len(r.output_token_ids) for r in batch]))
         if k <= 1:
             return now
         ex = self.executor
@@ -92,6 +90,11 @@ class FastForwardEngine(Engine):
         except Exception:  # raised again by the step itself, when the replica gets there
             return now
         return ends[j - 1] if j > 0 else now
+
+    def _steps_to_limit(self, batch: Sequence[Request], n_out: list[int]) -> list[int]:
+        """Each request's decode steps until max_tokens or max_model_len ends it (`n_out`: its outputs so far)."""
+        max_len = self.max_model_len
+        return [min(r.sampling.max_tokens - n, max_len - r.num_prompt_tokens - n) for r, n in zip(batch, n_out)]
 
     def _timed_decode_run(self, batch: list[Request], until: float) -> list[Request]:
         t0 = time.perf_counter()
@@ -131,10 +134,9 @@ class FastForwardEngine(Engine):
     def _decode_segment(self, batch: list[Request], until: float) -> tuple[list[Request], bool]:
         """Steps of `batch` up to its first finish: (the finished requests, whether a next step still
         starts before `until`); a failed allocation ends the segment before its step (the policy preempts)."""
-        max_len = self.max_model_len
         base = [r.num_computed_tokens for r in batch]
         n_out = [len(r.output_token_ids) for r in batch]
-        stop_at = [min(r.sampling.max_tokens - n, max_len - r.num_prompt_tokens - n) for r, n in zip(batch, n_out)]
+        stop_at = self._steps_to_limit(batch, n_out)
         ex = self.executor
         assert isinstance(ex, FastForwardExecutor)
         run = ex.decode_run(batch, min(stop_at), until)
