@@ -110,6 +110,8 @@ def check_settings(cfg: DictConfig) -> None:
     number(cfg, "engine.gpu_memory_utilization", low=0, low_open=True, high=1,
            hint=" (the fraction of device memory for weights and KV, e.g. 0.9)")
     number(cfg, "engine.max_model_len", low=2, integer=True)
+    number(cfg, "engine.frontend_latency_s", low=0, optional=True,
+           hint=" (seconds per request outside the engine's steps: API server, tokenizer, RPC; 0 for none)")
     number(cfg, "cluster.replicas", low=1, integer=True)
     for key in ("parallel.tensor", "parallel.pipeline"):
         number(cfg, key, low=1, integer=True, optional=True, hint=" (GPUs per replica)" if key.endswith("tensor") else
@@ -195,6 +197,16 @@ def _simulate_paused(cfg: DictConfig, labels: Mapping[str, Any] | None,
 
     with gc_paused():
         return _simulate_config(cfg, labels, announce, steps_to)
+
+
+def at_client(results: Any, frontend_latency_s: float) -> None:
+    """Each request's times as its client sees them behind a serving front end (API server, tokenizer, RPC)
+    that adds a fixed latency outside the engine's steps (`engine.frontend_latency_s`): its first scheduling,
+    tokens and finish come that much later, so TTFT, e2e and scheduling delay grow by it and TPOT and gaps
+    do not. A constant shift of every arrival leaves the engine's own run the same, so it is applied here."""
+    if frontend_latency_s:
+        for col in (results.first_scheduled, results.first_token, results.finish):
+            col += frontend_latency_s
 
 
 def token_level(cfg: DictConfig) -> bool:
@@ -307,12 +319,14 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
         del reqs  # keep_requests=False: released as they ended
         steps, total_slots, replicas = res.steps, res.total_slots, c["cluster"]["replicas"]
     results = results_of(res.requests)
+    frontend_s = float(e.get("frontend_latency_s") or 0.0)
+    at_client(results, frontend_s)
     if not disaggregated:
         cluster_row = dict(mode="colocated", gpus=replicas * par.gpus, prefix_hit_rate=prefix_hit_rate(results))
     row = dict(labels or {})
     row.update(model=c["sim_model"]["name"], hardware=hardware.name, cost_model=c["cost"]["model"],
                replicas=replicas, router=c["cluster"]["router"],
-               tensor=par.tensor, pipeline=par.pipeline,
+               tensor=par.tensor, pipeline=par.pipeline, frontend_latency_s=frontend_s,
                num_blocks=num_blocks, block_size=e["block_size"], max_model_len=res.replicas[0].engine.max_model_len,
                max_num_seqs=c["scheduler"].get("max_num_seqs"),
                max_num_batched_tokens=c["scheduler"].get("max_num_batched_tokens"),
