@@ -199,14 +199,21 @@ def _simulate_paused(cfg: DictConfig, labels: Mapping[str, Any] | None,
         return _simulate_config(cfg, labels, announce, steps_to)
 
 
-def at_client(results: Any, frontend_latency_s: float) -> None:
-    """Each request's times as its client sees them behind a serving front end (API server, tokenizer, RPC)
-    that adds a fixed latency outside the engine's steps (`engine.frontend_latency_s`): its first scheduling,
-    tokens and finish come that much later, so TTFT, e2e and scheduling delay grow by it and TPOT and gaps
-    do not. A constant shift of every arrival leaves the engine's own run the same, so it is applied here."""
-    if frontend_latency_s:
-        for col in (results.first_scheduled, results.first_token, results.finish):
-            col += frontend_latency_s
+def frontend_delay(requests: Any, frontend_latency_s: float) -> None:
+    """Move every request's arrival by `frontend_latency_s` (Requests or their RequestResults), for a serving
+    front end (API server, tokenizer, RPC) with a fixed latency outside the engine's steps
+    (`engine.frontend_latency_s`): requests reach the engine that much after the trace's arrivals (+) and,
+    after the run, their arrivals are the trace's again (-), so TTFT, e2e and scheduling delay grow by it and
+    TPOT and gaps do not. A constant shift of every arrival leaves the engine's run the same, time-shifted."""
+    if not frontend_latency_s:
+        return
+    from varlen.metrics import RequestResults
+
+    if isinstance(requests, RequestResults):
+        requests.arrival += frontend_latency_s
+    else:
+        for req in requests:
+            req.arrival += frontend_latency_s
 
 
 def token_level(cfg: DictConfig) -> bool:
@@ -290,6 +297,8 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
         if warning:
             print(warning, flush=True)
 
+    frontend_s = float(e.get("frontend_latency_s") or 0.0)
+    frontend_delay(reqs, frontend_s)  # they reach the engine that much later
     policy = OmegaConf.to_container(cfg.scheduler, resolve=False)
     sizes = EngineSizes(num_blocks, e["block_size"], e["max_model_len"])
 
@@ -318,9 +327,8 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
                        c.get("fast_forward", True), c["cluster"].get("router_options"), keep_requests=keep)
         del reqs  # keep_requests=False: released as they ended
         steps, total_slots, replicas = res.steps, res.total_slots, c["cluster"]["replicas"]
+    frontend_delay(res.requests, -frontend_s)  # the client's arrivals, before any table is made of them
     results = results_of(res.requests)
-    frontend_s = float(e.get("frontend_latency_s") or 0.0)
-    at_client(results, frontend_s)
     if not disaggregated:
         cluster_row = dict(mode="colocated", gpus=replicas * par.gpus, prefix_hit_rate=prefix_hit_rate(results))
     row = dict(labels or {})

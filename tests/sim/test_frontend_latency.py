@@ -1,4 +1,4 @@
-"""engine.frontend_latency_s: a serving front end's fixed latency per request (sim/run.py at_client).
+"""engine.frontend_latency_s: a serving front end's fixed latency per request (sim/run.py frontend_delay).
 The engine's run is unchanged; every request's TTFT, e2e and scheduling delay as its client sees them
 grow by exactly the setting, TPOT does not, and it reaches the capacity criteria (they read the same
 table); colocated and disaggregated alike. A bad value is a one-line error."""
@@ -20,16 +20,20 @@ def run(*overrides):
     with initialize_config_dir(sim_run.CONF, version_base="1.3"):
         cfg = compose("sim", [*BASE, *overrides])
     res, row, results = sim_run._simulate_paused(cfg, None, False)
-    return res, row, request_columns(res.requests, results)
+    cols = request_columns(res.requests, results)
+    again = request_columns(res.requests)  # what a caller without the run's latencies writes (sim.search)
+    for key in ("arrival", "ttft", "e2e", "scheduling_delay", "tpot"):
+        np.testing.assert_allclose(again[key], cols[key], rtol=0, atol=1e-12)
+    return res, row, cols
 
 
-@pytest.mark.parametrize("mode", [[], ["cluster.mode=disaggregated"]])
+@pytest.mark.parametrize("mode", [[], ["cluster.mode=disaggregated"], ["output.token_times=true"]])
 def test_frontend_latency_adds_to_what_the_client_sees_and_nothing_else(mode):
     res0, row0, c0 = run(*mode)
     res1, row1, c1 = run(*mode, "engine.frontend_latency_s=0.05")
     assert row0["frontend_latency_s"] == 0 and row1["frontend_latency_s"] == 0.05
     assert res1.num_steps == res0.num_steps  # the engine's own run is the same
-    np.testing.assert_allclose(c1["arrival"], c0["arrival"])
+    np.testing.assert_allclose(c1["arrival"], c0["arrival"], rtol=0, atol=1e-9)  # the trace's, in both
     for key in ("ttft", "e2e", "scheduling_delay"):
         np.testing.assert_allclose(c1[key], c0[key] + 0.05, rtol=0, atol=1e-9)
     np.testing.assert_allclose(c1["tpot"], c0["tpot"])
