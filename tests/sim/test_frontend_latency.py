@@ -27,7 +27,7 @@ def run(*overrides):
     return res, row, cols
 
 
-@pytest.mark.parametrize("mode", [[], ["cluster.mode=disaggregated"], ["output.token_times=true"]])
+@pytest.mark.parametrize("mode", [[], ["cluster.mode=disaggregated"], ["output.token_times=true"], ["cluster.cells=2"]])
 def test_frontend_latency_adds_to_what_the_client_sees_and_nothing_else(mode):
     res0, row0, c0 = run(*mode)
     res1, row1, c1 = run(*mode, "engine.frontend_latency_s=0.05")
