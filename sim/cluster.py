@@ -14,7 +14,7 @@ from varlen.cli import SettingError, number
 
 MODES = ("colocated", "disaggregated")
 POOLS = ("prefill", "decode")
-POOL_KEYS = ("hardware", "tensor", "scheduler", "max_num_batched_tokens", "max_num_seqs", "num_blocks")
+POOL_KEYS = ("hardware", "tensor", "pipeline", "scheduler", "max_num_batched_tokens", "max_num_seqs", "num_blocks")
 
 
 def check_cluster(cfg: DictConfig) -> None:
@@ -32,9 +32,9 @@ def check_cluster(cfg: DictConfig) -> None:
     number(cfg, "cluster.prefill_replicas", low=1, integer=True, hint=" (prefill instances)")
     number(cfg, "cluster.decode_replicas", low=1, integer=True, hint=" (decode instances)")
     if (OmegaConf.select(cfg, "parallel.pipeline") or 1) != 1:
-        raise SettingError(f"cluster.mode=disaggregated with parallel.pipeline={cfg.parallel.pipeline}: pipeline "
-                           "parallelism is not modelled in a disaggregated cluster; use parallel.pipeline=1 "
-                           "(tensor parallelism per pool: cluster.prefill.tensor / cluster.decode.tensor)")
+        raise SettingError(f"cluster.mode=disaggregated with parallel.pipeline={cfg.parallel.pipeline}: each pool "
+                           "has its own; use parallel.pipeline=1 and cluster.prefill.pipeline / cluster.decode.pipeline "
+                           "(and cluster.prefill.tensor / cluster.decode.tensor)")
     links = OmegaConf.select(cfg, "cluster.links") or {}
     link = OmegaConf.select(cfg, "cluster.link")
     if link not in links:
@@ -47,7 +47,7 @@ def check_cluster(cfg: DictConfig) -> None:
         if unknown:
             raise SettingError(f"cluster.{pool}.{unknown[0]} is not a per-pool setting; use one of "
                                f"{', '.join(POOL_KEYS)}")
-        for key in ("tensor", "max_num_batched_tokens", "max_num_seqs", "num_blocks"):
+        for key in ("tensor", "pipeline", "max_num_batched_tokens", "max_num_seqs", "num_blocks"):
             number(cfg, f"cluster.{pool}.{key}", low=1, integer=True, optional=True)
         hw = OmegaConf.select(cfg, f"cluster.{pool}.hardware")
         if hw is not None:
@@ -85,20 +85,25 @@ class Pools:
             over = {k: v for k, v in (cl.get(pool) or {}).items() if v is not None}
             hw = HardwareSpec.load(over["hardware"]) if "hardware" in over else hardware
             tp = int(over.get("tensor", (c.get("parallel") or {}).get("tensor") or 1))
+            # Pipeline stages as colocated replicas have them (sim/parallel.py): `pp` instances of one pipeline's
+            # latency, each with 1/pp of the KV pool, so pp batches are in flight.
+            pp = int(over.get("pipeline", 1))
             num_blocks = over.get("num_blocks", e.get("num_blocks"))
             if num_blocks is None:
                 try:
-                    tokens = capacity(model_config, hw, Parallelism(tp, 1), e["gpu_memory_utilization"],
+                    tokens = capacity(model_config, hw, Parallelism(tp, pp), e["gpu_memory_utilization"],
                                       name=c["sim_model"]["name"]).kv_tokens
                 except ValueError as err:
                     raise SettingError(f"cluster.{pool}: {err}") from None
                 num_blocks = tokens // bs
-                if num_blocks < 1:
-                    raise SettingError(f"cluster.{pool}: {c['sim_model']['name']} leaves no room for KV blocks on "
-                                       f"{hw.name} with tensor={tp}; raise cluster.{pool}.tensor")
+            num_blocks = int(num_blocks) // pp
+            if num_blocks < 1:
+                raise SettingError(f"cluster.{pool}: {c['sim_model']['name']} leaves no KV block for each of the "
+                                   f"{pp} in-flight batches on {hw.name} with tensor={tp} pipeline={pp}; raise "
+                                   f"cluster.{pool}.tensor or cluster.{pool}.num_blocks")
             sched = registry.spec("scheduler", over["scheduler"]) if "scheduler" in over else \
                 OmegaConf.to_container(cfg.scheduler, resolve=False)
-            self.pools[pool] = dict(hardware=hw, tensor=tp, num_blocks=int(num_blocks), scheduler=sched,
+            self.pools[pool] = dict(hardware=hw, tensor=tp, pipeline=pp, num_blocks=num_blocks, scheduler=sched,
                                     scheduler_over={k: over[k] for k in ("max_num_batched_tokens", "max_num_seqs")
                                                     if k in over},
                                     scheduler_name=over.get("scheduler"))
@@ -131,7 +136,8 @@ class Pools:
 
         def make(clock):
             engine = build_engine(sizes, p["scheduler"], alloc, lambda _policy, _longest: CostModelExecutor(
-                build_cost_model(c["cost"], self.model_config, p["hardware"], {"tensor": p["tensor"], "pipeline": 1}),
+                build_cost_model(c["cost"], self.model_config, p["hardware"], {"tensor": p["tensor"],
+                                                                                "pipeline": p["pipeline"]}),
                 clock), engine_class=DisaggEngine, context=c, clock=clock, keep_finished_kv=pool == "prefill")
             return engine, engine.executor
 
@@ -144,15 +150,18 @@ class Pools:
         cl, pools = self.c["cluster"], self.pools
         streams = min(pools["prefill"]["tensor"], pools["decode"]["tensor"])
         P, D = int(cl["prefill_replicas"]), int(cl["decode_replicas"])
-        res = simulate_disaggregated(reqs, self.factory("prefill"), self.factory("decode"), P, D, self.link,
+        pp, dp = pools["prefill"]["pipeline"], pools["decode"]["pipeline"]
+        # Each pipeline's in-flight batches are instances of the simulation (each its own transfer port).
+        res = simulate_disaggregated(reqs, self.factory("prefill"), self.factory("decode"), P * pp, D * dp, self.link,
                                      self.kv_bytes, streams, cl["router"], cl.get("router_options"),
                                      self.c.get("fast_forward", True))
         row = dict(mode="disaggregated", prefill_replicas=P, decode_replicas=D, link=self.link.name,
-                   gpus=P * pools["prefill"]["tensor"] + D * pools["decode"]["tensor"],
+                   gpus=P * pools["prefill"]["tensor"] * pp + D * pools["decode"]["tensor"] * dp,
                    max_model_len=self.max_model_len, num_blocks=pools["decode"]["num_blocks"])
         for pool in POOLS:
             p = pools[pool]
             row.update({f"{pool}_hardware": p["hardware"].name, f"{pool}_tensor": p["tensor"],
+                        f"{pool}_pipeline": p["pipeline"],
                         f"{pool}_num_blocks": p["num_blocks"], f"{pool}_scheduler": p["scheduler_name"] or "(run's)",
                         **{f"{pool}_{k}": v for k, v in p["scheduler_over"].items()}})
         row.update(cluster_figures(res))

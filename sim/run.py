@@ -110,6 +110,8 @@ def check_settings(cfg: DictConfig) -> None:
     number(cfg, "engine.gpu_memory_utilization", low=0, low_open=True, high=1,
            hint=" (the fraction of device memory for weights and KV, e.g. 0.9)")
     number(cfg, "engine.max_model_len", low=2, integer=True)
+    number(cfg, "engine.frontend_latency_s", low=0, optional=True,
+           hint=" (seconds per request outside the engine's steps: API server, tokenizer, RPC; 0 for none)")
     number(cfg, "cluster.replicas", low=1, integer=True)
     for key in ("parallel.tensor", "parallel.pipeline"):
         number(cfg, key, low=1, integer=True, optional=True, hint=" (GPUs per replica)" if key.endswith("tensor") else
@@ -197,6 +199,23 @@ def _simulate_paused(cfg: DictConfig, labels: Mapping[str, Any] | None,
         return _simulate_config(cfg, labels, announce, steps_to)
 
 
+def frontend_delay(requests: Any, frontend_latency_s: float) -> None:
+    """Move every request's arrival by `frontend_latency_s` (Requests or their RequestResults), for a serving
+    front end (API server, tokenizer, RPC) with a fixed latency outside the engine's steps
+    (`engine.frontend_latency_s`): requests reach the engine that much after the trace's arrivals (+) and,
+    after the run, their arrivals are the trace's again (-), so TTFT, e2e and scheduling delay grow by it and
+    TPOT and gaps do not. A constant shift of every arrival leaves the engine's run the same, time-shifted."""
+    if not frontend_latency_s:
+        return
+    from varlen.metrics import RequestResults
+
+    if isinstance(requests, RequestResults):
+        requests.arrival += frontend_latency_s
+    else:
+        for req in requests:
+            req.arrival += frontend_latency_s
+
+
 def token_level(cfg: DictConfig) -> bool:
     """Whether a run keeps every Request with its token times (output.token_times, or a timeline)."""
     o = cfg.output
@@ -278,6 +297,8 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
         if warning:
             print(warning, flush=True)
 
+    frontend_s = float(e.get("frontend_latency_s") or 0.0)
+    frontend_delay(reqs, frontend_s)  # they reach the engine that much later
     policy = OmegaConf.to_container(cfg.scheduler, resolve=False)
     sizes = EngineSizes(num_blocks, e["block_size"], e["max_model_len"])
 
@@ -306,13 +327,14 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
                        c.get("fast_forward", True), c["cluster"].get("router_options"), keep_requests=keep)
         del reqs  # keep_requests=False: released as they ended
         steps, total_slots, replicas = res.steps, res.total_slots, c["cluster"]["replicas"]
+    frontend_delay(res.requests, -frontend_s)  # the client's arrivals, before any table is made of them
     results = results_of(res.requests)
     if not disaggregated:
         cluster_row = dict(mode="colocated", gpus=replicas * par.gpus, prefix_hit_rate=prefix_hit_rate(results))
     row = dict(labels or {})
     row.update(model=c["sim_model"]["name"], hardware=hardware.name, cost_model=c["cost"]["model"],
                replicas=replicas, router=c["cluster"]["router"],
-               tensor=par.tensor, pipeline=par.pipeline,
+               tensor=par.tensor, pipeline=par.pipeline, frontend_latency_s=frontend_s,
                num_blocks=num_blocks, block_size=e["block_size"], max_model_len=res.replicas[0].engine.max_model_len,
                max_num_seqs=c["scheduler"].get("max_num_seqs"),
                max_num_batched_tokens=c["scheduler"].get("max_num_batched_tokens"),

@@ -309,8 +309,9 @@ class Search:
         from sim.headline import unmeasured_notes
 
         if p.split is not None and p.pipeline != 1:
-            p.status, p.reason = "skipped", (f"cluster.mode=disaggregated does not model pipeline parallelism "
-                                             f"(PP{p.pipeline}); P/D splits are searched at PP1")
+            p.status, p.reason = "skipped", (f"P/D splits are searched without pipeline parallelism (PP1, not "
+                                             f"PP{p.pipeline}); a pool's own stages: sim.run with "
+                                             f"cluster.prefill.pipeline / cluster.decode.pipeline")
             return
         unit = "one replica" if p.split is None else f"one P:D {p.split_text} unit"
         if p.gpus_per_replica > int(self.cfg.search.max_gpus):

@@ -162,8 +162,12 @@ def run_slo_scale(cfg: DictConfig, labels: dict[str, Any], out: Path,
     pd.DataFrame(res.probes).to_csv(out / "slo_scale_probes.csv", index=False)
     rate = float(cfg.workload.rate)
     crit = str(cfg.capacity.get("criterion", "slo_attainment"))
+    from sim.capacity import criterion, criterion_text  # sim.capacity dispatches here: imported when run
+
+    # The pass test at scale 1 (cfg holds the SLOs as given again), as capacity.json words it.
+    text = f"{criterion_text(cfg, criterion(cfg), spelled=True)}; every SLO x slo_scale"
     result = {**labels, "mode": "slo_scale", "rate_requests_per_s": rate, "slo_scale": res.scale,
-              "bound_by": res.bound_by, "sustained": res.sustained, "criterion": crit,
+              "bound_by": res.bound_by, "sustained": res.sustained, "criterion": crit, "criterion_text": text,
               **{f"slo_{k}": v for k, v in base.items()},
               **{f"scaled_{k}": (None if v is None or res.scale is None else v * res.scale) for k, v in base.items()},
               "search_low": float(c.low), "search_high": float(c.high), "probes": len(res.probes),

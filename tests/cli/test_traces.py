@@ -311,6 +311,18 @@ def test_rate_on_a_long_synthetic_trace() -> None:
     assert inside / (hi - lo) == pytest.approx(25.0, rel=0.03)
 
 
+def test_a_synthetic_trace_keeps_its_rate_when_requests_are_dropped() -> None:
+    """over_length=drop removes generated requests; the ones kept still arrive at the rate asked for
+    (before: rate x the share kept, while sim.capacity reports the rate it asked for)."""
+    spec = SyntheticTrace(requests=20_000, rate=8.0, seed=2, prompt_len=LengthDist("uniform", low=1, high=1000),
+                          output_len=LengthDist("fixed", value=100))
+    kept = load_trace(spec, max_model_len=600, over_length="drop")
+    assert 0.4 < len(kept) / 20_000 < 0.6 and kept.stats.num_dropped == 20_000 - len(kept)
+    assert kept.stats.mean_rate == pytest.approx(8.0, rel=0.03)
+    clipped = load_trace(spec, max_model_len=600, over_length="clip")  # nothing dropped: arrivals as generated
+    np.testing.assert_array_equal(clipped.columns()["arrival_s"], load_trace(spec).columns()["arrival_s"])
+
+
 # ---------------------------------------------------------------------------------------------
 # Synthetic
 

@@ -133,10 +133,11 @@ def sim_cfg(*overrides):
     (["cluster.mode=split"], r"cluster.mode='split' is unknown; choose colocated or disaggregated"),
     (["cluster.mode=disaggregated", "cluster.link=carrier_pigeon"], r"cluster.link='carrier_pigeon' is unknown; choose one of nvlink"),
     (["cluster.mode=disaggregated", "cluster.prefill_replicas=0"], r"cluster.prefill_replicas"),
-    (["cluster.mode=disaggregated", "parallel.pipeline=2"], r"pipeline parallelism is not modelled"),
+    (["cluster.mode=disaggregated", "parallel.pipeline=2"], r"parallel.pipeline=2: each pool has its own; use parallel.pipeline=1 and cluster.prefill.pipeline"),
     (["cluster.mode=disaggregated", "cluster.decode.hardware=tpu"], r"cluster.decode.hardware='tpu' is unknown; choose one of .*h100_sxm"),
     (["cluster.mode=disaggregated", "cluster.prefill.scheduler=fifo"], r"cluster.prefill.scheduler='fifo' is unknown"),
     (["cluster.mode=disaggregated", "cluster.decode.tensor=0"], r"cluster.decode.tensor"),
+    (["cluster.mode=disaggregated", "cluster.prefill.pipeline=0"], r"cluster.prefill.pipeline=0 is not valid"),
     (["cluster.mode=disaggregated", "+cluster.decode.gpus=2"], r"cluster.decode.gpus is not a per-pool setting"),
     (["cluster.mode=disaggregated", "cluster.links.nvlink.bandwidth_gbs=0"], r"cluster.links.nvlink.bandwidth_gbs"),
 ])
@@ -161,6 +162,27 @@ def test_disaggregated_run_from_config_reports_transfers_and_pools():
     with pytest.raises(SettingError, match=r"cluster.decode: .*does not fit"):
         sim_run.simulate_config(sim_cfg("sim_model=llama2_70b", "workload.limit=5", "cluster.mode=disaggregated",
                                         "cluster.prefill.tensor=4"))
+
+
+def test_pipeline_stages_in_a_pool_are_batches_in_flight():
+    """cluster.decode.pipeline=2 as colocated PP (sim/parallel.py): each decode instance is two, each with half
+    the KV a TP1 x PP2 group holds and a step taking the whole pipeline's latency; the GPUs count both stages."""
+    from sim.cost.hardware import HardwareSpec
+    from sim.parallel import Parallelism, capacity
+
+    cfg = sim_cfg("sim_model=llama3_8b", "hardware=a100_80gb_sxm", "workload=azure_conv", "workload.limit=60",
+                  "cluster.mode=disaggregated", "cluster.prefill.tensor=2", "cluster.decode_replicas=2",
+                  "cluster.decode.pipeline=2", "progress.enabled=false")
+    res, row = sim_run.simulate_config(cfg)
+    assert row["finished"] == 60 and row["decode_pipeline"] == 2 and row["prefill_pipeline"] == 1
+    assert row["gpus"] == 2 + 2 * 2 and len(res.decode) == 4 and len(res.prefill) == 1
+    c = sim_run.OmegaConf.to_container(cfg, resolve=True)
+    group = capacity(sim_run.load_sim_model(c["sim_model"]["config"]), HardwareSpec.from_dict(c["hardware"]),
+                     Parallelism(1, 2), 0.9).kv_tokens
+    assert {r.engine.kv.capacity_tokens for r in res.decode} == {group // 16 // 2 * 16}
+    assert {r.engine.executor.cost.pipeline for r in res.decode} == {2}
+    assert res.prefill[0].engine.executor.cost.pipeline == 1
+    assert len(set(res.decode_routed.values())) == 4  # every in-flight batch serves requests
 
 
 @pytest.mark.parametrize("decode_blocks, num_decode", [(4000, 2), (140, 1)])

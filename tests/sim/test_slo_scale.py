@@ -99,6 +99,9 @@ def test_command_prints_the_scale_and_writes_json(tmp_path, monkeypatch, capsys)
     d = json.loads((tmp_path / "slo_scale.json").read_text())
     assert d["mode"] == "slo_scale" and d["rate_requests_per_s"] == 3 and d["criterion"] == "distserve"
     assert d["scaled_ttft_s"] == pytest.approx(0.1 * d["slo_scale"]) and d["sustained"] is True
+    # The pass test in words, with the SLOs as given (scale 1), as capacity.json has it.
+    assert d["criterion_text"] == ("criterion distserve (SLO TTFT <= 0.1 s, TPOT <= 0.02 s for 90% of requests), "
+                                   "steady state required; every SLO x slo_scale")
     assert f"tightest SLO scale at 3 req/s: {d['slo_scale']:.3g}" in out.stdout
     probes = pd.read_csv(tmp_path / "slo_scale_probes.csv")
     assert len(probes) == d["probes"] and {"slo_scale", "meets", "bound_by"} <= set(probes.columns)

@@ -106,6 +106,7 @@ def load_trace(
         stats.num_dropped = int(np.count_nonzero(over[:scanned]))
     stats.num_zero_output = int(np.count_nonzero(zero[:scanned]))
     cols = cols.take(keep)
+    thinned = kind == "synthetic" and over_length == "drop" and 0 < len(keep) < scanned
     if max_model_len and over_length == "clip":
         _clip(cols, max_model_len, stats)
 
@@ -123,6 +124,10 @@ def load_trace(
         if n < 2 or dur <= 0:
             raise ValueError("rate needs at least two requests with distinct arrivals")
         scale = ((n - 1) / dur) / rate
+    elif thinned:
+        # Dropping thins the generated arrivals (rate x the share kept); time runs that much faster, so the
+        # requests kept arrive at the rate the generator was asked for, as the same kind of process.
+        scale = len(keep) / scanned
     if scale != 1.0:
         cols.arrival = cols.arrival * scale
     stats.time_scale = scale
