@@ -545,3 +545,22 @@ def test_operators_are_timed_over_every_layer_in_step_order(monkeypatch: pytest.
     layers = json.loads((ensure_tiny_model("qwen3") / "config.json").read_text())["num_hidden_layers"]
     assert layers > 1 and order == list(range(layers)) * (2 + 2) * 2  # (2 untimed + 2 timed passes) x token counts
     assert all(r[f"time_stats.{op}.median"] > 0 for r in rows for op in ("attn_pre_proj", "mlp_down_proj"))
+
+
+def test_fused_add_norm_time_stays_positive_when_a_lone_add_times_slower() -> None:
+    """The table's post-attention norm is the fused add+norm kernel less one add; at a few tokens the
+    kernel can time below a lone add, and a zero time made the written table unreadable (ProfileError)."""
+    import sim.profile
+
+    now = [0.0]
+
+    def takes(ms: float):
+        def op() -> None:
+            now[0] += ms * 1e-3
+        return op
+
+    ops = {op: takes(1.0) for op in sim.profile.OPS if op != "emb"}
+    ops.update(post_attention_layernorm=takes(0.5), add=takes(0.8), fused_add=lambda: None)
+    times = sim.profile._time_in_step_order([ops, ops], 2, lambda: None, lambda: now[0])
+    assert all(t > 0 for t in times["post_attention_layernorm"])
+    assert times["add"] == pytest.approx([0.8, 0.8])
