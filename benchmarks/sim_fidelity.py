@@ -82,6 +82,7 @@ class RealRun:
     wall_s: float
     busy: float  # fraction of the run's clock time the engine spent in steps
     usage: dict[str, float]  # the process's user and system CPU s, page faults, involuntary switches in the run
+    prefix_hits: int  # prompt tokens served from the prefix cache (distinct prompts: none)
 
 
 def real_run(label: str, model_dir: str, backend: str, treqs, args) -> RealRun:
@@ -98,7 +99,7 @@ def real_run(label: str, model_dir: str, backend: str, treqs, args) -> RealRun:
     llm = LLM(model_dir, backend=backend, scheduler=make_policy(), allocator="paged", block_size=16,
               num_blocks=args.blocks, max_model_len=args.max_len)
     reqs = trace_requests(Trace(list(treqs), TraceStats("slice", "azure")), llm.runner.config.vocab_size,
-                          SamplingParams(ignore_eos=True, temperature=0.0), token_ids=False)
+                          SamplingParams(ignore_eos=True, temperature=0.0), token_ids=True)
     originals = fresh_copies(reqs)
     eng = llm.engine
     gc.collect()
@@ -119,7 +120,7 @@ def real_run(label: str, model_dir: str, backend: str, treqs, args) -> RealRun:
     make_kv = partial(PagedAllocator, kv.num_blocks, kv.block_size, kv.max_model_len)
     busy = sum(s.duration for s in steps) / end
     return RealRun(label, steps, headline(reqs, steps, kv.capacity_tokens), originals, make_policy, make_kv,
-                   eng.max_model_len, wall, busy, usage)
+                   eng.max_model_len, wall, busy, usage, sum(r.num_prefix_hit_tokens for r in reqs))
 
 
 def diagnose(runs: dict[str, list[RealRun]], features) -> None:
@@ -255,26 +256,38 @@ def step_ratios(cost, target: list[RealRun]) -> str:
         f"{k} steps {np.median(v):.3f} (n={len(v)})" for k, v in kinds.items() if v)
 
 
-def profile_measured(model_dir: str, backend: str, out: str):
-    """cost.model=measured for this model on this machine, from sim.profile's tables alone."""
-    import json
-    from pathlib import Path
+class MeasuredProfiler:
+    """cost.model=measured for this model on this machine, from sim.profile's functions alone (operator
+    and attention tables, the engine's overhead on its own synthetic batches), timed between the real
+    runs: the tables after the first pair, one pass of the engine's batches after each pair, so the
+    overhead fit (and its operator scale) sees the machine over the same minutes as the real runs."""
 
-    from sim.cost.measured import MeasuredCostModel
-    from sim.profile import (
-        fit_engine_overhead, profile_attention, profile_engine, profile_model, write_table,
-    )
+    def __init__(self, model_dir: str, backend: str, out: str) -> None:
+        import json
 
-    folder, root = Path(model_dir), Path(out)
-    tokens = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-    write_table(profile_model(folder, tokens, 7), root, "cpu_2core", "m")
-    write_table(profile_attention(folder, backend, 7), root, "cpu_2core", "m", "attention")
-    cfg = json.loads((folder / "config.json").read_text())
-    fit = fit_engine_overhead(profile_engine(folder, backend, 7), cfg, "cpu_2core", root)
-    write_table([fit], root, "cpu_2core", "m", "overhead")
-    cost = MeasuredCostModel(cfg, "cpu_2core", profiles=root)
-    print("\nmeasured model from sim.profile:\n  " + "\n  ".join(cost.notes))
-    return cost
+        self.folder, self.root, self.backend = Path(model_dir), Path(out), backend
+        self.cfg = json.loads((self.folder / "config.json").read_text())
+        self.rows: list = []
+
+    def between_runs(self, i: int) -> None:
+        from sim.profile import profile_attention, profile_engine, profile_model, write_table
+
+        if i == 0:
+            tokens = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+            write_table(profile_model(self.folder, tokens, 7), self.root, "cpu_2core", "m")
+            write_table(profile_attention(self.folder, self.backend, 7), self.root, "cpu_2core", "m", "attention")
+        self.rows += profile_engine(self.folder, self.backend, 3)
+
+    def model(self):
+        from sim.cost.measured import MeasuredCostModel
+        from sim.profile import fit_engine_overhead, write_table
+
+        fit = fit_engine_overhead(self.rows, self.cfg, "cpu_2core", self.root)
+        write_table([fit], self.root, "cpu_2core", "m", "overhead")
+        cost = MeasuredCostModel(self.cfg, "cpu_2core", profiles=self.root)
+        print(f"\nmeasured model from sim.profile (engine overhead on {fit['steps']} steps, step MAPE "
+              f"{fit['step_mape_pct']:.1f}%):\n  " + "\n  ".join(cost.notes))
+        return cost
 
 
 def main() -> None:
@@ -336,15 +349,20 @@ def main() -> None:
               + (f"(every step size 1..{args.budget} and 1..{args.seqs} sampled rows, once, untimed): "
                  if args.warm else "(one batch): ") + f"{time.process_time() - t:.1f} s CPU")
         # A, B, A, B, ...: interleaved, so the repeats of both slices span the same stretch of
-        # the machine's time (a shared VM's speed drifts by several percent over minutes).
+        # the machine's time (a shared VM's speed drifts by several percent over minutes); so do
+        # sim.profile's engine runs for `measured`, one pass after each pair.
+        profiler = MeasuredProfiler(model_dir, backend, os.path.join(tmp, "profiles")) if args.measured else None
         for i in range(args.repeats):
             for label in ("A", "B"):
                 lo, hi, rate = slices[label]
                 r = real_run(label, model_dir, backend, slice_trace(trace, lo, hi, rate), args)
                 runs.setdefault(label, []).append(r)
                 print(f"run {label} #{i + 1}: requests {lo}..{hi - 1} at {rate} req/s, {len(r.steps)} steps, "
-                      f"busy {r.busy:.0%} of the time, {r.wall_s:.1f} s wall", flush=True)
-        measured = profile_measured(model_dir, backend, os.path.join(tmp, "profiles")) if args.measured else None
+                      f"busy {r.busy:.0%} of the time, {r.prefix_hits} prompt tokens from the prefix cache, "
+                      f"{r.wall_s:.1f} s wall", flush=True)
+            if profiler is not None:
+                profiler.between_runs(i)
+        measured = profiler.model() if profiler is not None else None
     features = tuple(args.features.split(",")) if args.features else DEFAULT_FEATURES
     diagnose(runs, features)
     tables = {"A -> B": predict(runs["A"], runs["B"], features, args.weighting),
