@@ -2,7 +2,8 @@
 
 The engine on CPU (1 torch thread; --model 50m, the default: benchmarks/throughput.py's ~50M Qwen3
 shape, whose steps take tens of ms, so one run's jitter stays small next to them) serves two slices of the Azure
-conversation trace, A and B at two rates, --repeats times each, interleaved; the model fitted on
+conversation trace (each prompt its own tokens, so none is served from the prefix cache and TTFT
+times real prefills), A and B at two rates, --repeats times each, interleaved; the model fitted on
 A's step logs simulates B and vice versa, against the median of the real repeats and beside the
 noise floor (how far one real run strays from that median). --clock cpu (default) counts this
 process's CPU time and skips idle waits (other processes stretch wall-clock steps at random);
@@ -16,12 +17,14 @@ time over one model fitted on every run (a run whose steps are all slow: the mac
 core's memory traffic, which CPU time does not exclude), whether it made the slice's first run's
 batches, its CPU time, page faults and preemptions.
 
-    taskset -c 1 python benchmarks/sim_fidelity.py --measured     # the ~50M model: ~7 minutes on a quiet core
+    taskset -c 1 python benchmarks/sim_fidelity.py --measured     # the ~50M model: ~9 minutes on a quiet core
     taskset -c 1 python benchmarks/sim_fidelity.py --model tiny   # ~4 ms steps: run-to-run jitter dominates
 
 --measured also predicts both slices with cost.model=measured built by `python -m sim.profile`'s
 functions on the same model and machine (operators, attention backend, engine overhead): a model
-that never saw a trace run, next to the profiled model fitted on the other slice.
+that never saw a trace run, next to the profiled model fitted on the other slice. Its tables are
+timed after the first pair of real runs and its engine batches after every pair, so its overhead
+fit sees the machine over the same minutes as the runs it is judged against.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class RealRun:
     wall_s: float
     busy: float  # fraction of the run's clock time the engine spent in steps
     usage: dict[str, float]  # the process's user and system CPU s, page faults, involuntary switches in the run
+    prefix_hits: int  # prompt tokens served from the prefix cache (distinct prompts: none)
 
 
 def real_run(label: str, model_dir: str, backend: str, treqs, args) -> RealRun:
@@ -98,7 +102,7 @@ def real_run(label: str, model_dir: str, backend: str, treqs, args) -> RealRun:
     llm = LLM(model_dir, backend=backend, scheduler=make_policy(), allocator="paged", block_size=16,
               num_blocks=args.blocks, max_model_len=args.max_len)
     reqs = trace_requests(Trace(list(treqs), TraceStats("slice", "azure")), llm.runner.config.vocab_size,
-                          SamplingParams(ignore_eos=True, temperature=0.0), token_ids=False)
+                          SamplingParams(ignore_eos=True, temperature=0.0), token_ids=True)
     originals = fresh_copies(reqs)
     eng = llm.engine
     gc.collect()
@@ -119,7 +123,7 @@ def real_run(label: str, model_dir: str, backend: str, treqs, args) -> RealRun:
     make_kv = partial(PagedAllocator, kv.num_blocks, kv.block_size, kv.max_model_len)
     busy = sum(s.duration for s in steps) / end
     return RealRun(label, steps, headline(reqs, steps, kv.capacity_tokens), originals, make_policy, make_kv,
-                   eng.max_model_len, wall, busy, usage)
+                   eng.max_model_len, wall, busy, usage, sum(r.num_prefix_hit_tokens for r in reqs))
 
 
 def diagnose(runs: dict[str, list[RealRun]], features) -> None:
@@ -255,26 +259,38 @@ def step_ratios(cost, target: list[RealRun]) -> str:
         f"{k} steps {np.median(v):.3f} (n={len(v)})" for k, v in kinds.items() if v)
 
 
-def profile_measured(model_dir: str, backend: str, out: str):
-    """cost.model=measured for this model on this machine, from sim.profile's tables alone."""
-    import json
-    from pathlib import Path
+class MeasuredProfiler:
+    """cost.model=measured for this model on this machine, from sim.profile's functions alone (operator
+    and attention tables, the engine's overhead on its own synthetic batches), timed between the real
+    runs: the tables after the first pair, one pass of the engine's batches after each pair, so the
+    overhead fit (and its operator scale) sees the machine over the same minutes as the real runs."""
 
-    from sim.cost.measured import MeasuredCostModel
-    from sim.profile import (
-        fit_engine_overhead, profile_attention, profile_engine, profile_model, write_table,
-    )
+    def __init__(self, model_dir: str, backend: str, out: str) -> None:
+        import json
 
-    folder, root = Path(model_dir), Path(out)
-    tokens = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-    write_table(profile_model(folder, tokens, 7), root, "cpu_2core", "m")
-    write_table(profile_attention(folder, backend, 7), root, "cpu_2core", "m", "attention")
-    cfg = json.loads((folder / "config.json").read_text())
-    fit = fit_engine_overhead(profile_engine(folder, backend, 7), cfg, "cpu_2core", root)
-    write_table([fit], root, "cpu_2core", "m", "overhead")
-    cost = MeasuredCostModel(cfg, "cpu_2core", profiles=root)
-    print("\nmeasured model from sim.profile:\n  " + "\n  ".join(cost.notes))
-    return cost
+        self.folder, self.root, self.backend = Path(model_dir), Path(out), backend
+        self.cfg = json.loads((self.folder / "config.json").read_text())
+        self.rows: list = []
+
+    def between_runs(self, i: int) -> None:
+        from sim.profile import profile_attention, profile_engine, profile_model, write_table
+
+        if i == 0:
+            tokens = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+            write_table(profile_model(self.folder, tokens, 7), self.root, "cpu_2core", "m")
+            write_table(profile_attention(self.folder, self.backend, 7), self.root, "cpu_2core", "m", "attention")
+        self.rows += profile_engine(self.folder, self.backend, 3)
+
+    def model(self):
+        from sim.cost.measured import MeasuredCostModel
+        from sim.profile import fit_engine_overhead, write_table
+
+        fit = fit_engine_overhead(self.rows, self.cfg, "cpu_2core", self.root)
+        write_table([fit], self.root, "cpu_2core", "m", "overhead")
+        cost = MeasuredCostModel(self.cfg, "cpu_2core", profiles=self.root)
+        print(f"\nmeasured model from sim.profile (engine overhead on {fit['steps']} steps, step MAPE "
+              f"{fit['step_mape_pct']:.1f}%):\n  " + "\n  ".join(cost.notes))
+        return cost
 
 
 def main() -> None:
@@ -286,7 +302,7 @@ def main() -> None:
     p.add_argument("--rate-a", type=float, default=None,
                    help="req/s of slice A, requests 0..n (default: 0.3 on 50m, 1.0 on tiny)")
     p.add_argument("--rate-b", type=float, default=None,
-                   help="req/s of slice B, requests n..2n (default: 0.45 on 50m, 1.5 on tiny)")
+                   help="req/s of slice B, requests n..2n (default: 0.35 on 50m, 1.5 on tiny)")
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--seqs", type=int, default=16)
@@ -305,12 +321,12 @@ def main() -> None:
     args = p.parse_args()
     if args.model not in ("50m", "tiny") and not (Path(args.model) / "config.json").is_file():
         p.error(f"--model {args.model!r}: not 50m, tiny or a model folder holding config.json")
-    # The engine busy about half the time: near saturation a few percent of step time moves the
-    # TTFT tail by tens of percent in the real engine itself, and the comparison measures queueing.
+    # A keeps the engine busy about half the time, B (longer outputs) ~85%: nearer saturation a few
+    # percent of step time moves the TTFT tail by tens of percent in the real engine itself.
     small = args.model == "tiny"
     args.n = args.n or (100 if small else 30)
     args.rate_a = args.rate_a or (1.0 if small else 0.3)
-    args.rate_b = args.rate_b or (1.5 if small else 0.45)
+    args.rate_b = args.rate_b or (1.5 if small else 0.35)
 
     import torch
 
@@ -336,15 +352,20 @@ def main() -> None:
               + (f"(every step size 1..{args.budget} and 1..{args.seqs} sampled rows, once, untimed): "
                  if args.warm else "(one batch): ") + f"{time.process_time() - t:.1f} s CPU")
         # A, B, A, B, ...: interleaved, so the repeats of both slices span the same stretch of
-        # the machine's time (a shared VM's speed drifts by several percent over minutes).
+        # the machine's time (a shared VM's speed drifts by several percent over minutes); so do
+        # sim.profile's engine runs for `measured`, one pass after each pair.
+        profiler = MeasuredProfiler(model_dir, backend, os.path.join(tmp, "profiles")) if args.measured else None
         for i in range(args.repeats):
             for label in ("A", "B"):
                 lo, hi, rate = slices[label]
                 r = real_run(label, model_dir, backend, slice_trace(trace, lo, hi, rate), args)
                 runs.setdefault(label, []).append(r)
                 print(f"run {label} #{i + 1}: requests {lo}..{hi - 1} at {rate} req/s, {len(r.steps)} steps, "
-                      f"busy {r.busy:.0%} of the time, {r.wall_s:.1f} s wall", flush=True)
-        measured = profile_measured(model_dir, backend, os.path.join(tmp, "profiles")) if args.measured else None
+                      f"busy {r.busy:.0%} of the time, {r.prefix_hits} prompt tokens from the prefix cache, "
+                      f"{r.wall_s:.1f} s wall", flush=True)
+            if profiler is not None:
+                profiler.between_runs(i)
+        measured = profiler.model() if profiler is not None else None
     features = tuple(args.features.split(",")) if args.features else DEFAULT_FEATURES
     diagnose(runs, features)
     tables = {"A -> B": predict(runs["A"], runs["B"], features, args.weighting),

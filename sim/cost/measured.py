@@ -141,10 +141,25 @@ class MeasuredCostModel(CostModel):
             self.overhead_s = self._o0
             overhead = (f"overhead: the engine's, profiled ({prof_ov[0]}): {c['const_ms']:.3g} ms per step + "
                         f"{c['per_seq_ms']:.3g} ms per request + {c['per_prefill_ms']:.3g} ms per prefill")
+            if gpu is not None and c["ops_scale"] != 1.0:
+                self._scale_operators(c["ops_scale"])
+                overhead += f"; operators x{c['ops_scale']:.3g} (the engine's steps over the tables' sum, profiled)"
         lm_head = ("lm_head: predicted from its GEMM shape" if gpu else
                    f"lm_head: estimated (roofline, with the embedding; no operator tables for {hw.name})")
         self.notes = [f"linear: {self.linear_source}", lm_head, attention,
                       overhead, *self.comm.notes]
+
+    def _scale_operators(self, k: float) -> None:
+        """Every timed operator (linear, LM head, attention) times k: sim.profile fits k with the overhead
+        on the same engine steps, so a machine that ran the tables faster or slower than the engine
+        (another load, a minute apart) does not leave its difference in the per-step constant."""
+        self._layer = [k * x for x in self._layer]
+        self._emb = [k * x for x in self._emb]
+        self._head = [k * x for x in self._head]
+        L = self.shape.layers
+        self._fixed = [e + L * (ly + a) + p for e, ly, a, p in zip(self._emb, self._layer, self._ar, self._pp)]
+        self._a0, self._a1 = k * self._a0, k * self._a1
+        self._F, self._B = self._F / k, self._B / k
 
     def _router_ms(self, tokens: Any) -> Any:
         """The router GEMM (hidden x experts, replicated on every GPU of a TP group) by the roofline, ms."""

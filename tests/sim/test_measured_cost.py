@@ -417,6 +417,36 @@ def test_engine_overhead_fit_recovers_a_known_cost(tmp_path: Path) -> None:
     assert fit["step_mape_pct"] < 1e-6
 
 
+def test_engine_overhead_fit_scales_the_operators_when_the_engine_ran_slower_than_the_tables(tmp_path: Path) -> None:
+    """Engine steps 1.2x the tables' operators plus a known overhead: the fit finds both (the unscaled fit
+    put the machine's difference in the constant), and the measured model built on the written table
+    predicts those steps, attention included."""
+    from sim.profile import fit_engine_overhead, write_table
+
+    src = SHIPPED / "compute/a100/meta-llama/Meta-Llama-3-8B/mlp.csv.gz"
+    d = tmp_path / "compute/h200_sxm/meta-llama/Meta-Llama-3-8B"
+    d.mkdir(parents=True)
+    (d / "mlp.csv").write_bytes(gzip.decompress(src.read_bytes()))
+    ops = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path, overhead_s=0.0, engine_overhead=False)
+    steps = [([64], [0]), ([1] * 8, [100] * 8), ([200, 1, 1], [0, 50, 60]), ([1] * 32, [900] * 32),
+             ([128, 128], [0, 64]), ([512], [1024]), ([1] * 4, [3000] * 4)]
+
+    def engine(n: list[int], c: list[int]) -> float:
+        return 1.2 * ops.step_time(n, c) + 2e-3 + 0.1e-3 * len(n) + 0.5e-3 * sum(x > 1 for x in n)
+
+    rows = [(n, c, engine(n, c), None) for n, c in steps]
+    fit = fit_engine_overhead(rows, LLAMA3_8B, "h200_sxm", tmp_path)
+    assert (fit["ops_scale"], fit["const_ms"], fit["per_seq_ms"], fit["per_prefill_ms"]) == pytest.approx(
+        (1.2, 2.0, 0.1, 0.5), rel=1e-6)
+    unscaled = fit_engine_overhead(rows, LLAMA3_8B, "h200_sxm", tmp_path, scaled=False)
+    assert unscaled["ops_scale"] == 1.0 and unscaled["step_mape_pct"] > 1.0
+    write_table([fit], tmp_path, "h200_sxm", "m", "overhead")
+    eng = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path)
+    assert any("operators x1.2" in n for n in eng.notes), eng.notes
+    for n, c in [*steps, ([1] * 16, [2048] * 16)]:
+        assert eng.step_time(n, c) == pytest.approx(engine(n, c), rel=1e-9)
+
+
 def test_malformed_tables_name_the_file_line_and_column(tmp_path: Path) -> None:
     """Today's main: IndexError and BadGzipFile tracebacks, a line naming neither file nor column,
     a header-only table reported as '0 model shapes'."""
@@ -545,3 +575,22 @@ def test_operators_are_timed_over_every_layer_in_step_order(monkeypatch: pytest.
     layers = json.loads((ensure_tiny_model("qwen3") / "config.json").read_text())["num_hidden_layers"]
     assert layers > 1 and order == list(range(layers)) * (2 + 2) * 2  # (2 untimed + 2 timed passes) x token counts
     assert all(r[f"time_stats.{op}.median"] > 0 for r in rows for op in ("attn_pre_proj", "mlp_down_proj"))
+
+
+def test_fused_add_norm_time_stays_positive_when_a_lone_add_times_slower() -> None:
+    """The table's post-attention norm is the fused add+norm kernel less one add; at a few tokens the
+    kernel can time below a lone add, and a zero time made the written table unreadable (ProfileError)."""
+    import sim.profile
+
+    now = [0.0]
+
+    def takes(ms: float):
+        def op() -> None:
+            now[0] += ms * 1e-3
+        return op
+
+    ops = {op: takes(1.0) for op in sim.profile.OPS if op != "emb"}
+    ops.update(post_attention_layernorm=takes(0.5), add=takes(0.8), fused_add=lambda: None)
+    times = sim.profile._time_in_step_order([ops, ops], 2, lambda: None, lambda: now[0])
+    assert all(t > 0 for t in times["post_attention_layernorm"])
+    assert times["add"] == pytest.approx([0.8, 0.8])
