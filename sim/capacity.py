@@ -251,7 +251,8 @@ def main(cfg: DictConfig) -> None:
         if cfg.capacity.get("mode", "rate") == "slo_scale":  # the tightest SLO scale at workload.rate
             from sim.slo_scale import run_slo_scale
 
-            run_slo_scale(cfg, labels, out, done, probe=probe_rate, cost_notes=notes)
+            run_slo_scale(cfg, labels, out, done, probe=probe_rate, cost_notes=notes,
+                          criterion_text=criterion_text(cfg, criterion(cfg), spelled=True))
             return
         print(f"capacity search: {labels['scheduler']}/{labels['allocator']}, {criterion_text(cfg, criterion(cfg))}\n"
               f"  trace {trace_text(c)} {assumed(c, labels, notes)}", flush=True)

@@ -131,10 +131,10 @@ def slo_line(base: dict[str, Any], scale: float) -> str:
 
 def run_slo_scale(cfg: DictConfig, labels: dict[str, Any], out: Path,
                   probes_out: list[dict[str, Any]] | None = None, *, probe: Callable[..., Any],
-                  cost_notes: Sequence[str] = ()) -> dict[str, Any]:
+                  cost_notes: Sequence[str] = (), criterion_text: str = "") -> dict[str, Any]:
     """Search, print the answer line, write slo_scale.json and slo_scale_probes.csv; returns the JSON.
     probe: sim.capacity's probe_rate, cost_notes: the run's cost model's parts not from measurements,
-    both handed in by sim.capacity, which dispatches here."""
+    criterion_text: the pass test in words; all handed in by sim.capacity, which dispatches here."""
     import pandas as pd
     from omegaconf import OmegaConf
 
@@ -162,10 +162,8 @@ def run_slo_scale(cfg: DictConfig, labels: dict[str, Any], out: Path,
     pd.DataFrame(res.probes).to_csv(out / "slo_scale_probes.csv", index=False)
     rate = float(cfg.workload.rate)
     crit = str(cfg.capacity.get("criterion", "slo_attainment"))
-    from sim.capacity import criterion, criterion_text  # sim.capacity dispatches here: imported when run
-
-    # The pass test at scale 1 (cfg holds the SLOs as given again), as capacity.json words it.
-    text = f"{criterion_text(cfg, criterion(cfg), spelled=True)}; every SLO x slo_scale"
+    # The pass test at scale 1 (cfg holds the SLOs as given again), worded by sim.capacity as capacity.json's.
+    text = f"{criterion_text}; every SLO x slo_scale"
     result = {**labels, "mode": "slo_scale", "rate_requests_per_s": rate, "slo_scale": res.scale,
               "bound_by": res.bound_by, "sustained": res.sustained, "criterion": crit, "criterion_text": text,
               **{f"slo_{k}": v for k, v in base.items()},
