@@ -14,6 +14,7 @@ if __name__ == "__main__" and not {"-m", "--multirun"} & set(sys.argv[1:]):
     # and each collector pass over them costs start-up time; main() turns it back on.
     gc.disable()
 
+import atexit  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -505,7 +506,10 @@ def format_row(row: Mapping[str, Any]) -> str:
 def main(cfg: DictConfig) -> float:
     import time
 
-    gc.enable()  # off while the command started (see the top of this module)
+    if not gc.isenabled():  # off while a single run started (the top of this module): the start-up's
+        gc.freeze()  # objects live to the end, so no collector pass need walk them (as sim.simulator.gc_paused)
+        atexit.register(gc.unfreeze)
+        gc.enable()
 
     from hydra.core.hydra_config import HydraConfig
 
