@@ -35,10 +35,10 @@ GRID = [(n, r) for n in (10_000, 100_000, 1_000_000) for r in (1, 10, 100)] + [(
 QUICK = [(10_000, r) for r in (1, 10, 100)]
 LOAD = 0.8
 VIDUR = "Vidur: 330-455 requests/s of wall time on this machine (issue 26, whole Azure conversation trace)"
-# Resident bytes one replica's engine holds before any request (its KV allocator's tables, the
-# policy, the cost model) for Llama-3-8B on an H100: fitted to the peak RSS of 10,000 requests on
-# 100 and 1,000 replicas (main 3f5c08b); sim/memory.py's estimate covers the requests only.
-BYTES_PER_REPLICA = 1.7e6
+# Resident bytes one replica's engine holds before any request (its KV allocator's tables; the
+# cost model is shared, the policy small) for Llama-3-8B on an H100: fitted to the peak RSS of
+# 10,000 requests on 10 and 1,000 replicas; sim/memory.py's estimate covers the requests only.
+BYTES_PER_REPLICA = 0.96e6
 BASE_BYTES = 300e6  # the interpreter, its imports and the workload generator
 
 
@@ -83,7 +83,8 @@ def child(args: argparse.Namespace) -> None:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     print(json.dumps({"loop_s": row["sim_wall_s"], "finished": row["finished"], "requests": row["requests"],
                       "slo_attainment": row.get("slo_attainment"), "cpu_s": ru.ru_utime + ru.ru_stime,
-                      "peak_mb": ru.ru_maxrss / 1024, "core": status()}))
+                      "peak_mb": ru.ru_maxrss / 1024, "core": status()}), flush=True)
+    os._exit(0)  # as sim.run leaves: freeing a fleet's engines one by one is no part of the point's time
 
 
 def one_replica_capacity() -> float:

@@ -122,7 +122,7 @@ class Pools:
         self.kv_bytes = ModelShape.from_config(load_model_config(model_config)).kv_bytes_per_token(hardware.dtype_bytes)
 
     def factory(self, pool: str) -> Any:
-        from sim.cost.registry import build_cost_model
+        from sim.cost.registry import cost_model_factory
         from sim.disagg import DisaggEngine, receiving
         from sim.executor import CostModelExecutor
         from varlen.assembly import build_engine
@@ -134,11 +134,15 @@ class Pools:
         # Both pools' max_model_len is the smaller pool's: a request runs on one of each.
         sizes = EngineSizes(p["num_blocks"], self.block_size, self.max_model_len, **p["scheduler_over"])
 
+        # The pool's instances alike: the policy's config resolved once, one cost model where it holds no state.
+        cost = cost_model_factory(c["cost"], self.model_config, p["hardware"],
+                                  {"tensor": p["tensor"], "pipeline": p["pipeline"]})
+        policies: dict[int, Any] = {}
+
         def make(clock):
-            engine = build_engine(sizes, p["scheduler"], alloc, lambda _policy, _longest: CostModelExecutor(
-                build_cost_model(c["cost"], self.model_config, p["hardware"], {"tensor": p["tensor"],
-                                                                                "pipeline": p["pipeline"]}),
-                clock), engine_class=DisaggEngine, context=c, clock=clock, keep_finished_kv=pool == "prefill")
+            engine = build_engine(sizes, p["scheduler"], alloc, lambda _policy, _longest: CostModelExecutor(cost(), clock),
+                                  engine_class=DisaggEngine, context=c, policies=policies, clock=clock,
+                                  keep_finished_kv=pool == "prefill")
             return engine, engine.executor
 
         return make

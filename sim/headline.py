@@ -8,8 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from omegaconf import OmegaConf
-
 from varlen.registry import conf_dir
 
 
@@ -39,7 +37,7 @@ def _choice(labels: Mapping[str, Any] | None, c: Mapping[str, Any], group: str) 
 
 def slo_text(c: Mapping[str, Any]) -> str:
     """The SLOs in force, saying which are conf/sim/sim.yaml's defaults (not set by the user)."""
-    defaults = OmegaConf.load(Path(conf_dir("sim")) / "sim.yaml").slo
+    defaults = _slo_defaults()
     names = {"ttft_s": "TTFT", "tpot_s": "TPOT", "tbt_s": "TBT"}
     given = {k: c["slo"].get(k) for k in names if c["slo"].get(k) is not None}
     text = ", ".join(f"{names[k]} <= {v:g} s" for k, v in given.items())
@@ -49,6 +47,16 @@ def slo_text(c: Mapping[str, Any]) -> str:
     if default:
         return f"SLO {text} ({', '.join(names[k] for k in default)} the default)"
     return f"SLO {text}"
+
+
+def _slo_defaults() -> dict[str, Any]:
+    """conf/sim/sim.yaml's `slo` section, read with OmegaConf's yaml loader (its values, as
+    OmegaConf.load gives them) without making the whole file a config object."""
+    import yaml
+    from omegaconf._utils import get_yaml_loader
+
+    with open(Path(conf_dir("sim")) / "sim.yaml", encoding="utf-8") as f:
+        return dict(yaml.load(f, Loader=get_yaml_loader())["slo"])
 
 
 def assumptions(c: Mapping[str, Any], labels: Mapping[str, Any] | None, caching: bool | None = None) -> str:

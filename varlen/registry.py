@@ -4,12 +4,13 @@ would pick one of two plug-ins silently); a class's dotted path works where a na
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 import re
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
@@ -104,11 +105,17 @@ def target(group: str, choice: str | Mapping[str, Any]) -> Any:
 def build(group: str, choice: str | Mapping[str, Any], /, *, context: Mapping[str, Any] | None = None,
           **overrides: Any) -> Any:
     """Instantiate a choice with `overrides` over its yaml; its interpolations read `context`."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
+    return builder(group, choice, context=context, **overrides)()
 
+
+def builder(group: str, choice: str | Mapping[str, Any], /, *, context: Mapping[str, Any] | None = None,
+            **overrides: Any) -> Callable[[], Any]:
+    """build(group, choice, ...) as a maker of new, equal instances (a fleet's replicas each build
+    the same policy): the config resolved once; the first call instantiates it (Hydra), later calls
+    call the class it made with a fresh copy of the same settings where the config is plain
+    keywords (no `_args_`, `_partial_`, nested `_target_`), else instantiate again."""
     cfg = spec(group, choice)
-    target(group, cfg)
+    cls = target(group, cfg)
     if overrides:
         cfg = OmegaConf.merge(cfg, overrides)
     full = dict(context) if context else {}
@@ -119,6 +126,25 @@ def build(group: str, choice: str | Mapping[str, Any], /, *, context: Mapping[st
         if named is None:
             raise
         resolved = _resolve(group, choice, cfg, full)  # its entries may interpolate others: as it always was
+    kwargs = {k: v for k, v in resolved.items() if k != "_target_"}
+    plain = isinstance(cls, type) and not any(k.startswith("_") for k in kwargs) and not _has_target(kwargs)
+    made: list[bool] = []
+
+    def make() -> Any:
+        if made:
+            return cls(**copy.deepcopy(kwargs))
+        obj = _instantiate(group, choice, resolved)
+        if plain and type(obj) is cls:
+            made.append(True)
+        return obj
+
+    return make
+
+
+def _instantiate(group: str, choice: Any, resolved: Any) -> Any:
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
     try:
         return instantiate(resolved, _convert_="all")
     except InstantiationException as e:
@@ -126,6 +152,13 @@ def build(group: str, choice: str | Mapping[str, Any], /, *, context: Mapping[st
         given = ", ".join(k for k in resolved if not k.startswith("_"))
         raise ValueError(f"{group} {_label(choice)}: {type(cause).__name__}: {' '.join(str(cause).split())} "
                          f"(settings given: {given or 'none'})") from None
+
+
+def _has_target(value: Any) -> bool:
+    """Whether a nested setting is itself something to instantiate (a mapping with _target_)."""
+    if isinstance(value, dict):
+        return "_target_" in value or any(_has_target(v) for v in value.values())
+    return isinstance(value, list) and any(_has_target(v) for v in value)
 
 
 def _named(cfg: DictConfig, context: dict[str, Any]) -> dict[str, Any] | None:

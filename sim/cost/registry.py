@@ -3,7 +3,8 @@ by `cls.from_config(options, model_config, hardware, parallel)` from the yaml's 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import copy
+from typing import Any, Callable, Mapping
 
 from omegaconf import OmegaConf
 
@@ -15,6 +16,25 @@ def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Any,
                      parallel: Mapping[str, Any] | Any | None = None) -> CostModel:
     """The cost model `cost.model` names (default roofline) for this model, hardware and
     parallelism; ValueError in one line for a bad name, setting or split."""
+    return cost_model_factory(cost, model_config, hardware, parallel)()
+
+
+def shareable(model: CostModel) -> bool:
+    """Whether one object of this cost model may serve every replica of a run: a shipped model whose
+    figures come from what its constructor computed alone (no state a run changes, as a replay's
+    position in its timeline). Exact classes: a subclass may add state."""
+    from sim.cost.communication import CommunicationCostModel
+    from sim.cost.roofline import RooflineCostModel
+
+    if type(model) is CommunicationCostModel:
+        return shareable(model.inner)
+    return type(model) is RooflineCostModel
+
+
+def cost_model_factory(cost: Mapping[str, Any], model_config: Any, hardware: Any,
+                       parallel: Mapping[str, Any] | Any | None = None) -> Callable[[], CostModel]:
+    """build_cost_model's arguments checked and resolved once, as a maker of each replica's cost
+    model: the one object where `shareable`, else a new one per call from the same settings."""
     from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
     from sim.parallel import Parallelism
 
@@ -34,7 +54,18 @@ def build_cost_model(cost: Mapping[str, Any], model_config: Any, hardware: Any,
     par = parallel if isinstance(parallel, Parallelism) else Parallelism.of(parallel)
     cfg = load_model_config(model_config)
     par.check(ModelShape.from_config(cfg))
-    return cls.from_config(options, cfg, HardwareSpec.coerce(hardware), par)
+    hw = HardwareSpec.coerce(hardware)
+    shared: list[CostModel] = []
+
+    def make() -> CostModel:
+        if shared:
+            return shared[0]
+        model: CostModel = cls.from_config(copy.deepcopy(options), cfg, hw, par)
+        if shareable(model):
+            shared.append(model)
+        return model
+
+    return make
 
 
 def make_cost_model(name: str, **kwargs: Any) -> CostModel:

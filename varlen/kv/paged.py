@@ -15,6 +15,11 @@ from varlen.kv.base import KVAllocator, KVUsage
 from varlen.request import Request
 
 
+#: num_blocks -> the block ids from last to first, a new pool's free stack: a fleet's pools copy one
+#: tuple's int objects instead of each making num_blocks new ones (time and memory per replica).
+_FREE_STACKS: dict[int, tuple[int, ...]] = {}
+
+
 @mypyc_attr(allow_interpreted_subclasses=True)
 class PagedAllocator(KVAllocator):
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int | None = None,
@@ -22,7 +27,12 @@ class PagedAllocator(KVAllocator):
         super().__init__(num_blocks, block_size, max_model_len)
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
-        self.free_plain: list[int] = list(range(num_blocks - 1, -1, -1))  # no cached content; top = next
+        ids = _FREE_STACKS.get(num_blocks)
+        if ids is None:
+            if len(_FREE_STACKS) >= 8:  # a few pool sizes a process: bounded
+                _FREE_STACKS.clear()
+            ids = _FREE_STACKS[num_blocks] = tuple(range(num_blocks - 1, -1, -1))
+        self.free_plain: list[int] = list(ids)  # no cached content; top = next
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # cached content, least recently freed first
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks

@@ -1,0 +1,58 @@
+"""`python -m sim.run` starts faster without changing what it reads: yaml through libyaml's C
+parser with OmegaConf's own loader rules, and no Ray launcher import for a single run."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf, _utils
+
+from sim import run as sim_run
+from varlen.registry import conf_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_libyaml = pytest.mark.skipif(not getattr(yaml, "__with_libyaml__", False),
+                                   reason="PyYAML built without libyaml: the Python parser stays")
+
+
+@needs_libyaml
+def test_every_shipped_yaml_reads_the_same_through_libyaml(monkeypatch, tmp_path):
+    files = sorted(Path(conf_dir()).rglob("*.yaml"))
+    assert len(files) > 40
+    python = [OmegaConf.to_container(OmegaConf.load(f)) for f in files]
+    monkeypatch.setattr(_utils, "get_yaml_loader", _utils.get_yaml_loader)  # restored after the test
+    sim_run._libyaml_loader()
+    assert getattr(_utils.get_yaml_loader(), "__module__", None) == "sim.run"
+    assert [OmegaConf.to_container(OmegaConf.load(f)) for f in files] == python
+    # OmegaConf's own rules: 1e-3 a float, a date a string, a duplicate key refused.
+    odd = tmp_path / "odd.yaml"
+    odd.write_text("a: 1e-3\nb: 2001-12-14\nc: ${a}\n")
+    assert OmegaConf.to_container(OmegaConf.load(odd)) == {"a": 0.001, "b": "2001-12-14", "c": "${a}"}
+    odd.write_text("a: 1\na: 2\n")
+    with pytest.raises(yaml.constructor.ConstructorError, match="found duplicate key a"):
+        OmegaConf.load(odd)
+
+
+def _plugins_after(argv: list[str]) -> set[str]:
+    code = ("import sys; from sim import run; run._skip_unused_launchers(sys.argv); "
+            "from hydra.core.plugins import Plugins; Plugins.instance(); "
+            "print(' '.join(m for m in sys.modules if m.startswith('hydra_plugins.')))")
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return set(out.stdout.split())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") is None,
+                    reason="the Ray launcher plug-in is not installed (the cluster extra)")
+def test_a_single_run_leaves_the_ray_launcher_out_of_hydras_plugin_scan():
+    single = _plugins_after(["workload.limit=5"])
+    assert "hydra_plugins.hydra_ray_launcher.ray_launcher" not in single
+    assert "hydra_plugins.hydra_joblib_launcher.joblib_launcher" in single  # sim.yaml's launcher config
+    for argv in (["-m", "workload.limit=5"], ["hydra/launcher=ray"], ["--info", "plugins"]):
+        assert "hydra_plugins.hydra_ray_launcher.ray_launcher" in _plugins_after(argv), argv
