@@ -254,11 +254,23 @@ class RequestResults:
         out.add(range(len(requests)), requests)
         return out
 
+    TOKENS = 1 << 18  # token times folded at once: bounds the few temporaries of that size
+
     def add(self, rows: Sequence[int], requests: Sequence[Request]) -> None:
-        """Requests (ended, or the run is over) into rows `rows`."""
+        """Requests (ended, or the run is over) into rows `rows`; in groups of about TOKENS token times,
+        so that folding thousands of requests at once (a run's end) needs little memory."""
         if not len(requests):
             return
         idx = np.fromiter(rows, np.intp, len(requests))
+        ends = np.cumsum(np.fromiter((len(r.token_times) for r in requests), np.int64, len(requests)))
+        start = 0
+        while start < len(requests):
+            done = int(ends[start - 1]) if start else 0
+            end = max(int(np.searchsorted(ends, done + self.TOKENS, side="right")), start + 1)
+            self._add(idx[start:end], requests[start:end])
+            start = end
+
+    def _add(self, idx: np.ndarray, requests: Sequence[Request]) -> None:
         codes = np.array([_REASONS.index(None if r.finish_reason is None else r.finish_reason.value)
                           for r in requests], np.int8)
         done = (codes == 1) | (codes == 2)

@@ -204,3 +204,43 @@ def test_a_bad_token_level_switch_is_one_line(key):
         cfg = compose("sim", overrides=["workload.limit=5", f"output.{key}=3"])
     with pytest.raises(SettingError, match=f"output.{key}=3: give true or false"):
         _simulate_paused(cfg, None, False)
+
+
+def _ended(n: int, tokens: int, seed: int = 0) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for i in range(n):
+        r = Request(f"r{i}", [0] * 4, arrival=float(i))
+        k = int(rng.integers(0, tokens + 1))
+        r.token_times += np.cumsum(rng.choice([0.01, 0.02, 0.5], k)).tolist()
+        r.output_token_ids += [1] * k
+        r.finish(FinishReason.LENGTH if i % 7 else FinishReason.ABORTED, r.token_times[-1] if k else 0.0)
+        reqs.append(r)
+    return reqs
+
+
+def test_request_results_fold_in_groups_of_token_times_into_the_same_rows():
+    reqs = _ended(60, 40)
+    whole, grouped = RequestResults(60), RequestResults(60)
+    whole.TOKENS, grouped.TOKENS = 10**9, 7
+    whole.add(range(60), reqs)
+    grouped.add(range(60), reqs)
+    for k in RequestResults._ARRAYS:
+        assert np.array_equal(getattr(whole, k), getattr(grouped, k), equal_nan=getattr(whole, k).dtype.kind == "f"), k
+    assert whole.req_id == grouped.req_id
+    (v, c), (wv, wc) = grouped.itl.table(), whole.itl.table()
+    assert np.array_equal(v, wv) and np.array_equal(c, wc) and len(grouped.itl) == len(whole.itl)
+
+
+def test_folding_many_ended_requests_at_once_needs_memory_for_a_group_only():
+    import tracemalloc
+
+    reqs = _ended(3000, 1200)  # ~1.8M token times: ~15 MB a temporary array of them all
+    res = RequestResults(3000)
+    tracemalloc.start()
+    try:
+        res.add(range(3000), reqs)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20e6 and res.filled.all()
