@@ -212,7 +212,7 @@ def _ended(n: int, tokens: int, seed: int = 0) -> list[Request]:
     for i in range(n):
         r = Request(f"r{i}", [0] * 4, arrival=float(i))
         k = int(rng.integers(0, tokens + 1))
-        r.token_times += np.cumsum(rng.choice([0.01, 0.02, 0.5], k)).tolist()
+        r.token_times += np.cumsum(rng.choice([0.25, 0.5, 2.0], k)).tolist()
         r.output_token_ids += [1] * k
         r.finish(FinishReason.LENGTH if i % 7 else FinishReason.ABORTED, r.token_times[-1] if k else 0.0)
         reqs.append(r)
@@ -235,7 +235,7 @@ def test_request_results_fold_in_groups_of_token_times_into_the_same_rows():
 def test_folding_many_ended_requests_at_once_needs_memory_for_a_group_only():
     import tracemalloc
 
-    reqs = _ended(3000, 1200)  # ~1.8M token times: ~15 MB a temporary array of them all
+    reqs = _ended(3000, 1200)  # ~1.8M token times: ~14 MB an array of them all
     res = RequestResults(3000)
     tracemalloc.start()
     try:
@@ -243,4 +243,4 @@ def test_folding_many_ended_requests_at_once_needs_memory_for_a_group_only():
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak < 20e6 and res.filled.all()
+    assert peak < 25e6 and res.filled.all()  # all at once: ~40 MB
