@@ -72,9 +72,12 @@ class TraceRequests(Sequence[Request]):
     def __getitem__(self, i: slice) -> list[Request]: ...
 
     def __getitem__(self, i: int | slice) -> Request | list[Request]:
+        r = self._made.get(i) if type(i) is int else None  # a request in flight: read twice or more
+        if r is not None:
+            return r
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        n = len(self)
+        n = len(self._ids)
         if not -n <= i < n:
             raise IndexError(f"request {i} out of range ({n} requests)")
         i = int(i) % n
