@@ -9,15 +9,16 @@ from varlen.cli import SettingError
 
 # Peak resident bytes a simulated request adds: a fixed part, one per output token and, with
 # token_ids=true, one per prompt token id. Without token-level output (output.token_times=false)
-# a request ended is a row of columns and the step log keeps per-step columns (64 bytes a step, the
-# per-token part); with it, every request keeps its token times and the log its step records.
+# requests are built as they arrive, an ended one is a row of columns and the step log keeps the
+# metrics' per-step columns (32 bytes a step, the per-token part); with it, every request keeps its
+# token times and the log its step records.
 # Fitted by benchmarks/sim_memory_fit.py (peak RSS of synthetic runs of 2,000 and 10,000 requests
 # with 16- and 512-token outputs, one replica at 4 req/s: light load, many steps a request, so an
 # upper bound at fleet loads); refit when what a request keeps changes.
-BYTES_PER_REQUEST = 2_900
-BYTES_PER_OUTPUT_TOKEN = 9
-TOKEN_LEVEL_BYTES_PER_REQUEST = 5_100
-TOKEN_LEVEL_BYTES_PER_OUTPUT_TOKEN = 52
+BYTES_PER_REQUEST = 2_200
+BYTES_PER_OUTPUT_TOKEN = 6
+TOKEN_LEVEL_BYTES_PER_REQUEST = 5_500
+TOKEN_LEVEL_BYTES_PER_OUTPUT_TOKEN = 35
 BYTES_PER_PROMPT_TOKEN_ID = 8
 SAMPLE = 4096  # synthetic lengths are estimated from this many generated requests
 

@@ -1,10 +1,11 @@
 """A simulation's requests released as they end (simulate(keep_requests=False)): each ended
 request's figures go into a RequestResults row and its slot in the arrival list is given a shared
-placeholder, so memory holds the requests in flight, not every request of the run."""
+placeholder (a TraceRequests, varlen/workload.py, drops it), so memory holds the requests in flight,
+not every request of the run."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, MutableSequence, Sequence
 
 import numpy as np
 
@@ -18,10 +19,12 @@ RELEASED.finish(FinishReason.ABORTED, 0.0, "released: its figures are in the run
 
 class Release:
     """Folds ended requests of `pending` (arrival order) into `results`, row = the request's index in
-    `requests` (the caller's order), and releases them from both lists."""
+    `requests` (the caller's order), and releases them from both."""
 
-    def __init__(self, requests: list[Request], pending: list[Request], order: np.ndarray | None) -> None:
-        self.requests, self.pending, self.order = requests, pending, order
+    def __init__(self, requests: Sequence[Request], pending: Sequence[Request], order: np.ndarray | None) -> None:
+        # The caller's sequence is released too where it can be: a list, or a TraceRequests.
+        self.requests = requests if isinstance(requests, list) or hasattr(requests, "release") else pending
+        self.pending, self.order = pending, order
         self.results = RequestResults(len(pending))
         self.held: list[int] = []  # positions that had arrived and not ended at the last fold
         self.seen = 0  # positions below this have arrived
@@ -37,9 +40,9 @@ class Release:
             if r.is_finished or force:
                 ended.append(r)
                 rows.append(p if order is None else int(order[p]))
-                pending[p] = RELEASED
+                _release(pending, p)
                 if requests is not pending:
-                    requests[rows[-1]] = RELEASED
+                    _release(requests, rows[-1])
             else:
                 keep.append(p)
         self.results.add(rows, ended)
@@ -59,10 +62,22 @@ class Release:
         return self.results
 
 
-def arrival_order(requests: Sequence[Request]) -> tuple[list[Request], np.ndarray | None]:
-    """(the requests in arrival order, each one's index in `requests` or None where that is the order)."""
-    arrivals = np.fromiter((r.arrival for r in requests), np.float64, len(requests))
-    if isinstance(requests, list) and not (arrivals[1:] < arrivals[:-1]).any():
+def _release(requests: Sequence[Request], i: int) -> None:
+    release = getattr(requests, "release", None)
+    if release is not None:
+        release(i, RELEASED)
+    else:
+        assert isinstance(requests, MutableSequence)
+        requests[i] = RELEASED
+
+
+def arrival_order(requests: Sequence[Request]) -> tuple[Sequence[Request], np.ndarray | None]:
+    """(the requests in arrival order, each one's index in `requests` or None where that is the order).
+    A list or a TraceRequests already in order is returned as it is (a TraceRequests unbuilt)."""
+    arrivals = getattr(requests, "arrivals", None)
+    if arrivals is None:
+        arrivals = np.fromiter((r.arrival for r in requests), np.float64, len(requests))
+    if (isinstance(requests, list) or hasattr(requests, "release")) and not (arrivals[1:] < arrivals[:-1]).any():
         return requests, None
     order = np.argsort(arrivals, kind="stable")
     return [requests[j] for j in order.tolist()], order

@@ -52,8 +52,9 @@ def load_requests(workload: Mapping[str, Any], vocab_size: int, memory_limit_gb:
     # ignore_eos: the trace's output length is the request's length, as in the real engine's replay.
     from sim.cells import cell_requests  # all of the trace, or the share of the cell being simulated
 
+    # lazy: each request built as it arrives (a TraceRequests), released by the simulation as it ends.
     reqs = cell_requests(trace, lambda t: trace_requests(t, vocab_size, SamplingParams(ignore_eos=True),
-                                                         token_ids=bool(opts.get("token_ids"))))
+                                                         token_ids=bool(opts.get("token_ids")), lazy=True))
     return trace, reqs
 
 

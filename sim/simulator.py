@@ -118,11 +118,12 @@ def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tupl
                              f"fast_forward=False")
         replicas.append(Replica(i, engine, clock, executor))
     release: Release | None = None
+    pending: Sequence[Request]  # keep_requests=False: a TraceRequests builds each request as it arrives
     if keep_requests:
         pending = sorted(requests, key=lambda r: r.arrival)
     else:
         pending, order = arrival_order(requests)
-        release = Release(requests if isinstance(requests, list) else pending, pending, order)
+        release = Release(requests, pending, order)
     routed: dict[str, int] = {}
     progress = for_run(len(pending))
     t0 = time.perf_counter()
@@ -144,7 +145,7 @@ def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tupl
     return SimResult(list(requests), replicas, wall, routed)
 
 
-def _end_all(pending: list[Request], replicas: list[Replica], err: BaseException) -> None:
+def _end_all(pending: Sequence[Request], replicas: list[Replica], err: BaseException) -> None:
     """The simulation stopped: every request not ended yet ends `aborted`, saying why (as Engine.run)."""
     for rep in replicas:
         eng = rep.engine
@@ -203,7 +204,7 @@ def _advance(rep: Replica, t: float, until: float, fast_forward: bool) -> float:
     return rep.executor.ready_time(rep.clock.now()) if eng.has_unfinished() else float("inf")
 
 
-def _lazy_loop(pending: list[Request], replicas: list[Replica], route: Router, reads: str, routed: dict[str, int],
+def _lazy_loop(pending: Sequence[Request], replicas: list[Replica], route: Router, reads: str, routed: dict[str, int],
                fast_forward: bool, progress: Callable[[float, int, list[Replica]], None] | None = None) -> None:
     """Arrivals in order; before each, the replicas the router reads (reads="nothing": none; "all":
     every replica with a step due before the arrival; "outstanding": those whose count may have
@@ -308,7 +309,7 @@ def _catch_up(rep: Replica, due: list[float], until: float, fast_forward: bool) 
     return calls
 
 
-def _event_loop(pending: list[Request], replicas: list[Replica], route: Router, routed: dict[str, int],
+def _event_loop(pending: Sequence[Request], replicas: list[Replica], route: Router, routed: dict[str, int],
                 fast_forward: bool, progress: Callable[[float, int, list[Replica]], None] | None = None) -> None:
     """The reference loop: every replica advanced to every arrival (simulate(lazy=False))."""
     num_replicas = len(replicas)

@@ -49,38 +49,58 @@ class GapCounts:
     def __init__(self) -> None:
         self._values = np.empty(0, np.float64)  # sorted, distinct
         self._counts = np.empty(0, np.int64)
-        self._buffer: list[tuple[np.ndarray, np.ndarray | None]] = []  # (values, counts; None: one each)
+        self._buffer: list[tuple[np.ndarray, np.ndarray]] = []  # (values, counts) tables not folded yet
         self._rows = 0  # values buffered
         self._buffered = 0  # gaps buffered
+        # add_timelines' method: walk the shared times (True) until a chunk shows the timelines do
+        # not move between neighbouring times (replicas' steps interleave), then sort the gaps.
+        self.walk = True
 
     def add(self, gaps: np.ndarray) -> None:
         if len(gaps):
-            self._push(np.asarray(gaps, np.float64), None, len(gaps))
+            v, c = _sorted_table(np.sort(np.asarray(gaps, np.float64)))
+            self._push(v, c, len(gaps))
 
     CHUNK = 1 << 18  # token times counted at once: bounds the ~10 temporaries of that size
 
     def add_timelines(self, times: np.ndarray, lens: np.ndarray) -> None:
         """The gaps between consecutive entries of each timeline (`times`: timelines end to end,
-        ascending for speed; `lens`: their lengths). Requests served by the same steps share their
-        times, so their gaps are the same differences of the same numbers: a gap between neighbouring
-        distinct times is counted, not sorted; only the others (a skipped step) are sorted. Counted in
-        chunks of whole timelines (no gap spans two), so memory stays bounded however many are given."""
+        ascending for speed; `lens`: their lengths). Counted in chunks of whole timelines (no gap
+        spans two), so memory stays bounded however many are given."""
         times = np.asarray(times, np.float64)
         lens = np.asarray(lens, np.int64)
         ends = np.cumsum(lens)
         j, t = 0, 0
         while j < len(lens):
             k = max(int(np.searchsorted(ends, t + self.CHUNK, side="right")), j + 1)
-            self._add_chunk(times[t:int(ends[k - 1])], lens[j:k])
+            chunk, chunk_lens = times[t:int(ends[k - 1])], lens[j:k]
+            if len(chunk) >= 2:
+                (self._walk_chunk if self.walk else self._sort_chunk)(chunk, chunk_lens)
             j, t = k, int(ends[k - 1])
 
-    def _add_chunk(self, times: np.ndarray, lens: np.ndarray) -> None:
-        n = len(times)
-        if n < 2:
-            return
+    @staticmethod
+    def _within(n: int, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(each timeline's first index, False where a pair of neighbours spans two timelines)."""
         starts = np.cumsum(lens) - lens
-        within = np.ones(n - 1, bool)  # False where a pair spans two timelines
+        within = np.ones(n - 1, bool)
         within[starts[(lens > 0) & (starts > 0)] - 1] = False
+        return starts, within
+
+    def _sort_chunk(self, times: np.ndarray, lens: np.ndarray) -> None:
+        """The gaps, sorted and counted: cheapest where timelines skip over other timelines' times."""
+        _, within = self._within(len(times), lens)
+        gaps = np.subtract(times[1:], times[:-1])[within]
+        if len(gaps):
+            gaps.sort()
+            v, c = _sorted_table(gaps)
+            self._push(v, c, len(gaps))
+
+    def _walk_chunk(self, times: np.ndarray, lens: np.ndarray) -> None:
+        """Requests served by the same steps share their times, so their gaps are the same differences
+        of the same numbers: a gap between neighbouring distinct times is counted, not sorted; only
+        the others (a skipped step) are sorted."""
+        n = len(times)
+        starts, within = self._within(n, lens)
         s = np.sort(times, kind="stable")  # ascending runs: merged, far cheaper than a sort from scratch
         new = np.empty(n, bool)
         new[0] = True
@@ -94,8 +114,11 @@ class GapCounts:
         off = rank >= len(distinct)
         rank[off] = 0
         off |= distinct[rank] != times
-        if off.any():
+        n_off = int(off.sum())
+        if n_off:
             rank[off] = np.searchsorted(distinct, times[off])
+        if 2 * n_off > n:
+            self.walk = False  # most times off the walk: the next chunks sort their gaps instead
         nxt = np.diff(rank) == 1
         step = within & nxt
         counts = np.bincount(rank[:-1][step], minlength=len(distinct) - 1)[:len(distinct) - 1]
@@ -105,9 +128,9 @@ class GapCounts:
         values = np.concatenate([(distinct[1:] - distinct[:-1])[used], times[1:][other] - times[:-1][other]])
         weights = np.concatenate([counts[used], np.ones(int(other.sum()), np.int64)])
         if len(values):
-            self._push(values, weights, int(weights.sum()))
+            self._push(*_table(values, weights), int(weights.sum()))
 
-    def _push(self, values: np.ndarray, counts: np.ndarray | None, gaps: int) -> None:
+    def _push(self, values: np.ndarray, counts: np.ndarray, gaps: int) -> None:
         self._buffer.append((values, counts))
         self._rows += len(values)
         self._buffered += gaps
@@ -117,21 +140,13 @@ class GapCounts:
     def _fold(self) -> None:
         if not self._buffer:
             return
-        values = np.concatenate([v for v, _ in self._buffer])
-        if all(c is None for _, c in self._buffer):
-            v, c = np.unique(values, return_counts=True)
-        else:
-            weights = np.concatenate([np.ones(len(v), np.int64) if c is None else c for v, c in self._buffer])
-            v, inv = np.unique(values, return_inverse=True)
-            c = np.bincount(inv, weights.astype(np.float64), len(v)).astype(np.int64)
-        self._buffer, self._rows, self._buffered = [], 0, 0
-        self._merge(v, c)
+        buffer, self._buffer, self._rows, self._buffered = self._buffer, [], 0, 0
+        self._merge(*_table(np.concatenate([v for v, _ in buffer]), np.concatenate([c for _, c in buffer])))
 
     def _merge(self, v: np.ndarray, c: np.ndarray) -> None:
         """Add the table (v distinct ascending, c counts) to this one."""
         if len(self._values):
-            v, inv = np.unique(np.concatenate([self._values, v]), return_inverse=True)
-            c = np.bincount(inv, np.concatenate([self._counts, c]).astype(np.float64), len(v)).astype(np.int64)
+            v, c = _table(np.concatenate([self._values, v]), np.concatenate([self._counts, c]))
         self._values, self._counts = v, c
 
     def absorb(self, other: "GapCounts") -> None:
@@ -171,6 +186,27 @@ class GapCounts:
         out = np.add(a, diff * gamma)
         np.subtract(b, diff * (1 - gamma), out=out, where=gamma >= 0.5, casting="unsafe", dtype=type(out.dtype))
         return [float(x) for x in out]
+
+
+def _sorted_table(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct values, how many of each) of sorted `s`; NaNs (sorted last) count as one value, as
+    np.unique counts them."""
+    new = np.empty(len(s), bool)
+    new[:1] = True
+    np.not_equal(s[1:], s[:-1], out=new[1:])
+    if len(s) and s[-1] != s[-1]:
+        new[int(np.searchsorted(s, np.nan)) + 1:] = False
+    first = np.flatnonzero(new)
+    return s[first], np.diff(first, append=len(s))
+
+
+def _table(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct values ascending, their summed counts) of values with counts. A stable sort: the
+    concatenated tables it mostly sees are ascending runs, which it merges."""
+    order = np.argsort(values, kind="stable")
+    s = values[order]
+    v, n = _sorted_table(s)
+    return v, np.add.reduceat(counts[order], np.cumsum(n) - n) if len(v) else counts[:0]
 
 
 _REASONS = (None, "length", "stop", "aborted", "rejected")
@@ -218,11 +254,23 @@ class RequestResults:
         out.add(range(len(requests)), requests)
         return out
 
+    TOKENS = 1 << 18  # token times folded at once: bounds the few temporaries of that size
+
     def add(self, rows: Sequence[int], requests: Sequence[Request]) -> None:
-        """Requests (ended, or the run is over) into rows `rows`."""
+        """Requests (ended, or the run is over) into rows `rows`; in groups of about TOKENS token times,
+        so that folding thousands of requests at once (a run's end) needs little memory."""
         if not len(requests):
             return
         idx = np.fromiter(rows, np.intp, len(requests))
+        ends = np.cumsum(np.fromiter((len(r.token_times) for r in requests), np.int64, len(requests)))
+        start = 0
+        while start < len(requests):
+            done = int(ends[start - 1]) if start else 0
+            end = max(int(np.searchsorted(ends, done + self.TOKENS, side="right")), start + 1)
+            self._add(idx[start:end], requests[start:end])
+            start = end
+
+    def _add(self, idx: np.ndarray, requests: Sequence[Request]) -> None:
         codes = np.array([_REASONS.index(None if r.finish_reason is None else r.finish_reason.value)
                           for r in requests], np.int8)
         done = (codes == 1) | (codes == 2)

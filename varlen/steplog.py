@@ -1,7 +1,8 @@
 """The engine's per-step log: one StepRecord per step, a run of repeating pure-decode steps (the
 simulator's fast-forward) as one compact DecodeRun. It reads as a sequence of StepRecords; columns()
-gives the metrics' per-step arrays without expanding runs. StepLog(keep=False) keeps only those
-columns (64 bytes a step): the entries are folded into arrays every HOLD batch members and steps,
+gives the metrics' per-step arrays without expanding runs. StepLog(keep=False) keeps only the
+columns the summary and kv_usage.csv read (columns(tokens=False), 32 bytes a step: the counts as
+int32 where they fit): the entries are folded into arrays every HOLD batch members and steps,
 handed to `sink` (steps.csv written as the run goes) and dropped.
 """
 
@@ -117,7 +118,7 @@ class StepLog:
         if self.keep or not self.entries:
             return
         chunks = self._chunks
-        chunks.append(self._compute_columns(True))
+        chunks.append(_narrow(self._compute_columns(False)))
         if len(chunks) - self._joined >= JOIN:
             last = chunks[self._joined:]
             chunks[self._joined:] = [{k: np.concatenate([c[k] for c in last]) for k in last[0]}]
@@ -134,7 +135,7 @@ class StepLog:
         logs = list(logs)
         if not all(log.keep for log in logs):  # columns only: theirs, end to end
             out = cls(keep=False)
-            out._chunks = [log.columns() for log in logs]
+            out._chunks = [log.columns(tokens=False) for log in logs]
             out._len = sum(len(log) for log in logs)
             return out
         out = cls(e for log in logs for e in log.entries)
@@ -177,9 +178,14 @@ class StepLog:
         return self._len > 0
 
     def columns(self, tokens: bool = True) -> dict[str, np.ndarray]:
-        """Per-step read-only arrays as read off the records; tokens=False leaves out the token sums."""
+        """Per-step read-only arrays as read off the records; tokens=False leaves out the token sums
+        (which a StepLog(keep=False) does not keep)."""
         n_entries = len(self.entries)
         want = tokens
+        if tokens and not self.keep:
+            raise RuntimeError("this step log kept the metrics' columns only (StepLog(keep=False)), not the token "
+                               "sums; read columns(tokens=False), or keep the records with StepLog(keep=True) "
+                               "(sim.run: output.token_times=true)")
         if self._columns is None or self._columns_at != self._appends or (tokens and not self._columns_tokens):
             parts = self._parts
             if (parts and sum(n for _, n in parts) == n_entries
@@ -187,10 +193,14 @@ class StepLog:
                 cols = [log.columns(tokens) for log, _ in parts]
                 self._columns = {k: np.concatenate([c[k] for c in cols]) for k in cols[0]}
             elif not self.keep:
-                tokens = True  # the folded chunks have every column
-                chunks = self._chunks + ([self._compute_columns(True)] if self.entries else [])
-                self._columns = ({k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]} if len(chunks) > 1
-                                 else dict(chunks[0]) if chunks else self._compute_columns(True))
+                if len(self._chunks) > 1:  # joined once, in place: the log holds one copy of its columns
+                    chunks = self._chunks
+                    self._chunks = [{k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}]
+                    self._joined = 1
+                rest = [_narrow(self._compute_columns(False))] if self.entries or not self._chunks else []
+                both = self._chunks + rest
+                self._columns = {k: np.concatenate([c[k] for c in both]) for k in both[0]} if len(both) > 1 \
+                    else dict(both[0])
             else:
                 self._columns = self._compute_columns(tokens)
             for a in self._columns.values():
@@ -263,6 +273,19 @@ class StepLog:
         cols.update(kv_reserved_slots=np.array(reserved, i64), kv_live_tokens=live,
                     num_waiting=np.array(waiting, i64)[per_step])
         return cols
+
+
+#: Counts a StepLog(keep=False) keeps as int32 where every value fits (half the memory of int64).
+_COUNTS = ("num_seqs", "kv_reserved_slots", "kv_live_tokens", "num_waiting")
+_I32 = np.iinfo(np.int32)
+
+
+def _narrow(cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    for k in _COUNTS:
+        a = cols[k]
+        if not len(a) or (int(a.min()) >= _I32.min and int(a.max()) <= _I32.max):
+            cols[k] = a.astype(np.int32)
+    return cols
 
 
 def step_columns(steps: StepLog | Iterable[StepRecord], tokens: bool = True) -> dict[str, np.ndarray]:

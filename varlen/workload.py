@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence, overload
 
 import numpy as np
 
@@ -19,22 +19,81 @@ RENAMED = {"target_rate": "rate", "num_requests": "limit"}
 
 
 def trace_requests(trace: Trace, vocab_size: int, sampling: SamplingParams, offline: bool = False,
-                   token_ids: bool = True) -> list[Request]:
+                   token_ids: bool = True, lazy: bool = False) -> "list[Request] | TraceRequests":
     """One Request per trace entry, max_tokens its output length. token_ids=False: zero prompts,
-    enough for a simulation without prefix caching and far cheaper than synthesised tokens."""
-    reqs = []
-    # Views of one read-only zero array, one SamplingParams per output length: a whole trace loads fast.
-    zeros = np.zeros(0 if token_ids else max((tr.prompt_len for tr in trace.requests), default=0), dtype=np.int64)
-    zeros.flags.writeable = False
-    params: dict[int, SamplingParams] = {}
-    for i, tr in enumerate(trace.requests):
-        prompt = synth_prompt_tokens(tr, vocab_size) if token_ids else zeros[:tr.prompt_len]
-        sp = params.get(tr.output_len)
+    enough for a simulation without prefix caching and far cheaper than synthesised tokens.
+    lazy: a TraceRequests, each request built when it is first read (a simulation's arrivals)."""
+    reqs = TraceRequests(trace, vocab_size, sampling, offline, token_ids)
+    return reqs if lazy else [reqs.build(i) for i in range(len(reqs))]
+
+
+class TraceRequests(Sequence[Request]):
+    """A trace's requests as columns, each Request built when first read and kept until `release`d:
+    a simulation that releases ended requests (sim/release.py) holds those in flight, not every
+    request of the trace. Reads as a sequence of the Requests trace_requests would build."""
+
+    def __init__(self, trace: Trace, vocab_size: int, sampling: SamplingParams, offline: bool = False,
+                 token_ids: bool = True) -> None:
+        rows = trace.requests
+        n = len(rows)
+        #: Each request's arrival (s), in the trace's order.
+        self.arrivals = np.zeros(n) if offline else np.fromiter((r.arrival_s for r in rows), np.float64, n)
+        self._prompt = np.fromiter((r.prompt_len for r in rows), np.int64, n)
+        self._output = np.fromiter((r.output_len for r in rows), np.int64, n)
+        self._ids = [r.req_id or str(i) for i, r in enumerate(rows)]
+        self._rows = rows if token_ids else None  # synthesised prompts read the rows (Mooncake's hash ids)
+        self._vocab_size, self._sampling = vocab_size, sampling
+        # Views of one read-only zero array, one SamplingParams per output length: a whole trace loads fast.
+        self._zeros = np.zeros(0 if token_ids else int(self._prompt.max(initial=0)), dtype=np.int64)
+        self._zeros.flags.writeable = False
+        self._params: dict[int, SamplingParams] = {}
+        self._made: dict[int, Request] = {}
+        self._released = np.zeros(n, bool)
+        self._placeholder: Request | None = None
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def build(self, i: int) -> Request:
+        """Request `i`, newly built (not kept)."""
+        out = int(self._output[i])
+        sp = self._params.get(out)
         if sp is None:
-            sp = params[tr.output_len] = dataclasses.replace(sampling, max_tokens=tr.output_len)
-        reqs.append(Request(tr.req_id or str(i), prompt, sp, arrival=0.0 if offline else tr.arrival_s,
-                            expected_output_len=tr.output_len))
-    return reqs
+            sp = self._params[out] = dataclasses.replace(self._sampling, max_tokens=out)
+        rows = self._rows
+        prompt = synth_prompt_tokens(rows[i], self._vocab_size) if rows is not None else \
+            self._zeros[:int(self._prompt[i])]
+        return Request(self._ids[i], prompt, sp, arrival=float(self.arrivals[i]), expected_output_len=out)
+
+    @overload
+    def __getitem__(self, i: int) -> Request: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Request]: ...
+
+    def __getitem__(self, i: int | slice) -> Request | list[Request]:
+        r = self._made.get(i) if type(i) is int else None  # a request in flight: read twice or more
+        if r is not None:
+            return r
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self._ids)
+        if not -n <= i < n:
+            raise IndexError(f"request {i} out of range ({n} requests)")
+        i = int(i) % n
+        r = self._made.get(i)
+        if r is None:
+            if self._released[i]:
+                assert self._placeholder is not None
+                return self._placeholder
+            r = self._made[i] = self.build(i)
+        return r
+
+    def release(self, i: int, placeholder: Request) -> None:
+        """Request `i` dropped (its figures are kept elsewhere); reads of it give `placeholder` from now on."""
+        self._made.pop(i, None)
+        self._released[i] = True
+        self._placeholder = placeholder
 
 
 def load_workload(cfg: Mapping[str, Any]) -> tuple[Trace | None, dict[str, Any]]:

@@ -95,7 +95,7 @@ def test_memory_estimate_grows_with_requests_and_output():
 
 # Peak RSS a request added, measured by benchmarks/sim_memory_fit.py on this code (one replica, 4
 # req/s, prompts uniform:128:2048, mean 1,088): (output.token_times, output tokens) -> bytes.
-MEASURED_BYTES_PER_REQUEST = {(False, 16): 2_994, (False, 512): 7_142, (True, 16): 5_881, (True, 512): 31_242}
+MEASURED_BYTES_PER_REQUEST = {(False, 16): 2_175, (False, 512): 4_868, (True, 16): 5_947, (True, 512): 22_984}
 
 
 @pytest.mark.parametrize("token_times, output", list(MEASURED_BYTES_PER_REQUEST))

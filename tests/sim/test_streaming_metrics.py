@@ -47,16 +47,30 @@ def test_gap_table_from_timelines_counts_every_gap_as_the_plain_gaps_do(picks, g
     whole timelines) gives the table of the plain gaps, whatever the timelines: steps skipped, times
     repeated or out of order."""
     lines = [[grid[k] for k in (sorted(p) if ascending else p)] for p in picks]
-    g, want = GapCounts(), GapCounts()
-    g.FOLD, g.CHUNK = fold, chunk
-    g.add_timelines(np.array([t for line in lines for t in line], np.float64), np.array([len(x) for x in lines]))
+    want = GapCounts()
     for line in lines:
         want.add(np.diff(np.array(line, np.float64)))
-    assert len(g) == len(want) == sum(max(len(x) - 1, 0) for x in lines)
-    (v, c), (wv, wc) = g.table(), want.table()
-    assert np.array_equal(v, wv, equal_nan=True) and np.array_equal(c, wc)
-    qs = [0, 50, 90, 99, 100]
-    assert np.array_equal(g.percentiles(qs), want.percentiles(qs), equal_nan=True)
+    everything = np.concatenate([np.diff(np.array(line, np.float64)) for line in lines])
+    for walk in (True, False):  # shared times walked (until a chunk mostly leaves the walk), or gaps sorted
+        g = GapCounts()
+        g.FOLD, g.CHUNK, g.walk = fold, chunk, walk
+        g.add_timelines(np.array([t for line in lines for t in line], np.float64), np.array([len(x) for x in lines]))
+        assert len(g) == len(want) == sum(max(len(x) - 1, 0) for x in lines)
+        (v, c), (wv, wc) = g.table(), want.table()
+        assert np.array_equal(v, wv, equal_nan=True) and np.array_equal(c, wc)
+        qs = [0, 50, 90, 99, 100]
+        assert np.array_equal(g.percentiles(qs), want.percentiles(qs), equal_nan=True)
+        plain = [float(x) for x in np.percentile(everything, qs)] if len(everything) else [float("nan")] * len(qs)
+        assert np.array_equal(g.percentiles(qs), plain, equal_nan=True)  # the plain computation, not the table only
+
+
+def test_gap_table_walks_shared_times_until_the_timelines_interleave():
+    one = GapCounts()  # one replica: every request's times are neighbouring step times
+    one.add_timelines(np.array([0.0, 1.0, 2.0, 0.0, 1.0, 2.0, 3.0]), np.array([3, 4]))
+    assert one.walk and one.table()[0].tolist() == [1.0] and one.table()[1].tolist() == [5]
+    two = GapCounts()  # two replicas' steps interleaved: each timeline skips the other's times
+    two.add_timelines(np.array([0.0, 1.0, 2.0, 0.5, 1.5, 2.5]), np.array([3, 3]))
+    assert not two.walk and two.table()[1].tolist() == [4]
 
 
 def _run(overrides: list[str], token_times: bool, tmp_path=None):
@@ -155,16 +169,31 @@ def test_column_only_step_log_folds_as_it_goes_into_the_same_columns():
     for e in _entries(900):
         log.append(e)
     assert len(log.entries) < 300 and len(log) == len(kept)  # folded as it went
-    cols, want = log.columns(), kept.columns()
+    cols, want = log.columns(tokens=False), kept.columns(tokens=False)
     assert cols.keys() == want.keys()
     for k in want:
         np.testing.assert_array_equal(cols[k], want[k])
+    assert cols["num_seqs"].dtype == np.int32 and cols["start"].dtype == np.float64  # counts kept compact
+    assert len(log._chunks) == 1  # the folds joined in place by columns(): the log holds one copy
     log.flush()
     assert seen == kept.entries and log.entries == []  # the sink saw every entry, in order
+    for k, v in log.columns(tokens=False).items():
+        np.testing.assert_array_equal(v, want[k])
     with pytest.raises(RuntimeError, match="output.token_times=true"):
         list(log)
+    with pytest.raises(RuntimeError, match="token sums"):  # not kept: columns only the metrics read
+        log.columns()
     both = StepLog.concat([log, StepLog(keep=False)])
-    np.testing.assert_array_equal(both.columns()["start"], want["start"])
+    np.testing.assert_array_equal(both.columns(tokens=False)["start"], want["start"])
+
+
+def test_column_only_step_log_keeps_counts_that_do_not_fit_int32_as_int64():
+    big = StepRecord(0, 0.0, 0.5, ["a"], [1], [0], 0, 2**40, 10, 1, 1, 1)
+    log = StepLog([big, StepRecord(1, 0.5, 0.5, ["a"], [1], [1], 0, 7, 11, 0, 1, 1)], keep=False)
+    log.flush()
+    c = log.columns(tokens=False)
+    assert c["kv_reserved_slots"].dtype == np.int64 and c["kv_reserved_slots"].tolist() == [2**40, 7]
+    assert c["num_seqs"].dtype == np.int32
 
 
 @pytest.mark.parametrize("key", ["token_times", "timeline"])
@@ -175,3 +204,43 @@ def test_a_bad_token_level_switch_is_one_line(key):
         cfg = compose("sim", overrides=["workload.limit=5", f"output.{key}=3"])
     with pytest.raises(SettingError, match=f"output.{key}=3: give true or false"):
         _simulate_paused(cfg, None, False)
+
+
+def _ended(n: int, tokens: int, seed: int = 0) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for i in range(n):
+        r = Request(f"r{i}", [0] * 4, arrival=float(i))
+        k = int(rng.integers(0, tokens + 1))
+        r.token_times += np.cumsum(rng.choice([0.25, 0.5, 2.0], k)).tolist()
+        r.output_token_ids += [1] * k
+        r.finish(FinishReason.LENGTH if i % 7 else FinishReason.ABORTED, r.token_times[-1] if k else 0.0)
+        reqs.append(r)
+    return reqs
+
+
+def test_request_results_fold_in_groups_of_token_times_into_the_same_rows():
+    reqs = _ended(60, 40)
+    whole, grouped = RequestResults(60), RequestResults(60)
+    whole.TOKENS, grouped.TOKENS = 10**9, 7
+    whole.add(range(60), reqs)
+    grouped.add(range(60), reqs)
+    for k in RequestResults._ARRAYS:
+        assert np.array_equal(getattr(whole, k), getattr(grouped, k), equal_nan=getattr(whole, k).dtype.kind == "f"), k
+    assert whole.req_id == grouped.req_id
+    (v, c), (wv, wc) = grouped.itl.table(), whole.itl.table()
+    assert np.array_equal(v, wv) and np.array_equal(c, wc) and len(grouped.itl) == len(whole.itl)
+
+
+def test_folding_many_ended_requests_at_once_needs_memory_for_a_group_only():
+    import tracemalloc
+
+    reqs = _ended(3000, 1200)  # ~1.8M token times: ~14 MB an array of them all
+    res = RequestResults(3000)
+    tracemalloc.start()
+    try:
+        res.add(range(3000), reqs)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 25e6 and res.filled.all()  # all at once: ~40 MB
