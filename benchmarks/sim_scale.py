@@ -1,12 +1,13 @@
 """Simulator scale: wall time, requests/s and peak memory as the fleet grows (issue 26's grid).
 
-    python benchmarks/sim_scale.py [--quick] [--time-limit 600] [--capacity R] [--points 10000x1,100000x10]
+    python benchmarks/sim_scale.py [--quick] [--time-limit 600] [--capacity R] [--points 10000x1,100000x100x4]
 
 Synthetic requests (the default lengths) on `replicas` replicas of Llama-3-8B on an H100, chunked
 policy, `least_outstanding` routing, arriving at 80% of the fleet's capacity: 0.8 x replicas x one
 replica's sustainable rate at the default SLOs (found first by sim.capacity's bisection on 2,000
 requests, or given with --capacity). The grid: requests {10k, 100k, 1M} x replicas {1, 10, 100},
-plus 1,000 replicas at 1M; --quick runs 10k x {1, 10, 100} only. Each point is its own process
+plus 1,000 replicas at 1M, plus 1M on 100 replicas split into 4 cells (cluster.cells=4, 25 replicas
+each, simulated one after another in the process: cells_on=local, or --cells-on ray); --quick runs 10k x {1, 10, 100} only. Each point is its own process
 (peak memory is the process's own getrusage), stopped after --time-limit seconds. A point whose
 estimated memory (sim/memory.py's per-request estimate plus the replicas' engines) exceeds the
 memory available is skipped with the estimate, before it starts; one the child's own memory guard
@@ -31,8 +32,9 @@ from pathlib import Path
 # This checkout's packages, not an installed one's: run from a worktree, time that worktree's code.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-GRID = [(n, r) for n in (10_000, 100_000, 1_000_000) for r in (1, 10, 100)] + [(1_000_000, 1000)]
-QUICK = [(10_000, r) for r in (1, 10, 100)]
+GRID = ([(n, r, 1) for n in (10_000, 100_000, 1_000_000) for r in (1, 10, 100)]
+        + [(1_000_000, 1000, 1), (1_000_000, 100, 4)])
+QUICK = [(10_000, r, 1) for r in (1, 10, 100)]
 LOAD = 0.8
 VIDUR = "Vidur: 330-455 requests/s of wall time on this machine (issue 26, whole Azure conversation trace)"
 # Resident bytes one replica's engine holds before any request (its KV allocator's tables; the
@@ -60,9 +62,11 @@ def estimate_bytes(requests: int, replicas: int) -> float:
     return BASE_BYTES + requests * per + replicas * BYTES_PER_REPLICA
 
 
-def overrides(requests: int, replicas: int, rate: float) -> list[str]:
+def overrides(requests: int, replicas: int, rate: float, cells: int = 1, cells_on: str = "local") -> list[str]:
+    """replicas: the whole fleet's; with cells > 1 each cell gets replicas / cells of them."""
+    split = [f"cluster.cells={cells}", f"cluster.cells_on={cells_on}"] if cells > 1 else []
     return ["workload=synthetic", f"workload.limit={requests}", f"workload.rate={rate}",
-            f"cluster.replicas={replicas}", "cluster.router=least_outstanding", "output.requests=false"]
+            f"cluster.replicas={replicas // cells}", "cluster.router=least_outstanding", "output.requests=false", *split]
 
 
 def child(args: argparse.Namespace) -> None:
@@ -74,7 +78,7 @@ def child(args: argparse.Namespace) -> None:
     from varlen.compiled import status
 
     with initialize_config_dir(CONF, version_base="1.3"):
-        cfg = compose("sim", overrides=overrides(args.requests, args.replicas, args.rate))
+        cfg = compose("sim", overrides=overrides(args.requests, args.replicas, args.rate, args.cells, args.cells_on))
     try:
         _, row = simulate_config(cfg)
     except SettingError as e:
@@ -102,14 +106,15 @@ def one_replica_capacity() -> float:
     return best
 
 
-def run_point(requests: int, replicas: int, rate: float, limit_s: float) -> dict:
+def run_point(requests: int, replicas: int, rate: float, limit_s: float, cells: int = 1,
+              cells_on: str = "local") -> dict:
     from sim.memory import available_bytes
 
     need, have = estimate_bytes(requests, replicas), available_bytes()
     if have is not None and need > have:
         return {"status": f"skipped: needs an estimated {need / 1e9:.1f} GB, {have / 1e9:.1f} GB available"}
     cmd = [sys.executable, __file__, "--child", "--requests", str(requests), "--replicas", str(replicas),
-           "--rate", repr(rate)]
+           "--rate", repr(rate), "--cells", str(cells), "--cells-on", cells_on]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s, env=os.environ)
@@ -123,10 +128,26 @@ def run_point(requests: int, replicas: int, rate: float, limit_s: float) -> dict
     return {"status": "ok", "wall_s": wall, **json.loads(proc.stdout.splitlines()[-1])}
 
 
+def parse_point(text: str) -> tuple[int, int, int]:
+    """'REQUESTSxREPLICAS[xCELLS]' -> (requests, replicas, cells); one line naming the fix if malformed."""
+    parts = text.strip().split("x")
+    try:
+        n, r, c = (*(int(x) for x in parts), 1)[:3] if len(parts) in (2, 3) else (0, 0, 0)
+    except ValueError:
+        n = r = c = 0
+    if min(n, r, c) < 1 or r % c:
+        raise SystemExit(f"--points: {text!r} is not REQUESTSxREPLICAS[xCELLS] with positive integers and replicas a "
+                         f"multiple of cells (e.g. 1000000x100x4)")
+    return n, r, c
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="10k requests on 1, 10 and 100 replicas only")
-    p.add_argument("--points", help="requests x replicas, comma-separated (e.g. 10000x1,100000x10)")
+    p.add_argument("--points", help="requests x replicas [x cells], comma-separated (e.g. 10000x1,1000000x100x4); "
+                   "replicas count the whole fleet, split evenly over the cells")
+    p.add_argument("--cells-on", choices=("local", "ray"), default="local",
+                   help="where a point with cells simulates them (cluster.cells_on; default local: one after another)")
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds per point before it is stopped")
     p.add_argument("--capacity", type=float, help="one replica's capacity in req/s (default: found by bisection)")
     p.add_argument("--azure", action="store_true", help="also the whole Azure conversation trace, python -m sim.run "
@@ -135,28 +156,28 @@ def main() -> None:
     p.add_argument("--requests", type=int, help=argparse.SUPPRESS)
     p.add_argument("--replicas", type=int, help=argparse.SUPPRESS)
     p.add_argument("--rate", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--cells", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child(args)
-    points = ([tuple(int(x) for x in s.split("x")) for s in args.points.split(",")] if args.points
-              else QUICK if args.quick else GRID)
+    points = [parse_point(s) for s in args.points.split(",")] if args.points else QUICK if args.quick else GRID
     if args.azure:  # first: its child's peak is then the only one getrusage(RUSAGE_CHILDREN) has seen
         azure_row()
     cap = args.capacity if args.capacity else one_replica_capacity()
     print(f"one replica of Llama-3-8B on H100 (chunked, default SLOs): {cap:.3g} req/s; "
           f"each point at {LOAD:.0%} of replicas x that")
-    print(f"{'requests':>9} {'replicas':>8} {'rate':>8} {'wall s':>8} {'loop s':>8} {'CPU s':>7} "
+    print(f"{'requests':>9} {'replicas':>8} {'cells':>5} {'rate':>8} {'wall s':>8} {'loop s':>8} {'CPU s':>7} "
           f"{'req/s':>8} {'loop req/s':>10} {'req/CPU s':>9} {'peak MB':>8} {'SLO att.':>8}  status", flush=True)
     core = None
-    for requests, replicas in points:
+    for requests, replicas, cells in points:
         rate = LOAD * replicas * cap
-        r = run_point(requests, replicas, rate, args.time_limit)
+        r = run_point(requests, replicas, rate, args.time_limit, cells, args.cells_on)
         core = r.get("core", core)
         if r["status"] != "ok":
-            print(f"{requests:>9} {replicas:>8} {rate:>8.4g}  {r['status']}", flush=True)
+            print(f"{requests:>9} {replicas:>8} {cells:>5} {rate:>8.4g}  {r['status']}", flush=True)
             continue
         att = r["slo_attainment"]
-        print(f"{requests:>9} {replicas:>8} {rate:>8.4g} {r['wall_s']:>8.2f} {r['loop_s']:>8.2f} {r['cpu_s']:>7.2f} "
+        print(f"{requests:>9} {replicas:>8} {cells:>5} {rate:>8.4g} {r['wall_s']:>8.2f} {r['loop_s']:>8.2f} {r['cpu_s']:>7.2f} "
               f"{requests / r['wall_s']:>8.0f} {requests / r['loop_s']:>10.0f} {requests / r['cpu_s']:>9.0f} "
               f"{r['peak_mb']:>8.0f} "
               f"{att if att is None else f'{att:.1%}':>8}  ok", flush=True)
