@@ -84,6 +84,7 @@ class SchedulerPolicy(ABC):
         self.waiting: WaitingQueue = deque()
         self.running: list[Request] = []
         self._repeats = -1  # whether repeats_decode_batches is my class's own promise (-1: not checked yet)
+        self._own_grant = -1  # whether _grant is this class's (-1: not checked yet): decodes then granted in bulk
 
     @property
     def name(self) -> str:
@@ -142,14 +143,38 @@ class SchedulerPolicy(ABC):
 
     def _schedule_running(self, kv: KVAllocator, out: SchedulerOutput, budget: int) -> int:
         """Give every running request its next tokens, preempting when the pool is full."""
-        for req in list(self.running):
+        running = self.running
+        first = 0
+        refused: Request | None = None  # its allocation failed in bulk: not asked again before a preemption
+        if not out.preempted and budget > 0 and isinstance(kv, KVAllocator):
+            if self._own_grant < 0:
+                self._own_grant = int(type(self)._grant is SchedulerPolicy._grant)
+            if self._own_grant:
+                # The leading decodes, while the budget lasts, each granted one token (as _grant does) and
+                # allocated in bulk, in order, up to the first allocation that fails (the loop preempts).
+                limit = min(len(running), budget)
+                while first < limit:
+                    r = running[first]
+                    if r.num_prompt_tokens + len(r.output_token_ids) - r.num_computed_tokens != 1:
+                        break
+                    first += 1
+                if first:
+                    got = kv.allocate_decodes(running, first)
+                    if got < first:
+                        refused = running[got]
+                    first = got
+                    out.scheduled.extend([(r, 1) for r in running[:first]])
+                    budget -= first
+        for req in running[first:] if first else list(running):
             # Preempted as a victim earlier in this loop (out.preempted is short; `running` is not).
             if out.preempted and req in out.preempted:
                 continue
             n = self._grant(req, budget)
             if n == 0:
                 continue
-            while not kv.allocate(req, req.num_computed_tokens + n):
+            failed = req is refused
+            while failed or not kv.allocate(req, req.num_computed_tokens + n):
+                failed = False
                 victim = next(v for v in self.victim_order() if v not in (r for r, _ in out.scheduled))
                 self._preempt(victim, kv, out)
                 if victim is req:

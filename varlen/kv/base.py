@@ -85,6 +85,15 @@ class KVAllocator(ABC):
         bs = self.block_size
         return KVUsage(self.live_tokens, (self.num_blocks - free_blocks) * bs, free_blocks * bs, self.num_blocks * bs)
 
+    def allocate_decodes(self, reqs: list[Request], num: int) -> int:
+        """allocate(r, r.num_computed_tokens + 1) for reqs[0], reqs[1], ... in order, up to `num` of them,
+        stopping at the first that fails: how many succeeded (a policy scheduling its decodes)."""
+        for p in range(num):
+            r = reqs[p]
+            if not self.allocate(r, r.num_computed_tokens + 1):
+                return p
+        return num
+
     def decode_steps_fit(self, reqs: Sequence[Request], counts: Sequence[int], num_steps: int) -> int:
         """How many of the next `num_steps` decode steps of `reqs` (allocate(reqs[p], counts[p] + j + 1)
         for step j) certainly succeed, asked without side effects; 0 when the allocator cannot tell."""

@@ -106,6 +106,36 @@ class PagedAllocator(KVAllocator):
         self._register_full_blocks(req, num_tokens)
         return True
 
+    def allocate_decodes(self, reqs: list[Request], num: int) -> int:
+        cls = type(self)
+        if (cls.allocate is not PagedAllocator.allocate or cls._record_count is not KVAllocator._record_count
+                or cls._register_full_blocks is not PagedAllocator._register_full_blocks):
+            return KVAllocator.allocate_decodes(self, reqs, num)  # a subclass's own: called as it is
+        # allocate() inlined for a decode whose table has room (it only records its count) and, without
+        # prefix caching, for one that takes the stack's top block.
+        bs, tables, counts, caching = self.block_size, self.tables, self.num_tokens, self.enable_prefix_caching
+        plain, rc = self.free_plain, self.ref_count
+        for p in range(num):
+            r = reqs[p]
+            rid = r.req_id
+            m = r.num_computed_tokens + 1
+            table = tables.get(rid)
+            if table is None or m > len(table) * bs:
+                if table is None or caching or not plain or m > (len(table) + 1) * bs:
+                    if not self.allocate(r, m):
+                        return p
+                    continue
+                b = plain.pop()
+                rc[b] = 1
+                table.append(b)
+            had = counts.get(rid, 0)
+            if m > had:
+                counts[rid] = m
+                self.live_tokens += m - had
+            if caching:
+                self._register_full_blocks(r, m)
+        return num
+
     def next_allocation_event(self, req: Request, num_tokens: int) -> int:
         bs = self.block_size
         held = max(len(self.tables.get(req.req_id, ())), -(-num_tokens // bs))
