@@ -149,7 +149,8 @@ def main() -> None:
     p.add_argument("--cells-on", choices=("local", "ray"), default="local",
                    help="where a point with cells simulates them (cluster.cells_on; default local: one after another)")
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds per point before it is stopped")
-    p.add_argument("--capacity", type=float, help="one replica's capacity in req/s (default: found by bisection)")
+    p.add_argument("--capacity", type=float, help="one replica's capacity in req/s (default: found by bisection, "
+                   "~7 s); a given one is not checked")
     p.add_argument("--azure", action="store_true", help="also the whole Azure conversation trace, python -m sim.run "
                    "start to exit")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -164,7 +165,9 @@ def main() -> None:
     if args.azure:  # first: its child's peak is then the only one getrusage(RUSAGE_CHILDREN) has seen
         azure_row()
     cap = args.capacity if args.capacity else one_replica_capacity()
-    print(f"one replica of Llama-3-8B on H100 (chunked, default SLOs): {cap:.3g} req/s; "
+    src = "given with --capacity, not checked: a stale figure puts every point at another load" if args.capacity \
+        else "sim.capacity's bisection on 2,000 requests"
+    print(f"one replica of Llama-3-8B on H100 (chunked, default SLOs): {cap:.3g} req/s ({src}); "
           f"each point at {LOAD:.0%} of replicas x that")
     print(f"{'requests':>9} {'replicas':>8} {'cells':>5} {'rate':>8} {'wall s':>8} {'loop s':>8} {'CPU s':>7} "
           f"{'req/s':>8} {'loop req/s':>10} {'req/CPU s':>9} {'peak MB':>8} {'SLO att.':>8}  status", flush=True)
