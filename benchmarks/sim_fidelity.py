@@ -273,10 +273,10 @@ class MeasuredProfiler:
         self.rows: list = []
 
     def between_runs(self, i: int) -> None:
-        from sim.profile import profile_attention, profile_engine, profile_model, write_table
+        from sim.profile import DEFAULT_TOKENS, profile_attention, profile_engine, profile_model, write_table
 
         if i == 0:
-            tokens = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+            tokens = tuple(t for t in DEFAULT_TOKENS if t <= 512)  # sim.profile's, to the budget's range
             write_table(profile_model(self.folder, tokens, 7), self.root, "cpu_2core", "m")
             write_table(profile_attention(self.folder, self.backend, 7), self.root, "cpu_2core", "m", "attention")
         self.rows += profile_engine(self.folder, self.backend, 3)

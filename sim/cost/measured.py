@@ -140,7 +140,8 @@ class MeasuredCostModel(CostModel):
             self._o0, self._o1, self._o2 = c["const_ms"] * 1e-3, c["per_seq_ms"] * 1e-3, c["per_prefill_ms"] * 1e-3
             self.overhead_s = self._o0
             overhead = (f"overhead: the engine's, profiled ({prof_ov[0]}): {c['const_ms']:.3g} ms per step + "
-                        f"{c['per_seq_ms']:.3g} ms per request + {c['per_prefill_ms']:.3g} ms per prefill")
+                        f"{c['per_seq_ms']:.3g} ms per request + {c['per_prefill_ms']:.3g} ms per prefill, "
+                        + ("greedy sampling" if c["temperature"] == 0 else f"sampling at temperature {c['temperature']:.3g}"))
             if gpu is not None and c["ops_scale"] != 1.0:
                 self._scale_operators(c["ops_scale"])
                 overhead += f"; operators x{c['ops_scale']:.3g} (the engine's steps over the tables' sum, profiled)"

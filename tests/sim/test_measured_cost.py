@@ -393,6 +393,11 @@ def test_profiled_engine_overhead_replaces_the_estimate(tmp_path: Path) -> None:
     (d / "overhead.csv").write_text("const_ms,per_seq_ms,per_prefill_ms,steps,step_mape_pct\n2.5,0.01,0.3,100,5\n")
     eng = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path)
     assert any(n.startswith("overhead: the engine's, profiled (meta-llama/Meta-Llama-3-8B): 2.5 ms") for n in eng.notes)
+    assert any("sampling at temperature 1" in n for n in eng.notes)  # written before the column: sampled at 1
+    (d / "overhead.csv").write_text("const_ms,per_seq_ms,per_prefill_ms,steps,step_mape_pct,temperature\n"
+                                    "2.5,0.01,0.3,100,5,0\n")
+    assert any("greedy sampling" in n for n in MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path).notes)
+    (d / "overhead.csv").write_text("const_ms,per_seq_ms,per_prefill_ms,steps,step_mape_pct\n2.5,0.01,0.3,100,5\n")
     new, cached = [300, 1, 1, 1], [0, 10, 20, 30]
     base, per_seq, per_prefill = plain.overhead_form  # the hardware's estimate, replaced
     want = 2.5e-3 + 4 * 0.01e-3 + 1 * 0.3e-3 - (base + 4 * per_seq + 1 * per_prefill)
@@ -594,3 +599,26 @@ def test_fused_add_norm_time_stays_positive_when_a_lone_add_times_slower() -> No
     times = sim.profile._time_in_step_order([ops, ops], 2, lambda: None, lambda: now[0])
     assert all(t > 0 for t in times["post_attention_layernorm"])
     assert times["add"] == pytest.approx([0.8, 0.8])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_engine_profile_samples_as_told_greedy_by_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                         temperature: float) -> None:
+    """The engine overhead is fitted on steps that sample as the simulated engine does: drawing from each
+    request's softmax costs per request what one argmax over the batch does not, and engine runs that
+    sampled at temperature 1 put it in the per-request overhead of a greedy engine's predicted steps."""
+    import sim.profile
+    from varlen.sampler import Sampler
+    from varlen.tiny_model import ensure_tiny_model
+
+    draws: list[int] = []
+    real = Sampler._sample_one
+    monkeypatch.setattr(Sampler, "_sample_one", lambda self, row, r: draws.append(1) or real(self, row, r))
+    monkeypatch.setattr(sim.profile, "ENGINE_BATCHES", ((2, 8, 3),))
+    kwargs = {} if temperature == 0 else {"temperature": temperature}
+    rows = sim.profile.profile_engine(ensure_tiny_model("qwen3"), "torch_sdpa", 3, **kwargs)
+    assert rows
+    assert (len(draws) > 0) == (temperature > 0)
+    fit = sim.profile.fit_engine_overhead(rows, json.loads((ensure_tiny_model("qwen3") / "config.json").read_text()),
+                                          "cpu_2core", tmp_path, temperature=temperature)
+    assert fit["temperature"] == temperature
