@@ -320,16 +320,23 @@ def fit_engine_overhead(rows: list[Any], config: dict[str, Any], gpu: str, out: 
     X = np.array([[1.0, len(r[0]), sum(1 for n in r[0] if n > 1)] for r in rows])
     op = np.array([ops.step_time(r[0], r[1], r[3]) for r in rows])
     real = np.array([r[2] for r in rows])
-    if scaled:
-        A = np.column_stack([op, X])
+    # Relative error, each step alike: in absolute terms the few long prompt steps (10x a decode) set
+    # the scale and the constant, and their few percent of noise lands on every short decode step.
+    w = 1.0 / np.maximum(real, 1e-12)
+
+    def nnls(A: Any, b: Any) -> Any:
+        A, b = A * w[:, None], b * w
         norms = np.linalg.norm(A, axis=0)
         norms[norms == 0] = 1.0
-        c = _nnls(A / norms, real) / norms
+        return _nnls(A / norms, b) / norms
+
+    if scaled:
+        c = nnls(np.column_stack([op, X]), real)
         scale, coef = float(c[0]), c[1:]
         if scale <= 0:  # the operators explain nothing here: keep them as timed
-            scale, coef = 1.0, _nnls(X, np.maximum(real - op, 0.0))
+            scale, coef = 1.0, nnls(X, np.maximum(real - op, 0.0))
     else:
-        scale, coef = 1.0, _nnls(X, np.maximum(real - op, 0.0))
+        scale, coef = 1.0, nnls(X, np.maximum(real - op, 0.0))
     pred = scale * op + X @ coef
     return {"const_ms": coef[0] * 1e3, "per_seq_ms": coef[1] * 1e3, "per_prefill_ms": coef[2] * 1e3,
             "ops_scale": scale, "steps": len(rows), "step_mape_pct": float(np.mean(np.abs(pred / real - 1)) * 100),
