@@ -385,7 +385,10 @@ def main() -> None:
                 profiler.between_runs(i)
         measured = profiler.model() if profiler is not None else None
     features = tuple(args.features.split(",")) if args.features else DEFAULT_FEATURES
-    drifted = {run: speed - 1.0 for run, speed in diagnose(runs, features).items() if abs(speed - 1.0) > 0.03}
+    speed = diagnose(runs, features)
+    typical = {label: np.median([speed[f"{label} #{i + 1}"] for i in range(len(rs))]) for label, rs in runs.items()}
+    drifted = {run: v / typical[run.split()[0]] - 1.0 for run, v in speed.items()
+               if abs(v / typical[run.split()[0]] - 1.0) > 0.03}
     tables = {"A -> B": predict(runs["A"], runs["B"], features, args.weighting),
               "B -> A": predict(runs["B"], runs["A"], features, args.weighting)}
     if measured is not None:
@@ -411,8 +414,8 @@ def main() -> None:
           + f" (goal <= 5%); worst real-vs-real noise on the same metrics: {out['noise %'].max():.1f}% "
           f"(farthest run), {out['noise MAD %'].max():.1f}% (median run)")
     for run in drifted:
-        print(f"  {run}: its decode steps ran {drifted[run]:+.1%} off the pooled fit of all runs (the machine, not "
-              "the schedule): the farthest-run noise includes it")
+        print(f"  {run}: its decode steps ran {drifted[run]:+.1%} off its slice's median run (against one model "
+              "fitted on all runs: the machine, not the schedule); the farthest-run noise includes it")
 
 if __name__ == "__main__":
     main()
