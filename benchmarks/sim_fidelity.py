@@ -311,6 +311,22 @@ class MeasuredProfiler:
         return cost
 
 
+def write_steps(path: str, runs: dict[str, list[RealRun]], profiler) -> None:
+    """Every step the figures rest on, one JSON object a line, for a look at any step kind afterwards."""
+    import json
+
+    from sim.cost.fitted import profile_rows
+
+    sources = [(f"{label} #{i + 1}", profile_rows(r.steps)) for label, rs in runs.items() for i, r in enumerate(rs)]
+    if profiler is not None:
+        sources.append(("sim.profile engine", profiler.rows))
+    with open(path, "w") as f:
+        for name, rows in sources:
+            for new, cached, t, logits in rows:
+                f.write(json.dumps({"run": name, "new": [int(x) for x in new], "cached": [int(x) for x in cached],
+                                    "s": t, "logits": logits}) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="50m",
@@ -334,6 +350,9 @@ def main() -> None:
                         "(operators, attention backend, engine overhead; no trace run)")
     p.add_argument("--no-warm", dest="warm", action="store_false",
                    help="warm up on one batch only, not on every step size (first uses then land in the timed runs)")
+    p.add_argument("--steps-out", default=None,
+                   help="write every real run's step rows (and sim.profile's engine rows with --measured) to this "
+                        "JSON-lines file: run, new and cached tokens per request, seconds, sampled rows")
     p.add_argument("--features", default=None,
                    help="comma-separated profiled-model features (default: sim.cost.fitted.DEFAULT_FEATURES)")
     args = p.parse_args()
@@ -384,6 +403,8 @@ def main() -> None:
             if profiler is not None:
                 profiler.between_runs(i)
         measured = profiler.model() if profiler is not None else None
+    if args.steps_out:
+        write_steps(args.steps_out, runs, profiler)
     features = tuple(args.features.split(",")) if args.features else DEFAULT_FEATURES
     speed = diagnose(runs, features)
     typical = {label: np.median([speed[f"{label} #{i + 1}"] for i in range(len(rs))]) for label, rs in runs.items()}
