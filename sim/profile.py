@@ -308,9 +308,10 @@ class _CpuClock:
 def fit_engine_overhead(rows: list[Any], config: dict[str, Any], gpu: str, out: Path,
                         scaled: bool = True, temperature: float = 0.0) -> dict[str, float]:
     """Per-step engine cost (const + per request + per prefill) the measured operators leave unexplained.
-    scaled: fitted with the operators' sum as one more feature (its coefficient, ops_scale, multiplies
-    every table): the tables and the engine runs are timed a minute apart, and a machine that ran one
-    faster than the other otherwise leaves the difference in the constant, different on every profile."""
+    scaled: fitted with the operators' sum as one more feature (its coefficient multiplies every table:
+    ops_scale in steps with a prompt chunk, decode_ops_scale in decode-only steps): the tables and the
+    engine runs are timed a minute apart, and a machine that ran one faster than the other otherwise
+    leaves the difference in the constant, different on every profile."""
     import numpy as np
 
     from sim.cost.fitted import _nnls
@@ -330,17 +331,26 @@ def fit_engine_overhead(rows: list[Any], config: dict[str, Any], gpu: str, out: 
         norms[norms == 0] = 1.0
         return _nnls(A / norms, b) / norms
 
+    # A scale for steps with a prompt chunk and one for decode-only steps: the tables time each operator
+    # alone, and a compute-bound chunk step and a weight-streaming decode step depart from that differently.
+    decode = X[:, 2] == 0
+    kinds = [m for m in (~decode, decode) if m.any()]
     if scaled:
-        c = nnls(np.column_stack([op, X]), real)
-        scale, coef = float(c[0]), c[1:]
-        if scale <= 0:  # the operators explain nothing here: keep them as timed
-            scale, coef = 1.0, nnls(X, np.maximum(real - op, 0.0))
+        c = nnls(np.column_stack([op * m for m in kinds] + [X]), real)
+        scales, coef = [float(x) for x in c[:len(kinds)]], c[len(kinds):]
+        if min(scales) <= 0:  # the operators explain nothing in a kind: one scale for all, as timed if none
+            c = nnls(np.column_stack([op, X]), real)
+            scales, coef = [float(c[0])] * len(kinds), c[1:]
+            if scales[0] <= 0:
+                scales, coef = [1.0] * len(kinds), nnls(X, np.maximum(real - op, 0.0))
     else:
-        scale, coef = 1.0, nnls(X, np.maximum(real - op, 0.0))
-    pred = scale * op + X @ coef
+        scales, coef = [1.0] * len(kinds), nnls(X, np.maximum(real - op, 0.0))
+    chunk_scale = scales[0] if (~decode).any() else scales[-1]
+    decode_scale = scales[-1] if decode.any() else scales[0]
+    pred = np.where(decode, decode_scale, chunk_scale) * op + X @ coef
     return {"const_ms": coef[0] * 1e3, "per_seq_ms": coef[1] * 1e3, "per_prefill_ms": coef[2] * 1e3,
-            "ops_scale": scale, "steps": len(rows), "step_mape_pct": float(np.mean(np.abs(pred / real - 1)) * 100),
-            "temperature": temperature}
+            "ops_scale": chunk_scale, "decode_ops_scale": decode_scale, "steps": len(rows),
+            "step_mape_pct": float(np.mean(np.abs(pred / real - 1)) * 100), "temperature": temperature}
 
 
 def _stats(ms: list[float]) -> dict[str, float]:
@@ -436,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
             fit = fit_engine_overhead(steps, json.loads((folder / "config.json").read_text()), gpu, Path(a.out),
                                       temperature=a.temperature)
             path = write_table([fit], Path(a.out), gpu, name, "overhead")
-            print(f"engine overhead from {fit['steps']} real steps: operators x{fit['ops_scale']:.3g} + "
+            print(f"engine overhead from {fit['steps']} real steps: operators x{fit['ops_scale']:.3g} "
+                  f"(decode-only steps x{fit['decode_ops_scale']:.3g}) + "
                   f"{fit['const_ms']:.3g} ms + {fit['per_seq_ms']:.3g} ms per request + {fit['per_prefill_ms']:.3g} ms "
                   f"per prefill (step MAPE {fit['step_mape_pct']:.1f}%) -> {path}")
     return 0

@@ -452,6 +452,34 @@ def test_engine_overhead_fit_scales_the_operators_when_the_engine_ran_slower_tha
         assert eng.step_time(n, c) == pytest.approx(engine(n, c), rel=1e-9)
 
 
+def test_engine_overhead_fit_scales_decode_only_steps_and_steps_with_a_prompt_chunk_apart(tmp_path: Path) -> None:
+    """Engine steps 1.05x the tables' operators when they only decode and 1.2x with a prompt chunk: the fit
+    finds both scales and the overhead, and the measured model built on it predicts each kind (one scale
+    for all left decodes ~5% slow or chunks ~10% fast, whichever the fit favoured)."""
+    from sim.profile import fit_engine_overhead, write_table
+
+    src = SHIPPED / "compute/a100/meta-llama/Meta-Llama-3-8B/mlp.csv.gz"
+    d = tmp_path / "compute/h200_sxm/meta-llama/Meta-Llama-3-8B"
+    d.mkdir(parents=True)
+    (d / "mlp.csv").write_bytes(gzip.decompress(src.read_bytes()))
+    ops = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path, overhead_s=0.0, engine_overhead=False)
+    steps = [([1] * b, [c] * b) for b in (1, 4, 16) for c in (100, 1000)] + [
+        ([64], [0]), ([512], [0]), ([2048], [0]), ([200, 1, 1], [0, 50, 60]), ([512], [1024]), ([128, 128], [0, 64])]
+
+    def engine(n: list[int], c: list[int]) -> float:
+        return (1.2 if max(n) > 1 else 1.05) * ops.step_time(n, c) + 2e-3 + 0.1e-3 * len(n)
+
+    fit = fit_engine_overhead([(n, c, engine(n, c), None) for n, c in steps], LLAMA3_8B, "h200_sxm", tmp_path)
+    assert (fit["ops_scale"], fit["decode_ops_scale"], fit["const_ms"], fit["per_seq_ms"]) == pytest.approx(
+        (1.2, 1.05, 2.0, 0.1), rel=1e-6)
+    write_table([fit], tmp_path, "h200_sxm", "m", "overhead")
+    eng = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path)
+    assert any("x1.2 in steps with a prompt chunk, x1.05 in decode-only steps" in n for n in eng.notes), eng.notes
+    for n, c in [*steps, ([1] * 32, [2048] * 32), ([300, 1], [0, 700])]:
+        assert eng.step_time(n, c) == pytest.approx(engine(n, c), rel=1e-9)
+    assert eng.decode_step_time(32)(32 * 2048) == eng.step_time([1] * 32, [2048] * 32)
+
+
 def test_engine_overhead_fit_weighs_each_step_alike(tmp_path: Path) -> None:
     """Two long prompt steps 10% off the form the fit can take (noise, or what the tables miss in them)
     do not set the short decode steps' prediction: fitted in absolute terms, their milliseconds
