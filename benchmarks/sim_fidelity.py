@@ -126,10 +126,11 @@ def real_run(label: str, model_dir: str, backend: str, treqs, args) -> RealRun:
                    eng.max_model_len, wall, busy, usage, sum(r.num_prefix_hit_tokens for r in reqs))
 
 
-def diagnose(runs: dict[str, list[RealRun]], features) -> None:
+def diagnose(runs: dict[str, list[RealRun]], features) -> dict[str, float]:
     """Where the real engine's run-to-run noise comes from: each run's step speed against one model
     fitted on every run (a run whose steps are all x% slow: the machine, not the schedule), whether
-    the run made the same batches as the slice's first run, and its CPU time, page faults, preemptions."""
+    the run made the same batches as the slice's first run, and its CPU time, page faults, preemptions.
+    Returns each run's median decode speed."""
     from sim.cost.fitted import ProfiledCostModel, profile_rows
     from sim.validate import batch_sequence, first_difference
 
@@ -151,6 +152,7 @@ def diagnose(runs: dict[str, list[RealRun]], features) -> None:
           "1.00 = the pooled average), the spread of its decode steps, whether it made the batches the "
           "slice's first run made, and the process's CPU time, page faults and involuntary preemptions")
     print(pd.DataFrame(table).T.to_string(float_format=lambda x: f"{x:.3f}"))
+    return {run: row["decode speed"] for run, row in table.items()}
 
 
 def warm_row_counts(model_dir: str, backend: str, args) -> None:
@@ -203,6 +205,15 @@ def predict(fit_on: list[RealRun], target: list[RealRun], features, weighting: s
     return compare(cost, f"profiled on {src}", target)
 
 
+def run_noise(real: pd.DataFrame) -> pd.DataFrame:
+    """How far single real runs (columns) stray from their median, per metric (rows), in percent: what
+    one measurement of the real engine varies by, which no cost model can be checked below. "noise %":
+    the farthest run (one drifted run sets it); "noise MAD %": the median absolute deviation, the
+    median run's distance (one drifted run of three does not set it; two do)."""
+    dev = (real.div(real.median(axis=1), axis=0) - 1.0).abs() * 100.0
+    return pd.DataFrame({"noise %": dev.max(axis=1), "noise MAD %": dev.median(axis=1)})
+
+
 def compare(cost, desc: str, target: list[RealRun]) -> pd.DataFrame:
     """Simulate the target slice's requests under `cost`; compare with the median of its real repeats."""
     from sim.validate import fresh_copies, simulate_like
@@ -216,9 +227,7 @@ def compare(cost, desc: str, target: list[RealRun]) -> pd.DataFrame:
     df["sim"] = pd.Series(headline(sim.requests, sim.steps, sim.total_slots))
     df.loc["steps", "sim"] = sim.num_steps
     df["sim error %"] = pct(df["sim"], df["real median"])
-    # How far a single real run strays from the median of its repeats: what one measurement of
-    # the real engine varies by, which no cost model can be checked below.
-    df["noise %"] = (real.div(df["real median"], axis=0) - 1.0).abs().max(axis=1) * 100.0
+    df = df.join(run_noise(real))
     print(f"{dst}, real ({len(target)} runs) vs simulated ({desc}); {step_ratios(cost, target)}:")
     print(pd.concat([real, df], axis=1).to_string(float_format=lambda x: f"{x:.2f}"))
     return df
@@ -246,17 +255,26 @@ def fidelity_model(name: str, tmp: str) -> tuple[str, str]:
                     f"vocab {c.get('vocab_size')} ({name})")
 
 
+def step_kind(new) -> str:
+    """decode k (k requests, one token each; 9+ pooled), mixed (a prompt chunk beside decodes) or prefill."""
+    if max(new, default=0) <= 1:
+        return f"decode {len(new)}" if len(new) <= 8 else "decode 9+"
+    return "mixed" if min(new) == 1 else "prefill"
+
+
 def step_ratios(cost, target: list[RealRun]) -> str:
-    """The model's time for each real step over the real one, median by kind: where a systematic
-    error sits (decodes or steps with a prompt chunk), before queueing amplifies it."""
+    """The model's time for each real step over the real one, median by kind (decodes by batch size,
+    steps with a prompt chunk beside decodes, prompt chunks only): where a systematic error sits,
+    before queueing amplifies it."""
     from sim.cost.fitted import profile_rows
 
-    kinds: dict[str, list[float]] = {"decode": [], "prefill": []}
+    kinds: dict[str, list[float]] = {}
     for r in target:
         for new, cached, t, logits in profile_rows(r.steps):
-            kinds["prefill" if max(new, default=0) > 1 else "decode"].append(cost.step_time(new, cached, logits) / t)
-    return "step time model/real, median: " + ", ".join(
-        f"{k} steps {np.median(v):.3f} (n={len(v)})" for k, v in kinds.items() if v)
+            kinds.setdefault(step_kind(new), []).append(cost.step_time(new, cached, logits) / t)
+    order = sorted(kinds, key=lambda k: (not k.startswith("decode"), k.replace("9+", "99")))
+    return "step time model/real, median: " + ", ".join(f"{k} {np.median(kinds[k]):.3f} (n={len(kinds[k])})"
+                                                        for k in order)
 
 
 class MeasuredProfiler:
@@ -273,10 +291,10 @@ class MeasuredProfiler:
         self.rows: list = []
 
     def between_runs(self, i: int) -> None:
-        from sim.profile import profile_attention, profile_engine, profile_model, write_table
+        from sim.profile import DEFAULT_TOKENS, profile_attention, profile_engine, profile_model, write_table
 
         if i == 0:
-            tokens = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+            tokens = tuple(t for t in DEFAULT_TOKENS if t <= 512)  # sim.profile's, to the budget's range
             write_table(profile_model(self.folder, tokens, 7), self.root, "cpu_2core", "m")
             write_table(profile_attention(self.folder, self.backend, 7), self.root, "cpu_2core", "m", "attention")
         self.rows += profile_engine(self.folder, self.backend, 3)
@@ -291,6 +309,22 @@ class MeasuredProfiler:
         print(f"\nmeasured model from sim.profile (engine overhead on {fit['steps']} steps, step MAPE "
               f"{fit['step_mape_pct']:.1f}%):\n  " + "\n  ".join(cost.notes))
         return cost
+
+
+def write_steps(path: str, runs: dict[str, list[RealRun]], profiler) -> None:
+    """Every step the figures rest on, one JSON object a line, for a look at any step kind afterwards."""
+    import json
+
+    from sim.cost.fitted import profile_rows
+
+    sources = [(f"{label} #{i + 1}", profile_rows(r.steps)) for label, rs in runs.items() for i, r in enumerate(rs)]
+    if profiler is not None:
+        sources.append(("sim.profile engine", profiler.rows))
+    with open(path, "w") as f:
+        for name, rows in sources:
+            for new, cached, t, logits in rows:
+                f.write(json.dumps({"run": name, "new": [int(x) for x in new], "cached": [int(x) for x in cached],
+                                    "s": t, "logits": logits}) + "\n")
 
 
 def main() -> None:
@@ -316,6 +350,9 @@ def main() -> None:
                         "(operators, attention backend, engine overhead; no trace run)")
     p.add_argument("--no-warm", dest="warm", action="store_false",
                    help="warm up on one batch only, not on every step size (first uses then land in the timed runs)")
+    p.add_argument("--steps-out", default=None,
+                   help="write every real run's step rows (and sim.profile's engine rows with --measured) to this "
+                        "JSON-lines file: run, new and cached tokens per request, seconds, sampled rows")
     p.add_argument("--features", default=None,
                    help="comma-separated profiled-model features (default: sim.cost.fitted.DEFAULT_FEATURES)")
     args = p.parse_args()
@@ -366,20 +403,27 @@ def main() -> None:
             if profiler is not None:
                 profiler.between_runs(i)
         measured = profiler.model() if profiler is not None else None
+    if args.steps_out:
+        write_steps(args.steps_out, runs, profiler)
     features = tuple(args.features.split(",")) if args.features else DEFAULT_FEATURES
-    diagnose(runs, features)
+    speed = diagnose(runs, features)
+    typical = {label: np.median([speed[f"{label} #{i + 1}"] for i in range(len(rs))]) for label, rs in runs.items()}
+    drifted = {run: v / typical[run.split()[0]] - 1.0 for run, v in speed.items()
+               if abs(v / typical[run.split()[0]] - 1.0) > 0.03}
     tables = {"A -> B": predict(runs["A"], runs["B"], features, args.weighting),
               "B -> A": predict(runs["B"], runs["A"], features, args.weighting)}
     if measured is not None:
         tables.update({"measured -> A": compare(measured, "measured, from sim.profile", runs["A"]),
                        "measured -> B": compare(measured, "measured, from sim.profile", runs["B"])})
     print(f"\nsummary: real median of {args.repeats} runs per slice; noise: the largest deviation of one real run "
-          "from that median; profiled: fitted on the other slice; measured: sim.profile's tables, no trace run")
+          "from that median; noise MAD: the median run's deviation (one drifted run does not set it); profiled: "
+          "fitted on the other slice; measured: sim.profile's tables, no trace run")
     out = pd.DataFrame(index=pd.MultiIndex.from_product([("A", "B"), GOAL_METRICS], names=["slice", "metric"]))
     for label, other in (("A", "B"), ("B", "A")):
         t = tables[f"{other} -> {label}"]
         out.loc[label, "real median"] = t.loc[GOAL_METRICS, "real median"].values
         out.loc[label, "noise %"] = t.loc[GOAL_METRICS, "noise %"].values
+        out.loc[label, "noise MAD %"] = t.loc[GOAL_METRICS, "noise MAD %"].values
         for name, key in (("profiled", f"{other} -> {label}"), ("measured", f"measured -> {label}")):
             if key in tables:
                 out.loc[label, name] = tables[key].loc[GOAL_METRICS, "sim"].values
@@ -388,7 +432,11 @@ def main() -> None:
     worst = {c: out[c].abs().max() for c in out.columns if c.endswith("err %")}
     print("\nworst error over TTFT p50/p90, TPOT p50, throughput: "
           + ", ".join(f"{c.split()[0]} {v:.1f}%" for c, v in worst.items())
-          + f" (goal <= 5%); worst real-vs-real noise on the same metrics: {out['noise %'].max():.1f}%")
+          + f" (goal <= 5%); worst real-vs-real noise on the same metrics: {out['noise %'].max():.1f}% "
+          f"(farthest run), {out['noise MAD %'].max():.1f}% (median run)")
+    for run in drifted:
+        print(f"  {run}: its decode steps ran {drifted[run]:+.1%} off its slice's median run (against one model "
+              "fitted on all runs: the machine, not the schedule); the farthest-run noise includes it")
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-DEFAULT_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+# Every row count to 16: at a few rows a GEMM library switches kernels from one count to the next (a
+# step of 2 decodes can take longer than one of 3), so decode batch sizes are timed, not interpolated.
+DEFAULT_TOKENS = (*range(1, 17), 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 OPS = ("emb", "input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
        "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
 STATS = ("min", "max", "mean", "median", "std")
@@ -252,10 +254,12 @@ ENGINE_BATCHES = ((1, 32, 24), (4, 64, 24), (16, 128, 16), (32, 200, 8), (8, 400
 
 
 def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu", dtype: str = "float32",
-                   linear_kernel: str = "auto") -> list[Any]:
+                   linear_kernel: str = "auto", temperature: float = 0.0) -> list[Any]:
     """The real engine's step log over a few synthetic batches (sim.cost.fitted.profile_rows), each
     batch run once untimed first: a GEMM's first call at a new row count creates its oneDNN
-    primitive, a one-off the operator tables (timed after warm calls) and a long run do not pay."""
+    primitive, a one-off the operator tables (timed after warm calls) and a long run do not pay.
+    temperature: the sampling the fitted overhead includes, as the simulated engine samples (0: greedy,
+    one argmax over the batch; above 0 each request draws from its own softmax, a per-request cost)."""
     import numpy as np
 
     from sim.cost.fitted import profile_rows
@@ -273,8 +277,8 @@ def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu"
         # Random prompts: repeated ones would be prefix-cache hits, and the prefills not computed.
         before = llm.engine.steps
         first = len(before)
-        llm.generate(rng.integers(3, vocab, (b, prompt)).tolist(), SamplingParams(max_tokens=out, ignore_eos=True),
-                     use_tqdm=False)
+        llm.generate(rng.integers(3, vocab, (b, prompt)).tolist(),
+                     SamplingParams(max_tokens=out, ignore_eos=True, temperature=temperature), use_tqdm=False)
         # The engine loop starts a new log when it leaves idle (each call here): slicing that one
         # by the old log's length dropped most of every batch's steps.
         steps = llm.engine.steps
@@ -302,11 +306,12 @@ class _CpuClock:
 
 
 def fit_engine_overhead(rows: list[Any], config: dict[str, Any], gpu: str, out: Path,
-                        scaled: bool = True) -> dict[str, float]:
+                        scaled: bool = True, temperature: float = 0.0) -> dict[str, float]:
     """Per-step engine cost (const + per request + per prefill) the measured operators leave unexplained.
-    scaled: fitted with the operators' sum as one more feature (its coefficient, ops_scale, multiplies
-    every table): the tables and the engine runs are timed a minute apart, and a machine that ran one
-    faster than the other otherwise leaves the difference in the constant, different on every profile."""
+    scaled: fitted with the operators' sum as one more feature (its coefficient multiplies every table:
+    ops_scale in steps with a prompt chunk, decode_ops_scale in decode-only steps): the tables and the
+    engine runs are timed a minute apart, and a machine that ran one faster than the other otherwise
+    leaves the difference in the constant, different on every profile."""
     import numpy as np
 
     from sim.cost.fitted import _nnls
@@ -316,19 +321,36 @@ def fit_engine_overhead(rows: list[Any], config: dict[str, Any], gpu: str, out: 
     X = np.array([[1.0, len(r[0]), sum(1 for n in r[0] if n > 1)] for r in rows])
     op = np.array([ops.step_time(r[0], r[1], r[3]) for r in rows])
     real = np.array([r[2] for r in rows])
-    if scaled:
-        A = np.column_stack([op, X])
+    # Relative error, each step alike: in absolute terms the few long prompt steps (10x a decode) set
+    # the scale and the constant, and their few percent of noise lands on every short decode step.
+    w = 1.0 / np.maximum(real, 1e-12)
+
+    def nnls(A: Any, b: Any) -> Any:
+        A, b = A * w[:, None], b * w
         norms = np.linalg.norm(A, axis=0)
         norms[norms == 0] = 1.0
-        c = _nnls(A / norms, real) / norms
-        scale, coef = float(c[0]), c[1:]
-        if scale <= 0:  # the operators explain nothing here: keep them as timed
-            scale, coef = 1.0, _nnls(X, np.maximum(real - op, 0.0))
+        return _nnls(A / norms, b) / norms
+
+    # A scale for steps with a prompt chunk and one for decode-only steps: the tables time each operator
+    # alone, and a compute-bound chunk step and a weight-streaming decode step depart from that differently.
+    decode = X[:, 2] == 0
+    kinds = [m for m in (~decode, decode) if m.any()]
+    if scaled:
+        c = nnls(np.column_stack([op * m for m in kinds] + [X]), real)
+        scales, coef = [float(x) for x in c[:len(kinds)]], c[len(kinds):]
+        if min(scales) <= 0:  # the operators explain nothing in a kind: one scale for all, as timed if none
+            c = nnls(np.column_stack([op, X]), real)
+            scales, coef = [float(c[0])] * len(kinds), c[1:]
+            if scales[0] <= 0:
+                scales, coef = [1.0] * len(kinds), nnls(X, np.maximum(real - op, 0.0))
     else:
-        scale, coef = 1.0, _nnls(X, np.maximum(real - op, 0.0))
-    pred = scale * op + X @ coef
+        scales, coef = [1.0] * len(kinds), nnls(X, np.maximum(real - op, 0.0))
+    chunk_scale = scales[0] if (~decode).any() else scales[-1]
+    decode_scale = scales[-1] if decode.any() else scales[0]
+    pred = np.where(decode, decode_scale, chunk_scale) * op + X @ coef
     return {"const_ms": coef[0] * 1e3, "per_seq_ms": coef[1] * 1e3, "per_prefill_ms": coef[2] * 1e3,
-            "ops_scale": scale, "steps": len(rows), "step_mape_pct": float(np.mean(np.abs(pred / real - 1)) * 100)}
+            "ops_scale": chunk_scale, "decode_ops_scale": decode_scale, "steps": len(rows),
+            "step_mape_pct": float(np.mean(np.abs(pred / real - 1)) * 100), "temperature": temperature}
 
 
 def _stats(ms: list[float]) -> dict[str, float]:
@@ -361,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--linear-kernel", default="auto", choices=("auto", "onednn", "torch"),
                     help="the linear layers' kernel, as the engine you simulate runs them (LLM's linear_kernel)")
     ap.add_argument("--backend", default="torch_sdpa", help="attention backend to profile ('' to skip attention)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of the engine runs the overhead is fitted on, as the engine you "
+                         "simulate samples (0: greedy; above 0 adds each request's own softmax draw)")
     ap.add_argument("--no-engine", dest="engine", action="store_false",
                     help="skip the engine's per-step overhead (a few real engine runs)")
     ap.add_argument("--collectives", type=int, default=None,
@@ -372,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         tokens = tuple(sorted({int(x) for x in a.tokens.split(",")}))
+        if not a.temperature >= 0:
+            raise ValueError(f"--temperature {a.temperature}: must be >= 0 (0 = greedy)")
         if not tokens or tokens[0] < 1 or a.repeats < 1:
             raise ValueError(f"--tokens {a.tokens!r} --repeats {a.repeats}: token counts and repeats must be >= 1")
         gpu = a.gpu or ("cpu_2core" if a.device == "cpu" else None)
@@ -415,10 +442,12 @@ def main(argv: list[str] | None = None) -> int:
         if a.engine:
             import json
 
-            steps = profile_engine(folder, a.backend, a.repeats, a.device, a.dtype, a.linear_kernel)
-            fit = fit_engine_overhead(steps, json.loads((folder / "config.json").read_text()), gpu, Path(a.out))
+            steps = profile_engine(folder, a.backend, a.repeats, a.device, a.dtype, a.linear_kernel, a.temperature)
+            fit = fit_engine_overhead(steps, json.loads((folder / "config.json").read_text()), gpu, Path(a.out),
+                                      temperature=a.temperature)
             path = write_table([fit], Path(a.out), gpu, name, "overhead")
-            print(f"engine overhead from {fit['steps']} real steps: operators x{fit['ops_scale']:.3g} + "
+            print(f"engine overhead from {fit['steps']} real steps: operators x{fit['ops_scale']:.3g} "
+                  f"(decode-only steps x{fit['decode_ops_scale']:.3g}) + "
                   f"{fit['const_ms']:.3g} ms + {fit['per_seq_ms']:.3g} ms per request + {fit['per_prefill_ms']:.3g} ms "
                   f"per prefill (step MAPE {fit['step_mape_pct']:.1f}%) -> {path}")
     return 0

@@ -99,6 +99,8 @@ class MeasuredCostModel(CostModel):
         # Summed once per token count: a step is then three lookups and attention.
         L = m.layers
         self._fixed: list[float] = [e + L * (ly + a) + p for e, ly, a, p in zip(self._emb, self._layer, self._ar, self._pp)]
+        # Decode-only steps' operators over the tables' as scaled (sim.profile's decode_ops_scale / ops_scale).
+        self._decode_k = 1.0
         if gpu is None:
             self._head: list[float] = [0.0]  # the roofline's, per step (it depends on the tokens too)
         else:
@@ -140,10 +142,17 @@ class MeasuredCostModel(CostModel):
             self._o0, self._o1, self._o2 = c["const_ms"] * 1e-3, c["per_seq_ms"] * 1e-3, c["per_prefill_ms"] * 1e-3
             self.overhead_s = self._o0
             overhead = (f"overhead: the engine's, profiled ({prof_ov[0]}): {c['const_ms']:.3g} ms per step + "
-                        f"{c['per_seq_ms']:.3g} ms per request + {c['per_prefill_ms']:.3g} ms per prefill")
-            if gpu is not None and c["ops_scale"] != 1.0:
-                self._scale_operators(c["ops_scale"])
-                overhead += f"; operators x{c['ops_scale']:.3g} (the engine's steps over the tables' sum, profiled)"
+                        f"{c['per_seq_ms']:.3g} ms per request + {c['per_prefill_ms']:.3g} ms per prefill, "
+                        + ("greedy sampling" if c["temperature"] == 0 else f"sampling at temperature {c['temperature']:.3g}"))
+            k, k_dec = c["ops_scale"], c["decode_ops_scale"]
+            if gpu is not None and k != 1.0:
+                self._scale_operators(k)
+            if gpu is not None and k_dec != k:
+                self._decode_k = k_dec / k
+                overhead += (f"; operators x{k:.3g} in steps with a prompt chunk, x{k_dec:.3g} in decode-only steps "
+                             "(the engine's steps over the tables' sum, profiled)")
+            elif gpu is not None and k != 1.0:
+                overhead += f"; operators x{k:.3g} (the engine's steps over the tables' sum, profiled)"
         lm_head = ("lm_head: predicted from its GEMM shape" if gpu else
                    f"lm_head: estimated (roofline, with the embedding; no operator tables for {hw.name})")
         self.notes = [f"linear: {self.linear_source}", lm_head, attention,
@@ -198,16 +207,21 @@ class MeasuredCostModel(CostModel):
         lm_head = head[num_logits] if num_logits < len(head) else at(head, num_logits)
         base = (fixed[t] if t < len(fixed) else at(fixed, t)) + lm_head + overhead
         L = self.shape.layers
+        comm = L * at(self._ar, t) + at(self._pp, t)
+        k = self._decode_k if t <= num_seqs else 1.0  # one new token a request: a decode-only step
+        if k != 1.0:
+            base = k * (base - comm - overhead) + comm + overhead
         # per_layer 0: the tables sum each token count's layers once, when the model is built.
-        return StepFixed(L, 0.0, base, num_seqs=num_seqs, new=t, embedding_s=at(self._emb, t),
-                         linear_s=L * at(self._layer, t), lm_head_s=lm_head,
-                         communication_s=L * at(self._ar, t) + at(self._pp, t), overhead_s=overhead)
+        return StepFixed(L, 0.0, base, num_seqs=num_seqs, new=t, embedding_s=k * at(self._emb, t),
+                         linear_s=k * L * at(self._layer, t), lm_head_s=k * lm_head,
+                         communication_s=comm, overhead_s=overhead)
 
     def layer_attention(self, f: StepFixed, pairs: float, cached: float) -> float:
         """The roofline, or its calibrated form (the terms' sum plus per-call and per-request costs)."""
         t = f.new
         a = self._pair_flops * pairs / self._F
         b = (self._kv_token * (cached + 2.0 * t) + self._q_token * t) / self._B
+        k = self._decode_k if t <= f.num_seqs else 1.0
         if self._calibrated:
-            return self._a0 + self._a1 * f.num_seqs + a + b
-        return max(a, b)
+            return k * (self._a0 + self._a1 * f.num_seqs + a + b)
+        return k * max(a, b)

@@ -278,12 +278,16 @@ class Profiles:
             return None
         path = paths[-1]
         header, rows, lines = _read_csv(path)
-        # ops_scale: the engine's steps over the tables' sum (tables written before it have none: 1).
-        names = ["const_ms", "per_seq_ms", "per_prefill_ms", *(["ops_scale"] if "ops_scale" in header else [])]
-        cols = _columns(path, header, rows, lines, names)
-        fit = {"ops_scale": 1.0, **{k: float(v[0]) for k, v in cols.items()}}
-        if not fit["ops_scale"] > 0:
-            raise ProfileError(f"{path}: ops_scale must be > 0, got {fit['ops_scale']}")
+        # ops_scale: the engine's steps over the tables' sum (tables written before it have none: 1), in
+        # steps with a prompt chunk and, unless decode_ops_scale says otherwise, in decode-only steps;
+        # temperature: the sampling its engine runs used (before it was recorded they sampled at 1).
+        optional = [c for c in ("ops_scale", "decode_ops_scale", "temperature") if c in header]
+        cols = _columns(path, header, rows, lines, ["const_ms", "per_seq_ms", "per_prefill_ms", *optional])
+        fit = {"ops_scale": 1.0, "temperature": 1.0, **{k: float(v[0]) for k, v in cols.items()}}
+        fit.setdefault("decode_ops_scale", fit["ops_scale"])
+        for scale in ("ops_scale", "decode_ops_scale"):
+            if not fit[scale] > 0:
+                raise ProfileError(f"{path}: {scale} must be > 0, got {fit[scale]}")
         return str(path.parent.relative_to(path.parents[2])), fit
 
     def network(self, node: str) -> dict[str, CollectiveTable]:

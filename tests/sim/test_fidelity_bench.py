@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -26,3 +28,20 @@ def test_real_runs_serve_each_prompt_from_its_own_tokens(tmp_path: Path) -> None
     assert run.prefix_hits == 0
     computed = sum(sum(s.new_tokens) for s in run.steps)
     assert computed == sum(r.prompt_len + r.output_len - 1 for r in reqs)
+
+
+def test_noise_reports_the_farthest_run_and_the_median_run() -> None:
+    """One drifted run of three sets the farthest-run noise but not the median absolute deviation;
+    two drifted runs set both (the robust figure does not hide noise that is really there)."""
+    import pandas as pd
+
+    one = sim_fidelity.run_noise(pd.DataFrame({"r1": [100.0], "r2": [102.0], "r3": [120.0]}, index=["TPOT"]))
+    assert one.loc["TPOT", "noise %"] == pytest.approx(100 * 18 / 102)
+    assert one.loc["TPOT", "noise MAD %"] == pytest.approx(100 * 2 / 102)
+    two = sim_fidelity.run_noise(pd.DataFrame({"r1": [80.0], "r2": [100.0], "r3": [120.0]}, index=["TPOT"]))
+    assert two.loc["TPOT", "noise MAD %"] == pytest.approx(20.0)
+
+
+def test_step_kinds_split_decodes_by_batch_size_and_mixed_from_prefill_steps() -> None:
+    assert [sim_fidelity.step_kind(n) for n in ([1], [1, 1, 1], [1] * 12, [40, 1, 1], [64], [30, 20])] == [
+        "decode 1", "decode 3", "decode 9+", "mixed", "prefill", "prefill"]
