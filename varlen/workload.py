@@ -79,6 +79,9 @@ class TraceRequests(Sequence[Request]):
             r = self._made.get(i)  # a request in flight: read twice or more
             if r is not None:
                 return r
+            if 0 <= i < len(self._released) and not self._released[i]:  # an arrival: built now
+                r = self._made[i] = self.build(i)
+                return r
         elif isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         n = len(self._ids)
