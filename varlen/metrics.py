@@ -3,8 +3,8 @@ imported only when a table is asked for, so the simulator starts fast."""
 
 from __future__ import annotations
 
-import itertools
 import operator
+import struct
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -296,7 +296,7 @@ class RequestResults:
     def _add_times(self, idx: np.ndarray, times: Sequence[list[float]], lens: np.ndarray, done: np.ndarray) -> None:
         """First token, TPOT and longest gap of requests `idx` from their token times; the done
         requests' gaps into the gap table."""
-        flat = np.fromiter(itertools.chain.from_iterable(times), np.float64, int(lens.sum()))
+        flat = _flatten(times)
         first_token, tpot, max_tbt = _timeline_figures(flat, lens)
         self.first_token[idx], self.tpot[idx], self.max_tbt[idx] = first_token, tpot, max_tbt
         if done.all():
@@ -409,12 +409,27 @@ def _latencies(reqs: Sequence[Request]) -> tuple[dict[str, np.ndarray], np.ndarr
     """(request_latencies, every token time end to end, each request's count of them)."""
     times = [r.token_times for r in reqs]
     lens = np.fromiter(map(len, times), np.int64, len(times))
-    flat = np.fromiter(itertools.chain.from_iterable(times), np.float64, int(lens.sum()))
+    flat = _flatten(times)
     arrival = np.array([r.arrival for r in reqs], np.float64)
     finish = np.array([np.nan if r.finish_time is None else r.finish_time for r in reqs], np.float64)
     first_token, tpot, max_tbt, itl = _timeline_figures(flat, lens, gaps=True)
     return dict(arrival=arrival, first_token=first_token, finish=finish, ttft=first_token - arrival, tpot=tpot,
                 e2e=finish - arrival, itl=itl, max_tbt=max_tbt), flat, lens
+
+
+def _flatten(times: Sequence[Sequence[float]]) -> np.ndarray:
+    """Timelines end to end as one float64 array (read-only). Each packed whole by a struct of its
+    length: about half the work of converting time by time (np.fromiter)."""
+    packers = _PACKERS
+    return np.frombuffer(b"".join([(packers.get(len(t)) or _packer(len(t)))(*t) for t in times]), np.float64)
+
+
+_PACKERS: dict[int, Any] = {}  # timeline length -> its struct's pack
+
+
+def _packer(n: int) -> Any:
+    pack = _PACKERS[n] = struct.Struct(f"{n}d").pack
+    return pack
 
 
 def _timeline_figures(flat: np.ndarray, lens: np.ndarray, gaps: bool = False) -> tuple[np.ndarray, ...]:
