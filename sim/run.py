@@ -650,6 +650,7 @@ def _libyaml_dumper() -> None:
         return yaml.dump(container, default_flow_style=False, allow_unicode=True, sort_keys=sort_keys, Dumper=Dumper)
 
     libyaml_to_yaml.libyaml = True  # type: ignore[attr-defined]
+    libyaml_to_yaml.pyyaml = to_yaml  # type: ignore[attr-defined]  # OmegaConf's own
     OmegaConf.to_yaml = staticmethod(libyaml_to_yaml)  # type: ignore[method-assign, assignment]
 
 

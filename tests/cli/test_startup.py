@@ -28,6 +28,7 @@ def test_every_shipped_yaml_reads_the_same_through_libyaml(monkeypatch, tmp_path
     assert len(files) > 40
     python = [OmegaConf.to_container(OmegaConf.load(f)) for f in files]
     monkeypatch.setattr(_utils, "get_yaml_loader", _utils.get_yaml_loader)  # restored after the test
+    monkeypatch.setattr(OmegaConf, "to_yaml", OmegaConf.to_yaml)  # the loader's call patches the writer too
     sim_run._libyaml_loader()
     assert getattr(_utils.get_yaml_loader(), "__module__", None) == "sim.run"
     assert [OmegaConf.to_container(OmegaConf.load(f)) for f in files] == python
@@ -47,8 +48,10 @@ def test_configs_are_written_as_pyyaml_writes_them(monkeypatch):
            "ml": "a  \n  b\n\n", "ctrl": "a\x07\x00b\x1b", "cr": "a\r\nb", "q": "it's \"q\"", "e": "", "none": None,
            "f": [1.5, float("inf"), -0.0, 10**30], "k" * 200: {"1": 2, "a b": [None, True]}, "bytes": b"\x00\xff"}
     configs = [OmegaConf.load(f) for f in files] + [OmegaConf.create(odd), OmegaConf.create({"x": "\U0001F600"})]
-    python = [OmegaConf.to_yaml(c) for c in configs] + [OmegaConf.to_yaml(configs[0], resolve=True, sort_keys=True)]
     monkeypatch.setattr(OmegaConf, "to_yaml", OmegaConf.to_yaml)  # restored after the test
+    to_yaml = getattr(OmegaConf.to_yaml, "pyyaml", OmegaConf.to_yaml)  # OmegaConf's own, whatever ran before
+    python = [to_yaml(c) for c in configs] + [to_yaml(configs[0], resolve=True, sort_keys=True)]
+    monkeypatch.setattr(OmegaConf, "to_yaml", staticmethod(to_yaml))
     sim_run._libyaml_dumper()
     assert getattr(OmegaConf.to_yaml, "libyaml", False)
     assert [OmegaConf.to_yaml(c) for c in configs] + [OmegaConf.to_yaml(configs[0], resolve=True, sort_keys=True)] \
