@@ -5,6 +5,8 @@ not every request of the run."""
 
 from __future__ import annotations
 
+from itertools import compress
+from operator import attrgetter
 from typing import Callable, MutableSequence, Sequence
 
 import numpy as np
@@ -33,19 +35,20 @@ class Release:
         """Look at the `arrived` first positions; amortised: only once the new arrivals are many."""
         if not force and arrived - self.seen < max(len(self.held) // 2, 256):
             return
-        pending, requests, order = self.pending, self.requests, self.order
-        ended, rows, keep = [], [], []
-        for p in self.held + list(range(self.seen, arrived)):
-            r = pending[p]
-            if r.is_finished or force:
-                ended.append(r)
-                rows.append(p if order is None else int(order[p]))
-                _release(pending, p)
-                if requests is not pending:
-                    _release(requests, rows[-1])
-            else:
-                keep.append(p)
-        self.results.add(rows, ended)
+        positions = self.held + list(range(self.seen, arrived))
+        reqs = _read(self.pending, positions)
+        keep: list[int] = []
+        ended, ended_reqs = positions, reqs
+        if not force:
+            finished = list(map(_FINISHED, reqs))
+            if not all(finished):
+                ended, ended_reqs = list(compress(positions, finished)), list(compress(reqs, finished))
+                keep = [p for p, f in zip(positions, finished) if not f]
+        rows = ended if self.order is None else self.order[ended].tolist()
+        _release(self.pending, ended)
+        if self.requests is not self.pending:
+            _release(self.requests, rows)
+        self.results.add(rows, ended_reqs)
         self.held, self.seen = keep, arrived
 
     def ticker(self, progress: Callable[[float, int, list], None] | None) -> Callable[[float, int, list], None]:
@@ -62,13 +65,26 @@ class Release:
         return self.results
 
 
-def _release(requests: Sequence[Request], i: int) -> None:
+_FINISHED = attrgetter("is_finished")
+
+
+def _read(requests: Sequence[Request], positions: list[int]) -> list[Request]:
+    read = getattr(requests, "read", None)  # a TraceRequests: its requests in flight at once
+    return read(positions) if read is not None else [requests[p] for p in positions]
+
+
+def _release(requests: Sequence[Request], positions: list[int]) -> None:
+    release_all = getattr(requests, "release_all", None)
     release = getattr(requests, "release", None)
-    if release is not None:
-        release(i, RELEASED)
+    if release_all is not None:
+        release_all(positions, RELEASED)
+    elif release is not None:
+        for p in positions:
+            release(p, RELEASED)
     else:
         assert isinstance(requests, MutableSequence)
-        requests[i] = RELEASED
+        for p in positions:
+            requests[p] = RELEASED
 
 
 def arrival_order(requests: Sequence[Request]) -> tuple[Sequence[Request], np.ndarray | None]:

@@ -605,6 +605,53 @@ def _libyaml_loader() -> None:
 
     get_yaml_loader.libyaml = True  # type: ignore[attr-defined]
     _utils.get_yaml_loader = get_yaml_loader
+    _libyaml_dumper()
+
+
+def _libyaml_dumper() -> None:
+    """OmegaConf.to_yaml (Hydra's .hydra/*.yaml, config_resolved.yaml) writes through libyaml's C
+    emitter with OmegaConf's own representers: the same text, faster. Not where a string holds a
+    character beyond the Basic Multilingual Plane, which libyaml escapes and PyYAML writes as it is."""
+    import json
+
+    import yaml
+    import yaml.cyaml
+    from omegaconf import _utils
+
+    if not getattr(yaml, "__with_libyaml__", False) or getattr(OmegaConf.to_yaml, "libyaml", False):
+        return
+    to_yaml = OmegaConf.to_yaml
+
+    class Dumper(yaml.cyaml.CEmitter, _utils.get_omega_conf_dumper()):  # type: ignore[misc]
+        def __init__(self, stream: Any, default_style: Any = None, default_flow_style: Any = False,
+                     canonical: Any = None, indent: Any = None, width: Any = None, allow_unicode: Any = None,
+                     line_break: Any = None, encoding: Any = None, explicit_start: Any = None,
+                     explicit_end: Any = None, version: Any = None, tags: Any = None, sort_keys: bool = True) -> None:
+            # As yaml.CDumper: the C emitter, then the Python representer (OmegaConf's) and resolver.
+            yaml.cyaml.CEmitter.__init__(self, stream, canonical=canonical, indent=indent, width=width,
+                                         encoding=encoding, allow_unicode=allow_unicode, line_break=line_break,
+                                         explicit_start=explicit_start, explicit_end=explicit_end, version=version,
+                                         tags=tags)
+            yaml.representer.Representer.__init__(self, default_style=default_style,
+                                                  default_flow_style=default_flow_style, sort_keys=sort_keys)
+            yaml.resolver.Resolver.__init__(self)
+
+    beyond_bmp = re.compile("[\U00010000-\U0010ffff]")
+
+    def libyaml_to_yaml(cfg: Any, *, resolve: bool = False, sort_keys: bool = False) -> str:
+        # OmegaConf.to_yaml's own steps, with the C emitter where it writes the same text.
+        container = OmegaConf.to_container(_utils._ensure_container(cfg), resolve=resolve, enum_to_str=True)
+        try:
+            plain = not beyond_bmp.search(json.dumps(container, ensure_ascii=False))
+        except (TypeError, ValueError):  # bytes, paths: not JSON; left to OmegaConf
+            plain = False
+        if not plain:
+            return to_yaml(cfg, resolve=resolve, sort_keys=sort_keys)
+        return yaml.dump(container, default_flow_style=False, allow_unicode=True, sort_keys=sort_keys, Dumper=Dumper)
+
+    libyaml_to_yaml.libyaml = True  # type: ignore[attr-defined]
+    libyaml_to_yaml.pyyaml = to_yaml  # type: ignore[attr-defined]  # OmegaConf's own
+    OmegaConf.to_yaml = staticmethod(libyaml_to_yaml)  # type: ignore[method-assign, assignment]
 
 
 #: Launcher plug-ins a single run never starts, whose import Hydra's plug-in scan would pay for.

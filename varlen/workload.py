@@ -46,9 +46,12 @@ class TraceRequests(Sequence[Request]):
         # Views of one read-only zero array, one SamplingParams per output length: a whole trace loads fast.
         self._zeros = np.zeros(0 if token_ids else int(self._prompt.max(initial=0)), dtype=np.int64)
         self._zeros.flags.writeable = False
+        # The columns read item by item as Python numbers (memoryviews: no copy), as each request is built.
+        self._arrival_s, self._prompt_lens, self._output_lens = map(memoryview, (self.arrivals, self._prompt,
+                                                                                self._output))
         self._params: dict[int, SamplingParams] = {}
         self._made: dict[int, Request] = {}
-        self._released = np.zeros(n, bool)
+        self._released = bytearray(n)  # 1: released
         self._placeholder: Request | None = None
 
     def __len__(self) -> int:
@@ -56,14 +59,14 @@ class TraceRequests(Sequence[Request]):
 
     def build(self, i: int) -> Request:
         """Request `i`, newly built (not kept)."""
-        out = int(self._output[i])
+        out = self._output_lens[i]
         sp = self._params.get(out)
         if sp is None:
             sp = self._params[out] = dataclasses.replace(self._sampling, max_tokens=out)
         rows = self._rows
         prompt = synth_prompt_tokens(rows[i], self._vocab_size) if rows is not None else \
-            self._zeros[:int(self._prompt[i])]
-        return Request(self._ids[i], prompt, sp, arrival=float(self.arrivals[i]), expected_output_len=out)
+            self._zeros[:self._prompt_lens[i]]
+        return Request(self._ids[i], prompt, sp, arrival=self._arrival_s[i], expected_output_len=out)
 
     @overload
     def __getitem__(self, i: int) -> Request: ...
@@ -72,10 +75,14 @@ class TraceRequests(Sequence[Request]):
     def __getitem__(self, i: slice) -> list[Request]: ...
 
     def __getitem__(self, i: int | slice) -> Request | list[Request]:
-        r = self._made.get(i) if type(i) is int else None  # a request in flight: read twice or more
-        if r is not None:
-            return r
-        if isinstance(i, slice):
+        if type(i) is int:
+            r = self._made.get(i)  # a request in flight: read twice or more
+            if r is not None:
+                return r
+            if 0 <= i < len(self._released) and not self._released[i]:  # an arrival: built now
+                r = self._made[i] = self.build(i)
+                return r
+        elif isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         n = len(self._ids)
         if not -n <= i < n:
@@ -89,10 +96,21 @@ class TraceRequests(Sequence[Request]):
             r = self._made[i] = self.build(i)
         return r
 
+    def read(self, positions: list[int]) -> list[Request]:
+        """self[p] for each of `positions`: those in flight read at once."""
+        get = self._made.get
+        return [get(p) or self[p] for p in positions]
+
     def release(self, i: int, placeholder: Request) -> None:
         """Request `i` dropped (its figures are kept elsewhere); reads of it give `placeholder` from now on."""
-        self._made.pop(i, None)
-        self._released[i] = True
+        self.release_all([i], placeholder)
+
+    def release_all(self, positions: list[int], placeholder: Request) -> None:
+        """release(p, placeholder) for each of `positions` (0 <= p < len(self))."""
+        pop, released = self._made.pop, self._released
+        for p in positions:
+            pop(p, None)
+            released[p] = 1
         self._placeholder = placeholder
 
 

@@ -1,5 +1,6 @@
-"""`python -m sim.run` starts faster without changing what it reads: yaml through libyaml's C
-parser with OmegaConf's own loader rules, and no Ray launcher import for a single run."""
+"""`python -m sim.run` starts faster without changing what it reads or writes: yaml through libyaml's
+C parser and emitter with OmegaConf's own loader and representer rules, and no Ray launcher import
+for a single run."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def test_every_shipped_yaml_reads_the_same_through_libyaml(monkeypatch, tmp_path
     assert len(files) > 40
     python = [OmegaConf.to_container(OmegaConf.load(f)) for f in files]
     monkeypatch.setattr(_utils, "get_yaml_loader", _utils.get_yaml_loader)  # restored after the test
+    monkeypatch.setattr(OmegaConf, "to_yaml", OmegaConf.to_yaml)  # the loader's call patches the writer too
     sim_run._libyaml_loader()
     assert getattr(_utils.get_yaml_loader(), "__module__", None) == "sim.run"
     assert [OmegaConf.to_container(OmegaConf.load(f)) for f in files] == python
@@ -37,6 +39,23 @@ def test_every_shipped_yaml_reads_the_same_through_libyaml(monkeypatch, tmp_path
     odd.write_text("a: 1\na: 2\n")
     with pytest.raises(yaml.constructor.ConstructorError, match="found duplicate key a"):
         OmegaConf.load(odd)
+
+
+@needs_libyaml
+def test_configs_are_written_as_pyyaml_writes_them(monkeypatch):
+    files = sorted(Path(conf_dir()).rglob("*.yaml"))
+    odd = {"s": "a: b", "yes": "yes", "n": "1e3", "u": "héllo ✓", "emoji": "\U0001F600", "long": "x " * 300,
+           "ml": "a  \n  b\n\n", "ctrl": "a\x07\x00b\x1b", "cr": "a\r\nb", "q": "it's \"q\"", "e": "", "none": None,
+           "f": [1.5, float("inf"), -0.0, 10**30], "k" * 200: {"1": 2, "a b": [None, True]}, "bytes": b"\x00\xff"}
+    configs = [OmegaConf.load(f) for f in files] + [OmegaConf.create(odd), OmegaConf.create({"x": "\U0001F600"})]
+    monkeypatch.setattr(OmegaConf, "to_yaml", OmegaConf.to_yaml)  # restored after the test
+    to_yaml = getattr(OmegaConf.to_yaml, "pyyaml", OmegaConf.to_yaml)  # OmegaConf's own, whatever ran before
+    python = [to_yaml(c) for c in configs] + [to_yaml(configs[0], resolve=True, sort_keys=True)]
+    monkeypatch.setattr(OmegaConf, "to_yaml", staticmethod(to_yaml))
+    sim_run._libyaml_dumper()
+    assert getattr(OmegaConf.to_yaml, "libyaml", False)
+    assert [OmegaConf.to_yaml(c) for c in configs] + [OmegaConf.to_yaml(configs[0], resolve=True, sort_keys=True)] \
+        == python
 
 
 def _plugins_after(argv: list[str]) -> set[str]:

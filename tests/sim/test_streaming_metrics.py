@@ -219,6 +219,18 @@ def _ended(n: int, tokens: int, seed: int = 0) -> list[Request]:
     return reqs
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.one_of(st.floats(allow_nan=False), st.integers(-2**53, 2**53)), max_size=30), max_size=8))
+def test_timelines_flatten_to_the_times_end_to_end(timelines):
+    import itertools
+
+    from varlen.metrics import _flatten
+
+    want = np.fromiter(itertools.chain.from_iterable(timelines), np.float64)
+    got = _flatten(timelines)
+    assert got.dtype == np.float64 and got.tobytes() == want.tobytes()
+
+
 def test_request_results_fold_in_groups_of_token_times_into_the_same_rows():
     reqs = _ended(60, 40)
     whole, grouped = RequestResults(60), RequestResults(60)
