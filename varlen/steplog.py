@@ -102,6 +102,11 @@ class StepLog:
         for e in entries:
             self.append(e)
 
+    def reads_batches(self) -> bool:
+        """Whether an entry's request ids and per-request token lists are read (kept, or handed to a
+        sink); if not, a writer may leave them out (req_ids then only gives the batch's size)."""
+        return self.keep or self._sink is not None
+
     def append(self, entry: StepRecord | DecodeRun) -> None:
         self.entries.append(entry)
         self._first.append(self._len)
