@@ -58,6 +58,16 @@ class FastForwardEngine(Engine):
         self._growth: DecodeGrowth | None = None  # the allocator, if it has DecodeGrowth's methods
         self._fits = -1  # whether the allocator's decode_steps_fit is its own class's (-1: not checked)
         self._fused = -1  # whether _step runs the executor inline (_fuses; -1: not checked)
+        self._blank_ids: dict[int, list[str]] = {}  # batch size -> the req_ids a log that reads none gets
+
+    def _batch_ids(self, batch_size: int) -> list[str] | None:
+        """None where the step log reads the batch's request ids, else a shared list of that size."""
+        if self.steps.reads_batches():
+            return None
+        ids = self._blank_ids.get(batch_size)
+        if ids is None:
+            ids = self._blank_ids[batch_size] = [""] * batch_size
+        return ids
 
     def _fuses(self) -> bool:
         """Whether _step may fuse Engine._step's loops with the executor's: the executor offers it
@@ -86,7 +96,8 @@ class FastForwardEngine(Engine):
         scheduled = out.scheduled
         self._scheduled = scheduled
         steps = self.steps
-        detail = steps.reads_batches()
+        blank = self._batch_ids(len(scheduled))
+        detail = blank is None
         cached: list[int] = []
         samples: list[bool] = []  # whether each entry samples, as execute() decides it
         tn = tc = tnc = tnn = prefills = sampled = 0
@@ -138,12 +149,12 @@ class FastForwardEngine(Engine):
                 continue
             finished.append(r)
         usage = kv.usage()
-        if detail:
+        new: list[int] = []
+        if blank is None:
             ids = [r.req_id for r, _ in scheduled]
             new = [n for _, n in scheduled]
         else:  # not read: only the batch's size is
-            ids = [""] * len(scheduled)
-            new = []
+            ids = blank
         steps.append(StepRecord(
             len(steps), start, end - start, ids, new, cached, len(out.preempted), usage.reserved_slots,
             usage.live_tokens, len(policy.waiting), sampled, len(policy.running)))
@@ -309,8 +320,9 @@ class FastForwardEngine(Engine):
             usage = kv.usage()
             reserved_after[-1], live_last = usage.reserved_slots, usage.live_tokens
         steps = self.steps
-        ids = [r.req_id for r in batch] if steps.reads_batches() else [""] * len(batch)  # else only its size is read
-        steps.append(DecodeRun(len(steps), start, times, ids, base, reserved_after, live_before, live_last,
+        blank = self._batch_ids(len(batch))  # not None: only the batch's size is read
+        steps.append(DecodeRun(len(steps), start, times, [r.req_id for r in batch] if blank is None else blank,
+                               base if blank is None else [], reserved_after, live_before, live_last,
                                len(self.policy.waiting), len(self.policy.running)))
         self.num_fast_forwarded_steps += k
         return finished, bool(finished) and not failed and times[-1] < until
