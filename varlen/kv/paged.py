@@ -174,18 +174,8 @@ class PagedAllocator(KVAllocator):
                 rc[b] = 1
                 reserved += bs
                 changed[j] = reserved
-        if type(self)._record_count is KVAllocator._record_count:  # inlined: one count per request
-            nums, live = self.num_tokens, 0
-            for p in range(len(reqs)):
-                rid, m = reqs[p].req_id, counts[p] + ok
-                had = nums.get(rid, 0)
-                if m > had:
-                    nums[rid] = m
-                    live += m - had
-            self.live_tokens += live
-        else:
-            for p, r in enumerate(reqs):
-                self._record_count(r.req_id, counts[p] + ok)
+        for p, r in enumerate(reqs):
+            self._record_count(r.req_id, counts[p] + ok)
         for j, p in takes:
             if j == ok:
                 self._record_count(reqs[p].req_id, counts[p] + ok + 1)
