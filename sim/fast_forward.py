@@ -225,13 +225,15 @@ class FastForwardEngine(Engine):
         return finished
 
     def _promises_kept(self) -> bool:
-        """The allocator's and executor's decode promises are their own classes' (varlen/promises.py)."""
+        """The allocator's and executor's decode promises are their own classes', and the stop rule the
+        decode runs apply (limits, the run's one token) is Engine's (varlen/promises.py)."""
         if self._decode_promises < 0:
             kv, ex = self.kv, self.executor
             kept = [keeps_promise(kv, ("next_allocation_event", "grow_decodes"), ALLOCATION_PROMISE_BEHAVIOUR,
                                   KVAllocator),
                     isinstance(ex, FastForwardExecutor)
-                    and keeps_promise(ex, "decode_run", ("execute",), FastForwardExecutor)]
+                    and keeps_promise(ex, "decode_run", ("execute",), FastForwardExecutor),
+                    keeps_promise(self, "_decode_run", ("_stop_reason", "_is_stop_token"), Engine)]
             self._decode_promises = int(all(kept))
             self._fits = int(all(kept) and keeps_promise(kv, "decode_steps_fit", (*ALLOCATION_PROMISE_BEHAVIOUR,
                              "next_allocation_event", "grow_decodes"), KVAllocator))

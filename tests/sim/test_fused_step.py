@@ -4,6 +4,8 @@ preemptions, stop tokens and max_model_len; a subclass's execute() or stop rule 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,7 @@ from sim.executor import SIM_TOKEN, CostModelExecutor
 from sim.fast_forward import FastForwardEngine
 from sim.simulator import simulate
 from sim.validate import fresh_copies
+from varlen.promises import PromiseWarning
 from varlen.request import FinishReason, Request
 from varlen.sampling_params import SamplingParams
 from varlen.steplog import StepLog
@@ -107,16 +110,19 @@ class StopsAtThree(FastForwardEngine):
         return FinishReason.STOP if len(r.output_token_ids) >= 3 else super()._stop_reason(r, tok)
 
 
-def test_an_engine_with_its_own_stop_rule_is_not_fused():
-    """Step by step (the decode fast-forward reads only max_tokens and max_model_len): the rule ends each."""
+@pytest.mark.parametrize("fast_forward", [False, True])
+def test_an_engine_with_its_own_stop_rule_is_not_fused(fast_forward):
+    """Neither fused nor fast-forwarded (decode runs apply Engine's limits): the rule ends each request."""
     base = factory("chunked", "paged", 400)
 
     def make(clock):
         eng, ex = base(clock)
         return StopsAtThree(eng.policy, eng.kv, ex, clock=clock, max_model_len=eng.max_model_len), ex
 
-    res = simulate(fresh_copies(shared_prefix_requests(30, rate=50.0, seed=4)), make, fast_forward=False)
+    with pytest.warns(PromiseWarning, match="StopsAtThree._stop_reason") if fast_forward else nullcontext():
+        res = simulate(fresh_copies(shared_prefix_requests(30, rate=50.0, seed=4)), make, fast_forward=fast_forward)
     assert res.replicas[0].engine._fused == 0
+    assert res.replicas[0].engine.num_fast_forwarded_steps == 0
     assert all(len(r.output_token_ids) <= 3 for r in res.requests)
     assert any(r.finish_reason is FinishReason.STOP for r in res.requests)
 
