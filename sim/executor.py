@@ -53,8 +53,8 @@ class CostModelExecutor(FastForwardExecutor):
                     sampled += 1
                 else:
                     out.append(None)
-            sums = StepSums(len(scheduled), tn, tc, tnc, tnn, sampled, prefills)
-            dt = step_seconds(self.cost, self.cost.step_time_sums(sums))
+            self.advance_step(len(scheduled), tn, tc, tnc, tnn, sampled, prefills)
+            return out
         else:
             new, cached = [], []
             for r, n in scheduled:
@@ -69,6 +69,17 @@ class CostModelExecutor(FastForwardExecutor):
             dt = step_seconds(self.cost, self.cost.step_time(new, cached, sampled))
         self.clock.advance(dt)
         return out
+
+    def advance_step(self, num_seqs: int, new: int, cached: int, new_cached: int, new_sq: int, num_logits: int,
+                     num_prefills: int) -> int:
+        # The sums path of execute(), also FastForwardEngine's fused step (fuses_steps).
+        sums = StepSums(num_seqs, new, cached, new_cached, new_sq, num_logits, num_prefills)
+        self.clock.advance(step_seconds(self.cost, self.cost.step_time_sums(sums)))
+        return SIM_TOKEN
+
+    def fuses_steps(self) -> bool:
+        # This very class only, its cost model keeping the sums promise: a subclass's execute() is called.
+        return type(self) is CostModelExecutor and self._sums
 
     def decode_run(self, batch: Sequence[Request], max_steps: int, until: float) -> tuple[int, list[float]] | None:
         if not self._decode:

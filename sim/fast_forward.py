@@ -13,13 +13,13 @@ from typing import Sequence
 
 from mypy_extensions import mypyc_attr
 
-from varlen.engine import Engine, Executor
+from varlen.engine import Engine, Executor, grant_problem
 from varlen.kv.base import ALLOCATION_PROMISE_BEHAVIOUR, KVAllocator
 from varlen.kv.growth import DecodeGrowth
 from varlen.promises import keeps_promise
-from varlen.request import Request
+from varlen.request import FinishReason, Request
 from varlen.scheduler_api import SchedulerPolicy
-from varlen.steplog import DecodeRun
+from varlen.steplog import DecodeRun, StepRecord
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -31,6 +31,18 @@ class FastForwardExecutor(Executor):
         the clock is not moved, nothing else changes (the simulator also asks it ahead of the steps, for
         a replica's horizon). None: this executor steps one at a time."""
         return None
+
+    def fuses_steps(self) -> bool:
+        """Whether FastForwardEngine may run execute() inline: sum the batch itself and call advance_step
+        (same clock, same tokens, nothing else changed). Only a class whose execute() is exactly that."""
+        return False
+
+    def advance_step(self, num_seqs: int, new: int, cached: int, new_cached: int, new_sq: int, num_logits: int,
+                     num_prefills: int) -> int:
+        """execute() of a batch with these sums (new: sum of new tokens, new_cached: of new x cached, new_sq:
+        of new squared; num_logits: requests that sample; num_prefills: with more than one new token):
+        moves the clock, returns the token every sampling request samples (fuses_steps)."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse steps (fuses_steps() is False)")
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -45,6 +57,112 @@ class FastForwardEngine(Engine):
         self._decode_promises = -1  # whether the allocator's and executor's promises are their own (-1: not checked)
         self._growth: DecodeGrowth | None = None  # the allocator, if it has DecodeGrowth's methods
         self._fits = -1  # whether the allocator's decode_steps_fit is its own class's (-1: not checked)
+        self._fused = -1  # whether _step runs the executor inline (_fuses; -1: not checked)
+        self._blank_ids: dict[int, list[str]] = {}  # batch size -> the req_ids a log that reads none gets
+
+    def _batch_ids(self, batch_size: int) -> list[str] | None:
+        """None where the step log reads the batch's request ids, else a shared list of that size."""
+        if self.steps.reads_batches():
+            return None
+        ids = self._blank_ids.get(batch_size)
+        if ids is None:
+            ids = self._blank_ids[batch_size] = [""] * batch_size
+        return ids
+
+    def _fuses(self) -> bool:
+        """Whether _step may fuse Engine._step's loops with the executor's: the executor offers it
+        (fuses_steps) and the engine's stop rule is Engine's own (a subclass's is called as it is)."""
+        ex, cls = self.executor, type(self)
+        return (isinstance(ex, FastForwardExecutor) and ex.fuses_steps()
+                and cls._stop_reason is Engine._stop_reason and cls._is_stop_token is Engine._is_stop_token)
+
+    def _step(self, start: float) -> list[Request]:
+        """Engine._step; with a fusing executor, its loops and the executor's in two passes over the batch
+        (the same calls to the policy, allocator and cost model, the same results and step log)."""
+        if self._fused < 0:
+            self._fused = int(self._fuses())
+        if not self._fused:
+            return super()._step(start)
+        t0 = time.perf_counter()
+        policy, kv = self.policy, self.kv
+        out = policy.schedule(kv)
+        ex = self.executor
+        assert isinstance(ex, FastForwardExecutor)
+        for r in out.preempted:
+            ex.release(r)
+        self.num_preemptions += len(out.preempted)
+        if not out:
+            return self._unstick()
+        scheduled = out.scheduled
+        self._scheduled = scheduled
+        steps = self.steps
+        blank = self._batch_ids(len(scheduled))
+        detail = blank is None
+        cached: list[int] = []
+        samples: list[bool] = []  # whether each entry samples, as execute() decides it
+        tn = tc = tnc = tnn = prefills = sampled = 0
+        for r, n in scheduled:
+            c = r.num_computed_tokens
+            total = r.num_prompt_tokens + len(r.output_token_ids)
+            # A wrong grant would compute past the request's tokens or nothing, step after step.
+            if n < 1 or c + n > total:
+                raise ValueError(grant_problem(policy, r, n))
+            if detail:
+                cached.append(c)
+            if r.first_scheduled is None:
+                r.first_scheduled = start
+            tn += n
+            tc += c
+            tnc += n * c
+            tnn += n * n
+            if n > 1:
+                prefills += 1
+            last = c + n == total
+            samples.append(last)
+            if last:
+                sampled += 1
+        t1 = time.perf_counter()
+        tok = ex.advance_step(len(scheduled), tn, tc, tnc, tnn, sampled, prefills)
+        t2 = time.perf_counter()
+        end = self.clock.now()
+        finished = []
+        stop = FinishReason.STOP
+        length = FinishReason.LENGTH
+        eos = tok in self.eos_token_ids
+        max_len = self.max_model_len
+        for i in range(len(scheduled)):
+            r, n = scheduled[i]
+            r.num_computed_tokens += n
+            if not samples[i]:
+                continue
+            outs = r.output_token_ids
+            outs.append(tok)
+            r.token_times.append(end)
+            sp = r.sampling
+            n_out = len(outs)
+            # Engine._stop_reason, inline.
+            if tok in sp.stop_token_ids or (eos and not sp.ignore_eos):
+                self._finish(r, stop)
+            elif n_out >= sp.max_tokens or r.num_prompt_tokens + n_out >= max_len:
+                self._finish(r, length)
+            else:
+                continue
+            finished.append(r)
+        usage = kv.usage()
+        new: list[int] = []
+        if blank is None:
+            ids = [r.req_id for r, _ in scheduled]
+            new = [n for _, n in scheduled]
+        else:  # not read: only the batch's size is
+            ids = blank
+        steps.append(StepRecord(
+            len(steps), start, end - start, ids, new, cached, len(out.preempted), usage.reserved_slots,
+            usage.live_tokens, len(policy.waiting), sampled, len(policy.running)))
+        timings = self.timings
+        timings["schedule"] += t1 - t0
+        timings["execute"] += t2 - t1
+        timings["update"] += time.perf_counter() - t2
+        return finished
 
     def step(self, start: float | None = None, until: float | None = None) -> list[Request]:
         """The pure-decode steps the policy promises from `start` up to `until`, else one step and
@@ -107,13 +225,15 @@ class FastForwardEngine(Engine):
         return finished
 
     def _promises_kept(self) -> bool:
-        """The allocator's and executor's decode promises are their own classes' (varlen/promises.py)."""
+        """The allocator's and executor's decode promises are their own classes', and the stop rule the
+        decode runs apply (limits, the run's one token) is Engine's (varlen/promises.py)."""
         if self._decode_promises < 0:
             kv, ex = self.kv, self.executor
             kept = [keeps_promise(kv, ("next_allocation_event", "grow_decodes"), ALLOCATION_PROMISE_BEHAVIOUR,
                                   KVAllocator),
                     isinstance(ex, FastForwardExecutor)
-                    and keeps_promise(ex, "decode_run", ("execute",), FastForwardExecutor)]
+                    and keeps_promise(ex, "decode_run", ("execute",), FastForwardExecutor),
+                    keeps_promise(self, "_decode_run", ("_stop_reason", "_is_stop_token"), Engine)]
             self._decode_promises = int(all(kept))
             self._fits = int(all(kept) and keeps_promise(kv, "decode_steps_fit", (*ALLOCATION_PROMISE_BEHAVIOUR,
                              "next_allocation_event", "grow_decodes"), KVAllocator))
@@ -201,9 +321,11 @@ class FastForwardEngine(Engine):
             # After the finishes freed their blocks (a failed step's allocations are not the run's).
             usage = kv.usage()
             reserved_after[-1], live_last = usage.reserved_slots, usage.live_tokens
-        self.steps.append(DecodeRun(
-            len(self.steps), start, times, [r.req_id for r in batch], base, reserved_after, live_before,
-            live_last, len(self.policy.waiting), len(self.policy.running)))
+        steps = self.steps
+        blank = self._batch_ids(len(batch))  # not None: only the batch's size is read
+        steps.append(DecodeRun(len(steps), start, times, [r.req_id for r in batch] if blank is None else blank,
+                               base if blank is None else [], reserved_after, live_before, live_last,
+                               len(self.policy.waiting), len(self.policy.running)))
         self.num_fast_forwarded_steps += k
         return finished, bool(finished) and not failed and times[-1] < until
 

@@ -120,7 +120,9 @@ class SchedulerPolicy(ABC):
         if (not self._repeats or self._may_admit() or not running
                 or len(running) > self.max_num_batched_tokens):
             return None
-        for r in running:
+        # Newest first: a prompt still being chunked in was admitted last (same answer, shorter scan).
+        for i in range(len(running) - 1, -1, -1):
+            r = running[i]
             if r.num_prompt_tokens + len(r.output_token_ids) - r.num_computed_tokens != 1:
                 return None
         return list(running)

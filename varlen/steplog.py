@@ -2,7 +2,8 @@
 simulator's fast-forward) as one compact DecodeRun. It reads as a sequence of StepRecords; columns()
 gives the metrics' per-step arrays without expanding runs. StepLog(keep=False) keeps only the
 columns the summary and kv_usage.csv read (columns(tokens=False), 32 bytes a step: the counts as
-int32 where they fit): the entries are folded into arrays every HOLD batch members and steps,
+int32 where they fit): the entries are folded into arrays every HOLD steps, per-request list items
+and ENTRY per entry held,
 handed to `sink` (steps.csv written as the run goes) and dropped.
 """
 
@@ -74,9 +75,12 @@ class DecodeRun:
                           self.num_waiting, B, self.num_running if last else B)
 
 
-#: Batch members plus steps a StepLog(keep=False) holds in entries before folding them (about 60
-#: bytes each: a few hundred KB a replica).
+#: Steps, per-request list items and ENTRY per entry a StepLog(keep=False) holds before folding them
+#: (about 60 bytes each: a few hundred KB a replica).
 HOLD = 4096
+#: What an entry itself counts toward HOLD beside its steps and its per-request list items: a writer
+#: that leaves those out where they are not read (reads_batches) is folded less often, in as much memory.
+ENTRY = 8
 #: Folded chunks joined into one every this many (few arrays, not one per fold).
 JOIN = 64
 
@@ -97,10 +101,16 @@ class StepLog:
         self.keep = keep
         self._sink = sink
         self._chunks: list[dict[str, np.ndarray]] = []  # keep=False: the folded entries' columns
-        self._held = 0  # batch members plus steps in `entries`
+        self._held = 0  # steps, per-request list items and ENTRY per entry, in `entries`
         self._joined = 0  # _chunks[:_joined] are joins of JOIN folds; those after, single folds
         for e in entries:
             self.append(e)
+
+    def reads_batches(self) -> bool:
+        """Whether an entry's request ids and per-request token lists are read (kept, or handed to a
+        sink); if not, a writer may leave the token lists empty and share one req_ids list among
+        batches of a size (it then only gives the batch's size)."""
+        return self.keep or self._sink is not None
 
     def append(self, entry: StepRecord | DecodeRun) -> None:
         self.entries.append(entry)
@@ -109,7 +119,7 @@ class StepLog:
         self._len += n
         self._appends += 1
         if not self.keep:
-            self._held += n + len(entry.req_ids)
+            self._held += n + len(entry.cached_tokens) + ENTRY
             if self._held >= HOLD:
                 self.flush()
 
