@@ -66,6 +66,10 @@ def fit_run(run_dir: Path, features: Sequence[str] | None = None, weighting: str
     except ValueError as e:
         raise FitInputError(f"--features: {e}") from None
     rows = [row for steps in read_steps(run_dir) for row in profile_rows(steps)]
+    by_rows = [f for f in features if f.startswith("chunk_sampled_")]
+    if by_rows and any(row[3] is None for row in rows):
+        raise FitInputError(f"--features {by_rows[0]}: {run_dir / 'steps.csv'} has no num_sampled column (the LM "
+                            "head's rows per step); leave the chunk_sampled_K features out")
     if len(rows) <= len(features):
         raise FitInputError(f"{run_dir / 'steps.csv'}: {len(rows)} steps, too few to fit {len(features)} "
                             f"coefficients (serve more or longer requests: more than {len(features)} steps)")

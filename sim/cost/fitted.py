@@ -35,7 +35,7 @@ LINEAR_FEATURES = ("const", "new_tokens", "num_seqs", "attn_work", "cached_token
 SIZE_FAMILIES = ("decode_batch_", "chunk_sampled_")
 MAX_SIZE = 64
 # A size offset is fitted only on this many training steps of its size; below, the linear form holds.
-MIN_SIZE_STEPS = 20
+MIN_SIZE_STEPS = 50
 DEFAULT_FEATURES = LINEAR_FEATURES
 
 

@@ -121,3 +121,14 @@ def test_sim_fit_expands_ranges_and_rejects_bad_names(tmp_path: Path) -> None:
     (tmp_path / "run").mkdir()
     with pytest.raises(FitInputError, match="--features: unknown features"):
         fit_run(tmp_path / "run", features=["const", "decode_batch_zero"])
+
+
+def test_sim_fit_refuses_chunk_sampled_without_sampled_rows(tmp_path: Path) -> None:
+    import pandas as pd
+
+    (tmp_path / "run").mkdir()
+    pd.DataFrame(dict(start=[0.0, 1.0, 2.0], duration=[1e-3] * 3, num_waiting=[0] * 3, new_tokens=["40 1", "1 1", "1"],
+                      cached_tokens=["0 5", "41 6", "42"])).to_csv(tmp_path / "run" / "steps.csv", index=False)
+    with pytest.raises(FitInputError, match="no num_sampled column"):
+        fit_run(tmp_path / "run", features=["const", "chunk_sampled_1"])
+    assert fit_run(tmp_path / "run", features=["const", "decode_batch_1"]).report.n_steps == 3
