@@ -58,7 +58,7 @@ def read_steps(run_dir: Path) -> list[list[SimpleNamespace]]:
 
 def fit_run(run_dir: Path, features: Sequence[str] | None = None, weighting: str = "absolute") -> Any:
     """The ProfiledCostModel fitted to run_dir/steps.csv, its source named in `meta`."""
-    from sim.cost.fitted import DEFAULT_FEATURES, ProfiledCostModel, check_features, profile_rows
+    from sim.cost.fitted import DEFAULT_FEATURES, ProfiledCostModel, check_features, profile_rows, size_feature
 
     features = list(features or DEFAULT_FEATURES)
     try:
@@ -70,9 +70,10 @@ def fit_run(run_dir: Path, features: Sequence[str] | None = None, weighting: str
     if by_rows and any(row[3] is None for row in rows):
         raise FitInputError(f"--features {by_rows[0]}: {run_dir / 'steps.csv'} has no num_sampled column (the LM "
                             "head's rows per step); leave the chunk_sampled_K features out")
-    if len(rows) <= len(features):
-        raise FitInputError(f"{run_dir / 'steps.csv'}: {len(rows)} steps, too few to fit {len(features)} "
-                            f"coefficients (serve more or longer requests: more than {len(features)} steps)")
+    n_linear = sum(1 for f in features if size_feature(f) is None)  # an offset needs its own min_size_steps
+    if len(rows) <= n_linear:
+        raise FitInputError(f"{run_dir / 'steps.csv'}: {len(rows)} steps, too few to fit {n_linear} "
+                            f"coefficients (serve more or longer requests: more than {n_linear} steps)")
     model = ProfiledCostModel.fit(rows, features=features, weighting=weighting)
     model.meta["fitted_on"] = str(run_dir.resolve() / "steps.csv")
     return model

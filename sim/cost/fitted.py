@@ -36,7 +36,9 @@ SIZE_FAMILIES = ("decode_batch_", "chunk_sampled_")
 MAX_SIZE = 64
 # A size offset is fitted only on this many training steps of its size; below, the linear form holds.
 MIN_SIZE_STEPS = 50
-DEFAULT_FEATURES = LINEAR_FEATURES
+# The default adds the decode offsets for 1..8 requests (where a log has their steps); chunk_sampled_K
+# needs each step's sampled rows, which steps.csv lacks.
+DEFAULT_FEATURES = LINEAR_FEATURES + tuple(f"decode_batch_{k}" for k in range(1, 9))
 
 
 def size_feature(name: str) -> tuple[int, int] | None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.cost.fitted import LINEAR_FEATURES, ProfiledCostModel, size_features
+from sim.cost.fitted import DEFAULT_FEATURES, LINEAR_FEATURES, ProfiledCostModel, size_features
 from sim.fit import FitInputError, expand_features, fit_run
 
 # A decode-only step's time by batch size on top of the linear form: 2 requests slower than 3, as
@@ -47,7 +47,9 @@ WITH_SIZES = LINEAR_FEATURES + size_features(8)
 @pytest.mark.parametrize("weighting", ["absolute", "relative"])
 def test_size_offsets_fit_a_log_the_linear_form_cannot(weighting: str) -> None:
     rows = _log(0)
-    linear = ProfiledCostModel.fit(rows, weighting=weighting)
+    linear = ProfiledCostModel.fit(rows, features=LINEAR_FEATURES, weighting=weighting)
+    default = ProfiledCostModel.fit([r for r in rows if max(r[0]) == 1 or r[3] == 0], weighting=weighting)
+    assert default.report.max_ape < 1e-6  # the default fits the decode offsets (no chunk offsets in it)
     sized = ProfiledCostModel.fit(rows, features=WITH_SIZES, weighting=weighting)
     assert linear.report.max_ape > 5.0  # the old form misses the 2-request decodes
     assert sized.report.max_ape < 1e-6
@@ -56,6 +58,7 @@ def test_size_offsets_fit_a_log_the_linear_form_cannot(weighting: str) -> None:
     assert got["chunk_sampled_2"] - got["chunk_sampled_1"] == pytest.approx(1.5e-3, rel=1e-6)
     # Held out: a fresh log of the same engine.
     assert sized.score(_log(1)).max_ape < 1e-6 and linear.score(_log(1)).max_ape > 5.0
+    assert "decode_batch_2" in DEFAULT_FEATURES and "chunk_sampled_1" not in DEFAULT_FEATURES
 
 
 def test_a_size_with_too_few_steps_keeps_the_linear_form() -> None:
