@@ -353,9 +353,19 @@ def main() -> None:
     p.add_argument("--steps-out", default=None,
                    help="write every real run's step rows (and sim.profile's engine rows with --measured) to this "
                         "JSON-lines file: run, new and cached tokens per request, seconds, sampled rows")
-    p.add_argument("--features", default=None,
-                   help="comma-separated profiled-model features (default: sim.cost.fitted.DEFAULT_FEATURES)")
+    p.add_argument("--features", action="append", default=None,
+                   help="comma-separated profiled-model features, NAME_1..8 for a range of sizes (default: "
+                        "sim.cost.fitted.DEFAULT_FEATURES); give it again to compare feature sets on the same real runs")
     args = p.parse_args()
+    from sim.cost.fitted import DEFAULT_FEATURES, check_features
+    from sim.fit import expand_features
+
+    feature_sets = [tuple(expand_features(f)) for f in args.features] if args.features else [DEFAULT_FEATURES]
+    for f in feature_sets:
+        try:
+            check_features(f)
+        except ValueError as e:
+            p.error(f"--features: {e}")
     if args.model not in ("50m", "tiny") and not (Path(args.model) / "config.json").is_file():
         p.error(f"--model {args.model!r}: not 50m, tiny or a model folder holding config.json")
     # A keeps the engine busy about half the time, B (longer outputs) ~85%: nearer saturation a few
@@ -369,7 +379,6 @@ def main() -> None:
 
     torch.set_num_threads(1)
     from varlen import registry
-    from sim.cost.fitted import DEFAULT_FEATURES
     from varlen import LLM
     from varlen.traces import load_trace
 
@@ -405,13 +414,18 @@ def main() -> None:
         measured = profiler.model() if profiler is not None else None
     if args.steps_out:
         write_steps(args.steps_out, runs, profiler)
-    features = tuple(args.features.split(",")) if args.features else DEFAULT_FEATURES
-    speed = diagnose(runs, features)
+    speed = diagnose(runs, feature_sets[0])
     typical = {label: np.median([speed[f"{label} #{i + 1}"] for i in range(len(rs))]) for label, rs in runs.items()}
     drifted = {run: v / typical[run.split()[0]] - 1.0 for run, v in speed.items()
                if abs(v / typical[run.split()[0]] - 1.0) > 0.03}
-    tables = {"A -> B": predict(runs["A"], runs["B"], features, args.weighting),
-              "B -> A": predict(runs["B"], runs["A"], features, args.weighting)}
+    # One "profiled" column per feature set: "profiled" for the first, "profiled#2"... for the others.
+    names = ["profiled"] + [f"profiled#{i + 1}" for i in range(1, len(feature_sets))]
+    tables = {}
+    for name, features in zip(names, feature_sets):
+        if len(feature_sets) > 1:
+            print(f"\n{name}: features {','.join(features)}")
+        tables.update({f"{name} A -> B": predict(runs["A"], runs["B"], features, args.weighting),
+                       f"{name} B -> A": predict(runs["B"], runs["A"], features, args.weighting)})
     if measured is not None:
         tables.update({"measured -> A": compare(measured, "measured, from sim.profile", runs["A"]),
                        "measured -> B": compare(measured, "measured, from sim.profile", runs["B"])})
@@ -420,11 +434,11 @@ def main() -> None:
           "fitted on the other slice; measured: sim.profile's tables, no trace run")
     out = pd.DataFrame(index=pd.MultiIndex.from_product([("A", "B"), GOAL_METRICS], names=["slice", "metric"]))
     for label, other in (("A", "B"), ("B", "A")):
-        t = tables[f"{other} -> {label}"]
+        t = tables[f"profiled {other} -> {label}"]
         out.loc[label, "real median"] = t.loc[GOAL_METRICS, "real median"].values
         out.loc[label, "noise %"] = t.loc[GOAL_METRICS, "noise %"].values
         out.loc[label, "noise MAD %"] = t.loc[GOAL_METRICS, "noise MAD %"].values
-        for name, key in (("profiled", f"{other} -> {label}"), ("measured", f"measured -> {label}")):
+        for name, key in [(n, f"{n} {other} -> {label}") for n in names] + [("measured", f"measured -> {label}")]:
             if key in tables:
                 out.loc[label, name] = tables[key].loc[GOAL_METRICS, "sim"].values
                 out.loc[label, f"{name} err %"] = tables[key].loc[GOAL_METRICS, "sim error %"].values

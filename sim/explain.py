@@ -42,15 +42,22 @@ def breakdown(model: Any, new: Sequence[int], cached: Sequence[int], num_logits:
     return parts
 
 
-def overhead_terms(model: Any, new: Sequence[int]) -> dict[str, float] | None:
-    """The overhead part by term (base, per request, per prefill request), for models with that form."""
+def overhead_terms(model: Any, new: Sequence[int], num_logits: int | None = None) -> dict[str, Any] | None:
+    """The overhead part by term (base, per request, per prefill request, and profiled's offset for
+    this exact step size), for models with that form."""
     form = getattr(model, "overhead_form", None)
     if form is None:
         return None
     base, per_seq, per_prefill = (float(x) for x in form)
     seqs, prefills = len(new), sum(1 for n in new if n > 1)
-    return {"per_step_s": base, "per_request_s": per_seq, "requests": seqs, "requests_s": per_seq * seqs,
-            "per_prefill_s": per_prefill, "prefills": prefills, "prefills_s": per_prefill * prefills}
+    terms: dict[str, Any] = {"per_step_s": base, "per_request_s": per_seq, "requests": seqs,
+                             "requests_s": per_seq * seqs, "per_prefill_s": per_prefill, "prefills": prefills,
+                             "prefills_s": per_prefill * prefills}
+    if hasattr(model, "size_offset"):  # profiled: decode_batch_K / chunk_sampled_K
+        logits = seqs if num_logits is None else int(num_logits)
+        terms["size_offset"] = model.size_offset_name(seqs, logits, prefills)
+        terms["size_offset_s"] = model.size_offset(seqs, logits, prefills)
+    return terms
 
 
 def explain_config(c: Mapping[str, Any]) -> dict[str, Any]:
@@ -71,7 +78,7 @@ def explain_config(c: Mapping[str, Any]) -> dict[str, Any]:
             "tensor": par.tensor, "pipeline": par.pipeline, "step_new": list(step["new"]),
             "step_cached": list(step["cached"]), "num_logits": step.get("num_logits"),
             "kv_tokens_per_replica": cap.kv_tokens, "weight_gb_per_gpu": cap.weight_bytes_per_gpu / 1e9,
-            "overhead_terms": overhead_terms(model, list(step["new"])), "notes": notes}
+            "overhead_terms": overhead_terms(model, list(step["new"]), step.get("num_logits")), "notes": notes}
 
 
 def format_table(d: Mapping[str, Any]) -> str:
@@ -91,6 +98,8 @@ def format_table(d: Mapping[str, Any]) -> str:
                       f"  ({terms['per_request_s'] * 1e3:.4g} ms each)",
                       f"{'  x ' + str(terms['prefills']) + ' prefills':<16}{terms['prefills_s'] * 1e3:>10.4f}"
                       f"  ({terms['per_prefill_s'] * 1e3:.4g} ms each)"]
+            if terms.get("size_offset"):
+                lines.append(f"{'  ' + terms['size_offset']:<16}{terms['size_offset_s'] * 1e3:>10.4f}  (this exact size)")
     lines += [f"  {n}" for n in d["notes"]]
     lines.append(f"KV pool per replica: {d['kv_tokens_per_replica']} tokens; weights per GPU {d['weight_gb_per_gpu']:.1f} GB")
     return "\n".join(lines)

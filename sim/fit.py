@@ -46,33 +46,54 @@ def read_steps(run_dir: Path) -> list[list[SimpleNamespace]]:
         raise FitInputError(f"{path}: no column {', '.join(missing)} (the per-request columns: rerun with "
                             "output.step_detail=true)")
     groups = table.groupby("replica", sort=True) if "replica" in table.columns else [(0, table)]
+    sampled = "num_sampled" in table.columns  # the LM head's rows, where the log has them
     out = []
     for _, t in groups:
         out.append([SimpleNamespace(start=float(r.start), duration=float(r.duration), num_waiting=int(r.num_waiting),
-                                    new_tokens=_ints(r.new_tokens), cached_tokens=_ints(r.cached_tokens))
+                                    new_tokens=_ints(r.new_tokens), cached_tokens=_ints(r.cached_tokens),
+                                    num_sampled=int(r.num_sampled) if sampled and r.num_sampled == r.num_sampled else -1)
                     for r in t.sort_values("start").itertuples()])
     return out
 
 
 def fit_run(run_dir: Path, features: Sequence[str] | None = None, weighting: str = "absolute") -> Any:
     """The ProfiledCostModel fitted to run_dir/steps.csv, its source named in `meta`."""
-    from sim.cost.fitted import DEFAULT_FEATURES, FEATURES, ProfiledCostModel, profile_rows
+    from sim.cost.fitted import DEFAULT_FEATURES, ProfiledCostModel, check_features, profile_rows, size_feature
 
     features = list(features or DEFAULT_FEATURES)
-    unknown = [f for f in features if f not in FEATURES]
-    if unknown:
-        raise FitInputError(f"--features: unknown {', '.join(unknown)} (known: {', '.join(FEATURES)})")
+    try:
+        check_features(features)
+    except ValueError as e:
+        raise FitInputError(f"--features: {e}") from None
     rows = [row for steps in read_steps(run_dir) for row in profile_rows(steps)]
-    if len(rows) <= len(features):
-        raise FitInputError(f"{run_dir / 'steps.csv'}: {len(rows)} steps, too few to fit {len(features)} "
-                            f"coefficients (serve more or longer requests: more than {len(features)} steps)")
+    by_rows = [f for f in features if f.startswith("chunk_sampled_")]
+    if by_rows and any(row[3] is None for row in rows):
+        raise FitInputError(f"--features {by_rows[0]}: {run_dir / 'steps.csv'} has no num_sampled column (the LM "
+                            "head's rows per step); leave the chunk_sampled_K features out")
+    n_linear = sum(1 for f in features if size_feature(f) is None)  # an offset needs its own min_size_steps
+    if len(rows) <= n_linear:
+        raise FitInputError(f"{run_dir / 'steps.csv'}: {len(rows)} steps, too few to fit {n_linear} "
+                            f"coefficients (serve more or longer requests: more than {n_linear} steps)")
     model = ProfiledCostModel.fit(rows, features=features, weighting=weighting)
     model.meta["fitted_on"] = str(run_dir.resolve() / "steps.csv")
     return model
 
 
+def expand_features(spec: str) -> list[str]:
+    """Comma-separated names; NAME_A..B stands for NAME_A, ..., NAME_B (decode_batch_1..8)."""
+    out: list[str] = []
+    for item in (x.strip() for x in spec.split(",")):
+        head, dots, tail = item.partition("..")
+        stem, _, lo = head.rpartition("_")
+        if dots and stem and lo.isdigit() and tail.isdigit() and int(lo) <= int(tail):
+            out += [f"{stem}_{k}" for k in range(int(lo), int(tail) + 1)]
+        else:
+            out.append(item)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    from sim.cost.fitted import FEATURES
+    from sim.cost.fitted import FEATURES, SIZE_FAMILIES
 
     ap = argparse.ArgumentParser(prog="python -m sim.fit",
                                  description="sim.fit: fit the profiled cost model to a varlen.run directory's "
@@ -80,12 +101,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a varlen.run output directory (holds steps.csv)")
     ap.add_argument("-o", "--out", type=Path, default=Path("fit.json"), help="the JSON written (default: fit.json)")
     ap.add_argument("--features", default=None,
-                    help=f"comma-separated features (default: the model's default; known: {', '.join(FEATURES)})")
+                    help=f"comma-separated features (default: the model's default; known: {', '.join(FEATURES)}, "
+                         f"{', '.join(p + 'K' for p in SIZE_FAMILIES)}; NAME_1..8 for sizes 1 to 8)")
     ap.add_argument("--weighting", choices=("absolute", "relative"), default="absolute",
                     help="absolute: plain least squares; relative: every step counts the same in percent")
     args = ap.parse_args(argv)
     try:
-        model = fit_run(args.run_dir, args.features.split(",") if args.features else None, args.weighting)
+        model = fit_run(args.run_dir, expand_features(args.features) if args.features else None, args.weighting)
     except FitInputError as e:
         print(f"sim.fit: {e}", file=sys.stderr)
         return 2

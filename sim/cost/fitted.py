@@ -1,5 +1,7 @@
 """The fitted (`profiled`) cost model: a linear model of step time in a few physical features of
-the batch, fitted to a real engine's step log; and the rows to fit it on (`profile_rows`)."""
+the batch, plus optional per-size offsets (a decode-only step of exactly K requests, a step with a
+prompt chunk sampling exactly K rows), fitted to a real engine's step log; and the rows to fit it
+on (`profile_rows`)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,53 @@ FEATURES: dict[str, Callable[[StepSums], float]] = {
 }
 # logit_rows: the LM head and sampling run on sampled rows only, and a prompt chunk that does not end
 # the prompt samples nothing; on step logs that do not tell the two apart it is fitted at 0.
-DEFAULT_FEATURES = ("const", "new_tokens", "num_seqs", "attn_work", "cached_tokens", "prefill_seqs", "logit_rows")
+LINEAR_FEATURES = ("const", "new_tokens", "num_seqs", "attn_work", "cached_tokens", "prefill_seqs", "logit_rows")
+# Per-size offsets, NAME + K: a signed step-time offset from the linear form for one exact size, as
+# small GEMMs change kernel path by row count. decode_batch_K: a decode-only step of K requests;
+# chunk_sampled_K: a step with a prompt chunk that samples K rows (the LM head's rows).
+SIZE_FAMILIES = ("decode_batch_", "chunk_sampled_")
+MAX_SIZE = 64
+# A size offset is fitted only on this many training steps of its size; below, the linear form holds.
+MIN_SIZE_STEPS = 50
+# The default adds the decode offsets for 1..8 requests (where a log has their steps); chunk_sampled_K
+# needs each step's sampled rows, which steps.csv lacks.
+DEFAULT_FEATURES = LINEAR_FEATURES + tuple(f"decode_batch_{k}" for k in range(1, 9))
+
+
+def size_feature(name: str) -> tuple[int, int] | None:
+    """(family index, K) for a per-size feature name, else None."""
+    for i, prefix in enumerate(SIZE_FAMILIES):
+        if name.startswith(prefix):
+            k = name[len(prefix):]
+            if k.isdigit() and 1 <= int(k) <= MAX_SIZE and str(int(k)) == k:
+                return i, int(k)
+    return None
+
+
+def check_features(features: Sequence[str]) -> None:
+    """One line naming the unknown features and the known ones."""
+    unknown = [f for f in features if f not in FEATURES and size_feature(f) is None]
+    if unknown:
+        raise ValueError(f"unknown features {unknown} (known: {', '.join(FEATURES)}, "
+                         f"{', '.join(p + 'K' for p in SIZE_FAMILIES)} for K in 1..{MAX_SIZE})")
+    if len(set(features)) != len(features):
+        raise ValueError(f"features {list(features)}: each at most once")
+
+
+def size_features(k: int) -> tuple[str, ...]:
+    """Both families' offsets for sizes 1..k."""
+    return tuple(f"{p}{i}" for p in SIZE_FAMILIES for i in range(1, k + 1))
+
+
+def _feature_value(name: str, s: StepSums) -> float:
+    fn = FEATURES.get(name)
+    if fn is not None:
+        return fn(s)
+    fam = size_feature(name)
+    assert fam is not None
+    if fam[0] == 0:
+        return float(s.num_prefills == 0 and s.num_seqs == fam[1])
+    return float(s.num_prefills > 0 and s.num_logits == fam[1])
 
 
 @dataclass(slots=True)
@@ -80,7 +128,8 @@ Step = tuple[Any, ...]
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class ProfiledCostModel(CostModel):
-    """A linear model of step time in a few physical features, fitted by non-negative least squares.
+    """A linear model of step time in a few physical features, fitted by non-negative least squares,
+    plus signed per-size offsets (decode_batch_K, chunk_sampled_K) where the log has enough steps.
     Profile a mix of prefills and decodes: decodes alone make the features collinear."""
 
     def __init__(self, path: str | os.PathLike | None = None, *,
@@ -98,9 +147,7 @@ class ProfiledCostModel(CostModel):
         if isinstance(coef, Mapping):
             features = list(coef)
             coef = [coef[f] for f in features]
-        unknown = [f for f in features if f not in FEATURES]
-        if unknown:
-            raise ValueError(f"unknown features {unknown} (known: {', '.join(FEATURES)})")
+        check_features(features)
         self.features = tuple(features)
         self.coef = np.zeros(len(self.features)) if coef is None else np.asarray(coef, np.float64)
         if self.coef.shape != (len(self.features),):
@@ -114,10 +161,17 @@ class ProfiledCostModel(CostModel):
         self._c_attn, self._c_cached = c["attn_work"], c["cached_tokens"]
         self._c_logits, self._c_prefills = c["logit_rows"], c["prefill_seqs"]
         self._has_logits = "logit_rows" in self.features
+        sizes = [size_feature(f) for f in self.features]
+        top = max([fam[1] for fam in sizes if fam is not None], default=0)
+        self._decode_off = [0.0] * (top + 1)
+        self._chunk_off = [0.0] * (top + 1)
+        for fam, v in zip(sizes, self.coef.tolist()):
+            if fam is not None:
+                (self._decode_off if fam[0] == 0 else self._chunk_off)[fam[1]] = v
 
     def feature_row(self, new_tokens: Any, cached_tokens: Any, num_logits: int | None = None) -> np.ndarray:
         s = StepSums.of(new_tokens, cached_tokens, num_logits)
-        return np.array([FEATURES[f](s) for f in self.features])
+        return np.array([_feature_value(f, s) for f in self.features])
 
     def _design(self, steps: Iterable[Step]) -> tuple[np.ndarray, np.ndarray]:
         X, y = [], []
@@ -131,10 +185,11 @@ class ProfiledCostModel(CostModel):
     @classmethod
     def fit(cls, steps: Iterable[Step], features: Sequence[str] = DEFAULT_FEATURES,
             weighting: str = "absolute", outlier_factor: float | None = 3.0,
-            iterations: int = 4) -> ProfiledCostModel:
+            iterations: int = 4, min_size_steps: int = MIN_SIZE_STEPS) -> ProfiledCostModel:
         """Fit to (new_tokens, cached_tokens, duration_s[, num_logits]) per step. weighting "relative":
         by 1 / predicted time squared (the measured one would bias low); outlier_factor: steps slower
-        than this many predictions (a GC pause) leave the next iteration's fit."""
+        than this many predictions (a GC pause) leave the next iteration's fit; a per-size offset
+        seen on fewer than min_size_steps steps stays 0 (the linear form) and is named in meta."""
         if weighting not in ("relative", "absolute"):
             raise ValueError(f"weighting must be 'relative' or 'absolute', got {weighting!r}")
         model = cls(features=features)
@@ -142,7 +197,12 @@ class ProfiledCostModel(CostModel):
         # A column equal to an earlier one on every step (logit_rows when every request sampled)
         # cannot be told apart from it: fitted at 0 rather than splitting the cost at random.
         used = [j for j in range(X_all.shape[1]) if not any(np.array_equal(X_all[:, j], X_all[:, i]) for i in range(j))]
+        sized = [size_feature(f) is not None for f in model.features]
+        sparse = [model.features[j] for j in range(len(sized)) if sized[j] and (X_all[:, j] != 0).sum() < min_size_steps]
+        used = [j for j in used if model.features[j] not in sparse]
         X = X_all[:, used]
+        # Size offsets are signed (a size can run faster than the linear form): a mirrored column each.
+        signed = [i for i, j in enumerate(used) if sized[j]]
         keep: Any = np.ones(len(y), bool)
         coef = np.zeros(X.shape[1])
         for it in range(max(1, iterations)):
@@ -154,7 +214,10 @@ class ProfiledCostModel(CostModel):
             # Unit-norm columns: the features span ten orders of magnitude.
             norms = np.linalg.norm(A, axis=0)
             norms[norms == 0] = 1.0
-            coef = _nnls(A / norms, b) / norms
+            A = np.hstack([A, -A[:, signed]]) / np.concatenate([norms, norms[signed]])
+            x = _nnls(A, b) / np.concatenate([norms, norms[signed]])
+            coef = x[:len(used)]
+            coef[signed] -= x[len(used):]
             if outlier_factor is not None:
                 pred = X @ coef
                 keep = ~(y > outlier_factor * np.maximum(pred, 1e-12))
@@ -165,6 +228,8 @@ class ProfiledCostModel(CostModel):
         model._set_terms()
         model.report = model._score(X_all, y)
         model.meta = {"weighting": weighting, "outliers_dropped": int((~keep).sum())}
+        if sparse:
+            model.meta["size_offsets_unfitted"] = sparse  # too few steps of that size: linear form
         return model
 
     def _score(self, X: np.ndarray, y: np.ndarray) -> FitReport:
@@ -204,10 +269,22 @@ class ProfiledCostModel(CostModel):
         """(seconds per step, per request, per prefill request): the fit's const, num_seqs and prefill_seqs."""
         return self._c_const, self._c_seqs, self._c_prefills
 
+    def size_offset(self, num_seqs: int, num_logits: int, num_prefills: int) -> float:
+        """The fitted offset for this exact step size (decode_batch_K or chunk_sampled_K), else 0."""
+        if num_prefills == 0:
+            return self._decode_off[num_seqs] if num_seqs < len(self._decode_off) else 0.0
+        return self._chunk_off[num_logits] if 0 <= num_logits < len(self._chunk_off) else 0.0
+
+    def size_offset_name(self, num_seqs: int, num_logits: int, num_prefills: int) -> str | None:
+        """The feature whose offset this step size takes (sim.explain), or None (the linear form)."""
+        name = f"decode_batch_{num_seqs}" if num_prefills == 0 else f"chunk_sampled_{num_logits}"
+        return name if name in self.features else None
+
     def step_fixed(self, num_seqs: int, new: float, num_logits: int, num_prefills: int) -> StepFixed:
         linear = self._c_new * new
         head = self._c_logits * num_logits
         overhead = self._c_const + self._c_seqs * num_seqs + self._c_prefills * num_prefills
+        overhead += self.size_offset(num_seqs, num_logits, num_prefills)
         # The fit knows no layers: one "layer" of the new tokens' linear work.
         return StepFixed(1.0, linear, overhead + head, num_seqs=num_seqs, new=new, linear_s=linear,
                          lm_head_s=head if self._has_logits else NOT_SPLIT, overhead_s=overhead)

@@ -45,3 +45,12 @@ def test_noise_reports_the_farthest_run_and_the_median_run() -> None:
 def test_step_kinds_split_decodes_by_batch_size_and_mixed_from_prefill_steps() -> None:
     assert [sim_fidelity.step_kind(n) for n in ([1], [1, 1, 1], [1] * 12, [40, 1, 1], [64], [30, 20])] == [
         "decode 1", "decode 3", "decode 9+", "mixed", "prefill", "prefill"]
+
+
+def test_a_bad_feature_name_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setattr(sys, "argv", ["sim_fidelity.py", "--features", "const", "--features", "const,decode_batch_x"])
+    with pytest.raises(SystemExit) as e:
+        sim_fidelity.main()
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "decode_batch_x" in err and "decode_batch_K" in err
