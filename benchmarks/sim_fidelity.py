@@ -86,6 +86,12 @@ class RealRun:
     busy: float  # fraction of the run's clock time the engine spent in steps
     usage: dict[str, float]  # the process's user and system CPU s, page faults, involuntary switches in the run
     prefix_hits: int  # prompt tokens served from the prefix cache (distinct prompts: none)
+    probe: tuple[float, float] | None = None  # the speed probe's seconds right before and right after the run
+    index: int = 1  # its place among its slice's repeats
+
+    @property
+    def name(self) -> str:
+        return f"{self.label} #{self.index}"
 
 
 def real_run(label: str, model_dir: str, backend: str, treqs, args) -> RealRun:
@@ -126,6 +132,111 @@ def real_run(label: str, model_dir: str, backend: str, treqs, args) -> RealRun:
                    eng.max_model_len, wall, busy, usage, sum(r.num_prefix_hit_tokens for r in reqs))
 
 
+#: The speed probe's fixed workload: decode-only steps of these batch sizes, and one prompt chunk.
+PROBE_DECODES = (1, 2, 4, 8)
+PROBE_CHUNK = 128
+
+
+class SpeedProbe:
+    """The machine's speed at a moment, from a fixed short workload on the real engine (its own engine of
+    the same model and settings, warm): decode steps of 1, 2, 4 and 8 requests and one 128-token prompt
+    chunk, `repeats` times; a reading is the sum over those step kinds of the median step's CPU seconds.
+    Read before and after every real run and around sim.profile's engine passes, it gives each run a
+    speed factor against the speed a cost model was timed at (ScaledCostModel), from outside the runs."""
+
+    def __init__(self, model_dir: str, backend: str, args, repeats: int = 5, decode_steps: int = 2) -> None:
+        from varlen import LLM
+
+        self.llm = LLM(model_dir, backend=backend, max_num_seqs=args.seqs, max_num_batched_tokens=args.budget,
+                       max_model_len=args.max_len, num_blocks=args.blocks)
+        self.llm.engine.clock = CpuClock()
+        self.repeats, self.decode_steps = repeats, decode_steps
+        self.rng, self.vocab = np.random.default_rng(1), self.llm.runner.config.vocab_size
+        self.readings: list[tuple[str, float, float]] = []  # (when, seconds, spread of the repeats' sums)
+        self.cpu_s = 0.0
+        self.read("untimed warm-up")
+        self.readings.clear()
+
+    def _steps(self, batch: int, prompt: int, out: int) -> list:
+        from varlen.sampling_params import SamplingParams
+
+        before = self.llm.engine.steps
+        first = len(before)
+        # Fresh random prompts each time: a repeated one would be a prefix-cache hit, its prefill not computed.
+        self.llm.generate(self.rng.integers(3, self.vocab, (batch, prompt)).tolist(),
+                          SamplingParams(max_tokens=out, ignore_eos=True, temperature=0.0), use_tqdm=False)
+        steps = self.llm.engine.steps  # the engine loop starts a new log when it leaves idle
+        return list(steps) if steps is not before else list(steps)[first:]
+
+    def read(self, when: str) -> float:
+        """One reading (seconds), recorded with `when`."""
+        t0 = time.process_time()
+        gc.collect()
+        gc.disable()
+        try:
+            repeats = []
+            for _ in range(self.repeats):
+                kinds: dict[str, list[float]] = {}
+                for b in PROBE_DECODES:
+                    for s in self._steps(b, 2, 1 + self.decode_steps):
+                        if max(s.new_tokens) == 1:
+                            kinds.setdefault(f"decode {b}", []).append(s.duration)
+                for s in self._steps(1, PROBE_CHUNK, 1):
+                    kinds.setdefault("chunk", []).append(s.duration)
+                repeats.append(kinds)
+        finally:
+            gc.enable()
+        seconds, spread = probe_reading(repeats)
+        self.readings.append((when, seconds, spread))
+        self.cpu_s += time.process_time() - t0
+        return seconds
+
+    @property
+    def last(self) -> float:
+        return self.readings[-1][1]
+
+
+def probe_reading(repeats: list[dict[str, list[float]]]) -> tuple[float, float]:
+    """A reading from each repeat's step seconds by kind: the sum over kinds of the median over every
+    repeat's steps, and the spread of the repeats' own sums ((max - min) / median): the probe's noise."""
+    kinds = sorted({k for r in repeats for k in r})
+    missing = [k for k in kinds for r in repeats if k not in r]
+    if missing:
+        raise ValueError(f"speed probe: a repeat made no {missing[0]} step; its workload no longer fits the engine")
+    seconds = float(sum(np.median([t for r in repeats for t in r[k]]) for k in kinds))
+    sums = [sum(float(np.median(r[k])) for k in kinds) for r in repeats]
+    return seconds, float((max(sums) - min(sums)) / np.median(sums))
+
+
+def run_speeds(probes: dict[str, tuple[float, float]], reference: float) -> dict[str, float]:
+    """Each run's speed factor: the mean of its before and after readings over `reference` (> 1: slower)."""
+    return {run: (before + after) / 2.0 / reference for run, (before, after) in probes.items()}
+
+
+def at_speed(rows: list, speed: float) -> list:
+    """Step rows with their seconds divided by `speed`: what they would have taken at the reference speed."""
+    return [(new, cached, t / speed, logits) for new, cached, t, logits in rows]
+
+
+def paired_errors(sims: pd.DataFrame, reals: pd.DataFrame) -> pd.DataFrame:
+    """Each run's simulation (at its own speed) against that run, per metric, in percent (columns: the
+    runs), and their median ("adjusted error %"): a figure no single drifted run sets."""
+    err = pct(sims, reals[sims.columns])
+    out = pd.DataFrame(err, index=sims.index, columns=sims.columns)
+    out["adjusted error %"] = out.median(axis=1)
+    return out
+
+
+def drift_agreement(probe: dict[str, float], steps: dict[str, float]) -> tuple[float, float]:
+    """How closely the probe's per-run factor tracks the runs' own step-time factor (both over their mean
+    across runs): Pearson r, and the largest difference in percentage points."""
+    runs = list(probe)
+    p = np.array([probe[r] for r in runs]) / np.mean([probe[r] for r in runs])
+    s = np.array([steps[r] for r in runs]) / np.mean([steps[r] for r in runs])
+    r = float(np.corrcoef(p, s)[0, 1]) if len(runs) > 2 and p.std() > 0 and s.std() > 0 else float("nan")
+    return r, float(np.abs(p - s).max() * 100.0)
+
+
 def diagnose(runs: dict[str, list[RealRun]], features) -> dict[str, float]:
     """Where the real engine's run-to-run noise comes from: each run's step speed against one model
     fitted on every run (a run whose steps are all x% slow: the machine, not the schedule), whether
@@ -153,6 +264,32 @@ def diagnose(runs: dict[str, list[RealRun]], features) -> dict[str, float]:
           "slice's first run made, and the process's CPU time, page faults and involuntary preemptions")
     print(pd.DataFrame(table).T.to_string(float_format=lambda x: f"{x:.3f}"))
     return {run: row["decode speed"] for run, row in table.items()}
+
+
+def report_probe(probe: SpeedProbe, brackets: dict[str, tuple[float, float]], step_speed: dict[str, float],
+                 measured_speed: float | None, reference: float) -> None:
+    """The probe's readings, its own noise, each run's factor, and how closely the factor tracks the
+    runs' step-time factor from the noise diagnosis (both over their mean across the runs)."""
+    print(f"\nspeed probe ({probe.repeats} x decode steps of {', '.join(map(str, PROBE_DECODES))} requests and one "
+          f"{PROBE_CHUNK}-token chunk; a reading: the sum of the kinds' median step; {len(probe.readings)} readings, "
+          f"{probe.cpu_s:.1f} s CPU in all); reference speed {reference * 1e3:.1f} ms (the median reading):")
+    print("  " + ", ".join(f"{when} {sec * 1e3:.1f} ms (±{spread * 50:.1f}%)" for when, sec, spread in probe.readings))
+    spreads = [spread for _, _, spread in probe.readings]
+    speeds = run_speeds(brackets, reference)
+    print(f"  probe noise: its repeats' sums spread {np.median(spreads) * 100:.1f}% (median reading; max - min over "
+          f"the median), {max(spreads) * 100:.1f}% at most")
+    p_mean = np.mean(list(speeds.values()))
+    s_mean = np.mean([step_speed[r] for r in speeds])
+    table = {run: {"probe before ms": b * 1e3, "probe after ms": a * 1e3, "after/before": a / b,
+                   "factor (probe)": v, "probe / runs' mean": v / p_mean,
+                   "steps / runs' mean (diagnosis)": step_speed[run] / s_mean,
+                   "difference %": (v / p_mean - step_speed[run] / s_mean) * 100.0}
+             for (run, v), (b, a) in zip(speeds.items(), brackets.values())}
+    print(pd.DataFrame(table).T.to_string(float_format=lambda x: f"{x:.3f}"))
+    r, worst = drift_agreement(speeds, {run: step_speed[run] for run in speeds})
+    print(f"  the probe's factor against the runs' decode-step factor: Pearson r {r:.2f}, largest difference "
+          f"{worst:.1f} points" + (f"; the measured model's passes ran at x{measured_speed:.3f}"
+                                   if measured_speed is not None else ""))
 
 
 def warm_row_counts(model_dir: str, backend: str, args) -> None:
@@ -205,6 +342,20 @@ def predict(fit_on: list[RealRun], target: list[RealRun], features, weighting: s
     return compare(cost, f"profiled on {src}", target)
 
 
+def predict_adjusted(fit_on: list[RealRun], target: list[RealRun], features, weighting: str,
+                     speeds: dict[str, float]) -> pd.DataFrame:
+    """predict's fit on the other slice's steps, each run's seconds first divided by its probed speed
+    factor (the model at the reference speed), then each target run simulated at its own factor."""
+    from sim.cost.fitted import ProfiledCostModel, profile_rows
+
+    rows = [row for r in fit_on for row in at_speed(profile_rows(r.steps), speeds[r.name])]
+    cost = ProfiledCostModel.fit(rows, features=features, weighting=weighting)
+    print(f"\nfit on {fit_on[0].label}'s steps at the reference speed (each run's over its probe factor): "
+          f"R2 {cost.report.r2:.3f}, step MAPE {cost.report.mape:.1f}%")
+    return compare_at_speeds(cost, f"profiled on {fit_on[0].label}, at the reference speed",
+                             target, [speeds[r.name] for r in target])
+
+
 def run_noise(real: pd.DataFrame) -> pd.DataFrame:
     """How far single real runs (columns) stray from their median, per metric (rows), in percent: what
     one measurement of the real engine varies by, which no cost model can be checked below. "noise %":
@@ -231,6 +382,27 @@ def compare(cost, desc: str, target: list[RealRun]) -> pd.DataFrame:
     print(f"{dst}, real ({len(target)} runs) vs simulated ({desc}); {step_ratios(cost, target)}:")
     print(pd.concat([real, df], axis=1).to_string(float_format=lambda x: f"{x:.2f}"))
     return df
+
+
+def compare_at_speeds(cost, desc: str, target: list[RealRun], speeds: list[float]) -> pd.DataFrame:
+    """Simulate the target slice once per real run, under `cost` scaled to that run's speed factor
+    (ScaledCostModel), and compare each with its run: the speed-adjusted figure."""
+    from sim.cost.scaled import ScaledCostModel
+    from sim.validate import fresh_copies, simulate_like
+
+    t = target[0]
+    reals = pd.DataFrame({r.name: r.headline for r in target})
+    sims = {}
+    for r, speed in zip(target, speeds):
+        sim = simulate_like(fresh_copies(t.originals), t.make_policy, t.make_kv, t.max_model_len,
+                            ScaledCostModel(cost, speed))
+        sims[r.name] = headline(sim.requests, sim.steps, sim.total_slots)
+    sims_df = pd.DataFrame(sims)
+    err = paired_errors(sims_df, reals)
+    print(f"{t.label}, each real run vs its simulation at that run's probed speed ({desc}; factors "
+          + ", ".join(f"{r.name} x{v:.3f}" for r, v in zip(target, speeds)) + "), error %:")
+    print(err.to_string(float_format=lambda x: f"{x:.2f}"))
+    return err
 
 
 def fidelity_model(name: str, tmp: str) -> tuple[str, str]:
@@ -289,6 +461,7 @@ class MeasuredProfiler:
         self.folder, self.root, self.backend = Path(model_dir), Path(out), backend
         self.cfg = json.loads((self.folder / "config.json").read_text())
         self.rows: list = []
+        self.probes: list[tuple[float, float]] = []  # the speed probe right before and after each pass
 
     def between_runs(self, i: int) -> None:
         from sim.profile import DEFAULT_TOKENS, profile_attention, profile_engine, profile_model, write_table
@@ -401,37 +574,67 @@ def main() -> None:
         # the machine's time (a shared VM's speed drifts by several percent over minutes); so do
         # sim.profile's engine runs for `measured`, one pass after each pair.
         profiler = MeasuredProfiler(model_dir, backend, os.path.join(tmp, "profiles")) if args.measured else None
+        # The speed probe, read before the first run and after every run and sim.profile pass: each run
+        # is bracketed by two readings, as is each pass the measured model's speed comes from.
+        probe = SpeedProbe(model_dir, backend, args)
+        probe.read("before A #1")
         for i in range(args.repeats):
             for label in ("A", "B"):
                 lo, hi, rate = slices[label]
+                before = probe.last
                 r = real_run(label, model_dir, backend, slice_trace(trace, lo, hi, rate), args)
+                r.index = i + 1
+                r.probe = (before, probe.read(f"after {r.name}"))
                 runs.setdefault(label, []).append(r)
                 print(f"run {label} #{i + 1}: requests {lo}..{hi - 1} at {rate} req/s, {len(r.steps)} steps, "
                       f"busy {r.busy:.0%} of the time, {r.prefix_hits} prompt tokens from the prefix cache, "
-                      f"{r.wall_s:.1f} s wall", flush=True)
+                      f"{r.wall_s:.1f} s wall; probe {r.probe[0] * 1e3:.1f} ms before, {r.probe[1] * 1e3:.1f} after",
+                      flush=True)
             if profiler is not None:
+                before = probe.last
                 profiler.between_runs(i)
+                profiler.probes.append((before, probe.read(f"after sim.profile pass {i + 1}")))
         measured = profiler.model() if profiler is not None else None
     if args.steps_out:
         write_steps(args.steps_out, runs, profiler)
     speed = diagnose(runs, feature_sets[0])
+    # The reference speed: the median reading; each run's factor is its bracket's mean over it, and so
+    # is the measured model's (the passes its engine overhead and operator scales were fitted on).
+    reference = float(np.median([sec for _, sec, _ in probe.readings]))
+    brackets = {r.name: r.probe for rs in runs.values() for r in rs}
+    speeds = run_speeds(brackets, reference)
+    measured_speed = (float(np.mean([(b + a) / 2.0 for b, a in profiler.probes])) / reference
+                      if profiler is not None else None)
+    report_probe(probe, brackets, speed, measured_speed, reference)
     typical = {label: np.median([speed[f"{label} #{i + 1}"] for i in range(len(rs))]) for label, rs in runs.items()}
     drifted = {run: v / typical[run.split()[0]] - 1.0 for run, v in speed.items()
                if abs(v / typical[run.split()[0]] - 1.0) > 0.03}
     # One "profiled" column per feature set: "profiled" for the first, "profiled#2"... for the others.
     names = ["profiled"] + [f"profiled#{i + 1}" for i in range(1, len(feature_sets))]
-    tables = {}
+    tables: dict[str, pd.DataFrame] = {}
+    adjusted: dict[str, pd.DataFrame] = {}
     for name, features in zip(names, feature_sets):
         if len(feature_sets) > 1:
             print(f"\n{name}: features {','.join(features)}")
         tables.update({f"{name} A -> B": predict(runs["A"], runs["B"], features, args.weighting),
                        f"{name} B -> A": predict(runs["B"], runs["A"], features, args.weighting)})
+        print(f"\n{name}, speed-adjusted:")
+        adjusted.update({f"{name} A -> B": predict_adjusted(runs["A"], runs["B"], features, args.weighting, speeds),
+                         f"{name} B -> A": predict_adjusted(runs["B"], runs["A"], features, args.weighting, speeds)})
     if measured is not None:
         tables.update({"measured -> A": compare(measured, "measured, from sim.profile", runs["A"]),
                        "measured -> B": compare(measured, "measured, from sim.profile", runs["B"])})
+        print("\nmeasured, speed-adjusted (each run's factor over the sim.profile passes' "
+              f"x{measured_speed:.3f}):")
+        for label in ("A", "B"):
+            adjusted[f"measured -> {label}"] = compare_at_speeds(
+                measured, "measured, from sim.profile", runs[label],
+                [speeds[r.name] / measured_speed for r in runs[label]])
     print(f"\nsummary: real median of {args.repeats} runs per slice; noise: the largest deviation of one real run "
           "from that median; noise MAD: the median run's deviation (one drifted run does not set it); profiled: "
-          "fitted on the other slice; measured: sim.profile's tables, no trace run")
+          "fitted on the other slice; measured: sim.profile's tables, no trace run; err %: raw (one simulation "
+          "against the real median); adj %: speed-adjusted (each run simulated at its probed speed factor "
+          "against that run, the median of the runs' errors)")
     out = pd.DataFrame(index=pd.MultiIndex.from_product([("A", "B"), GOAL_METRICS], names=["slice", "metric"]))
     for label, other in (("A", "B"), ("B", "A")):
         t = tables[f"profiled {other} -> {label}"]
@@ -442,12 +645,20 @@ def main() -> None:
             if key in tables:
                 out.loc[label, name] = tables[key].loc[GOAL_METRICS, "sim"].values
                 out.loc[label, f"{name} err %"] = tables[key].loc[GOAL_METRICS, "sim error %"].values
+            if key in adjusted:
+                out.loc[label, f"{name} adj %"] = adjusted[key].loc[GOAL_METRICS, "adjusted error %"].values
     print(out.to_string(float_format=lambda x: f"{x:.1f}"))
     worst = {c: out[c].abs().max() for c in out.columns if c.endswith("err %")}
+    worst_adj = {c: out[c].abs().max() for c in out.columns if c.endswith("adj %")}
     print("\nworst error over TTFT p50/p90, TPOT p50, throughput: "
           + ", ".join(f"{c.split()[0]} {v:.1f}%" for c, v in worst.items())
           + f" (goal <= 5%); worst real-vs-real noise on the same metrics: {out['noise %'].max():.1f}% "
           f"(farthest run), {out['noise MAD %'].max():.1f}% (median run)")
+    print("worst speed-adjusted error (each run simulated at its probed speed, the median of the runs' "
+          "errors): " + ", ".join(f"{c.split()[0]} {v:.1f}%" for c, v in worst_adj.items())
+          + "; worst single run's: " + ", ".join(
+              f"{k} {adjusted[k].loc[GOAL_METRICS].drop(columns='adjusted error %').abs().max().max():.1f}%"
+              for k in adjusted))
     for run in drifted:
         print(f"  {run}: its decode steps ran {drifted[run]:+.1%} off its slice's median run (against one model "
               "fitted on all runs: the machine, not the schedule); the farthest-run noise includes it")
