@@ -17,7 +17,16 @@ time over one model fitted on every run (a run whose steps are all slow: the mac
 core's memory traffic, which CPU time does not exclude), whether it made the slice's first run's
 batches, its CPU time, page faults and preemptions.
 
-    taskset -c 1 python benchmarks/sim_fidelity.py --measured     # the ~50M model: ~9 minutes on a quiet core
+The machine's speed drifts between minutes (up to ~10% on a VM), and each model inherits the speed of the
+minutes it was timed in. A speed probe (SpeedProbe: a fixed short workload on a warm engine of the same
+model) is read before the first run and after every run and sim.profile pass; each run's factor is its
+bracket's mean over the median reading. Beside the raw error (one simulation against the real median) the
+summary gives the speed-adjusted one: each real run simulated at its own factor (cost.time_scale, i.e.
+ScaledCostModel, over the factor its model was timed at: profiled fitted on steps rescaled to the reference
+speed, measured at its sim.profile passes' factor) against that run, the median over the runs. The probe's
+readings, noise and each run's factor beside the diagnosis' step factor are printed, with how closely they agree.
+
+    taskset -c 1 python benchmarks/sim_fidelity.py --measured     # the ~50M model: ~11 minutes on a quiet core
     taskset -c 1 python benchmarks/sim_fidelity.py --model tiny   # ~4 ms steps: run-to-run jitter dominates
 
 --measured also predicts both slices with cost.model=measured built by `python -m sim.profile`'s
@@ -63,6 +72,65 @@ class CpuClock:
         if delay > 0:
             self._idle += delay
 
+    def exclude(self, seconds: float) -> None:
+        """Take `seconds` of CPU time spent outside the engine's work (a speed tick) off the clock."""
+        self._idle -= seconds
+
+
+class SpeedTicks:
+    """The machine's speed sampled inside a real run: a fixed small workload (a one-row product with a
+    16 MB weight, memory-bound as a decode step's weight streaming is, and a 128-row one with a 1 MB
+    weight, compute-bound as a prompt chunk) timed after every `every`-th step, its CPU time taken off
+    the run's clock, so the run's timeline is the engine's alone. A run's tick is the median over its
+    samples: the speed of the very minutes (and seconds) its steps ran in. The ticks take turns over 4
+    such weights (64 MB, over the L3 cache), so a tick streams its weight from memory whether an engine
+    step or another tick ran before it."""
+
+    WEIGHTS = 4
+
+    def __init__(self, every: int = 4) -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(0)
+        self.every, self.count = every, 0
+        self.mem_w = [torch.randn(2048, 2048, generator=g) for _ in range(self.WEIGHTS)]
+        self.mem_x = torch.randn(1, 2048, generator=g)
+        self.cmp_w, self.cmp_x = torch.randn(512, 512, generator=g), torch.randn(128, 512, generator=g)
+        self.samples: dict[str, list[float]] = {}
+        for _ in range(2 * self.WEIGHTS):  # untimed: first calls pick kernels, fault pages in
+            self.tick(None)
+
+    def tick(self, at: str | None) -> float:
+        """One timed sample (CPU seconds), kept under `at` (None: not kept)."""
+        import torch
+
+        w = self.mem_w[self.count % self.WEIGHTS]
+        self.count += 1
+        t = time.process_time()
+        torch.nn.functional.linear(self.mem_x, w)
+        torch.nn.functional.linear(self.cmp_x, self.cmp_w)
+        dt = time.process_time() - t
+        if at is not None:
+            self.samples.setdefault(at, []).append(dt)
+        return dt
+
+    def burst(self, at: str, n: int = 10) -> None:
+        for _ in range(n):
+            self.tick(at)
+
+    def on_step(self, at: str, clock: CpuClock):
+        """An Engine.run on_step callback: a tick after every `every`-th step, off the clock."""
+        count = [0]
+
+        def after_step(_finished) -> None:
+            count[0] += 1
+            if count[0] % self.every == 0:
+                clock.exclude(self.tick(at))
+        return after_step
+
+    def median(self, at: str) -> float:
+        return float(np.median(self.samples[at]))
+
 
 def slice_trace(trace, lo: int, hi: int, rate: float):
     """Requests [lo, hi) of a trace, arrivals re-zeroed and scaled to `rate` req/s."""
@@ -94,7 +162,8 @@ class RealRun:
         return f"{self.label} #{self.index}"
 
 
-def real_run(label: str, model_dir: str, backend: str, treqs, args) -> RealRun:
+def real_run(label: str, model_dir: str, backend: str, treqs, args, ticks: SpeedTicks | None = None,
+             at: str = "") -> RealRun:
     from schedulers import ChunkedPolicy
     from sim.validate import fresh_copies
     from varlen import LLM
@@ -115,8 +184,9 @@ def real_run(label: str, model_dir: str, backend: str, treqs, args) -> RealRun:
     gc.disable()
     try:
         eng.clock = CpuClock() if args.clock == "cpu" else WallClock()  # arrivals count from now
+        on_step = ticks.on_step(at, eng.clock) if ticks is not None and isinstance(eng.clock, CpuClock) else None
         r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        eng.run(reqs)
+        eng.run(reqs, on_step=on_step)
         wall, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
         end = eng.clock.now()
     finally:
@@ -266,30 +336,48 @@ def diagnose(runs: dict[str, list[RealRun]], features) -> dict[str, float]:
     return {run: row["decode speed"] for run, row in table.items()}
 
 
+def report_ticks(ticks: SpeedTicks, speeds: dict[str, float], measured_speed: float | None,
+                 reference: float) -> None:
+    """The in-run speed ticks: each run's median, spread and factor; the sim.profile passes' factor."""
+    print(f"\nspeed ticks (a fixed 1-row x 16 MB and 128-row x 1 MB product after every {ticks.every}th step of each "
+          f"real run, off its clock; after each batch of the sim.profile passes, 10 of them; reference "
+          f"{reference * 1e3:.3f} ms, the median of the runs' medians):")
+    rows = {at: {"ticks": len(v), "median ms": np.median(v) * 1e3, "p90/p10": np.percentile(v, 90) / np.percentile(v, 10),
+                 "factor": np.median(v) / reference} for at, v in ticks.samples.items()}
+    print(pd.DataFrame(rows).T.to_string(float_format=lambda x: f"{x:.3f}"))
+    if measured_speed is not None:
+        print(f"  the measured model's sim.profile passes ran at x{measured_speed:.3f}")
+
+
 def report_probe(probe: SpeedProbe, brackets: dict[str, tuple[float, float]], step_speed: dict[str, float],
-                 measured_speed: float | None, reference: float) -> None:
-    """The probe's readings, its own noise, each run's factor, and how closely the factor tracks the
-    runs' step-time factor from the noise diagnosis (both over their mean across the runs)."""
-    print(f"\nspeed probe ({probe.repeats} x decode steps of {', '.join(map(str, PROBE_DECODES))} requests and one "
-          f"{PROBE_CHUNK}-token chunk; a reading: the sum of the kinds' median step; {len(probe.readings)} readings, "
-          f"{probe.cpu_s:.1f} s CPU in all); reference speed {reference * 1e3:.1f} ms (the median reading):")
+                 tick_speeds: dict[str, float] | None) -> None:
+    """The probe around the runs (readings, its own noise) and how closely each instrument's per-run factor
+    tracks the runs' decode-step factor from the noise diagnosis (each over its mean across the runs)."""
+    reference = float(np.median([sec for _, sec, _ in probe.readings]))
+    print(f"\nspeed probe around the runs ({probe.repeats} x decode steps of {', '.join(map(str, PROBE_DECODES))} "
+          f"requests and one {PROBE_CHUNK}-token chunk on its own warm engine; a reading: the sum of the kinds' median "
+          f"step; {len(probe.readings)} readings, {probe.cpu_s:.1f} s CPU in all):")
     print("  " + ", ".join(f"{when} {sec * 1e3:.1f} ms (±{spread * 50:.1f}%)" for when, sec, spread in probe.readings))
     spreads = [spread for _, _, spread in probe.readings]
-    speeds = run_speeds(brackets, reference)
     print(f"  probe noise: its repeats' sums spread {np.median(spreads) * 100:.1f}% (median reading; max - min over "
           f"the median), {max(spreads) * 100:.1f}% at most")
-    p_mean = np.mean(list(speeds.values()))
-    s_mean = np.mean([step_speed[r] for r in speeds])
-    table = {run: {"probe before ms": b * 1e3, "probe after ms": a * 1e3, "after/before": a / b,
-                   "factor (probe)": v, "probe / runs' mean": v / p_mean,
-                   "steps / runs' mean (diagnosis)": step_speed[run] / s_mean,
-                   "difference %": (v / p_mean - step_speed[run] / s_mean) * 100.0}
-             for (run, v), (b, a) in zip(speeds.items(), brackets.values())}
+    around = run_speeds(brackets, reference)
+    runs = list(brackets)
+    mean = {"steps": np.mean([step_speed[r] for r in runs]), "probe": np.mean(list(around.values()))}
+    table = {r: {"probe before ms": brackets[r][0] * 1e3, "probe after ms": brackets[r][1] * 1e3,
+                 "probe factor / mean": around[r] / mean["probe"]} for r in runs}
+    if tick_speeds is not None:
+        mean["ticks"] = np.mean([tick_speeds[r] for r in runs])
+        for r in runs:
+            table[r]["ticks factor / mean"] = tick_speeds[r] / mean["ticks"]
+    for r in runs:
+        table[r]["decode steps / mean (diagnosis)"] = step_speed[r] / mean["steps"]
     print(pd.DataFrame(table).T.to_string(float_format=lambda x: f"{x:.3f}"))
-    r, worst = drift_agreement(speeds, {run: step_speed[run] for run in speeds})
-    print(f"  the probe's factor against the runs' decode-step factor: Pearson r {r:.2f}, largest difference "
-          f"{worst:.1f} points" + (f"; the measured model's passes ran at x{measured_speed:.3f}"
-                                   if measured_speed is not None else ""))
+    for name, factors in (("in-run ticks (the adjusted figures' factor)", tick_speeds), ("probe around the runs", around)):
+        if factors is not None:
+            r, worst = drift_agreement(factors, {run: step_speed[run] for run in factors})
+            print(f"  {name} against the runs' decode-step factor (diagnosis): Pearson r {r:.2f}, largest "
+                  f"difference {worst:.1f} points")
 
 
 def warm_row_counts(model_dir: str, backend: str, args) -> None:
@@ -463,14 +551,16 @@ class MeasuredProfiler:
         self.rows: list = []
         self.probes: list[tuple[float, float]] = []  # the speed probe right before and after each pass
 
-    def between_runs(self, i: int) -> None:
+    def between_runs(self, i: int, ticks: SpeedTicks | None = None) -> None:
         from sim.profile import DEFAULT_TOKENS, profile_attention, profile_engine, profile_model, write_table
 
         if i == 0:
             tokens = tuple(t for t in DEFAULT_TOKENS if t <= 512)  # sim.profile's, to the budget's range
             write_table(profile_model(self.folder, tokens, 7), self.root, "cpu_2core", "m")
             write_table(profile_attention(self.folder, self.backend, 7), self.root, "cpu_2core", "m", "attention")
-        self.rows += profile_engine(self.folder, self.backend, 3)
+        # The speed ticks in bursts after each of the pass's batches: the minutes its overhead fit saw.
+        between = None if ticks is None else partial(ticks.burst, "sim.profile passes", 10)
+        self.rows += profile_engine(self.folder, self.backend, 3, between=between)
 
     def model(self):
         from sim.cost.measured import MeasuredCostModel
@@ -578,11 +668,13 @@ def main() -> None:
         # is bracketed by two readings, as is each pass the measured model's speed comes from.
         probe = SpeedProbe(model_dir, backend, args)
         probe.read("before A #1")
+        ticks = SpeedTicks() if args.clock == "cpu" else None  # the wall clock cannot take their time off
         for i in range(args.repeats):
             for label in ("A", "B"):
                 lo, hi, rate = slices[label]
                 before = probe.last
-                r = real_run(label, model_dir, backend, slice_trace(trace, lo, hi, rate), args)
+                r = real_run(label, model_dir, backend, slice_trace(trace, lo, hi, rate), args, ticks,
+                             f"{label} #{i + 1}")
                 r.index = i + 1
                 r.probe = (before, probe.read(f"after {r.name}"))
                 runs.setdefault(label, []).append(r)
@@ -592,20 +684,24 @@ def main() -> None:
                       flush=True)
             if profiler is not None:
                 before = probe.last
-                profiler.between_runs(i)
+                profiler.between_runs(i, ticks)
                 profiler.probes.append((before, probe.read(f"after sim.profile pass {i + 1}")))
         measured = profiler.model() if profiler is not None else None
     if args.steps_out:
         write_steps(args.steps_out, runs, profiler)
     speed = diagnose(runs, feature_sets[0])
-    # The reference speed: the median reading; each run's factor is its bracket's mean over it, and so
-    # is the measured model's (the passes its engine overhead and operator scales were fitted on).
-    reference = float(np.median([sec for _, sec, _ in probe.readings]))
+    # Each run's speed factor: its in-run ticks' median over the reference (the median of the runs'
+    # medians); the measured model's: the ticks spread over its sim.profile passes, over the same reference.
     brackets = {r.name: r.probe for rs in runs.values() for r in rs}
-    speeds = run_speeds(brackets, reference)
-    measured_speed = (float(np.mean([(b + a) / 2.0 for b, a in profiler.probes])) / reference
-                      if profiler is not None else None)
-    report_probe(probe, brackets, speed, measured_speed, reference)
+    if ticks is None:
+        speeds, measured_speed = None, None
+        print("\nno speed-adjusted figures: --clock wall cannot take the speed ticks' time off the runs")
+    else:
+        reference = float(np.median([ticks.median(r) for r in brackets]))
+        speeds = {r: ticks.median(r) / reference for r in brackets}
+        measured_speed = ticks.median("sim.profile passes") / reference if profiler is not None else None
+        report_ticks(ticks, speeds, measured_speed, reference)
+    report_probe(probe, brackets, speed, speeds)
     typical = {label: np.median([speed[f"{label} #{i + 1}"] for i in range(len(rs))]) for label, rs in runs.items()}
     drifted = {run: v / typical[run.split()[0]] - 1.0 for run, v in speed.items()
                if abs(v / typical[run.split()[0]] - 1.0) > 0.03}
@@ -618,12 +714,15 @@ def main() -> None:
             print(f"\n{name}: features {','.join(features)}")
         tables.update({f"{name} A -> B": predict(runs["A"], runs["B"], features, args.weighting),
                        f"{name} B -> A": predict(runs["B"], runs["A"], features, args.weighting)})
+        if speeds is None:
+            continue
         print(f"\n{name}, speed-adjusted:")
         adjusted.update({f"{name} A -> B": predict_adjusted(runs["A"], runs["B"], features, args.weighting, speeds),
                          f"{name} B -> A": predict_adjusted(runs["B"], runs["A"], features, args.weighting, speeds)})
     if measured is not None:
         tables.update({"measured -> A": compare(measured, "measured, from sim.profile", runs["A"]),
                        "measured -> B": compare(measured, "measured, from sim.profile", runs["B"])})
+    if measured is not None and speeds is not None:
         print("\nmeasured, speed-adjusted (each run's factor over the sim.profile passes' "
               f"x{measured_speed:.3f}):")
         for label in ("A", "B"):
@@ -654,7 +753,7 @@ def main() -> None:
           + ", ".join(f"{c.split()[0]} {v:.1f}%" for c, v in worst.items())
           + f" (goal <= 5%); worst real-vs-real noise on the same metrics: {out['noise %'].max():.1f}% "
           f"(farthest run), {out['noise MAD %'].max():.1f}% (median run)")
-    print("worst speed-adjusted error (each run simulated at its probed speed, the median of the runs' "
+    print("worst speed-adjusted error (each run simulated at its speed factor, the median of the runs' "
           "errors): " + ", ".join(f"{c.split()[0]} {v:.1f}%" for c, v in worst_adj.items())
           + "; worst single run's: " + ", ".join(
               f"{k} {adjusted[k].loc[GOAL_METRICS].drop(columns='adjusted error %').abs().max().max():.1f}%"

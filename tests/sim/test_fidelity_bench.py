@@ -105,9 +105,24 @@ def test_the_speed_probe_reads_the_engine_and_a_run_at_speed_1_is_the_raw_compar
     probe = sim_fidelity.SpeedProbe(model, "torch_sdpa", args, repeats=1, decode_steps=1)
     assert probe.read("now") > 0 and [w for w, _, _ in probe.readings] == ["now"]
     trace = load_trace("azure_conv", limit=6, max_model_len=args.max_len, over_length="clip")
-    run = sim_fidelity.real_run("A", model, "torch_sdpa", sim_fidelity.slice_trace(trace, 0, 6, 50.0), args)
+    ticks = sim_fidelity.SpeedTicks(every=4)
+    run = sim_fidelity.real_run("A", model, "torch_sdpa", sim_fidelity.slice_trace(trace, 0, 6, 50.0), args,
+                                ticks, "A #1")
+    assert len(ticks.samples["A #1"]) == len(run.steps) // 4  # a tick after every 4th step of the run
     cost = ProfiledCostModel.fit(profile_rows(run.steps))
     raw = sim_fidelity.compare(cost, "test", [run])
     adjusted = sim_fidelity.compare_at_speeds(cost, "test", [run], [1.0])
     metrics = ["TTFT p50 (ms)", "TPOT p50 (ms)", "throughput (tok/s)"]
     assert adjusted.loc[metrics, "adjusted error %"].tolist() == pytest.approx(raw.loc[metrics, "sim error %"].tolist())
+
+
+def test_speed_ticks_come_after_every_kth_step_and_their_time_is_off_the_runs_clock() -> None:
+    ticks = sim_fidelity.SpeedTicks(every=3)
+    clock = sim_fidelity.CpuClock()
+    after_step = ticks.on_step("A #1", clock)
+    for _ in range(7):
+        after_step([])
+    assert len(ticks.samples["A #1"]) == 2
+    assert clock._idle == pytest.approx(-sum(ticks.samples["A #1"]), abs=1e-15)  # exactly what the ticks took
+    ticks.burst("sim.profile passes", 5)
+    assert len(ticks.samples["sim.profile passes"]) == 5 and ticks.median("sim.profile passes") > 0
