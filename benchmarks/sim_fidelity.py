@@ -17,14 +17,16 @@ time over one model fitted on every run (a run whose steps are all slow: the mac
 core's memory traffic, which CPU time does not exclude), whether it made the slice's first run's
 batches, its CPU time, page faults and preemptions.
 
-The machine's speed drifts between minutes (up to ~10% on a VM), and each model inherits the speed of the
-minutes it was timed in. A speed probe (SpeedProbe: a fixed short workload on a warm engine of the same
-model) is read before the first run and after every run and sim.profile pass; each run's factor is its
-bracket's mean over the median reading. Beside the raw error (one simulation against the real median) the
-summary gives the speed-adjusted one: each real run simulated at its own factor (cost.time_scale, i.e.
-ScaledCostModel, over the factor its model was timed at: profiled fitted on steps rescaled to the reference
-speed, measured at its sim.profile passes' factor) against that run, the median over the runs. The probe's
-readings, noise and each run's factor beside the diagnosis' step factor are printed, with how closely they agree.
+The machine's speed drifts between minutes (up to ~10% on a VM; more between seconds on a busy one), and
+each model inherits the speed of the minutes it was timed in. Speed ticks (SpeedTicks: a fixed small
+memory- and compute-bound product after every 4th step of each real run, off its clock, and in bursts after
+each sim.profile batch and each run) give each run a factor (its ticks' median over the runs' median) and
+the measured model one (its passes' bursts over the bursts after the runs). Beside the raw error (one
+simulation against the real median) the summary gives the speed-adjusted one: each real run simulated at its
+own factor (cost.time_scale, i.e. ScaledCostModel; profiled fitted on steps rescaled to the reference speed,
+measured over its passes' factor) against that run, the median over the runs. Each run's factor is printed
+beside the noise diagnosis' step factor, with how closely they agree; so is a speed probe read around the
+runs on its own engine (SpeedProbe), the first design, which did not track the runs on a shared machine.
 
     taskset -c 1 python benchmarks/sim_fidelity.py --measured     # the ~50M model: ~11 minutes on a quiet core
     taskset -c 1 python benchmarks/sim_fidelity.py --model tiny   # ~4 ms steps: run-to-run jitter dominates
@@ -345,8 +347,10 @@ def report_ticks(ticks: SpeedTicks, speeds: dict[str, float], measured_speed: fl
     rows = {at: {"ticks": len(v), "median ms": np.median(v) * 1e3, "p90/p10": np.percentile(v, 90) / np.percentile(v, 10),
                  "factor": np.median(v) / reference} for at, v in ticks.samples.items()}
     print(pd.DataFrame(rows).T.to_string(float_format=lambda x: f"{x:.3f}"))
+    print(f"  bursts after the runs over the in-run ticks: x{ticks.median('bursts after the runs') / reference:.3f} "
+          "(the kind of sample, not the machine: the passes' factor is taken against those bursts)")
     if measured_speed is not None:
-        print(f"  the measured model's sim.profile passes ran at x{measured_speed:.3f}")
+        print(f"  the measured model's sim.profile passes ran at x{measured_speed:.3f} the runs' speed")
 
 
 def report_probe(probe: SpeedProbe, brackets: dict[str, tuple[float, float]], step_speed: dict[str, float],
@@ -676,6 +680,8 @@ def main() -> None:
                 r = real_run(label, model_dir, backend, slice_trace(trace, lo, hi, rate), args, ticks,
                              f"{label} #{i + 1}")
                 r.index = i + 1
+                if ticks is not None:  # the sim.profile passes' kind of sample, beside the runs (see below)
+                    ticks.burst("bursts after the runs", 10)
                 r.probe = (before, probe.read(f"after {r.name}"))
                 runs.setdefault(label, []).append(r)
                 print(f"run {label} #{i + 1}: requests {lo}..{hi - 1} at {rate} req/s, {len(r.steps)} steps, "
@@ -699,7 +705,10 @@ def main() -> None:
     else:
         reference = float(np.median([ticks.median(r) for r in brackets]))
         speeds = {r: ticks.median(r) / reference for r in brackets}
-        measured_speed = ticks.median("sim.profile passes") / reference if profiler is not None else None
+        # The passes' ticks come in bursts, not between steps; they are compared with the same bursts taken
+        # right after every run, so the two kinds of sample are never set against each other.
+        measured_speed = (ticks.median("sim.profile passes") / ticks.median("bursts after the runs")
+                          if profiler is not None else None)
         report_ticks(ticks, speeds, measured_speed, reference)
     report_probe(probe, brackets, speed, speeds)
     typical = {label: np.median([speed[f"{label} #{i + 1}"] for i in range(len(rs))]) for label, rs in runs.items()}
