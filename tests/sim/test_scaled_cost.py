@@ -87,3 +87,24 @@ def test_cost_time_scale_wraps_any_named_model_and_is_checked_at_once() -> None:
     assert shareable(make()) and make() is make()  # a scaled roofline holds no state a run changes
     with pytest.raises(ValueError, match="cost.time_scale=-2"):
         cost_model_factory({"model": "roofline", "time_scale": -2}, "tiny", "cpu_2core")
+
+
+def test_the_command_line_scales_explain_and_refuses_a_bad_factor_with_exit_2(tmp_path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    base = [sys.executable, "-m", "sim.explain", "sim_model=llama3_8b", "hardware=h100_sxm", "step.new=[1,1]",
+            "step.cached=[100,2000]"]
+    totals = []
+    for scale, out in ((None, tmp_path / "a"), (1.5, tmp_path / "b")):
+        extra = [] if scale is None else [f"+cost.time_scale={scale}"]
+        subprocess.run(base + extra + [f"hydra.run.dir={out}"], env=env, check=True, capture_output=True, timeout=120)
+        totals.append(json.loads((out / "explain.json").read_text()))
+    assert totals[1]["total_s"] == pytest.approx(totals[0]["total_s"] * 1.5, rel=1e-12)
+    bad = subprocess.run(base + ["+cost.time_scale=-1", f"hydra.run.dir={tmp_path / 'c'}"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert "cost.time_scale=-1" in bad.stderr.strip().splitlines()[-1]
