@@ -491,7 +491,7 @@ def compare_at_speeds(cost, desc: str, target: list[RealRun], speeds: list[float
         sims[r.name] = headline(sim.requests, sim.steps, sim.total_slots)
     sims_df = pd.DataFrame(sims)
     err = paired_errors(sims_df, reals)
-    print(f"{t.label}, each real run vs its simulation at that run's probed speed ({desc}; factors "
+    print(f"{t.label}, each real run vs its simulation at that run's speed factor ({desc}; factors "
           + ", ".join(f"{r.name} x{v:.3f}" for r, v in zip(target, speeds)) + "), error %:")
     print(err.to_string(float_format=lambda x: f"{x:.2f}"))
     return err
@@ -741,8 +741,8 @@ def main() -> None:
     print(f"\nsummary: real median of {args.repeats} runs per slice; noise: the largest deviation of one real run "
           "from that median; noise MAD: the median run's deviation (one drifted run does not set it); profiled: "
           "fitted on the other slice; measured: sim.profile's tables, no trace run; err %: raw (one simulation "
-          "against the real median); adj %: speed-adjusted (each run simulated at its probed speed factor "
-          "against that run, the median of the runs' errors)")
+          "against the real median); adj %: speed-adjusted (each run simulated at its speed factor from the "
+          "in-run ticks, against that run; the median of the runs' errors)")
     out = pd.DataFrame(index=pd.MultiIndex.from_product([("A", "B"), GOAL_METRICS], names=["slice", "metric"]))
     for label, other in (("A", "B"), ("B", "A")):
         t = tables[f"profiled {other} -> {label}"]
