@@ -28,7 +28,7 @@ measured over its passes' factor) against that run, the median over the runs. Ea
 beside the noise diagnosis' step factor, with how closely they agree; so is a speed probe read around the
 runs on its own engine (SpeedProbe), the first design, which did not track the runs on a shared machine.
 
-    taskset -c 1 python benchmarks/sim_fidelity.py --measured     # the ~50M model: ~11 minutes on a quiet core
+    taskset -c 1 python benchmarks/sim_fidelity.py --measured     # the ~50M model: ~9-11 minutes on one core
     taskset -c 1 python benchmarks/sim_fidelity.py --model tiny   # ~4 ms steps: run-to-run jitter dominates
 
 --measured also predicts both slices with cost.model=measured built by `python -m sim.profile`'s
