@@ -90,27 +90,30 @@ class SpeedTicks:
 
     WEIGHTS = 4
 
-    def __init__(self, every: int = 4) -> None:
+    def __init__(self, every: int = 4, kernel: str = "torch") -> None:
         import torch
 
         g = torch.Generator().manual_seed(0)
-        self.every, self.count = every, 0
+        self.every, self.count, self.kernel = every, 0, kernel
         self.mem_w = [torch.randn(2048, 2048, generator=g) for _ in range(self.WEIGHTS)]
         self.mem_x = torch.randn(1, 2048, generator=g)
         self.cmp_w, self.cmp_x = torch.randn(512, 512, generator=g), torch.randn(128, 512, generator=g)
+        self.linear = torch.nn.functional.linear
+        if kernel == "onednn":  # the engine's packed oneDNN linears (varlen/linear_kernels.py), same weights
+            self.mem_w = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in self.mem_w]
+            self.cmp_w = torch.ops.mkldnn._reorder_linear_weight(self.cmp_w, 64)
+            self.linear = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
         self.samples: dict[str, list[float]] = {}
         for _ in range(2 * self.WEIGHTS):  # untimed: first calls pick kernels, fault pages in
             self.tick(None)
 
     def tick(self, at: str | None) -> float:
         """One timed sample (CPU seconds), kept under `at` (None: not kept)."""
-        import torch
-
         w = self.mem_w[self.count % self.WEIGHTS]
         self.count += 1
         t = time.process_time()
-        torch.nn.functional.linear(self.mem_x, w)
-        torch.nn.functional.linear(self.cmp_x, self.cmp_w)
+        self.linear(self.mem_x, w)
+        self.linear(self.cmp_x, self.cmp_w)
         dt = time.process_time() - t
         if at is not None:
             self.samples.setdefault(at, []).append(dt)
@@ -119,6 +122,8 @@ class SpeedTicks:
     def burst(self, at: str, n: int = 10) -> None:
         for _ in range(n):
             self.tick(at)
+            for other in self.also:
+                other.tick(at)
 
     def on_step(self, at: str, clock: CpuClock):
         """An Engine.run on_step callback: a tick after every `every`-th step, off the clock."""
@@ -128,7 +133,11 @@ class SpeedTicks:
             count[0] += 1
             if count[0] % self.every == 0:
                 clock.exclude(self.tick(at))
+                for other in self.also:  # a second instrument on the same steps, compared in the output
+                    clock.exclude(other.tick(at))
         return after_step
+
+    also: tuple[SpeedTicks, ...] = ()
 
     def median(self, at: str) -> float:
         return float(np.median(self.samples[at]))
@@ -354,7 +363,7 @@ def report_ticks(ticks: SpeedTicks, speeds: dict[str, float], measured_speed: fl
 
 
 def report_probe(probe: SpeedProbe, brackets: dict[str, tuple[float, float]], step_speed: dict[str, float],
-                 tick_speeds: dict[str, float] | None) -> None:
+                 tick_speeds: dict[str, float] | None, onednn_speeds: dict[str, float] | None = None) -> None:
     """The probe around the runs (readings, its own noise) and how closely each instrument's per-run factor
     tracks the runs' decode-step factor from the noise diagnosis (each over its mean across the runs)."""
     reference = float(np.median([sec for _, sec, _ in probe.readings]))
@@ -374,10 +383,16 @@ def report_probe(probe: SpeedProbe, brackets: dict[str, tuple[float, float]], st
         mean["ticks"] = np.mean([tick_speeds[r] for r in runs])
         for r in runs:
             table[r]["ticks factor / mean"] = tick_speeds[r] / mean["ticks"]
+    if onednn_speeds is not None:
+        m = np.mean([onednn_speeds[r] for r in runs])
+        for r in runs:
+            table[r]["oneDNN ticks factor / mean"] = onednn_speeds[r] / m
     for r in runs:
         table[r]["decode steps / mean (diagnosis)"] = step_speed[r] / mean["steps"]
     print(pd.DataFrame(table).T.to_string(float_format=lambda x: f"{x:.3f}"))
-    for name, factors in (("in-run ticks (the adjusted figures' factor)", tick_speeds), ("probe around the runs", around)):
+    for name, factors in (("in-run ticks (the adjusted figures' factor)", tick_speeds),
+                          ("the same ticks through packed oneDNN (printed only)", onednn_speeds),
+                          ("probe around the runs", around)):
         if factors is not None:
             r, worst = drift_agreement(factors, {run: step_speed[run] for run in factors})
             print(f"  {name} against the runs' decode-step factor (diagnosis): Pearson r {r:.2f}, largest "
@@ -436,13 +451,13 @@ def predict(fit_on: list[RealRun], target: list[RealRun], features, weighting: s
 
 def predict_adjusted(fit_on: list[RealRun], target: list[RealRun], features, weighting: str,
                      speeds: dict[str, float]) -> pd.DataFrame:
-    """predict's fit on the other slice's steps, each run's seconds first divided by its probed speed
-    factor (the model at the reference speed), then each target run simulated at its own factor."""
+    """predict's fit on the other slice's steps, each run's seconds first divided by its speed
+    factor from the ticks (the model at the reference speed), then each target run simulated at its own factor."""
     from sim.cost.fitted import ProfiledCostModel, profile_rows
 
     rows = [row for r in fit_on for row in at_speed(profile_rows(r.steps), speeds[r.name])]
     cost = ProfiledCostModel.fit(rows, features=features, weighting=weighting)
-    print(f"\nfit on {fit_on[0].label}'s steps at the reference speed (each run's over its probe factor): "
+    print(f"\nfit on {fit_on[0].label}'s steps at the reference speed (each run's over its speed factor): "
           f"R2 {cost.report.r2:.3f}, step MAPE {cost.report.mape:.1f}%")
     return compare_at_speeds(cost, f"profiled on {fit_on[0].label}, at the reference speed",
                              target, [speeds[r.name] for r in target])
@@ -673,6 +688,8 @@ def main() -> None:
         probe = SpeedProbe(model_dir, backend, args)
         probe.read("before A #1")
         ticks = SpeedTicks() if args.clock == "cpu" else None  # the wall clock cannot take their time off
+        if ticks is not None:
+            ticks.also = (SpeedTicks(kernel="onednn"),)  # the same ticks through the engine's packed kernel
         for i in range(args.repeats):
             for label in ("A", "B"):
                 lo, hi, rate = slices[label]
@@ -710,7 +727,12 @@ def main() -> None:
         measured_speed = (ticks.median("sim.profile passes") / ticks.median("bursts after the runs")
                           if profiler is not None else None)
         report_ticks(ticks, speeds, measured_speed, reference)
-    report_probe(probe, brackets, speed, speeds)
+    others = None
+    if ticks is not None and ticks.also:
+        o = ticks.also[0]
+        ref_o = float(np.median([o.median(r) for r in brackets]))
+        others = {r: o.median(r) / ref_o for r in brackets}
+    report_probe(probe, brackets, speed, speeds, others)
     typical = {label: np.median([speed[f"{label} #{i + 1}"] for i in range(len(rs))]) for label, rs in runs.items()}
     drifted = {run: v / typical[run.split()[0]] - 1.0 for run, v in speed.items()
                if abs(v / typical[run.split()[0]] - 1.0) > 0.03}
