@@ -86,7 +86,8 @@ class SpeedTicks:
     the run's clock, so the run's timeline is the engine's alone. A run's tick is the median over its
     samples: the speed of the very minutes (and seconds) its steps ran in. The ticks take turns over 4
     such weights (64 MB, over the L3 cache), so a tick streams its weight from memory whether an engine
-    step or another tick ran before it."""
+    step or another tick ran before it. kernel: torch (F.linear) or onednn (the engine's packed kernel);
+    `also`: more instruments ticked on the same steps and bursts (compared in the output)."""
 
     WEIGHTS = 4
 
