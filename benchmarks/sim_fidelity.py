@@ -17,7 +17,18 @@ time over one model fitted on every run (a run whose steps are all slow: the mac
 core's memory traffic, which CPU time does not exclude), whether it made the slice's first run's
 batches, its CPU time, page faults and preemptions.
 
-    taskset -c 1 python benchmarks/sim_fidelity.py --measured     # the ~50M model: ~9 minutes on a quiet core
+The machine's speed drifts between minutes (up to ~10% on a VM; more between seconds on a busy one), and
+each model inherits the speed of the minutes it was timed in. Speed ticks (SpeedTicks: a fixed small
+memory- and compute-bound product after every 4th step of each real run, off its clock, and in bursts after
+each sim.profile batch and each run) give each run a factor (its ticks' median over the runs' median) and
+the measured model one (its passes' bursts over the bursts after the runs). Beside the raw error (one
+simulation against the real median) the summary gives the speed-adjusted one: each real run simulated at its
+own factor (cost.time_scale, i.e. ScaledCostModel; profiled fitted on steps rescaled to the reference speed,
+measured over its passes' factor) against that run, the median over the runs. Each run's factor is printed
+beside the noise diagnosis' step factor, with how closely they agree; so is a speed probe read around the
+runs on its own engine (SpeedProbe), the first design, which did not track the runs on a shared machine.
+
+    taskset -c 1 python benchmarks/sim_fidelity.py --measured     # the ~50M model: ~9-11 minutes on one core
     taskset -c 1 python benchmarks/sim_fidelity.py --model tiny   # ~4 ms steps: run-to-run jitter dominates
 
 --measured also predicts both slices with cost.model=measured built by `python -m sim.profile`'s
@@ -63,6 +74,75 @@ class CpuClock:
         if delay > 0:
             self._idle += delay
 
+    def exclude(self, seconds: float) -> None:
+        """Take `seconds` of CPU time spent outside the engine's work (a speed tick) off the clock."""
+        self._idle -= seconds
+
+
+class SpeedTicks:
+    """The machine's speed sampled inside a real run: a fixed small workload (a one-row product with a
+    16 MB weight, memory-bound as a decode step's weight streaming is, and a 128-row one with a 1 MB
+    weight, compute-bound as a prompt chunk) timed after every `every`-th step, its CPU time taken off
+    the run's clock, so the run's timeline is the engine's alone. A run's tick is the median over its
+    samples: the speed of the very minutes (and seconds) its steps ran in. The ticks take turns over 4
+    such weights (64 MB, over the L3 cache), so a tick streams its weight from memory whether an engine
+    step or another tick ran before it. kernel: torch (F.linear) or onednn (the engine's packed kernel);
+    `also`: more instruments ticked on the same steps and bursts (compared in the output)."""
+
+    WEIGHTS = 4
+
+    def __init__(self, every: int = 4, kernel: str = "torch") -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(0)
+        self.every, self.count, self.kernel = every, 0, kernel
+        self.mem_w = [torch.randn(2048, 2048, generator=g) for _ in range(self.WEIGHTS)]
+        self.mem_x = torch.randn(1, 2048, generator=g)
+        self.cmp_w, self.cmp_x = torch.randn(512, 512, generator=g), torch.randn(128, 512, generator=g)
+        self.linear = torch.nn.functional.linear
+        if kernel == "onednn":  # the engine's packed oneDNN linears (varlen/linear_kernels.py), same weights
+            self.mem_w = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in self.mem_w]
+            self.cmp_w = torch.ops.mkldnn._reorder_linear_weight(self.cmp_w, 64)
+            self.linear = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        self.samples: dict[str, list[float]] = {}
+        for _ in range(2 * self.WEIGHTS):  # untimed: first calls pick kernels, fault pages in
+            self.tick(None)
+
+    def tick(self, at: str | None) -> float:
+        """One timed sample (CPU seconds), kept under `at` (None: not kept)."""
+        w = self.mem_w[self.count % self.WEIGHTS]
+        self.count += 1
+        t = time.process_time()
+        self.linear(self.mem_x, w)
+        self.linear(self.cmp_x, self.cmp_w)
+        dt = time.process_time() - t
+        if at is not None:
+            self.samples.setdefault(at, []).append(dt)
+        return dt
+
+    def burst(self, at: str, n: int = 10) -> None:
+        for _ in range(n):
+            self.tick(at)
+            for other in self.also:
+                other.tick(at)
+
+    def on_step(self, at: str, clock: CpuClock):
+        """An Engine.run on_step callback: a tick after every `every`-th step, off the clock."""
+        count = [0]
+
+        def after_step(_finished) -> None:
+            count[0] += 1
+            if count[0] % self.every == 0:
+                clock.exclude(self.tick(at))
+                for other in self.also:  # a second instrument on the same steps, compared in the output
+                    clock.exclude(other.tick(at))
+        return after_step
+
+    also: tuple[SpeedTicks, ...] = ()
+
+    def median(self, at: str) -> float:
+        return float(np.median(self.samples[at]))
+
 
 def slice_trace(trace, lo: int, hi: int, rate: float):
     """Requests [lo, hi) of a trace, arrivals re-zeroed and scaled to `rate` req/s."""
@@ -86,9 +166,16 @@ class RealRun:
     busy: float  # fraction of the run's clock time the engine spent in steps
     usage: dict[str, float]  # the process's user and system CPU s, page faults, involuntary switches in the run
     prefix_hits: int  # prompt tokens served from the prefix cache (distinct prompts: none)
+    probe: tuple[float, float] | None = None  # the speed probe's seconds right before and right after the run
+    index: int = 1  # its place among its slice's repeats
+
+    @property
+    def name(self) -> str:
+        return f"{self.label} #{self.index}"
 
 
-def real_run(label: str, model_dir: str, backend: str, treqs, args) -> RealRun:
+def real_run(label: str, model_dir: str, backend: str, treqs, args, ticks: SpeedTicks | None = None,
+             at: str = "") -> RealRun:
     from schedulers import ChunkedPolicy
     from sim.validate import fresh_copies
     from varlen import LLM
@@ -109,8 +196,9 @@ def real_run(label: str, model_dir: str, backend: str, treqs, args) -> RealRun:
     gc.disable()
     try:
         eng.clock = CpuClock() if args.clock == "cpu" else WallClock()  # arrivals count from now
+        on_step = ticks.on_step(at, eng.clock) if ticks is not None and isinstance(eng.clock, CpuClock) else None
         r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        eng.run(reqs)
+        eng.run(reqs, on_step=on_step)
         wall, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
         end = eng.clock.now()
     finally:
@@ -124,6 +212,111 @@ def real_run(label: str, model_dir: str, backend: str, treqs, args) -> RealRun:
     busy = sum(s.duration for s in steps) / end
     return RealRun(label, steps, headline(reqs, steps, kv.capacity_tokens), originals, make_policy, make_kv,
                    eng.max_model_len, wall, busy, usage, sum(r.num_prefix_hit_tokens for r in reqs))
+
+
+#: The speed probe's fixed workload: decode-only steps of these batch sizes, and one prompt chunk.
+PROBE_DECODES = (1, 2, 4, 8)
+PROBE_CHUNK = 128
+
+
+class SpeedProbe:
+    """The machine's speed at a moment, from a fixed short workload on the real engine (its own engine of
+    the same model and settings, warm): decode steps of 1, 2, 4 and 8 requests and one 128-token prompt
+    chunk, `repeats` times; a reading is the sum over those step kinds of the median step's CPU seconds.
+    Read before and after every real run and around sim.profile's engine passes, it gives each run a
+    speed factor against the speed a cost model was timed at (ScaledCostModel), from outside the runs."""
+
+    def __init__(self, model_dir: str, backend: str, args, repeats: int = 5, decode_steps: int = 2) -> None:
+        from varlen import LLM
+
+        self.llm = LLM(model_dir, backend=backend, max_num_seqs=args.seqs, max_num_batched_tokens=args.budget,
+                       max_model_len=args.max_len, num_blocks=args.blocks)
+        self.llm.engine.clock = CpuClock()
+        self.repeats, self.decode_steps = repeats, decode_steps
+        self.rng, self.vocab = np.random.default_rng(1), self.llm.runner.config.vocab_size
+        self.readings: list[tuple[str, float, float]] = []  # (when, seconds, spread of the repeats' sums)
+        self.cpu_s = 0.0
+        self.read("untimed warm-up")
+        self.readings.clear()
+
+    def _steps(self, batch: int, prompt: int, out: int) -> list:
+        from varlen.sampling_params import SamplingParams
+
+        before = self.llm.engine.steps
+        first = len(before)
+        # Fresh random prompts each time: a repeated one would be a prefix-cache hit, its prefill not computed.
+        self.llm.generate(self.rng.integers(3, self.vocab, (batch, prompt)).tolist(),
+                          SamplingParams(max_tokens=out, ignore_eos=True, temperature=0.0), use_tqdm=False)
+        steps = self.llm.engine.steps  # the engine loop starts a new log when it leaves idle
+        return list(steps) if steps is not before else list(steps)[first:]
+
+    def read(self, when: str) -> float:
+        """One reading (seconds), recorded with `when`."""
+        t0 = time.process_time()
+        gc.collect()
+        gc.disable()
+        try:
+            repeats = []
+            for _ in range(self.repeats):
+                kinds: dict[str, list[float]] = {}
+                for b in PROBE_DECODES:
+                    for s in self._steps(b, 2, 1 + self.decode_steps):
+                        if max(s.new_tokens) == 1:
+                            kinds.setdefault(f"decode {b}", []).append(s.duration)
+                for s in self._steps(1, PROBE_CHUNK, 1):
+                    kinds.setdefault("chunk", []).append(s.duration)
+                repeats.append(kinds)
+        finally:
+            gc.enable()
+        seconds, spread = probe_reading(repeats)
+        self.readings.append((when, seconds, spread))
+        self.cpu_s += time.process_time() - t0
+        return seconds
+
+    @property
+    def last(self) -> float:
+        return self.readings[-1][1]
+
+
+def probe_reading(repeats: list[dict[str, list[float]]]) -> tuple[float, float]:
+    """A reading from each repeat's step seconds by kind: the sum over kinds of the median over every
+    repeat's steps, and the spread of the repeats' own sums ((max - min) / median): the probe's noise."""
+    kinds = sorted({k for r in repeats for k in r})
+    missing = [k for k in kinds for r in repeats if k not in r]
+    if missing:
+        raise ValueError(f"speed probe: a repeat made no {missing[0]} step; its workload no longer fits the engine")
+    seconds = float(sum(np.median([t for r in repeats for t in r[k]]) for k in kinds))
+    sums = [sum(float(np.median(r[k])) for k in kinds) for r in repeats]
+    return seconds, float((max(sums) - min(sums)) / np.median(sums))
+
+
+def run_speeds(probes: dict[str, tuple[float, float]], reference: float) -> dict[str, float]:
+    """Each run's speed factor: the mean of its before and after readings over `reference` (> 1: slower)."""
+    return {run: (before + after) / 2.0 / reference for run, (before, after) in probes.items()}
+
+
+def at_speed(rows: list, speed: float) -> list:
+    """Step rows with their seconds divided by `speed`: what they would have taken at the reference speed."""
+    return [(new, cached, t / speed, logits) for new, cached, t, logits in rows]
+
+
+def paired_errors(sims: pd.DataFrame, reals: pd.DataFrame) -> pd.DataFrame:
+    """Each run's simulation (at its own speed) against that run, per metric, in percent (columns: the
+    runs), and their median ("adjusted error %"): a figure no single drifted run sets."""
+    err = pct(sims, reals[sims.columns])
+    out = pd.DataFrame(err, index=sims.index, columns=sims.columns)
+    out["adjusted error %"] = out.median(axis=1)
+    return out
+
+
+def drift_agreement(probe: dict[str, float], steps: dict[str, float]) -> tuple[float, float]:
+    """How closely the probe's per-run factor tracks the runs' own step-time factor (both over their mean
+    across runs): Pearson r, and the largest difference in percentage points."""
+    runs = list(probe)
+    p = np.array([probe[r] for r in runs]) / np.mean([probe[r] for r in runs])
+    s = np.array([steps[r] for r in runs]) / np.mean([steps[r] for r in runs])
+    r = float(np.corrcoef(p, s)[0, 1]) if len(runs) > 2 and p.std() > 0 and s.std() > 0 else float("nan")
+    return r, float(np.abs(p - s).max() * 100.0)
 
 
 def diagnose(runs: dict[str, list[RealRun]], features) -> dict[str, float]:
@@ -153,6 +346,58 @@ def diagnose(runs: dict[str, list[RealRun]], features) -> dict[str, float]:
           "slice's first run made, and the process's CPU time, page faults and involuntary preemptions")
     print(pd.DataFrame(table).T.to_string(float_format=lambda x: f"{x:.3f}"))
     return {run: row["decode speed"] for run, row in table.items()}
+
+
+def report_ticks(ticks: SpeedTicks, speeds: dict[str, float], measured_speed: float | None,
+                 reference: float) -> None:
+    """The in-run speed ticks: each run's median, spread and factor; the sim.profile passes' factor."""
+    print(f"\nspeed ticks (a fixed 1-row x 16 MB and 128-row x 1 MB product after every {ticks.every}th step of each "
+          f"real run, off its clock; after each batch of the sim.profile passes, 10 of them; reference "
+          f"{reference * 1e3:.3f} ms, the median of the runs' medians):")
+    rows = {at: {"ticks": len(v), "median ms": np.median(v) * 1e3, "p90/p10": np.percentile(v, 90) / np.percentile(v, 10),
+                 "factor": np.median(v) / reference} for at, v in ticks.samples.items()}
+    print(pd.DataFrame(rows).T.to_string(float_format=lambda x: f"{x:.3f}"))
+    print(f"  bursts after the runs over the in-run ticks: x{ticks.median('bursts after the runs') / reference:.3f} "
+          "(the kind of sample, not the machine: the passes' factor is taken against those bursts)")
+    if measured_speed is not None:
+        print(f"  the measured model's sim.profile passes ran at x{measured_speed:.3f} the runs' speed")
+
+
+def report_probe(probe: SpeedProbe, brackets: dict[str, tuple[float, float]], step_speed: dict[str, float],
+                 tick_speeds: dict[str, float] | None, onednn_speeds: dict[str, float] | None = None) -> None:
+    """The probe around the runs (readings, its own noise) and how closely each instrument's per-run factor
+    tracks the runs' decode-step factor from the noise diagnosis (each over its mean across the runs)."""
+    reference = float(np.median([sec for _, sec, _ in probe.readings]))
+    print(f"\nspeed probe around the runs ({probe.repeats} x decode steps of {', '.join(map(str, PROBE_DECODES))} "
+          f"requests and one {PROBE_CHUNK}-token chunk on its own warm engine; a reading: the sum of the kinds' median "
+          f"step; {len(probe.readings)} readings, {probe.cpu_s:.1f} s CPU in all):")
+    print("  " + ", ".join(f"{when} {sec * 1e3:.1f} ms (±{spread * 50:.1f}%)" for when, sec, spread in probe.readings))
+    spreads = [spread for _, _, spread in probe.readings]
+    print(f"  probe noise: its repeats' sums spread {np.median(spreads) * 100:.1f}% (median reading; max - min over "
+          f"the median), {max(spreads) * 100:.1f}% at most")
+    around = run_speeds(brackets, reference)
+    runs = list(brackets)
+    mean = {"steps": np.mean([step_speed[r] for r in runs]), "probe": np.mean(list(around.values()))}
+    table = {r: {"probe before ms": brackets[r][0] * 1e3, "probe after ms": brackets[r][1] * 1e3,
+                 "probe factor / mean": around[r] / mean["probe"]} for r in runs}
+    if tick_speeds is not None:
+        mean["ticks"] = np.mean([tick_speeds[r] for r in runs])
+        for r in runs:
+            table[r]["ticks factor / mean"] = tick_speeds[r] / mean["ticks"]
+    if onednn_speeds is not None:
+        m = np.mean([onednn_speeds[r] for r in runs])
+        for r in runs:
+            table[r]["oneDNN ticks factor / mean"] = onednn_speeds[r] / m
+    for r in runs:
+        table[r]["decode steps / mean (diagnosis)"] = step_speed[r] / mean["steps"]
+    print(pd.DataFrame(table).T.to_string(float_format=lambda x: f"{x:.3f}"))
+    for name, factors in (("in-run ticks (the adjusted figures' factor)", tick_speeds),
+                          ("the same ticks through packed oneDNN (printed only)", onednn_speeds),
+                          ("probe around the runs", around)):
+        if factors is not None:
+            r, worst = drift_agreement(factors, {run: step_speed[run] for run in factors})
+            print(f"  {name} against the runs' decode-step factor (diagnosis): Pearson r {r:.2f}, largest "
+                  f"difference {worst:.1f} points")
 
 
 def warm_row_counts(model_dir: str, backend: str, args) -> None:
@@ -205,6 +450,20 @@ def predict(fit_on: list[RealRun], target: list[RealRun], features, weighting: s
     return compare(cost, f"profiled on {src}", target)
 
 
+def predict_adjusted(fit_on: list[RealRun], target: list[RealRun], features, weighting: str,
+                     speeds: dict[str, float]) -> pd.DataFrame:
+    """predict's fit on the other slice's steps, each run's seconds first divided by its speed
+    factor from the ticks (the model at the reference speed), then each target run simulated at its own factor."""
+    from sim.cost.fitted import ProfiledCostModel, profile_rows
+
+    rows = [row for r in fit_on for row in at_speed(profile_rows(r.steps), speeds[r.name])]
+    cost = ProfiledCostModel.fit(rows, features=features, weighting=weighting)
+    print(f"\nfit on {fit_on[0].label}'s steps at the reference speed (each run's over its speed factor): "
+          f"R2 {cost.report.r2:.3f}, step MAPE {cost.report.mape:.1f}%")
+    return compare_at_speeds(cost, f"profiled on {fit_on[0].label}, at the reference speed",
+                             target, [speeds[r.name] for r in target])
+
+
 def run_noise(real: pd.DataFrame) -> pd.DataFrame:
     """How far single real runs (columns) stray from their median, per metric (rows), in percent: what
     one measurement of the real engine varies by, which no cost model can be checked below. "noise %":
@@ -231,6 +490,27 @@ def compare(cost, desc: str, target: list[RealRun]) -> pd.DataFrame:
     print(f"{dst}, real ({len(target)} runs) vs simulated ({desc}); {step_ratios(cost, target)}:")
     print(pd.concat([real, df], axis=1).to_string(float_format=lambda x: f"{x:.2f}"))
     return df
+
+
+def compare_at_speeds(cost, desc: str, target: list[RealRun], speeds: list[float]) -> pd.DataFrame:
+    """Simulate the target slice once per real run, under `cost` scaled to that run's speed factor
+    (ScaledCostModel), and compare each with its run: the speed-adjusted figure."""
+    from sim.cost.scaled import ScaledCostModel
+    from sim.validate import fresh_copies, simulate_like
+
+    t = target[0]
+    reals = pd.DataFrame({r.name: r.headline for r in target})
+    sims = {}
+    for r, speed in zip(target, speeds):
+        sim = simulate_like(fresh_copies(t.originals), t.make_policy, t.make_kv, t.max_model_len,
+                            ScaledCostModel(cost, speed))
+        sims[r.name] = headline(sim.requests, sim.steps, sim.total_slots)
+    sims_df = pd.DataFrame(sims)
+    err = paired_errors(sims_df, reals)
+    print(f"{t.label}, each real run vs its simulation at that run's speed factor ({desc}; factors "
+          + ", ".join(f"{r.name} x{v:.3f}" for r, v in zip(target, speeds)) + "), error %:")
+    print(err.to_string(float_format=lambda x: f"{x:.2f}"))
+    return err
 
 
 def fidelity_model(name: str, tmp: str) -> tuple[str, str]:
@@ -289,15 +569,18 @@ class MeasuredProfiler:
         self.folder, self.root, self.backend = Path(model_dir), Path(out), backend
         self.cfg = json.loads((self.folder / "config.json").read_text())
         self.rows: list = []
+        self.probes: list[tuple[float, float]] = []  # the speed probe right before and after each pass
 
-    def between_runs(self, i: int) -> None:
+    def between_runs(self, i: int, ticks: SpeedTicks | None = None) -> None:
         from sim.profile import DEFAULT_TOKENS, profile_attention, profile_engine, profile_model, write_table
 
         if i == 0:
             tokens = tuple(t for t in DEFAULT_TOKENS if t <= 512)  # sim.profile's, to the budget's range
             write_table(profile_model(self.folder, tokens, 7), self.root, "cpu_2core", "m")
             write_table(profile_attention(self.folder, self.backend, 7), self.root, "cpu_2core", "m", "attention")
-        self.rows += profile_engine(self.folder, self.backend, 3)
+        # The speed ticks in bursts after each of the pass's batches: the minutes its overhead fit saw.
+        between = None if ticks is None else partial(ticks.burst, "sim.profile passes", 10)
+        self.rows += profile_engine(self.folder, self.backend, 3, between=between)
 
     def model(self):
         from sim.cost.measured import MeasuredCostModel
@@ -401,37 +684,88 @@ def main() -> None:
         # the machine's time (a shared VM's speed drifts by several percent over minutes); so do
         # sim.profile's engine runs for `measured`, one pass after each pair.
         profiler = MeasuredProfiler(model_dir, backend, os.path.join(tmp, "profiles")) if args.measured else None
+        # The speed probe, read before the first run and after every run and sim.profile pass: each run
+        # is bracketed by two readings, as is each pass the measured model's speed comes from.
+        probe = SpeedProbe(model_dir, backend, args)
+        probe.read("before A #1")
+        ticks = SpeedTicks() if args.clock == "cpu" else None  # the wall clock cannot take their time off
+        if ticks is not None:
+            ticks.also = (SpeedTicks(kernel="onednn"),)  # the same ticks through the engine's packed kernel
         for i in range(args.repeats):
             for label in ("A", "B"):
                 lo, hi, rate = slices[label]
-                r = real_run(label, model_dir, backend, slice_trace(trace, lo, hi, rate), args)
+                before = probe.last
+                r = real_run(label, model_dir, backend, slice_trace(trace, lo, hi, rate), args, ticks,
+                             f"{label} #{i + 1}")
+                r.index = i + 1
+                if ticks is not None:  # the sim.profile passes' kind of sample, beside the runs (see below)
+                    ticks.burst("bursts after the runs", 10)
+                r.probe = (before, probe.read(f"after {r.name}"))
                 runs.setdefault(label, []).append(r)
                 print(f"run {label} #{i + 1}: requests {lo}..{hi - 1} at {rate} req/s, {len(r.steps)} steps, "
                       f"busy {r.busy:.0%} of the time, {r.prefix_hits} prompt tokens from the prefix cache, "
-                      f"{r.wall_s:.1f} s wall", flush=True)
+                      f"{r.wall_s:.1f} s wall; probe {r.probe[0] * 1e3:.1f} ms before, {r.probe[1] * 1e3:.1f} after",
+                      flush=True)
             if profiler is not None:
-                profiler.between_runs(i)
+                before = probe.last
+                profiler.between_runs(i, ticks)
+                profiler.probes.append((before, probe.read(f"after sim.profile pass {i + 1}")))
         measured = profiler.model() if profiler is not None else None
     if args.steps_out:
         write_steps(args.steps_out, runs, profiler)
     speed = diagnose(runs, feature_sets[0])
+    # Each run's speed factor: its in-run ticks' median over the reference (the median of the runs'
+    # medians); the measured model's: the ticks spread over its sim.profile passes, over the same reference.
+    brackets = {r.name: r.probe for rs in runs.values() for r in rs}
+    if ticks is None:
+        speeds, measured_speed = None, None
+        print("\nno speed-adjusted figures: --clock wall cannot take the speed ticks' time off the runs")
+    else:
+        reference = float(np.median([ticks.median(r) for r in brackets]))
+        speeds = {r: ticks.median(r) / reference for r in brackets}
+        # The passes' ticks come in bursts, not between steps; they are compared with the same bursts taken
+        # right after every run, so the two kinds of sample are never set against each other.
+        measured_speed = (ticks.median("sim.profile passes") / ticks.median("bursts after the runs")
+                          if profiler is not None else None)
+        report_ticks(ticks, speeds, measured_speed, reference)
+    others = None
+    if ticks is not None and ticks.also:
+        o = ticks.also[0]
+        ref_o = float(np.median([o.median(r) for r in brackets]))
+        others = {r: o.median(r) / ref_o for r in brackets}
+    report_probe(probe, brackets, speed, speeds, others)
     typical = {label: np.median([speed[f"{label} #{i + 1}"] for i in range(len(rs))]) for label, rs in runs.items()}
     drifted = {run: v / typical[run.split()[0]] - 1.0 for run, v in speed.items()
                if abs(v / typical[run.split()[0]] - 1.0) > 0.03}
     # One "profiled" column per feature set: "profiled" for the first, "profiled#2"... for the others.
     names = ["profiled"] + [f"profiled#{i + 1}" for i in range(1, len(feature_sets))]
-    tables = {}
+    tables: dict[str, pd.DataFrame] = {}
+    adjusted: dict[str, pd.DataFrame] = {}
     for name, features in zip(names, feature_sets):
         if len(feature_sets) > 1:
             print(f"\n{name}: features {','.join(features)}")
         tables.update({f"{name} A -> B": predict(runs["A"], runs["B"], features, args.weighting),
                        f"{name} B -> A": predict(runs["B"], runs["A"], features, args.weighting)})
+        if speeds is None:
+            continue
+        print(f"\n{name}, speed-adjusted:")
+        adjusted.update({f"{name} A -> B": predict_adjusted(runs["A"], runs["B"], features, args.weighting, speeds),
+                         f"{name} B -> A": predict_adjusted(runs["B"], runs["A"], features, args.weighting, speeds)})
     if measured is not None:
         tables.update({"measured -> A": compare(measured, "measured, from sim.profile", runs["A"]),
                        "measured -> B": compare(measured, "measured, from sim.profile", runs["B"])})
+    if measured is not None and speeds is not None:
+        print("\nmeasured, speed-adjusted (each run's factor over the sim.profile passes' "
+              f"x{measured_speed:.3f}):")
+        for label in ("A", "B"):
+            adjusted[f"measured -> {label}"] = compare_at_speeds(
+                measured, "measured, from sim.profile", runs[label],
+                [speeds[r.name] / measured_speed for r in runs[label]])
     print(f"\nsummary: real median of {args.repeats} runs per slice; noise: the largest deviation of one real run "
           "from that median; noise MAD: the median run's deviation (one drifted run does not set it); profiled: "
-          "fitted on the other slice; measured: sim.profile's tables, no trace run")
+          "fitted on the other slice; measured: sim.profile's tables, no trace run; err %: raw (one simulation "
+          "against the real median); adj %: speed-adjusted (each run simulated at its speed factor from the "
+          "in-run ticks, against that run; the median of the runs' errors)")
     out = pd.DataFrame(index=pd.MultiIndex.from_product([("A", "B"), GOAL_METRICS], names=["slice", "metric"]))
     for label, other in (("A", "B"), ("B", "A")):
         t = tables[f"profiled {other} -> {label}"]
@@ -442,12 +776,20 @@ def main() -> None:
             if key in tables:
                 out.loc[label, name] = tables[key].loc[GOAL_METRICS, "sim"].values
                 out.loc[label, f"{name} err %"] = tables[key].loc[GOAL_METRICS, "sim error %"].values
+            if key in adjusted:
+                out.loc[label, f"{name} adj %"] = adjusted[key].loc[GOAL_METRICS, "adjusted error %"].values
     print(out.to_string(float_format=lambda x: f"{x:.1f}"))
     worst = {c: out[c].abs().max() for c in out.columns if c.endswith("err %")}
+    worst_adj = {c: out[c].abs().max() for c in out.columns if c.endswith("adj %")}
     print("\nworst error over TTFT p50/p90, TPOT p50, throughput: "
           + ", ".join(f"{c.split()[0]} {v:.1f}%" for c, v in worst.items())
           + f" (goal <= 5%); worst real-vs-real noise on the same metrics: {out['noise %'].max():.1f}% "
           f"(farthest run), {out['noise MAD %'].max():.1f}% (median run)")
+    print("worst speed-adjusted error (each run simulated at its speed factor, the median of the runs' "
+          "errors): " + ", ".join(f"{c.split()[0]} {v:.1f}%" for c, v in worst_adj.items())
+          + "; worst single run's: " + ", ".join(
+              f"{k} {adjusted[k].loc[GOAL_METRICS].drop(columns='adjusted error %').abs().max().max():.1f}%"
+              for k in adjusted))
     for run in drifted:
         print(f"  {run}: its decode steps ran {drifted[run]:+.1%} off its slice's median run (against one model "
               "fitted on all runs: the machine, not the schedule); the farthest-run noise includes it")

@@ -254,12 +254,14 @@ ENGINE_BATCHES = ((1, 32, 24), (4, 64, 24), (16, 128, 16), (32, 200, 8), (8, 400
 
 
 def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu", dtype: str = "float32",
-                   linear_kernel: str = "auto", temperature: float = 0.0) -> list[Any]:
+                   linear_kernel: str = "auto", temperature: float = 0.0,
+                   between: Callable[[], None] | None = None) -> list[Any]:
     """The real engine's step log over a few synthetic batches (sim.cost.fitted.profile_rows), each
     batch run once untimed first: a GEMM's first call at a new row count creates its oneDNN
     primitive, a one-off the operator tables (timed after warm calls) and a long run do not pay.
     temperature: the sampling the fitted overhead includes, as the simulated engine samples (0: greedy,
-    one argmax over the batch; above 0 each request draws from its own softmax, a per-request cost)."""
+    one argmax over the batch; above 0 each request draws from its own softmax, a per-request cost).
+    between: called after each timed batch, outside every step."""
     import numpy as np
 
     from sim.cost.fitted import profile_rows
@@ -291,6 +293,8 @@ def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu"
     for _ in range(max(1, repeats // 3)):
         for batch in ENGINE_BATCHES:
             rows += run(*batch)
+            if between is not None:  # e.g. a machine-speed reading spread over the pass, outside its steps
+                between()
     return rows
 
 

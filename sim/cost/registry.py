@@ -25,8 +25,9 @@ def shareable(model: CostModel) -> bool:
     position in its timeline). Exact classes: a subclass may add state."""
     from sim.cost.communication import CommunicationCostModel
     from sim.cost.roofline import RooflineCostModel
+    from sim.cost.scaled import ScaledCostModel
 
-    if type(model) is CommunicationCostModel:
+    if type(model) in (CommunicationCostModel, ScaledCostModel):
         return shareable(model.inner)
     return type(model) is RooflineCostModel
 
@@ -34,12 +35,17 @@ def shareable(model: CostModel) -> bool:
 def cost_model_factory(cost: Mapping[str, Any], model_config: Any, hardware: Any,
                        parallel: Mapping[str, Any] | Any | None = None) -> Callable[[], CostModel]:
     """build_cost_model's arguments checked and resolved once, as a maker of each replica's cost
-    model: the one object where `shareable`, else a new one per call from the same settings."""
+    model: the one object where `shareable`, else a new one per call from the same settings.
+    `cost.time_scale` (any model with a step formula) multiplies every step's time (sim/cost/scaled.py)."""
     from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
+    from sim.cost.scaled import ScaledCostModel, check_time_scale
     from sim.parallel import Parallelism
 
     options = {k: v for k, v in dict(cost).items() if v is not None}
     name = options.pop("model", None) or "roofline"
+    scale = options.pop("time_scale", None)
+    if scale is not None:
+        scale = check_time_scale(scale)
     try:
         spec = registry.spec("cost", name)
         cls = registry.target("cost", spec)
@@ -61,6 +67,8 @@ def cost_model_factory(cost: Mapping[str, Any], model_config: Any, hardware: Any
         if shared:
             return shared[0]
         model: CostModel = cls.from_config(copy.deepcopy(options), cfg, hw, par)
+        if scale is not None:
+            model = ScaledCostModel(model, scale)
         if shareable(model):
             shared.append(model)
         return model

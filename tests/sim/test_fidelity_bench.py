@@ -54,3 +54,75 @@ def test_a_bad_feature_name_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPat
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "decode_batch_x" in err and "decode_batch_K" in err
+
+
+def test_probe_reading_sums_the_kinds_median_steps_and_reports_the_repeats_spread() -> None:
+    repeats = [{"decode 1": [0.020, 0.022], "chunk": [0.100]},
+               {"decode 1": [0.030, 0.024], "chunk": [0.110]},
+               {"decode 1": [0.021, 0.023], "chunk": [0.090]}]
+    seconds, spread = sim_fidelity.probe_reading(repeats)
+    assert seconds == pytest.approx(0.0225 + 0.100)  # medians over every repeat's steps, per kind
+    sums = [0.021 + 0.100, 0.027 + 0.110, 0.022 + 0.090]
+    assert spread == pytest.approx((max(sums) - min(sums)) / sorted(sums)[1])
+    with pytest.raises(ValueError, match="no chunk step"):
+        sim_fidelity.probe_reading([{"decode 1": [0.02], "chunk": [0.1]}, {"decode 1": [0.02]}])
+
+
+def test_each_run_is_timed_at_its_bracket_and_its_steps_rescaled_to_the_reference() -> None:
+    speeds = sim_fidelity.run_speeds({"A #1": (0.20, 0.22), "B #1": (0.22, 0.18)}, reference=0.2)
+    assert speeds == pytest.approx({"A #1": 1.05, "B #1": 1.0})
+    rows = [([1, 1], [10, 20], 0.042, 2), ([64], [0], 0.21, None)]
+    assert sim_fidelity.at_speed(rows, 1.05) == [([1, 1], [10, 20], 0.042 / 1.05, 2), ([64], [0], 0.21 / 1.05, None)]
+
+
+def test_paired_errors_compare_each_run_with_its_own_simulation_and_take_the_median() -> None:
+    import pandas as pd
+
+    reals = pd.DataFrame({"A #1": [100.0, 10.0], "A #2": [110.0, 11.0], "A #3": [90.0, 12.0]}, index=["TTFT", "TPOT"])
+    sims = pd.DataFrame({"A #1": [101.0, 10.0], "A #2": [99.0, 11.55], "A #3": [99.0, 12.0]}, index=["TTFT", "TPOT"])
+    err = sim_fidelity.paired_errors(sims, reals)
+    assert err.loc["TTFT", ["A #1", "A #2", "A #3"]].tolist() == pytest.approx([1.0, -10.0, 10.0])
+    assert err.loc["TTFT", "adjusted error %"] == pytest.approx(1.0)
+    assert err.loc["TPOT", "adjusted error %"] == pytest.approx(0.0)
+
+
+def test_drift_agreement_compares_factors_relative_to_their_own_mean() -> None:
+    steps = {"A #1": 0.9, "B #1": 1.0, "A #2": 1.1}
+    r, worst = sim_fidelity.drift_agreement({k: 2 * v for k, v in steps.items()}, steps)
+    assert r == pytest.approx(1.0) and worst == pytest.approx(0.0, abs=1e-9)
+    r, worst = sim_fidelity.drift_agreement({"A #1": 1.0, "B #1": 1.0, "A #2": 1.0}, steps)
+    assert worst == pytest.approx(10.0) and r != r  # a flat probe explains nothing: r undefined (NaN)
+
+
+def test_the_speed_probe_reads_the_engine_and_a_run_at_speed_1_is_the_raw_comparison(tmp_path: Path) -> None:
+    """On the tiny model: a reading is positive and labelled, and simulating the one real run at factor 1
+    gives the raw comparison's error (the real median of one run is that run)."""
+    from sim.cost.fitted import ProfiledCostModel, profile_rows
+    from varlen.traces import load_trace
+
+    args = argparse.Namespace(seqs=8, budget=128, blocks=256, max_len=256, clock="cpu")
+    model, _ = sim_fidelity.fidelity_model("tiny", str(tmp_path))
+    probe = sim_fidelity.SpeedProbe(model, "torch_sdpa", args, repeats=1, decode_steps=1)
+    assert probe.read("now") > 0 and [w for w, _, _ in probe.readings] == ["now"]
+    trace = load_trace("azure_conv", limit=6, max_model_len=args.max_len, over_length="clip")
+    ticks = sim_fidelity.SpeedTicks(every=4)
+    run = sim_fidelity.real_run("A", model, "torch_sdpa", sim_fidelity.slice_trace(trace, 0, 6, 50.0), args,
+                                ticks, "A #1")
+    assert len(ticks.samples["A #1"]) == len(run.steps) // 4  # a tick after every 4th step of the run
+    cost = ProfiledCostModel.fit(profile_rows(run.steps))
+    raw = sim_fidelity.compare(cost, "test", [run])
+    adjusted = sim_fidelity.compare_at_speeds(cost, "test", [run], [1.0])
+    metrics = ["TTFT p50 (ms)", "TPOT p50 (ms)", "throughput (tok/s)"]
+    assert adjusted.loc[metrics, "adjusted error %"].tolist() == pytest.approx(raw.loc[metrics, "sim error %"].tolist())
+
+
+def test_speed_ticks_come_after_every_kth_step_and_their_time_is_off_the_runs_clock() -> None:
+    ticks = sim_fidelity.SpeedTicks(every=3)
+    clock = sim_fidelity.CpuClock()
+    after_step = ticks.on_step("A #1", clock)
+    for _ in range(7):
+        after_step([])
+    assert len(ticks.samples["A #1"]) == 2
+    assert clock._idle == pytest.approx(-sum(ticks.samples["A #1"]), abs=1e-15)  # exactly what the ticks took
+    ticks.burst("sim.profile passes", 5)
+    assert len(ticks.samples["sim.profile passes"]) == 5 and ticks.median("sim.profile passes") > 0

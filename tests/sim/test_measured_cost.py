@@ -603,13 +603,15 @@ def test_profiler_times_the_operators_as_the_engine_runs_them(monkeypatch: pytes
 def test_engine_profile_keeps_every_step_of_every_batch() -> None:
     """profile_engine's rows are all the steps of its timed batches: each request computes its prompt
     and all but its last output token (the engine loop's log restarts per call; slicing it by the
-    previous call's length once dropped most steps)."""
+    previous call's length once dropped most steps); `between` runs after each timed batch."""
     from sim.profile import ENGINE_BATCHES, profile_engine
     from varlen.tiny_model import ensure_tiny_model
 
-    rows = profile_engine(ensure_tiny_model("qwen3"), "torch_sdpa", 3)
+    calls: list[int] = []
+    rows = profile_engine(ensure_tiny_model("qwen3"), "torch_sdpa", 3, between=lambda: calls.append(len(calls)))
     assert sum(sum(new) for new, *_ in rows) == sum(b * (p + o - 1) for b, p, o in ENGINE_BATCHES)
     assert sum(1 for new, *_ in rows if max(new) > 1) >= len(ENGINE_BATCHES)
+    assert len(calls) == len(ENGINE_BATCHES)  # `between` once after each timed batch (none after the warm-up)
 
 
 def test_operators_are_timed_over_every_layer_in_step_order(monkeypatch: pytest.MonkeyPatch) -> None:
