@@ -142,7 +142,9 @@ class GapCounts:
         if not self._buffer:
             return
         buffer, self._buffer, self._rows, self._buffered = self._buffer, [], 0, 0
-        self._merge(*_table(np.concatenate([v for v, _ in buffer]), np.concatenate([c for _, c in buffer])))
+        if len(self._values):  # one pass over this table's and the buffered tables' ascending runs
+            buffer.insert(0, (self._values, self._counts))
+        self._values, self._counts = _table(np.concatenate([v for v, _ in buffer]), np.concatenate([c for _, c in buffer]))
 
     def _merge(self, v: np.ndarray, c: np.ndarray) -> None:
         """Add the table (v distinct ascending, c counts) to this one."""
