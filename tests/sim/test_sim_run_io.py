@@ -65,6 +65,7 @@ def _frames():
         "ns": pd.Series(["a", pd.NA, "b", "c", "d", "e", "f", "g", "h"], dtype="string"),
     })
     yield pd.DataFrame({"b": [True, False], "f": [1.5, 2.5]})  # left to pandas
+    yield pd.DataFrame({"f32": np.array([1e16, 0.1, 123456789.123], np.float32), "f": [1e-5, 0.5, 2.0]})  # left to pandas
     yield pd.DataFrame({"f": pd.Series([], dtype=float), "s": pd.Series([], dtype=object)})
 
 
@@ -88,6 +89,15 @@ def _mappings():
     yield {"s": ["", None, "a,b", "x"]}  # one column: a lone empty field is quoted
     yield {"s": ["cr\rhere", 'only"quote', "plain", "tab\there"], "i": [1, 2, 3, 4]}
     yield {"s": ["plain", "", "x y"], "t": ["a", "b", "c"], "i": [1, 2, 3]}  # only text: no array made of it
+    # Neighbouring number columns of a kind, written as blocks of rows (a row with NaN, inf or a number
+    # in exponent notation written by repr), as requests.csv's are.
+    yield {"id": ["a", "b", "c", "d"], "i1": np.array([1, -2, 3, 2 ** 62]), "i2": np.array([4, 5, 6, 7], np.int32),
+           "f1": np.array([0.1, nan, 1e-5, 2.5]), "f2": np.array([1 / 3, math.inf, 0.0, -0.0]),
+           "f3": np.array([1e16, 7.0, 123456789.123, 1e-4]), "u1": np.array([1, 2, 3, 2 ** 64 - 1], np.uint64),
+           "u2": np.array([0, 9, 8, 7], np.uint8), "b": np.array([True, False, True, True])}
+    yield {"f1": np.array([0.5]), "f2": np.array([nan]), "i1": np.array([3]), "i2": np.array([-3])}  # one row
+    yield {"f32": np.array([1e16, 0.1, 123456789.123], np.float32), "f": np.array([1e-5, 0.5, 2.0])}  # left to pandas
+    yield {"f1": np.array([], np.float64), "f2": np.array([], np.float64), "i": np.array([], np.int64)}
 
 
 @pytest.mark.parametrize("table", list(_mappings()))
