@@ -444,15 +444,18 @@ def _timeline_figures(flat: np.ndarray, lens: np.ndarray, gaps: bool = False) ->
     first_token[has] = flat[first[has]]
     tpot = np.full(n, np.nan)
     tpot[many] = (flat[first[many] + lens[many] - 1] - flat[first[many]]) / (lens[many] - 1)
-    itl = np.diff(flat)
-    between = np.ones(len(itl), bool)  # False where a gap spans two timelines
-    between[first[has & (first > 0)] - 1] = False
-    itl = itl[between]
-    # Each timeline's gaps lie end to end in itl: one reduceat gives each one's longest.
+    diffs = np.diff(flat)
+    spans = first[has & (first > 0)] - 1  # the differences that span two timelines
     max_tbt = np.full(n, np.nan)
+    if gaps:
+        between = np.ones(len(diffs), bool)
+        between[spans] = False
+        itl = diffs[between]
     if many.any():
-        ngaps = np.where(many, lens - 1, 0)
-        max_tbt[many] = np.maximum.reduceat(itl, (np.cumsum(ngaps) - ngaps)[many])
+        # Each timeline's gaps lie end to end from its first index, then the spanning differences (made
+        # -inf: no gap is) and any one-time timelines': one reduceat gives each one's longest gap.
+        diffs[spans] = -np.inf
+        max_tbt[many] = np.maximum.reduceat(diffs, first[many])
     return (first_token, tpot, max_tbt, itl) if gaps else (first_token, tpot, max_tbt)
 
 
