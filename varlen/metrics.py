@@ -215,10 +215,9 @@ def _table(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarr
 _REASONS = (None, "length", "stop", "aborted", "rejected")
 #: Each finish reason's index in _REASONS.
 _CODES = {None if v is None else FinishReason(v): i for i, v in enumerate(_REASONS)}
-#: What RequestResults.add reads of a request, in its order.
-_FIELDS = operator.attrgetter("finish_reason", "req_id", "finish_message", "arrival", "first_scheduled", "finish_time",
-                              "num_prompt_tokens", "num_output_tokens", "num_preemptions", "num_prefix_hit_tokens",
-                              "priority", "token_times")
+#: RequestResults.add's integer columns and the request field each is read from.
+_COUNTS = (("prompt_tokens", "num_prompt_tokens"), ("output_tokens", "num_output_tokens"),
+           ("num_preemptions", "num_preemptions"), ("prefix_hit_tokens", "num_prefix_hit_tokens"), ("priority", "priority"))
 
 
 class RequestResults:
@@ -267,24 +266,27 @@ class RequestResults:
 
     def add(self, rows: Sequence[int], requests: Sequence[Request]) -> None:
         """Requests (ended, or the run is over) into rows `rows`. Each request's fields are read once,
-        in one pass; its token times in groups of about TOKENS, so that folding thousands of requests
-        at once (a run's end) needs little memory."""
+        field by field (one column at a time); its token times in groups of about TOKENS, so that
+        folding thousands of requests at once (a run's end) needs little memory."""
         n = len(requests)
         if not n:
             return
+        requests = requests if isinstance(requests, list) else list(requests)
+        get = operator.attrgetter
         idx = np.fromiter(rows, np.intp, n)
-        (reasons, ids, messages, arrival, first_scheduled, finish, prompt, output, preemptions, hits, priority,
-         times) = zip(*map(_FIELDS, requests))
-        codes = np.fromiter(map(_CODES.__getitem__, reasons), np.int8, n)
+        codes = np.fromiter(map(_CODES.__getitem__, map(get("finish_reason"), requests)), np.int8, n)
         self.reason[idx] = codes
         req_id, finish_message = self.req_id, self.finish_message
-        for j, r, m in zip(idx.tolist(), ids, messages):
+        for j, r, m in zip(idx.tolist(), map(get("req_id"), requests), map(get("finish_message"), requests)):
             req_id[j], finish_message[j] = r, m
+        self.arrival[idx] = np.fromiter(map(get("arrival"), requests), np.float64, n)
         # None (not scheduled, not finished) becomes NaN in a float column.
-        self.arrival[idx], self.first_scheduled[idx], self.finish[idx] = arrival, first_scheduled, finish
-        self.prompt_tokens[idx], self.output_tokens[idx] = prompt, output
-        self.num_preemptions[idx], self.prefix_hit_tokens[idx], self.priority[idx] = preemptions, hits, priority
+        self.first_scheduled[idx] = list(map(get("first_scheduled"), requests))
+        self.finish[idx] = list(map(get("finish_time"), requests))
+        for column, field in _COUNTS:
+            getattr(self, column)[idx] = np.fromiter(map(get(field), requests), np.int64, n)
         self.filled[idx] = True
+        times = list(map(get("token_times"), requests))
         lens = np.fromiter(map(len, times), np.int64, n)
         ends = np.cumsum(lens)
         done = (codes == 1) | (codes == 2)
