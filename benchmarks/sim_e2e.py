@@ -99,8 +99,8 @@ def main() -> None:
                     if body != ref:
                         raise SystemExit(f"run {rep} with the trace not cached: summary differs from the first run's")
 
-    print(f"{'command':<42} {'core':>8} {'wall s min':>10} {'median':>7} {'CPU s min':>9} {'median':>7} {'req/s (wall)':>12} "
-          f"{'loop s min':>10} {'loop req/s':>10}")
+    print(f"{'command':<42} {'core':>8} {'wall s min':>10} {'median':>7} {'CPU s min':>9} {'median':>7} "
+          f"{'req/s (wall)':>12} {'loop s min':>10} {'loop req/s':>10}")
     for label, r in rows.items():
         wall, cpu = sorted(r["wall"]), sorted(r["cpu"])
         line = (f"{label:<42} {r.get('core', '-'):>8} {wall[0]:>10.2f} {statistics.median(wall):>7.2f} {cpu[0]:>9.2f}"

@@ -462,7 +462,8 @@ def _field_texts(fields: list) -> list[list[str]]:
     k = 0
     while k < len(fields):
         j = k + 1
-        while j < len(fields) and _block_kind(fields[j]) is not None and _block_kind(fields[j]) == _block_kind(fields[k]):
+        kind = _block_kind(fields[k])
+        while kind is not None and j < len(fields) and _block_kind(fields[j]) == kind:
             j += 1
         if j - k > 1 and len(fields[k]) and _orjson() is not None:
             out.append(_row_texts(fields[k:j]))

@@ -144,7 +144,8 @@ class GapCounts:
         buffer, self._buffer, self._rows, self._buffered = self._buffer, [], 0, 0
         if len(self._values):  # one pass over this table's and the buffered tables' ascending runs
             buffer.insert(0, (self._values, self._counts))
-        self._values, self._counts = _table(np.concatenate([v for v, _ in buffer]), np.concatenate([c for _, c in buffer]))
+        self._values, self._counts = _table(np.concatenate([v for v, _ in buffer]),
+                                            np.concatenate([c for _, c in buffer]))
 
     def _merge(self, v: np.ndarray, c: np.ndarray) -> None:
         """Add the table (v distinct ascending, c counts) to this one."""
@@ -217,7 +218,8 @@ _REASONS = (None, "length", "stop", "aborted", "rejected")
 _CODES = {None if v is None else FinishReason(v): i for i, v in enumerate(_REASONS)}
 #: RequestResults.add's integer columns and the request field each is read from.
 _COUNTS = (("prompt_tokens", "num_prompt_tokens"), ("output_tokens", "num_output_tokens"),
-           ("num_preemptions", "num_preemptions"), ("prefix_hit_tokens", "num_prefix_hit_tokens"), ("priority", "priority"))
+           ("num_preemptions", "num_preemptions"), ("prefix_hit_tokens", "num_prefix_hit_tokens"),
+           ("priority", "priority"))
 
 
 class RequestResults:
