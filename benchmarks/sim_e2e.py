@@ -99,11 +99,12 @@ def main() -> None:
                     if body != ref:
                         raise SystemExit(f"run {rep} with the trace not cached: summary differs from the first run's")
 
-    print(f"{'command':<42} {'core':>8} {'wall s min':>10} {'median':>7} {'CPU s min':>9} {'req/s (wall)':>12} "
-          f"{'loop s min':>10} {'loop req/s':>10}")
+    print(f"{'command':<42} {'core':>8} {'wall s min':>10} {'median':>7} {'CPU s min':>9} {'median':>7} "
+          f"{'req/s (wall)':>12} {'loop s min':>10} {'loop req/s':>10}")
     for label, r in rows.items():
-        wall, cpu = sorted(r["wall"]), min(r["cpu"])
-        line = f"{label:<42} {r.get('core', '-'):>8} {wall[0]:>10.2f} {statistics.median(wall):>7.2f} {cpu:>9.2f}"
+        wall, cpu = sorted(r["wall"]), sorted(r["cpu"])
+        line = (f"{label:<42} {r.get('core', '-'):>8} {wall[0]:>10.2f} {statistics.median(wall):>7.2f} {cpu[0]:>9.2f}"
+                f" {statistics.median(cpu):>7.2f}")
         if r["n"]:
             n, loop = r["n"][0], min(r["loop"])
             line += f" {n / wall[0]:>12,.0f} {loop:>10.2f} {n / loop:>10,.0f}"

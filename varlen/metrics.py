@@ -142,7 +142,10 @@ class GapCounts:
         if not self._buffer:
             return
         buffer, self._buffer, self._rows, self._buffered = self._buffer, [], 0, 0
-        self._merge(*_table(np.concatenate([v for v, _ in buffer]), np.concatenate([c for _, c in buffer])))
+        if len(self._values):  # one pass over this table's and the buffered tables' ascending runs
+            buffer.insert(0, (self._values, self._counts))
+        self._values, self._counts = _table(np.concatenate([v for v, _ in buffer]),
+                                            np.concatenate([c for _, c in buffer]))
 
     def _merge(self, v: np.ndarray, c: np.ndarray) -> None:
         """Add the table (v distinct ascending, c counts) to this one."""
@@ -213,10 +216,10 @@ def _table(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarr
 _REASONS = (None, "length", "stop", "aborted", "rejected")
 #: Each finish reason's index in _REASONS.
 _CODES = {None if v is None else FinishReason(v): i for i, v in enumerate(_REASONS)}
-#: What RequestResults.add reads of a request, in its order.
-_FIELDS = operator.attrgetter("finish_reason", "req_id", "finish_message", "arrival", "first_scheduled", "finish_time",
-                              "num_prompt_tokens", "num_output_tokens", "num_preemptions", "num_prefix_hit_tokens",
-                              "priority", "token_times")
+#: RequestResults.add's integer columns and the request field each is read from.
+_COUNTS = (("prompt_tokens", "num_prompt_tokens"), ("output_tokens", "num_output_tokens"),
+           ("num_preemptions", "num_preemptions"), ("prefix_hit_tokens", "num_prefix_hit_tokens"),
+           ("priority", "priority"))
 
 
 class RequestResults:
@@ -265,24 +268,27 @@ class RequestResults:
 
     def add(self, rows: Sequence[int], requests: Sequence[Request]) -> None:
         """Requests (ended, or the run is over) into rows `rows`. Each request's fields are read once,
-        in one pass; its token times in groups of about TOKENS, so that folding thousands of requests
-        at once (a run's end) needs little memory."""
+        field by field (one column at a time); its token times in groups of about TOKENS, so that
+        folding thousands of requests at once (a run's end) needs little memory."""
         n = len(requests)
         if not n:
             return
+        requests = requests if isinstance(requests, list) else list(requests)
+        get = operator.attrgetter
         idx = np.fromiter(rows, np.intp, n)
-        (reasons, ids, messages, arrival, first_scheduled, finish, prompt, output, preemptions, hits, priority,
-         times) = zip(*map(_FIELDS, requests))
-        codes = np.fromiter(map(_CODES.__getitem__, reasons), np.int8, n)
+        codes = np.fromiter(map(_CODES.__getitem__, map(get("finish_reason"), requests)), np.int8, n)
         self.reason[idx] = codes
         req_id, finish_message = self.req_id, self.finish_message
-        for j, r, m in zip(idx.tolist(), ids, messages):
+        for j, r, m in zip(idx.tolist(), map(get("req_id"), requests), map(get("finish_message"), requests)):
             req_id[j], finish_message[j] = r, m
+        self.arrival[idx] = np.fromiter(map(get("arrival"), requests), np.float64, n)
         # None (not scheduled, not finished) becomes NaN in a float column.
-        self.arrival[idx], self.first_scheduled[idx], self.finish[idx] = arrival, first_scheduled, finish
-        self.prompt_tokens[idx], self.output_tokens[idx] = prompt, output
-        self.num_preemptions[idx], self.prefix_hit_tokens[idx], self.priority[idx] = preemptions, hits, priority
+        self.first_scheduled[idx] = list(map(get("first_scheduled"), requests))
+        self.finish[idx] = list(map(get("finish_time"), requests))
+        for column, field in _COUNTS:
+            getattr(self, column)[idx] = np.fromiter(map(get(field), requests), np.int64, n)
         self.filled[idx] = True
+        times = list(map(get("token_times"), requests))
         lens = np.fromiter(map(len, times), np.int64, n)
         ends = np.cumsum(lens)
         done = (codes == 1) | (codes == 2)
@@ -442,15 +448,18 @@ def _timeline_figures(flat: np.ndarray, lens: np.ndarray, gaps: bool = False) ->
     first_token[has] = flat[first[has]]
     tpot = np.full(n, np.nan)
     tpot[many] = (flat[first[many] + lens[many] - 1] - flat[first[many]]) / (lens[many] - 1)
-    itl = np.diff(flat)
-    between = np.ones(len(itl), bool)  # False where a gap spans two timelines
-    between[first[has & (first > 0)] - 1] = False
-    itl = itl[between]
-    # Each timeline's gaps lie end to end in itl: one reduceat gives each one's longest.
+    diffs = np.diff(flat)
+    spans = first[has & (first > 0)] - 1  # the differences that span two timelines
     max_tbt = np.full(n, np.nan)
+    if gaps:
+        between = np.ones(len(diffs), bool)
+        between[spans] = False
+        itl = diffs[between]
     if many.any():
-        ngaps = np.where(many, lens - 1, 0)
-        max_tbt[many] = np.maximum.reduceat(itl, (np.cumsum(ngaps) - ngaps)[many])
+        # Each timeline's gaps lie end to end from its first index, then the spanning differences (made
+        # -inf: no gap is) and any one-time timelines': one reduceat gives each one's longest gap.
+        diffs[spans] = -np.inf
+        max_tbt[many] = np.maximum.reduceat(diffs, first[many])
     return (first_token, tpot, max_tbt, itl) if gaps else (first_token, tpot, max_tbt)
 
 

@@ -231,6 +231,25 @@ def test_timelines_flatten_to_the_times_end_to_end(timelines):
     assert got.dtype == np.float64 and got.tobytes() == want.tobytes()
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.floats(-1e6, 1e6) | st.sampled_from([0.0, 0.25, 1 / 3]), max_size=12), max_size=10))
+def test_timeline_figures_are_each_timelines_own(timelines):
+    """First token, TPOT and longest gap of timelines end to end (empty, one time, out of order) are
+    each one's own, computed alone; with gaps=True the gaps within timelines, end to end."""
+    from varlen.metrics import _timeline_figures
+
+    lens = np.array([len(t) for t in timelines], np.int64)
+    flat = np.array([x for t in timelines for x in t], np.float64)
+    first, tpot, max_tbt, itl = _timeline_figures(flat, lens, gaps=True)
+    want = [(t[0] if t else np.nan, (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else np.nan,
+             np.diff(np.array(t)).max() if len(t) > 1 else np.nan) for t in timelines]
+    for got, k in ((first, 0), (tpot, 1), (max_tbt, 2)):
+        assert np.array_equal(got, np.array([w[k] for w in want], np.float64).reshape(-1), equal_nan=True)
+    gaps = [np.diff(np.array(t, np.float64)) for t in timelines]
+    assert np.array_equal(itl, np.concatenate(gaps) if gaps else np.empty(0))
+    assert np.array_equal(_timeline_figures(flat, lens)[2], max_tbt, equal_nan=True)
+
+
 def test_request_results_fold_in_groups_of_token_times_into_the_same_rows():
     reqs = _ended(60, 40)
     whole, grouped = RequestResults(60), RequestResults(60)
