@@ -10,7 +10,8 @@ requests' `RequestResults` (per request its times, counts and latencies; the int
 one exact value -> count table), disaggregated cells also each request's decode instance, the
 transfers' times and bytes and the prefill prefix hits; or, with token-level output
 (`output.token_times=true`), per request its times and counts and its token times as one flat
-array; per replica the step columns. The merged summary is `varlen.metrics.summarize` over the merged
+array; per replica the step columns. Each cell's output is merged into the fleet's columns as the
+cell ends and dropped (`Merge`). The merged summary is `varlen.metrics.summarize` over the merged
 requests and steps, the very function a single run's summary comes from; nothing is averaged per cell.
 """
 
@@ -464,14 +465,6 @@ class Merge:
         return CellsResult(self.requests, replicas, wall_s, self.replica_of, sum(p[4] for p in self.parts.values()),
                            len(self.parts), steps_of, total_slots, self.decode_of if self.disagg else None,
                            prefill, decode, transfers, self.hits if self.disagg else None)
-
-
-def merge(outs: Sequence[CellOutput], wall_s: float) -> CellsResult:
-    """The cells' results as one fleet's: requests back in trace order, replicas numbered cell by cell."""
-    m = Merge()
-    for o in outs:
-        m.add(o)
-    return m.result(wall_s)
 
 
 def _place(out: RequestResults, part: RequestResults, rows: np.ndarray) -> None:
