@@ -1,7 +1,8 @@
 """Digests of whole simulations: a sha256 of each run's CSVs and summary.json (less its wall-time
 fields) for the default `python -m sim.run` and synthetic runs on 10 and 100 replicas under the
 chunked, sarathi, vllm_v0 and continuous policies, with and without prefix caching, preemptions,
-fast_forward=false and Mooncake. The oracle for a change meant to leave every result as it was:
+fast_forward=false and Mooncake, and fleets split into cells (cluster.cells). The oracle for a
+change meant to leave every result as it was:
 
     python benchmarks/sim_digests.py /work/main > before.txt
     python benchmarks/sim_digests.py $PWD > after.txt && diff before.txt after.txt
@@ -28,6 +29,12 @@ CASES = {
     "syn10_tokens_rr": SYN + ["cluster.replicas=10", "workload.rate=300", "workload.token_ids=true", "cluster.router=round_robin", "engine.num_blocks=4000"],
     "syn100_noff": SYN + ["cluster.replicas=100", "workload.rate=1714.4", "fast_forward=false", "workload.limit=1500"],
     "mooncake": ["workload=mooncake_conv", "workload.limit=1500", "cluster.replicas=4", "cluster.router=least_outstanding", "output.steps=true"],
+    # cluster.cells: the merge of the cells' columns (with and without steps.csv), token-level output, disaggregated pools, a prefix front door
+    "cells4_syn100": SYN + ["cluster.replicas=25", "cluster.cells=4", "workload.rate=1714.4"],
+    "cells4_syn100_nosteps": SYN + ["cluster.replicas=25", "cluster.cells=4", "workload.rate=1714.4", "output.steps=false"],
+    "cells3_tokens": SYN + ["cluster.replicas=4", "cluster.cells=3", "workload.rate=200", "engine.num_blocks=3000", "output.token_times=true", "workload.limit=1500"],
+    "cells2_disagg": ["workload=synthetic", "workload.limit=1000", "workload.rate=60", "cluster.mode=disaggregated", "cluster.prefill_replicas=1", "cluster.decode_replicas=2", "cluster.cells=2"],
+    "cells2_mooncake": ["workload=mooncake_conv", "workload.limit=1500", "cluster.replicas=2", "cluster.cells=2", "cluster.router=least_outstanding"],
 }
 for name, ov in CASES.items():
     if only and name not in only:

@@ -10,12 +10,14 @@ requests' `RequestResults` (per request its times, counts and latencies; the int
 one exact value -> count table), disaggregated cells also each request's decode instance, the
 transfers' times and bytes and the prefill prefix hits; or, with token-level output
 (`output.token_times=true`), per request its times and counts and its token times as one flat
-array; per replica the step columns. The merged summary is `varlen.metrics.summarize` over the merged
+array; per replica the step columns. Each cell's output is merged into the fleet's columns as the
+cell ends and dropped (`Merge`). The merged summary is `varlen.metrics.summarize` over the merged
 requests and steps, the very function a single run's summary comes from; nothing is averaged per cell.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import importlib.util
@@ -96,6 +98,7 @@ class _Share:
     cells: int
     key_blocks: int
     positions: np.ndarray | None = None  # set once the trace is loaded: the cell's requests in the trace
+    total: int = 0  # the whole trace's requests
 
 
 _sharing: list[_Share] = []  # set while this process simulates one cell
@@ -124,7 +127,7 @@ def cell_requests(trace: Any, build: Callable[[Any], list]) -> list:
         raise SettingError(f"cluster.cells={s.cells}: the front door sends no request to cell {s.cell} (requests "
                            f"sharing their first {s.key_blocks} prefix hash ids share a cell); lower cluster.cells "
                            f"or raise cluster.cell_key_blocks")
-    s.positions = pos
+    s.positions, s.total = pos, len(trace)
     reqs = build(dataclasses.replace(trace, requests=[trace.requests[i] for i in pos.tolist()]))
     for r, i in zip(reqs, pos.tolist()):
         if trace.requests[i].req_id is None:
@@ -160,14 +163,12 @@ def _rebuilt_log(entries: Sequence[tuple]) -> StepLog:
 
 
 def _column_log(c: Mapping[str, np.ndarray]) -> StepLog:
-    """A StepLog whose columns(tokens=False) are `c`: one record per step, without request ids or
-    token counts (the batch size is kept as a list of that many empty ids, one list per size)."""
-    from varlen.steplog import StepRecord
-
-    ids: dict[int, list[str]] = {}
-    none: list[int] = []
-    return StepLog(StepRecord(i, t, d, ids.setdefault(b, [""] * b), none, none, 0, kv, live, w)
-                   for i, (t, d, b, kv, live, w) in enumerate(zip(*(c[k].tolist() for k in _STEP_COLUMNS))))
+    """A StepLog(keep=False) whose columns(tokens=False) are `c` itself: what a replica's log keeps
+    without records (no object per step: a fleet's merged steps cost their columns only)."""
+    log = StepLog(keep=False)
+    log._chunks = [{k: c[k] for k in _STEP_COLUMNS}]  # as StepLog.concat fills one: its folded columns
+    log._len = len(c["start"])
+    return log
 
 
 @dataclass(slots=True, eq=False)
@@ -234,6 +235,7 @@ class CellOutput:
     transfers: dict[str, np.ndarray] | None = None
     prefill_hit_tokens: np.ndarray | None = None
     results: RequestResults | None = None  # the requests' figures as columns, without token times
+    total: int = 0  # the whole trace's requests (the merge's rows)
 
 
 _REASONS = ("length", "stop", "aborted", "rejected")
@@ -311,8 +313,10 @@ def run_cell(config: dict[str, Any], cell: int, labels: Mapping[str, Any] | None
     # A disaggregated run keeps its Requests whatever the output: without token-level output the cell sends
     # their RequestResults, as a colocated cell does (a timeline is refused with cells, so token_times decides).
     tokens = bool(OmegaConf.select(cfg, "output.token_times", default=False))
-    return _pack(cell, share.positions, res, row, bool(OmegaConf.select(cfg, "output.steps")),
-                 None if tokens else results)
+    out = _pack(cell, share.positions, res, row, bool(OmegaConf.select(cfg, "output.steps")),
+                None if tokens else results)
+    out.total = share.total
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,16 +331,16 @@ class CellsResult:
     requests: list[RequestRecord] | RequestResults  # RequestResults: cells without token-level output
     replicas: list[ReplicaRecord]
     wall_s: float
-    routed: dict[str, int]
+    replica_of: np.ndarray  # each request's replica in the fleet, in trace order (-1: never routed)
     num_steps: int
     cells: int
     steps_of: list[ReplicaRecord]  # the replicas whose steps the summary reads (disaggregated: decode)
     total_slots: int
-    decode_routed_: dict[str, int] | None = None
+    decode_replica_of: np.ndarray | None = None  # disaggregated: each request's decode instance (-1: none)
     prefill: list[ReplicaRecord] = field(default_factory=list)
     decode: list[ReplicaRecord] = field(default_factory=list)
     transfers: list[Any] = field(default_factory=list)
-    prefill_hit_tokens: dict[str, int] = field(default_factory=dict)
+    prefill_hits: np.ndarray | None = None  # disaggregated: each request's prefix hit tokens at prefill
 
     @property
     def steps(self) -> StepLog:
@@ -349,11 +353,28 @@ class CellsResult:
 
         return results_of(self.requests)
 
-    def __getattr__(self, name: str) -> Any:
-        # write_outputs asks hasattr(res, "decode_routed"): only a disaggregated fleet has one.
-        if name == "decode_routed" and self.decode_routed_ is not None:
-            return self.decode_routed_
-        raise AttributeError(name)
+    def _by_id(self, column: np.ndarray, every: bool = False) -> dict[str, int]:
+        # Built when read (requests.csv), not held beside the columns: a dict a request is the bulk of a
+        # large fleet's merged result.
+        ids = self.requests.req_id if isinstance(self.requests, RequestResults) else [r.req_id for r in self.requests]
+        return {rid: v for rid, v in zip(ids, column.tolist()) if every or v >= 0}
+
+    @property
+    def routed(self) -> dict[str, int]:
+        """req_id -> replica in the fleet, as SimResult.routed (built on each read)."""
+        return self._by_id(self.replica_of)
+
+    @property
+    def decode_routed(self) -> dict[str, int]:
+        """Disaggregated: req_id -> decode instance (write_outputs asks hasattr: only such a fleet has one)."""
+        if self.decode_replica_of is None:
+            raise AttributeError("decode_routed")
+        return self._by_id(self.decode_replica_of)
+
+    @property
+    def prefill_hit_tokens(self) -> dict[str, int]:
+        """Disaggregated: req_id -> prefix hit tokens at its prefill instance (empty for a colocated fleet)."""
+        return {} if self.prefill_hits is None else self._by_id(self.prefill_hits, every=True)
 
 
 @dataclass(slots=True)
@@ -364,77 +385,117 @@ class _Transfer:
     bytes: float
 
 
-def merge(outs: Sequence[CellOutput], wall_s: float) -> CellsResult:
-    """The cells' results as one fleet's: requests back in trace order, replicas numbered cell by cell."""
-    from varlen.request import FinishReason
+class Merge:
+    """The cells' results as one fleet's, built cell by cell: add() places a cell's requests into the
+    fleet's columns (trace order) as the cell ends, in whatever order cells end, so that its CellOutput
+    can be dropped at once: the fleet never holds more than one cell's output beside its own columns.
+    Replicas are numbered cell by cell and listed in cell order, whatever order the cells came in."""
 
-    outs = sorted(outs, key=lambda o: o.cell)
-    n = sum(len(o.positions) for o in outs)
-    pos = np.concatenate([o.positions for o in outs])
-    if not np.array_equal(np.sort(pos), np.arange(n)):
-        raise RuntimeError("the cells' shares of the trace do not cover it exactly once (front door differs between cells)")
-    reasons = [FinishReason(r) for r in _REASONS]
-    records: list[Any] = [None] * n
-    replicas: list[ReplicaRecord] = []
-    routed: dict[str, int] = {}
-    decode_routed: dict[str, int] = {}
-    disagg = outs[0].num_prefill is not None
-    prefill, decode, steps_of, transfers = [], [], [], []
-    hits: dict[str, int] = {}
-    columns = all(o.results is not None for o in outs)
-    for o in outs:
+    def __init__(self) -> None:
+        self.n: int | None = None
+        self.columns: bool | None = None  # the cells sent RequestResults (not token times)
+        self.disagg: bool | None = None
+        self.requests: Any = None  # RequestResults, or a list of RequestRecords in trace order
+        self.replica_of = self.decode_of = self.hits = self.covered = np.empty(0, np.int64)
+        self.parts: dict[int, tuple[list[ReplicaRecord], int, list[_Transfer], dict[str, Any], int]] = {}
+
+    def _start(self, o: CellOutput) -> None:
+        n = o.total
+        self.n, self.columns, self.disagg = n, o.results is not None, o.num_prefill is not None
+        self.requests = RequestResults(n) if self.columns else [None] * n
+        self.replica_of = np.full(n, -1, np.int64)
+        if self.disagg:
+            self.decode_of, self.hits = np.full(n, -1, np.int64), np.zeros(n, np.int64)
+        self.covered = np.zeros(n, bool)
+
+    def add(self, o: CellOutput) -> None:
+        """Cell o's result into the fleet's; nothing of `o` is kept but its replicas' step columns (or
+        steps), its transfers and its summary row."""
+        if self.n is None:
+            self._start(o)
+        pos = o.positions
+        if (o.total != self.n or o.cell in self.parts or (len(pos) and (pos.min() < 0 or pos.max() >= o.total))
+                or self.covered[pos].any() or len(np.unique(pos)) != len(pos)):
+            raise RuntimeError("the cells' shares of the trace do not cover it exactly once (front door differs "
+                               "between cells)")
+        if (o.results is not None) != self.columns or (o.num_prefill is not None) != self.disagg:
+            raise RuntimeError(f"cell {o.cell} sent another kind of result than the cells before it")
+        self.covered[pos] = True
         c, R = o.columns, len(o.replicas)
-        P = o.num_prefill or 0
-        if columns:
-            assert o.results is not None
-            routed.update((rid, o.cell * R + rep) for rid, rep in zip(o.results.req_id, c["replica"].tolist())
-                          if rep >= 0)
+        rep = c["replica"]
+        self.replica_of[pos] = np.where(rep >= 0, o.cell * R + rep, -1)
+        if o.results is not None:
+            _place(self.requests, o.results, pos)
         else:
-            _records(o, records, routed, reasons)
+            _records(o, self.requests)
         reps = [ReplicaRecord(o.cell * R + i, _Engine(_rebuilt_log(log) if isinstance(log, list) else _column_log(log),
                                                       _Kv(cap)), _Clock(now)) for i, log, cap, now in o.replicas]
-        replicas += reps
-        if disagg:
-            ids = o.results.req_id if columns else c["req_id"]  # type: ignore[union-attr]
-            for rid, d in zip(ids, c["decode_replica"].tolist()):
-                if d >= 0:  # an instance's index in the cell, as routed's: prefill 0..P-1, decode P..R-1
-                    decode_routed[rid] = o.cell * R + d
-            prefill += reps[:P]
-            decode += reps[P:]
-            steps_of += reps[P:]
+        transfers: list[_Transfer] = []
+        if self.disagg:
+            d = c["decode_replica"]  # an instance's index in the cell, as routed's: prefill 0..P-1, decode P..R-1
+            self.decode_of[pos] = np.where(d >= 0, o.cell * R + d, -1)
+            assert o.transfers is not None and o.prefill_hit_tokens is not None
+            self.hits[pos] = o.prefill_hit_tokens
             t = o.transfers
-            assert t is not None and o.prefill_hit_tokens is not None
-            transfers += [_Transfer(*x) for x in zip(t["ready"].tolist(), t["start"].tolist(), t["end"].tolist(),
-                                                     t["bytes"].tolist())]
-            hits.update(zip(ids, o.prefill_hit_tokens.tolist()))
-        else:
-            steps_of += reps
-    first = outs[0].replicas[0]
-    total_slots = (decode[0].engine.kv.capacity_tokens if disagg else first[2])
-    requests: Any = (RequestResults.placed([(o.results, o.positions) for o in outs], n)  # type: ignore[misc]
-                     if columns else records)
-    return CellsResult(requests, replicas, wall_s, routed, sum(o.num_steps for o in outs), len(outs), steps_of,
-                       total_slots, decode_routed if disagg else None, prefill, decode, transfers, hits)
+            transfers = [_Transfer(*x) for x in zip(t["ready"].tolist(), t["start"].tolist(), t["end"].tolist(),
+                                                    t["bytes"].tolist())]
+        self.parts[o.cell] = (reps, o.num_prefill or 0, transfers, o.row, o.num_steps)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The cells' summary rows, in cell order."""
+        return [self.parts[k][3] for k in sorted(self.parts)]
+
+    def result(self, wall_s: float) -> CellsResult:
+        if self.n is None or not self.covered.all():
+            raise RuntimeError("the cells' shares of the trace do not cover it exactly once (front door differs "
+                               "between cells)")
+        replicas: list[ReplicaRecord] = []
+        prefill: list[ReplicaRecord] = []
+        decode: list[ReplicaRecord] = []
+        transfers: list[_Transfer] = []
+        for k in sorted(self.parts):
+            reps, P, tr, _, _ = self.parts[k]
+            replicas += reps
+            if self.disagg:
+                prefill += reps[:P]
+                decode += reps[P:]
+                transfers += tr
+        steps_of = decode if self.disagg else replicas
+        total_slots = steps_of[0].engine.kv.capacity_tokens
+        return CellsResult(self.requests, replicas, wall_s, self.replica_of, sum(p[4] for p in self.parts.values()),
+                           len(self.parts), steps_of, total_slots, self.decode_of if self.disagg else None,
+                           prefill, decode, transfers, self.hits if self.disagg else None)
 
 
-def _records(o: CellOutput, records: list, routed: dict[str, int], reasons: list) -> None:
+def _place(out: RequestResults, part: RequestResults, rows: np.ndarray) -> None:
+    """A cell's RequestResults into the fleet's, its row j into row rows[j]; the gap tables summed
+    (RequestResults.placed's placement, one part at a time)."""
+    for k in RequestResults._ARRAYS:
+        getattr(out, k)[rows] = getattr(part, k)
+    req_id, message = out.req_id, out.finish_message
+    for j, i in enumerate(rows.tolist()):
+        req_id[i], message[i] = part.req_id[j], part.finish_message[j]
+    out.itl.absorb(part.itl)
+
+
+def _records(o: CellOutput, records: list) -> None:
     """Cell o's requests rebuilt from their columns and token times, each into its trace position."""
-    c, R = o.columns, len(o.replicas)
+    from varlen.request import FinishReason
+
+    reasons = [FinishReason(r) for r in _REASONS]
+    c = o.columns
     times = o.token_times.tolist()
     ends = np.cumsum(o.token_counts).tolist()
     lists = [c[k].tolist() if isinstance(c[k], np.ndarray) else c[k] for k in
              ("req_id", "arrival", "first_scheduled", "finish_time", "finish_reason", "finish_message",
-              "num_prompt_tokens", "num_output_tokens", "num_preemptions", "num_prefix_hit_tokens", "priority",
-              "replica")]
+              "num_prompt_tokens", "num_output_tokens", "num_preemptions", "num_prefix_hit_tokens", "priority")]
     start, where = 0, o.positions.tolist()
-    for j, (rid, arr, fs, fin, why, msg, npr, nout, npre, nhit, prio, rep) in enumerate(zip(*lists)):
+    for j, (rid, arr, fs, fin, why, msg, npr, nout, npre, nhit, prio) in enumerate(zip(*lists)):
         end = ends[j]
         records[where[j]] = RequestRecord(
             rid, arr, None if fs != fs else fs, None if fin != fin else fin, None if why < 0 else reasons[why],
             msg, npr, nout, npre, nhit, prio, times[start:end])
         start = end
-        if rep >= 0:
-            routed[rid] = o.cell * R + rep
 
 
 def merged_row(res: CellsResult, rows: Sequence[Mapping[str, Any]],
@@ -490,14 +551,13 @@ def simulate_cells(cfg: DictConfig, labels: Mapping[str, Any] | None, announce: 
     if on == "ray":
         _ray_init(config)  # before the clock starts: a capacity search starts Ray once for all its probes
     t0 = time.perf_counter()
-    outs = (_run_ray if on == "ray" else _run_local)(config, cells, labels, simulate_one)
+    merged = Merge()  # each cell's output placed as it ends, then dropped
+    bad = (_run_ray if on == "ray" else _run_local)(config, cells, labels, simulate_one, merged)
     wall = time.perf_counter() - t0
-    bad = [o for o in outs if isinstance(o, str)]
     if bad:
-        raise SettingError(bad[0])
-    done = [o for o in outs if isinstance(o, CellOutput)]
-    res = merge(done, wall)
-    row, latencies = merged_row(res, [o.row for o in done], config["slo"])
+        raise SettingError(bad)
+    res = merged.result(wall)
+    row, latencies = merged_row(res, merged.rows(), config["slo"])
     if announce:
         stats = SimpleNamespace(**{k: row[f"trace_{k}"] for k in LOSSY_KEYS})
         for line in (lossy_line(stats), over_length_warning(stats, config, row["trace_max_model_len"])):
@@ -513,17 +573,19 @@ def door_text(c: Mapping[str, Any]) -> str:
 
 
 def _run_local(config: dict[str, Any], cells: int, labels: Mapping[str, Any] | None,
-               simulate_one: SimulateOne) -> list[CellOutput | str]:
+               simulate_one: SimulateOne, merged: Merge) -> str | None:
+    """The cells one after another, each merged as it ends; the first bad setting's line, if any."""
     from sim.progress import labelled
 
-    outs: list[CellOutput | str] = []
     for k in range(cells):
         with labelled(f"cell {k + 1}/{cells}"):
-            outs.append(run_cell(config, k, labels, simulate_one))
+            out = run_cell(config, k, labels, simulate_one)
+        if isinstance(out, str):
+            return out  # a bad setting is the same in every cell
+        merged.add(out)
+        del out
         gc.collect()  # the cell's engines, before the next cell's (the collector is paused while simulating)
-        if isinstance(outs[-1], str):
-            break  # a bad setting is the same in every cell
-    return outs
+    return None
 
 
 _ray_started: list[bool] = []
@@ -591,7 +653,9 @@ def fleet_line(label: str, cells: int, figures: Mapping[int, tuple[float, int, i
 
 
 def _run_ray(config: dict[str, Any], cells: int, labels: Mapping[str, Any] | None,
-             simulate_one: SimulateOne) -> list[CellOutput | str]:
+             simulate_one: SimulateOne, merged: Merge) -> str | None:
+    """The cells as Ray tasks, each merged as it ends (in any order) and its object released; the first
+    bad setting's line (by cell), if any."""
     from sim.progress import settings as progress_settings
 
     ray = _ray_init(config)
@@ -603,20 +667,31 @@ def _run_ray(config: dict[str, Any], cells: int, labels: Mapping[str, Any] | Non
     refs = [task.remote(cfg_ref, k, dict(labels) if labels else None, simulate_one, board, interval or 5.0)
             for k in range(cells)]
     t0 = time.monotonic()
-    results: dict[int, CellOutput | str] = {}
-    pending, index = list(refs), {r: k for k, r in enumerate(refs)}
+    ended: dict[int, tuple[float, int, int] | None] = {}  # a finished cell's figures (None: a bad setting)
+    bad: dict[int, str] = {}
+    index = {r: k for k, r in enumerate(refs)}
+    pending = refs
+    del refs  # a cell's object leaves Ray's store once its last reference goes: `pending` and `index` hold them
     while pending:
         ready, pending = ray.wait(pending, num_returns=len(pending), timeout=interval)
-        for r in ready:
-            results[index[r]] = ray.get(r)
+        while ready:
+            r = ready.pop()
+            k = index.pop(r)
+            # Owned copies: an array read from Ray's store (zero-copy) keeps the whole cell's object there.
+            out = copy.deepcopy(ray.get(r))
+            del r
+            if isinstance(out, str):
+                bad[k], ended[k] = out, None
+            elif not bad:
+                n = len(out.positions)
+                ended[k] = (out.row["sim_time_s"], n, n)
+                merged.add(out)
+            del out
         if shown is not None and board is not None and pending:
             figures = dict(ray.get(board.read.remote()))
-            for k, out in results.items():
-                if isinstance(out, CellOutput):
-                    n = len(out.positions)
-                    figures[k] = (out.row["sim_time_s"], n, n)
+            figures.update({k: f for k, f in ended.items() if f is not None})
             stream = shown.stream if shown.stream is not None else sys.stderr
-            print(fleet_line(shown.label, cells, figures, len(results), time.monotonic() - t0), file=stream, flush=True)
+            print(fleet_line(shown.label, cells, figures, len(ended), time.monotonic() - t0), file=stream, flush=True)
     if board is not None:
         ray.kill(board)
-    return [results[k] for k in range(cells)]
+    return bad[min(bad)] if bad else None
