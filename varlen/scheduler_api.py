@@ -165,7 +165,9 @@ class SchedulerPolicy(ABC):
                     if got < first:
                         refused = running[got]
                     first = got
-                    out.scheduled.extend([(r, 1) for r in running[:first]])
+                    scheduled = out.scheduled
+                    for p in range(first):
+                        scheduled.append((running[p], 1))
                     budget -= first
         for req in running[first:] if first else list(running):
             # Preempted as a victim earlier in this loop (out.preempted is short; `running` is not).

@@ -174,8 +174,19 @@ class PagedAllocator(KVAllocator):
                 rc[b] = 1
                 reserved += bs
                 changed[j] = reserved
-        for p, r in enumerate(reqs):
-            self._record_count(r.req_id, counts[p] + ok)
+        if type(self)._record_count is KVAllocator._record_count:
+            # _record_count inline: one lookup and store a request, the live total added once.
+            recorded, grown = self.num_tokens, 0
+            for p in range(len(reqs)):
+                rid, m = reqs[p].req_id, counts[p] + ok
+                had = recorded.get(rid, 0)
+                if m > had:
+                    recorded[rid] = m
+                    grown += m - had
+            self.live_tokens += grown
+        else:
+            for p, r in enumerate(reqs):
+                self._record_count(r.req_id, counts[p] + ok)
         for j, p in takes:
             if j == ok:
                 self._record_count(reqs[p].req_id, counts[p] + ok + 1)
