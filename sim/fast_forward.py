@@ -338,8 +338,8 @@ class FastForwardEngine(Engine):
             toks = [tok] * k
             for r in batch:
                 r.num_computed_tokens += k
-                r.output_token_ids += toks
-                r.token_times += times
+                r.output_token_ids.extend(toks)
+                r.token_times.extend(times)
         else:
             for p, r in enumerate(batch):
                 r.num_computed_tokens = base[p] + k

@@ -95,9 +95,13 @@ class SchedulerPolicy(ABC):
 
     def remove(self, req: Request) -> None:
         """The request finished or was aborted; forget it (the engine frees its blocks)."""
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
+        running = self.running
+        # By identity, as `in` and list.remove find a Request (eq=False), without a call per entry.
+        for i in range(len(running)):
+            if running[i] is req:
+                del running[i]
+                return
+        if req in self.waiting:
             self.waiting.remove(req)
 
     def has_work(self) -> bool:
