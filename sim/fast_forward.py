@@ -102,8 +102,8 @@ class FastForwardEngine(Engine):
                 limit = s
         return base, limit
 
-    def _any_stop_token(self, batch: Sequence[Request], tok: int) -> bool:
-        """any(Engine._is_stop_token(r, tok) for r in batch), inline (own rules only)."""
+    def _any_stop_token(self, batch: Sequence[Request], tok: object) -> bool:
+        """any(Engine._is_stop_token(r, tok) for r in batch), inline (own rules only); `tok` boxed once."""
         eos = tok in self.eos_token_ids
         for r in batch:
             sp = r.sampling
@@ -163,7 +163,8 @@ class FastForwardEngine(Engine):
         finished = []
         stop = FinishReason.STOP
         length = FinishReason.LENGTH
-        eos = tok in self.eos_token_ids
+        tok_obj: object = tok  # boxed once for the membership tests, not once a request
+        eos = tok_obj in self.eos_token_ids
         max_len = self.max_model_len
         for i in range(len(scheduled)):
             r, n = scheduled[i]
@@ -176,7 +177,7 @@ class FastForwardEngine(Engine):
             sp = r.sampling
             n_out = len(outs)
             # Engine._stop_reason, inline.
-            if tok in sp.stop_token_ids or (eos and not sp.ignore_eos):
+            if tok_obj in sp.stop_token_ids or (eos and not sp.ignore_eos):
                 self._finish(r, stop)
             elif n_out >= sp.max_tokens or r.num_prompt_tokens + n_out >= max_len:
                 self._finish(r, length)
@@ -356,13 +357,14 @@ class FastForwardEngine(Engine):
         if own:
             # Engine._stop_reason, inline: a stop token only where k == 1 (a longer run has none); a length
             # limit where the request's own limit was k (its count now at max_tokens or max_model_len).
-            eos = tok in self.eos_token_ids
+            tok_obj: object = tok
+            eos = tok_obj in self.eos_token_ids
             max_len = self.max_model_len
             stop, length = FinishReason.STOP, FinishReason.LENGTH
             for r in batch:
                 sp = r.sampling
                 n = len(r.output_token_ids)
-                if k == 1 and (tok in sp.stop_token_ids or (eos and not sp.ignore_eos)):
+                if k == 1 and (tok_obj in sp.stop_token_ids or (eos and not sp.ignore_eos)):
                     self._finish(r, stop)
                 elif n >= sp.max_tokens or r.num_prompt_tokens + n >= max_len:
                     self._finish(r, length)
