@@ -89,7 +89,9 @@ class CostModelExecutor(FastForwardExecutor):
         if step_time is None:
             step_time = self._decode_fns[num_seqs] = self.cost.decode_step_time(num_seqs)
         t = self.clock.now()
-        cached = sum(r.num_computed_tokens for r in batch)
+        cached = 0
+        for r in batch:
+            cached += r.num_computed_tokens
         # Its times depend on (start, batch size, cached tokens) only: the stretch timed last (a replica's
         # horizon times it ahead of the steps) is reused from any of its step boundaries, and extended.
         known = self._known

@@ -58,6 +58,7 @@ class FastForwardEngine(Engine):
         self._growth: DecodeGrowth | None = None  # the allocator, if it has DecodeGrowth's methods
         self._fits = -1  # whether the allocator's decode_steps_fit is its own class's (-1: not checked)
         self._fused = -1  # whether _step runs the executor inline (_fuses; -1: not checked)
+        self._own_rules = -1  # whether the stop rule and step limits are this module's own (_rules_own; -1: not checked)
         self._blank_ids: dict[int, list[str]] = {}  # batch size -> the req_ids a log that reads none gets
 
     def _batch_ids(self, batch_size: int) -> list[str] | None:
@@ -75,6 +76,40 @@ class FastForwardEngine(Engine):
         ex, cls = self.executor, type(self)
         return (isinstance(ex, FastForwardExecutor) and ex.fuses_steps()
                 and cls._stop_reason is Engine._stop_reason and cls._is_stop_token is Engine._is_stop_token)
+
+    def _rules_own(self) -> bool:
+        """Whether the stop rule (Engine's _stop_reason, _is_stop_token) and _steps_to_limit are this
+        module's own, so decode runs may apply them inline (a subclass's are called as they are)."""
+        if self._own_rules < 0:
+            cls = type(self)
+            self._own_rules = int(cls._stop_reason is Engine._stop_reason and cls._is_stop_token is Engine._is_stop_token
+                                  and cls._steps_to_limit is FastForwardEngine._steps_to_limit)
+        return self._own_rules > 0
+
+    def _base_and_limit(self, batch: Sequence[Request]) -> tuple[list[int], int]:
+        """(each request's computed tokens, min(_steps_to_limit)) in one pass (own rules only)."""
+        max_len = self.max_model_len
+        base: list[int] = []
+        limit = 0
+        for r in batch:
+            base.append(r.num_computed_tokens)
+            n = len(r.output_token_ids)
+            s = r.sampling.max_tokens - n
+            t = max_len - r.num_prompt_tokens - n
+            if t < s:
+                s = t
+            if s < limit or len(base) == 1:
+                limit = s
+        return base, limit
+
+    def _any_stop_token(self, batch: Sequence[Request], tok: object) -> bool:
+        """any(Engine._is_stop_token(r, tok) for r in batch), inline (own rules only); `tok` boxed once."""
+        eos = tok in self.eos_token_ids
+        for r in batch:
+            sp = r.sampling
+            if tok in sp.stop_token_ids or (eos and not sp.ignore_eos):
+                return True
+        return False
 
     def _step(self, start: float) -> list[Request]:
         """Engine._step; with a fusing executor, its loops and the executor's in two passes over the batch
@@ -128,7 +163,8 @@ class FastForwardEngine(Engine):
         finished = []
         stop = FinishReason.STOP
         length = FinishReason.LENGTH
-        eos = tok in self.eos_token_ids
+        tok_obj: object = tok  # boxed once for the membership tests, not once a request
+        eos = tok_obj in self.eos_token_ids
         max_len = self.max_model_len
         for i in range(len(scheduled)):
             r, n = scheduled[i]
@@ -141,7 +177,7 @@ class FastForwardEngine(Engine):
             sp = r.sampling
             n_out = len(outs)
             # Engine._stop_reason, inline.
-            if tok in sp.stop_token_ids or (eos and not sp.ignore_eos):
+            if tok_obj in sp.stop_token_ids or (eos and not sp.ignore_eos):
                 self._finish(r, stop)
             elif n_out >= sp.max_tokens or r.num_prompt_tokens + n_out >= max_len:
                 self._finish(r, length)
@@ -191,8 +227,12 @@ class FastForwardEngine(Engine):
         batch = self.policy.next_decode_batch()
         if not batch or not self._promises_kept() or self._fits < 1:
             return now
-        base = [r.num_computed_tokens for r in batch]
-        k = min(self._steps_to_limit(batch, [len(r.output_token_ids) for r in batch]))
+        own = self._rules_own()
+        if own:
+            base, k = self._base_and_limit(batch)
+        else:
+            base = [r.num_computed_tokens for r in batch]
+            k = min(self._steps_to_limit(batch, [len(r.output_token_ids) for r in batch]))
         if k <= 1:
             return now
         ex = self.executor
@@ -202,7 +242,7 @@ class FastForwardEngine(Engine):
             if run is None:
                 return now
             tok, ends = run
-            if any(self._is_stop_token(r, tok) for r in batch):
+            if self._any_stop_token(batch, tok) if own else any(self._is_stop_token(r, tok) for r in batch):
                 return now
             j = min(k - 1, len(ends), self.kv.decode_steps_fit(batch, base, k))
         except Exception:  # raised again by the step itself, when the replica gets there
@@ -254,17 +294,24 @@ class FastForwardEngine(Engine):
     def _decode_segment(self, batch: list[Request], until: float) -> tuple[list[Request], bool]:
         """Steps of `batch` up to its first finish: (the finished requests, whether a next step still
         starts before `until`); a failed allocation ends the segment before its step (the policy preempts)."""
-        base = [r.num_computed_tokens for r in batch]
-        n_out = [len(r.output_token_ids) for r in batch]
-        stop_at = self._steps_to_limit(batch, n_out)
+        own = self._rules_own()
+        n_out: list[int] = []
+        stop_at: list[int] = []
+        if own:  # the limits' minimum only; who reaches a limit is read off the counts after the steps
+            base, limit = self._base_and_limit(batch)
+        else:
+            base = [r.num_computed_tokens for r in batch]
+            n_out = [len(r.output_token_ids) for r in batch]
+            stop_at = self._steps_to_limit(batch, n_out)
+            limit = min(stop_at)
         ex = self.executor
         assert isinstance(ex, FastForwardExecutor)
-        run = ex.decode_run(batch, min(stop_at), until)
+        run = ex.decode_run(batch, limit, until)
         if run is None:
             return [], False
         tok, ends = run
         k = len(ends)
-        if k > 1 and any(self._is_stop_token(r, tok) for r in batch):
+        if k > 1 and (self._any_stop_token(batch, tok) if own else any(self._is_stop_token(r, tok) for r in batch)):
             k = 1
         if k == 0:
             return [], False
@@ -275,12 +322,15 @@ class FastForwardEngine(Engine):
         failed = False
         growth = self._growth
         bulk = growth.grow_decodes(batch, base, k) if growth is not None else None
-        asked = base[:]
+        asked: list[int] = []
         if bulk is not None:
             ok, changed = bulk
             if ok < k:
                 k, failed = ok, True
         else:
+            asked = base[:]
+            if own:
+                n_out = [len(r.output_token_ids) for r in batch]
             k, failed = self._decode_allocations(batch, base, n_out, tok, k, changed, asked)
         if k == 0:
             return [], False
@@ -289,8 +339,8 @@ class FastForwardEngine(Engine):
             toks = [tok] * k
             for r in batch:
                 r.num_computed_tokens += k
-                r.output_token_ids += toks
-                r.token_times += times
+                r.output_token_ids.extend(toks)
+                r.token_times.extend(times)
         else:
             for p, r in enumerate(batch):
                 r.num_computed_tokens = base[p] + k
@@ -304,11 +354,29 @@ class FastForwardEngine(Engine):
         start = self.clock.now()
         self.clock.sleep_until(times[-1])
         finished = []
-        for r in (batch if k == 1 else [r for r, s in zip(batch, stop_at) if s == k]):
-            reason = self._stop_reason(r, tok)
-            if reason is not None:
-                self._finish(r, reason)
+        if own:
+            # Engine._stop_reason, inline: a stop token only where k == 1 (a longer run has none); a length
+            # limit where the request's own limit was k (its count now at max_tokens or max_model_len).
+            tok_obj: object = tok
+            eos = tok_obj in self.eos_token_ids
+            max_len = self.max_model_len
+            stop, length = FinishReason.STOP, FinishReason.LENGTH
+            for r in batch:
+                sp = r.sampling
+                n = len(r.output_token_ids)
+                if k == 1 and (tok_obj in sp.stop_token_ids or (eos and not sp.ignore_eos)):
+                    self._finish(r, stop)
+                elif n >= sp.max_tokens or r.num_prompt_tokens + n >= max_len:
+                    self._finish(r, length)
+                else:
+                    continue
                 finished.append(r)
+        else:
+            for r in (batch if k == 1 else [r for r, s in zip(batch, stop_at) if s == k]):
+                reason = self._stop_reason(r, tok)
+                if reason is not None:
+                    self._finish(r, reason)
+                    finished.append(r)
         reserved_after: list[int] = []
         done = 0
         for j in sorted(changed):

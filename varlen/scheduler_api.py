@@ -95,9 +95,13 @@ class SchedulerPolicy(ABC):
 
     def remove(self, req: Request) -> None:
         """The request finished or was aborted; forget it (the engine frees its blocks)."""
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
+        running = self.running
+        # By identity, as `in` and list.remove find a Request (eq=False), without a call per entry.
+        for i in range(len(running)):
+            if running[i] is req:
+                del running[i]
+                return
+        if req in self.waiting:
             self.waiting.remove(req)
 
     def has_work(self) -> bool:
@@ -165,7 +169,9 @@ class SchedulerPolicy(ABC):
                     if got < first:
                         refused = running[got]
                     first = got
-                    out.scheduled.extend([(r, 1) for r in running[:first]])
+                    scheduled = out.scheduled
+                    for p in range(first):
+                        scheduled.append((running[p], 1))
                     budget -= first
         for req in running[first:] if first else list(running):
             # Preempted as a victim earlier in this loop (out.preempted is short; `running` is not).

@@ -152,8 +152,8 @@ class PagedAllocator(KVAllocator):
         # Without prefix caching only takes matter: list them, step then batch order, off the stack.
         bs, tables, plain = self.block_size, self.tables, self.free_plain
         takes = []
-        for p, r in enumerate(reqs):
-            j = len(tables[r.req_id]) * bs - counts[p]
+        for p, (r, c) in enumerate(zip(reqs, counts)):
+            j = len(tables[r.req_id]) * bs - c
             while j < num_steps:
                 takes.append((j, p))
                 j += bs
@@ -174,8 +174,20 @@ class PagedAllocator(KVAllocator):
                 rc[b] = 1
                 reserved += bs
                 changed[j] = reserved
-        for p, r in enumerate(reqs):
-            self._record_count(r.req_id, counts[p] + ok)
+        if type(self)._record_count is KVAllocator._record_count:
+            # _record_count inline: one lookup and store a request, the live total added once.
+            recorded, grown = self.num_tokens, 0
+            for r, c in zip(reqs, counts):
+                rid = r.req_id
+                m = c + ok
+                had = recorded.get(rid, 0)
+                if m > had:
+                    recorded[rid] = m
+                    grown += m - had
+            self.live_tokens += grown
+        else:
+            for p, r in enumerate(reqs):
+                self._record_count(r.req_id, counts[p] + ok)
         for j, p in takes:
             if j == ok:
                 self._record_count(reqs[p].req_id, counts[p] + ok + 1)
@@ -185,8 +197,8 @@ class PagedAllocator(KVAllocator):
         # A decode takes at most one block, when its count passes its table; any free block serves.
         bs, tables = self.block_size, self.tables
         takes = []
-        for p, r in enumerate(reqs):
-            j = len(tables[r.req_id]) * bs - counts[p]
+        for r, c in zip(reqs, counts):
+            j = len(tables[r.req_id]) * bs - c
             while j < num_steps:
                 takes.append(j)
                 j += bs

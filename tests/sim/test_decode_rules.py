@@ -1,0 +1,129 @@
+"""Decode runs apply Engine's stop rule and FastForwardEngine's step limits inline (one pass over the
+batch, no per-request lists) when the engine's class keeps them as they are; the results are those of
+calling them request by request, and a subclass's own rule or limits are still called."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim.executor import SIM_TOKEN
+from sim.fast_forward import FastForwardEngine
+from sim.simulator import simulate
+from sim.validate import fresh_copies
+from varlen.kv import PagedAllocator
+from varlen.request import FinishReason, Request
+from varlen.sampling_params import SamplingParams
+from varlen.testing.fast_forward import ALLOCATORS, assert_same, factory, shared_prefix_requests
+
+
+def rules(make, inline: bool):
+    """`make` with the inline rules on, or off (each request's _stop_reason and _steps_to_limit called)."""
+
+    def build(clock):
+        eng, ex = make(clock)
+        if not inline:
+            eng._own_rules = 0
+        return eng, ex
+
+    return build
+
+
+def mixed(n: int, seed: int) -> list[Request]:
+    """Ends by max_tokens, by max_model_len, by EOS and by a stop token, in one trace."""
+    out = []
+    for i, r in enumerate(shared_prefix_requests(n, rate=80.0, seed=seed)):
+        sp = r.sampling
+        if i % 4 == 1:
+            sp = SamplingParams(max_tokens=sp.max_tokens, ignore_eos=False)  # the engine's EOS is SIM_TOKEN
+        elif i % 4 == 2:
+            sp = SamplingParams(max_tokens=sp.max_tokens, stop_token_ids=[SIM_TOKEN], ignore_eos=True)
+        elif i % 4 == 3:
+            sp = SamplingParams(max_tokens=5000, ignore_eos=True)  # ends at max_model_len
+        out.append(Request(r.req_id, r.prompt_token_ids, sp, arrival=r.arrival, priority=r.priority))
+    return out
+
+
+@pytest.mark.parametrize("eos", [None, SIM_TOKEN])
+@pytest.mark.parametrize("allocator", list(ALLOCATORS))
+@pytest.mark.parametrize("policy", ["chunked", "vllm_v0", "sarathi"])
+def test_inline_rules_equal_the_calls(policy, allocator, eos):
+    """A pool small enough to preempt, a fleet read by its counts (horizons): the same requests, steps,
+    allocator state and clocks with the rules inline as with each request's calls."""
+    make = factory(policy, allocator, 150, max_model_len=640, eos=eos)
+    reqs = mixed(100, seed=7)
+    ref = simulate(fresh_copies(reqs), rules(make, False), num_replicas=3, router="least_outstanding")
+    got = simulate(fresh_copies(reqs), rules(make, True), num_replicas=3, router="least_outstanding")
+    assert all(r.engine._own_rules == 1 for r in got.replicas)
+    assert all(r.engine._own_rules == 0 for r in ref.replicas)
+    assert sum(r.engine.num_fast_forwarded_steps for r in got.replicas) > 0
+    assert_same(ref, got)
+    reasons = {r.finish_reason for r in got.requests}
+    assert FinishReason.LENGTH in reasons and (eos is None or FinishReason.STOP in reasons)
+
+
+class OwnLimits(FastForwardEngine):
+    """A user's engine with its own step limits (every request ends after at most 7 tokens) and its
+    own stop rule, declaring the decode-run promise itself: both must be called in decode runs."""
+
+    limit_calls = 0
+    stop_calls = 0
+
+    def _steps_to_limit(self, batch, n_out):
+        self.limit_calls += 1
+        return [min(s, 7 - n) for s, n in zip(super()._steps_to_limit(batch, n_out), n_out)]
+
+    def _stop_reason(self, r, tok):
+        self.stop_calls += 1
+        return FinishReason.LENGTH if len(r.output_token_ids) >= 7 else super()._stop_reason(r, tok)
+
+    def _decode_run(self, batch, until):
+        return super()._decode_run(batch, until)
+
+
+def test_an_engine_with_its_own_limits_and_stop_rule_is_called():
+    base = factory("chunked", "paged", 400)
+
+    def make(clock):
+        eng, ex = base(clock)
+        return OwnLimits(eng.policy, eng.kv, ex, clock=clock, max_model_len=eng.max_model_len), ex
+
+    res = simulate(fresh_copies(shared_prefix_requests(40, rate=20.0, seed=4)), make)
+    eng = res.replicas[0].engine
+    assert eng._own_rules == 0
+    assert eng.num_fast_forwarded_steps > 0 and eng.limit_calls > 0 and eng.stop_calls > 0
+    assert all(len(r.output_token_ids) <= 7 for r in res.requests)
+
+
+class CountingRecords(PagedAllocator):
+    """A user's allocator with its own count bookkeeping: grow_decodes must go through it."""
+
+    records_in_runs = 0
+    _growing = False
+    decode_steps_fit = PagedAllocator.decode_steps_fit  # its promise kept: horizons go on as they did
+
+    def _record_count(self, req_id, num_tokens):
+        self.records_in_runs += self._growing
+        super()._record_count(req_id, num_tokens)
+
+    def grow_decodes(self, reqs, counts, num_steps):
+        self._growing = True
+        try:
+            return super().grow_decodes(reqs, counts, num_steps)
+        finally:
+            self._growing = False
+
+
+def test_an_allocator_with_its_own_count_bookkeeping_is_called_in_decode_runs():
+    base = factory("chunked", "paged", 400)
+
+    def make(clock):
+        eng, ex = base(clock)
+        kv = CountingRecords(eng.kv.num_blocks, eng.kv.block_size, eng.kv.max_model_len, enable_prefix_caching=False)
+        return FastForwardEngine(eng.policy, kv, ex, clock=clock, max_model_len=eng.max_model_len), ex
+
+    reqs = shared_prefix_requests(40, rate=20.0, seed=4)
+    res = simulate(fresh_copies(reqs), make)
+    assert res.replicas[0].engine.num_fast_forwarded_steps > 0 and res.replicas[0].engine.kv.records_in_runs > 0
+    ref = simulate(fresh_copies(reqs), base)
+    assert [(r.req_id, r.token_times, r.finish_reason) for r in ref.requests] == \
+           [(r.req_id, r.token_times, r.finish_reason) for r in res.requests]
