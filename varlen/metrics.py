@@ -135,7 +135,9 @@ class GapCounts:
         self._buffer.append((values, counts))
         self._rows += len(values)
         self._buffered += gaps
-        if self._rows >= self.FOLD:
+        # Fold once the buffer is as large as the table: each row is re-sorted O(log) times in all,
+        # where a fixed threshold re-sorts the whole table every FOLD rows (quadratic in a long run).
+        if self._rows >= max(self.FOLD, len(self._values)):
             self._fold()
 
     def _fold(self) -> None:

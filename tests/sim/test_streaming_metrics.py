@@ -37,6 +37,23 @@ def test_gap_table_percentiles_are_numpy_percentiles_bit_for_bit(parts, qs):
     assert np.array_equal(got, want, equal_nan=True)
 
 
+def test_gap_table_folds_geometrically_not_every_fold_rows():
+    """A long run's distinct gaps grow with its steps: the buffer is folded into the table once it is
+    as large as the table, so the table is re-sorted O(log) times, not once every FOLD rows."""
+    g = GapCounts()
+    g.FOLD = 8
+    folds = []
+    fold = g._fold
+    g._fold = lambda: (folds.append(len(g._values)), fold())[1]  # type: ignore[method-assign]
+    rng = np.random.default_rng(0)
+    parts = [rng.random(8) for _ in range(2000)]  # 16,000 distinct gaps, 8 at a time
+    for p in parts:
+        g.add(p)
+    assert len(folds) <= 16  # a fixed threshold of 8 rows folds 2,000 times
+    assert g.percentiles([0, 37.5, 50, 99, 100]) == [float(x) for x in np.percentile(np.concatenate(parts),
+                                                                                      [0, 37.5, 50, 99, 100])]
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 12), max_size=12), min_size=1, max_size=8),
        st.sampled_from([[0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 3.0, 3.1, 7.0, 1 / 3, 0.1, 0.3],
