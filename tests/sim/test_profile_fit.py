@@ -151,6 +151,11 @@ def test_new_overhead_columns_load_and_old_files_still_do(tmp_path: Path, ops: M
     assert {"spread_pct", "decode_scale_pinned"} <= set(header)
     eng = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path)
     assert eng.step_time([1] * 4, [300] * 4) == pytest.approx(engine(ops, [1] * 4, [300] * 4), rel=1e-6)
+    assert any(f"passes {fit['spread_pct']:.1f}% apart" in n for n in eng.notes), eng.notes
+    fit["decode_scale_pinned"], fit["spread_pct"] = 1, float("nan")  # one pass, pinned: said so, no spread
+    write_table([fit], tmp_path, "h200_sxm", "m", "overhead")
+    notes = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path).notes
+    assert any("scale pinned" in n and "apart" not in n for n in notes), notes
     path.write_text("const_ms,per_seq_ms,per_prefill_ms,steps,step_mape_pct\n2.5,0.01,0.3,100,5\n")
     old = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path)
     assert old.overhead_form == pytest.approx((2.5e-3, 0.01e-3, 0.3e-3))
