@@ -5,7 +5,6 @@ per-request terms, and reports how far halves of its passes disagree."""
 from __future__ import annotations
 
 import gzip
-import json
 import math
 from pathlib import Path
 
