@@ -569,6 +569,7 @@ class MeasuredProfiler:
         self.folder, self.root, self.backend = Path(model_dir), Path(out), backend
         self.cfg = json.loads((self.folder / "config.json").read_text())
         self.rows: list = []
+        self.groups: list[int] = []
         self.probes: list[tuple[float, float]] = []  # the speed probe right before and after each pass
 
     def between_runs(self, i: int, ticks: SpeedTicks | None = None) -> None:
@@ -580,17 +581,19 @@ class MeasuredProfiler:
             write_table(profile_attention(self.folder, self.backend, 7), self.root, "cpu_2core", "m", "attention")
         # The speed ticks in bursts after each of the pass's batches: the minutes its overhead fit saw.
         between = None if ticks is None else partial(ticks.burst, "sim.profile passes", 10)
-        self.rows += profile_engine(self.folder, self.backend, 3, between=between)
+        got: list[int] = []
+        self.rows += profile_engine(self.folder, self.backend, 3, between=between, groups_out=got)
+        self.groups += [i] * len(got)  # each pass its own group: the fit's halves are alternate passes
 
     def model(self):
         from sim.cost.measured import MeasuredCostModel
-        from sim.profile import fit_engine_overhead, write_table
+        from sim.profile import fit_engine_overhead, overhead_confidence, write_table
 
-        fit = fit_engine_overhead(self.rows, self.cfg, "cpu_2core", self.root)
+        fit = fit_engine_overhead(self.rows, self.cfg, "cpu_2core", self.root, groups=self.groups)
         write_table([fit], self.root, "cpu_2core", "m", "overhead")
         cost = MeasuredCostModel(self.cfg, "cpu_2core", profiles=self.root)
         print(f"\nmeasured model from sim.profile (engine overhead on {fit['steps']} steps, step MAPE "
-              f"{fit['step_mape_pct']:.1f}%):\n  " + "\n  ".join(cost.notes))
+              f"{fit['step_mape_pct']:.1f}%; {overhead_confidence(fit)}):\n  " + "\n  ".join(cost.notes))
         return cost
 
 

@@ -255,13 +255,17 @@ ENGINE_BATCHES = ((1, 32, 24), (4, 64, 24), (16, 128, 16), (32, 200, 8), (8, 400
 
 def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu", dtype: str = "float32",
                    linear_kernel: str = "auto", temperature: float = 0.0,
-                   between: Callable[[], None] | None = None) -> list[Any]:
+                   between: Callable[[], None] | None = None, passes: int | None = None,
+                   groups_out: list[int] | None = None) -> list[Any]:
     """The real engine's step log over a few synthetic batches (sim.cost.fitted.profile_rows), each
     batch run once untimed first: a GEMM's first call at a new row count creates its oneDNN
     primitive, a one-off the operator tables (timed after warm calls) and a long run do not pay.
     temperature: the sampling the fitted overhead includes, as the simulated engine samples (0: greedy,
     one argmax over the batch; above 0 each request draws from its own softmax, a per-request cost).
-    between: called after each timed batch, outside every step."""
+    between: called after each timed batch, outside every step.
+    passes: timed passes over ENGINE_BATCHES (default max(1, repeats // 3)), each in its own order: the
+    machine's speed moves from one call to the next, and a batch size timed in one call only carries that
+    call's speed into the fit. groups_out: gets each returned row's pass number (fit_engine_overhead's groups)."""
     import numpy as np
 
     from sim.cost.fitted import profile_rows
@@ -290,9 +294,13 @@ def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu"
     for batch in ENGINE_BATCHES:
         run(*batch)
     rows: list[Any] = []
-    for _ in range(max(1, repeats // 3)):
-        for batch in ENGINE_BATCHES:
-            rows += run(*batch)
+    order = np.random.default_rng(1)
+    for p in range(passes if passes is not None else max(1, repeats // 3)):
+        for i in (range(len(ENGINE_BATCHES)) if p == 0 else order.permutation(len(ENGINE_BATCHES))):
+            got = run(*ENGINE_BATCHES[i])
+            rows += got
+            if groups_out is not None:
+                groups_out += [p] * len(got)
             if between is not None:  # e.g. a machine-speed reading spread over the pass, outside its steps
                 between()
     return rows
@@ -310,26 +318,76 @@ class _CpuClock:
 
 
 def fit_engine_overhead(rows: list[Any], config: dict[str, Any], gpu: str, out: Path,
-                        scaled: bool = True, temperature: float = 0.0) -> dict[str, float]:
+                        scaled: bool = True, temperature: float = 0.0,
+                        groups: list[int] | None = None) -> dict[str, Any]:
     """Per-step engine cost (const + per request + per prefill) the measured operators leave unexplained.
     scaled: fitted with the operators' sum as one more feature (its coefficient multiplies every table:
     ops_scale in steps with a prompt chunk, decode_ops_scale in decode-only steps): the tables and the
     engine runs are timed a minute apart, and a machine that ran one faster than the other otherwise
-    leaves the difference in the constant, different on every profile."""
+    leaves the difference in the constant, different on every profile.
+    The decode scale is pinned to the chunk steps' where the decode-only steps cannot tell it from the
+    per-step and per-request terms (`decode_scale_pinned`, `decode_scale_note`): their operators grow
+    about linearly with the requests, as those terms do, and the three then trade off from one build to
+    the next (a constant of 0-15 ms, a decode scale of 0.8-1.4 on the same machine).
+    groups: each row's engine pass (profile_engine's groups_out); with two or more, `spread_pct` is how
+    far fits on alternate halves of the passes predict the steps apart, and pass_speed_min/max the
+    slowest and fastest pass's steps over the fit's, relative to the median pass's (the machine's drift)."""
     import numpy as np
 
-    from sim.cost.fitted import _nnls
     from sim.cost.measured import MeasuredCostModel
 
+    if not rows:
+        raise ValueError("fit_engine_overhead: no engine steps to fit")
     ops = MeasuredCostModel(config, gpu, profiles=out, overhead_s=0.0, engine_overhead=False)
     X = np.array([[1.0, len(r[0]), sum(1 for n in r[0] if n > 1)] for r in rows])
     op = np.array([ops.step_time(r[0], r[1], r[3]) for r in rows])
     real = np.array([r[2] for r in rows])
-    # Relative error, each step alike: in absolute terms the few long prompt steps (10x a decode) set
-    # the scale and the constant, and their few percent of noise lands on every short decode step.
-    w = 1.0 / np.maximum(real, 1e-12)
+    g = np.asarray(groups if groups is not None else [0] * len(rows))
+    if len(g) != len(rows):
+        raise ValueError(f"fit_engine_overhead: {len(g)} groups for {len(rows)} rows")
+    decode = X[:, 2] == 0
+    pinned, note = _decode_scale_unidentified(X[decode], op[decode], real[decode]) if scaled else (False, "")
+    fit = _overhead_fit(X, op, real, scaled, pinned)
 
-    def nnls(A: Any, b: Any) -> Any:
+    def predict(f: dict[str, Any]) -> Any:
+        return np.where(decode, f["decode_ops_scale"], f["ops_scale"]) * op + X @ f["coef"]
+
+    pred = predict(fit)
+    res: dict[str, Any] = {
+        "const_ms": fit["coef"][0] * 1e3, "per_seq_ms": fit["coef"][1] * 1e3, "per_prefill_ms": fit["coef"][2] * 1e3,
+        "ops_scale": fit["ops_scale"], "decode_ops_scale": fit["decode_ops_scale"], "steps": len(rows),
+        "step_mape_pct": float(np.mean(np.abs(pred / real - 1)) * 100), "temperature": temperature,
+        "decode_scale_pinned": int(pinned), "spread_pct": float("nan"), "pass_speed_min": 1.0, "pass_speed_max": 1.0}
+    if pinned:
+        res["decode_scale_note"] = note
+    passes = sorted(set(g.tolist()))
+    if len(passes) >= 2:
+        speed = np.array([np.median(real[g == p] / pred[g == p]) for p in passes])
+        res["pass_speed_min"], res["pass_speed_max"] = float(speed.min() / np.median(speed)), float(
+            speed.max() / np.median(speed))
+        # Alternate passes in each half, so drift over the build falls in both.
+        half = np.isin(g, passes[::2])
+        p1, p2 = (predict(_overhead_fit(X[m], op[m], real[m], scaled, pinned)) for m in (half, ~half))
+        # Per step kind (decode-only by batch size, steps with a prompt chunk), the halves' median gap.
+        kinds = np.where(decode, X[:, 1], -1.0)
+        res["spread_pct"] = float(max(np.median(np.abs(p1[kinds == k] / p2[kinds == k] - 1))
+                                      for k in np.unique(kinds)) * 100)
+    return res
+
+
+def _overhead_fit(X: Any, op: Any, real: Any, scaled: bool, pinned: bool) -> dict[str, Any]:
+    """The overhead form's non-negative least squares in relative error: each step alike, as in absolute
+    terms the few long prompt steps set the constant and their few percent of noise lands on every short
+    decode step. pinned: the chunk steps' operator scale for the decode-only steps too."""
+    import numpy as np
+
+    from sim.cost.fitted import _nnls
+
+    w = 1.0 / np.maximum(real, 1e-12)
+    decode = X[:, 2] == 0
+    kinds = [m for m in (~decode, decode) if m.any()]
+
+    def solve(A: Any, b: Any) -> Any:
         A, b = A * w[:, None], b * w
         norms = np.linalg.norm(A, axis=0)
         norms[norms == 0] = 1.0
@@ -337,24 +395,74 @@ def fit_engine_overhead(rows: list[Any], config: dict[str, Any], gpu: str, out: 
 
     # A scale for steps with a prompt chunk and one for decode-only steps: the tables time each operator
     # alone, and a compute-bound chunk step and a weight-streaming decode step depart from that differently.
-    decode = X[:, 2] == 0
-    kinds = [m for m in (~decode, decode) if m.any()]
     if scaled:
-        c = nnls(np.column_stack([op * m for m in kinds] + [X]), real)
+        c = solve(np.column_stack([op * m for m in kinds] + [X]), real)
         scales, coef = [float(x) for x in c[:len(kinds)]], c[len(kinds):]
+        if pinned and len(kinds) == 2 and scales[0] > 0:
+            # The chunk steps' scale (their operators dominate them) for every step, the rest refitted.
+            scales, coef = [scales[0]] * 2, solve(X, real - scales[0] * op)
         if min(scales) <= 0:  # the operators explain nothing in a kind: one scale for all, as timed if none
-            c = nnls(np.column_stack([op, X]), real)
+            c = solve(np.column_stack([op, X]), real)
             scales, coef = [float(c[0])] * len(kinds), c[1:]
             if scales[0] <= 0:
-                scales, coef = [1.0] * len(kinds), nnls(X, np.maximum(real - op, 0.0))
+                scales, coef = [1.0] * len(kinds), solve(X, np.maximum(real - op, 0.0))
     else:
-        scales, coef = [1.0] * len(kinds), nnls(X, np.maximum(real - op, 0.0))
+        scales, coef = [1.0] * len(kinds), solve(X, np.maximum(real - op, 0.0))
     chunk_scale = scales[0] if (~decode).any() else scales[-1]
     decode_scale = scales[-1] if decode.any() else scales[0]
-    pred = np.where(decode, decode_scale, chunk_scale) * op + X @ coef
-    return {"const_ms": coef[0] * 1e3, "per_seq_ms": coef[1] * 1e3, "per_prefill_ms": coef[2] * 1e3,
-            "ops_scale": chunk_scale, "decode_ops_scale": decode_scale, "steps": len(rows),
-            "step_mape_pct": float(np.mean(np.abs(pred / real - 1)) * 100), "temperature": temperature}
+    return {"coef": coef, "ops_scale": chunk_scale, "decode_ops_scale": decode_scale}
+
+
+# A decode scale whose standard error is above this is not kept apart from the per-step and per-request terms.
+DECODE_SCALE_MAX_SE = 0.02
+
+
+def _decode_scale_unidentified(X: Any, op: Any, real: Any) -> tuple[bool, str]:
+    """Whether decode-only steps can tell the operators' scale from const + per request: regressing the
+    operators' time on [1, requests] over these steps, what is left (the attention's growth with the
+    cached tokens, the tables' bends) must carry the scale to DECODE_SCALE_MAX_SE against the steps' noise."""
+    import numpy as np
+
+    if len(real) < 4:
+        return True, f"{len(real)} decode-only steps"
+    w = 1.0 / np.maximum(real, 1e-12)
+    A = np.column_stack([op, X[:, 0], X[:, 1]]) * w[:, None]
+    b = real * w
+    norms = np.linalg.norm(A, axis=0)
+    A = A / norms
+    if np.linalg.matrix_rank(A, tol=1e-6) < 3:
+        return True, "the decode-only steps' operator time is a straight line in their requests (degenerate design)"
+    c, *_ = np.linalg.lstsq(A, b, rcond=None)
+    r = A @ c - b
+    sigma = 1.4826 * float(np.median(np.abs(r - np.median(r))))
+    se = sigma * float(np.sqrt(np.linalg.inv(A.T @ A)[0, 0])) / norms[0]  # in units of the scale
+    if se > DECODE_SCALE_MAX_SE:
+        return True, f"decode scale standard error {se:.3f} > {DECODE_SCALE_MAX_SE} (collinear with const + per request)"
+    return False, ""
+
+
+# Halves of the engine passes predicting steps further apart than this: the fit is called unsteady.
+SPREAD_WARN_PCT = 5.0
+
+
+def overhead_confidence(fit: dict[str, Any]) -> str:
+    """One line on how far to trust an engine overhead fit: its halves' spread and a pinned decode scale."""
+    import math
+
+    spread = fit.get("spread_pct", float("nan"))
+    if math.isnan(spread):
+        line = "fit spread: unknown (one engine pass; --engine-passes 2 or more to measure it)"
+    elif spread > SPREAD_WARN_PCT:
+        line = (f"WARNING: unsteady fit: halves of the engine passes predict steps {spread:.1f}% apart (over "
+                f"{SPREAD_WARN_PCT:g}%); rerun on a quieter machine or with more --engine-passes")
+    else:
+        line = f"fit spread: halves of the engine passes predict steps within {spread:.1f}%"
+    lo, hi = fit.get("pass_speed_min", 1.0), fit.get("pass_speed_max", 1.0)
+    if hi > lo:
+        line += f"; the passes' steps ran {lo:.2f}-{hi:.2f}x the median pass's (the machine's drift)"
+    if fit.get("decode_scale_pinned"):
+        line += f"; decode-only steps' operator scale pinned to the chunk steps' ({fit.get('decode_scale_note', '')})"
+    return line
 
 
 def _stats(ms: list[float]) -> dict[str, float]:
@@ -390,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature of the engine runs the overhead is fitted on, as the engine you "
                          "simulate samples (0: greedy; above 0 adds each request's own softmax draw)")
+    ap.add_argument("--engine-passes", type=int, default=3,
+                    help="timed passes over the engine's synthetic batches, each in its own order (more: a "
+                         "steadier overhead fit; its printed spread says how steady)")
     ap.add_argument("--no-engine", dest="engine", action="store_false",
                     help="skip the engine's per-step overhead (a few real engine runs)")
     ap.add_argument("--collectives", type=int, default=None,
@@ -403,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens = tuple(sorted({int(x) for x in a.tokens.split(",")}))
         if not a.temperature >= 0:
             raise ValueError(f"--temperature {a.temperature}: must be >= 0 (0 = greedy)")
+        if a.engine_passes < 1:
+            raise ValueError(f"--engine-passes {a.engine_passes}: must be >= 1 (--no-engine skips the engine runs)")
         if not tokens or tokens[0] < 1 or a.repeats < 1:
             raise ValueError(f"--tokens {a.tokens!r} --repeats {a.repeats}: token counts and repeats must be >= 1")
         gpu = a.gpu or ("cpu_2core" if a.device == "cpu" else None)
@@ -446,14 +559,17 @@ def main(argv: list[str] | None = None) -> int:
         if a.engine:
             import json
 
-            steps = profile_engine(folder, a.backend, a.repeats, a.device, a.dtype, a.linear_kernel, a.temperature)
+            groups: list[int] = []
+            steps = profile_engine(folder, a.backend, a.repeats, a.device, a.dtype, a.linear_kernel, a.temperature,
+                                   passes=a.engine_passes, groups_out=groups)
             fit = fit_engine_overhead(steps, json.loads((folder / "config.json").read_text()), gpu, Path(a.out),
-                                      temperature=a.temperature)
+                                      temperature=a.temperature, groups=groups)
             path = write_table([fit], Path(a.out), gpu, name, "overhead")
             print(f"engine overhead from {fit['steps']} real steps: operators x{fit['ops_scale']:.3g} "
                   f"(decode-only steps x{fit['decode_ops_scale']:.3g}) + "
                   f"{fit['const_ms']:.3g} ms + {fit['per_seq_ms']:.3g} ms per request + {fit['per_prefill_ms']:.3g} ms "
                   f"per prefill (step MAPE {fit['step_mape_pct']:.1f}%) -> {path}")
+            print(overhead_confidence(fit))
     return 0
 
 

@@ -153,6 +153,10 @@ class MeasuredCostModel(CostModel):
                              "(the engine's steps over the tables' sum, profiled)")
             elif gpu is not None and k != 1.0:
                 overhead += f"; operators x{k:.3g} (the engine's steps over the tables' sum, profiled)"
+            if c.get("decode_scale_pinned"):
+                overhead += "; decode-only steps' scale pinned to the chunk steps' (not identified by the profile)"
+            if c.get("spread_pct", float("nan")) == c.get("spread_pct"):  # not NaN: the profile measured it
+                overhead += f"; halves of the profile's engine passes {c['spread_pct']:.1f}% apart"
         lm_head = ("lm_head: predicted from its GEMM shape" if gpu else
                    f"lm_head: estimated (roofline, with the embedding; no operator tables for {hw.name})")
         self.notes = [f"linear: {self.linear_source}", lm_head, attention,

@@ -281,7 +281,9 @@ class Profiles:
         # ops_scale: the engine's steps over the tables' sum (tables written before it have none: 1), in
         # steps with a prompt chunk and, unless decode_ops_scale says otherwise, in decode-only steps;
         # temperature: the sampling its engine runs used (before it was recorded they sampled at 1).
-        optional = [c for c in ("ops_scale", "decode_ops_scale", "temperature") if c in header]
+        # spread_pct / decode_scale_pinned: how steady the fit was (sim.profile's halves of its passes), shown.
+        optional = [c for c in ("ops_scale", "decode_ops_scale", "temperature", "spread_pct", "decode_scale_pinned")
+                    if c in header]
         cols = _columns(path, header, rows, lines, ["const_ms", "per_seq_ms", "per_prefill_ms", *optional])
         fit = {"ops_scale": 1.0, "temperature": 1.0, **{k: float(v[0]) for k, v in cols.items()}}
         fit.setdefault("decode_ops_scale", fit["ops_scale"])
