@@ -33,6 +33,9 @@ def test_ref_count_grows_only_to_the_highest_block_used():
     c = Request("c", [1] * 17, SamplingParams(max_tokens=50))
     assert kv.allocate(c, 17)  # 5 blocks: a's three back first (head first), then the next unused two
     assert kv.block_table(c) == [0, 1, 2, 6, 7] and kv.ref_count == [1] * 8
+    kv.free(b)
+    c.num_computed_tokens = 20
+    assert kv.allocate_decodes([c], 1) == 1 and kv.block_table(c)[5:] == [3]  # a returned block before unused 8
 
 
 ops = st.lists(st.tuples(st.sampled_from(["new", "decodes", "grow", "free"]), st.integers(0, 10**6),
