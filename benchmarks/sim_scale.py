@@ -37,10 +37,12 @@ GRID = ([(n, r, 1) for n in (10_000, 100_000, 1_000_000) for r in (1, 10, 100)]
 QUICK = [(10_000, r, 1) for r in (1, 10, 100)]
 LOAD = 0.8
 VIDUR = "Vidur: 330-455 requests/s of wall time on this machine (issue 26, whole Azure conversation trace)"
-# Resident bytes one replica's engine holds before any request (its KV allocator's tables; the
-# cost model is shared, the policy small) for Llama-3-8B on an H100: fitted to the peak RSS of
-# 10,000 requests on 10 and 1,000 replicas; sim/memory.py's estimate covers the requests only.
-BYTES_PER_REPLICA = 0.96e6
+# Resident bytes one replica's engine holds (the cost model is shared, the policy small; the KV
+# allocator's per-block lists grow with the blocks used, not with the pool) for
+# Llama-3-8B on an H100: fitted to the peak RSS of 10,000 requests on 10 and 1,000 replicas
+# (87 and 224 MB; 0.96e6 while the lists were sized to the pool's 26,674 blocks); sim/memory.py's
+# estimate covers the requests only.
+BYTES_PER_REPLICA = 0.14e6
 BASE_BYTES = 300e6  # the interpreter, its imports and the workload generator
 
 

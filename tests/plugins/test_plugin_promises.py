@@ -163,7 +163,7 @@ class WatermarkPaged(PagedAllocator):
 
     def allocate(self, req, num_tokens):
         need = -(-num_tokens // self.block_size) - len(self.tables.get(req.req_id, ()))
-        if need > 0 and len(self.free_plain) + len(self.free_cached) - need < CAP:
+        if need > 0 and self.num_free_plain() + len(self.free_cached) - need < CAP:
             return False
         return super().allocate(req, num_tokens)
 

@@ -105,9 +105,9 @@ def test_decode_steps_fit_is_what_the_calls_do(data, cls, caching, num_steps):
     kv, reqs, counts = paged_state(data.draw, cls, caching)
     if not reqs:
         return
-    before = (list(kv.free_plain), dict(kv.free_cached), {k: list(v) for k, v in kv.tables.items()})
+    before = (kv.free_stack(), dict(kv.free_cached), {k: list(v) for k, v in kv.tables.items()})
     fit = kv.decode_steps_fit(reqs, counts, num_steps)
-    assert (list(kv.free_plain), dict(kv.free_cached), {k: list(v) for k, v in kv.tables.items()}) == before
+    assert (kv.free_stack(), dict(kv.free_cached), {k: list(v) for k, v in kv.tables.items()}) == before
     done = num_steps
     for j in range(num_steps):
         ok = True

@@ -105,9 +105,10 @@ def test_engines_sharing_a_policy_cache_get_their_own_equal_policies(monkeypatch
 
 def test_pools_of_one_size_start_alike_and_stay_apart():
     a, b = PagedAllocator(40, 16, None, False), PagedAllocator(40, 16, None, False)
-    assert a.free_plain == list(range(39, -1, -1)) and a.free_plain is not b.free_plain
-    a.free_plain.pop()
-    assert len(b.free_plain) == 40 and PagedAllocator(40, 16).free_plain == list(range(39, -1, -1))
+    assert a.free_stack() == list(range(39, -1, -1)) and a.free_plain is not b.free_plain
+    a.free_plain.append(a._take_plain(1)[0])
+    assert a.free_stack() == [*range(39, 0, -1), 0] and b.free_stack() == list(range(39, -1, -1))
+    assert PagedAllocator(40, 16).free_stack() == list(range(39, -1, -1))
 
 
 @pytest.mark.parametrize("replicas", [3])

@@ -2,6 +2,9 @@
 
 Full blocks are registered under a chained hash of their content. Freed blocks stay findable until
 reused: content-free ones first, then cached ones least recently freed first (LRU).
+
+Per-block state grows with use, not with the pool: a fleet's replicas are mostly idle or lightly
+used, and a pool of ~27k blocks would otherwise cost ~0.85 MB a replica before any request.
 """
 
 from __future__ import annotations
@@ -15,32 +18,52 @@ from varlen.kv.base import KVAllocator, KVUsage
 from varlen.request import Request
 
 
-#: num_blocks -> the block ids from last to first, a new pool's free stack: a fleet's pools copy one
-#: tuple's int objects instead of each making num_blocks new ones (time and memory per replica).
-_FREE_STACKS: dict[int, tuple[int, ...]] = {}
-
-
 @mypyc_attr(allow_interpreted_subclasses=True)
 class PagedAllocator(KVAllocator):
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True):
         super().__init__(num_blocks, block_size, max_model_len)
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_count = [0] * num_blocks
-        ids = _FREE_STACKS.get(num_blocks)
-        if ids is None:
-            if len(_FREE_STACKS) >= 8:  # a few pool sizes a process: bounded
-                _FREE_STACKS.clear()
-            ids = _FREE_STACKS[num_blocks] = tuple(range(num_blocks - 1, -1, -1))
-        self.free_plain: list[int] = list(ids)  # no cached content; top = next
+        # Blocks [0, fresh) have been handed out at least once; ref_count covers exactly those.
+        self.ref_count: list[int] = []
+        self.fresh = 0
+        # Returned blocks without cached content; top = next. The never-used ids lie beneath them
+        # (fresh first), so blocks go out in the order of one stack [num_blocks-1, ..., 0] + returns.
+        self.free_plain: list[int] = []
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # cached content, least recently freed first
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        # Content of each block: only written with prefix caching, so only made with it.
+        cells = num_blocks if enable_prefix_caching else 0
+        self.block_hash: list[int | None] = [None] * cells
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * cells
         self.cached: dict[int, int] = {}  # hash -> block id
         self.tables: dict[str, list[int]] = {}
         self.registered: dict[str, int] = {}  # how many leading blocks of a request are registered
         self.prefix_hit_blocks = 0
         self.prefix_query_blocks = 0
+
+    def num_free_plain(self) -> int:
+        """Free blocks without cached content: returned ones and never-used ones."""
+        return len(self.free_plain) + self.num_blocks - self.fresh
+
+    def free_stack(self) -> list[int]:
+        """The free content-free blocks as one stack, top (next handed out) last."""
+        return [*range(self.num_blocks - 1, self.fresh - 1, -1), *self.free_plain]
+
+    def _take_plain(self, n: int) -> list[int]:
+        """The next n content-free blocks (n <= num_free_plain()), in hand-out order, each held once."""
+        plain, rc = self.free_plain, self.ref_count
+        k = min(n, len(plain))
+        got = plain[len(plain) - k:]
+        del plain[len(plain) - k:]
+        got.reverse()
+        for b in got:
+            rc[b] = 1
+        if n > k:
+            f = self.fresh
+            got.extend(range(f, f + n - k))
+            rc.extend([1] * (n - k))
+            self.fresh = f + n - k
+        return got
 
     def _hits(self, req: Request) -> list[int]:
         if not self.enable_prefix_caching:
@@ -72,7 +95,7 @@ class PagedAllocator(KVAllocator):
             table = []
         need = -(-num_tokens // self.block_size) - len(table) - len(hits)
         revived = sum(1 for b in hits if self.ref_count[b] == 0)
-        if need > len(self.free_plain) + len(self.free_cached) - revived:
+        if need > self.num_free_plain() + len(self.free_cached) - revived:
             return False
         if req.req_id not in self.tables:
             self.tables[req.req_id] = table
@@ -85,15 +108,10 @@ class PagedAllocator(KVAllocator):
                 self.ref_count[b] += 1
             table.extend(hits)
         if need > 0:
-            rc, plain = self.ref_count, self.free_plain
-            n = min(need, len(plain))
+            rc = self.ref_count
+            n = min(need, self.num_free_plain())
             if n:
-                got = plain[-n:]
-                del plain[-n:]
-                got.reverse()
-                for b in got:
-                    rc[b] = 1
-                table += got
+                table += self._take_plain(n)
             for _ in range(need - n):
                 b, _ = self.free_cached.popitem(last=False)
                 h = self.block_hash[b]
@@ -121,12 +139,21 @@ class PagedAllocator(KVAllocator):
             m = r.num_computed_tokens + 1
             table = tables.get(rid)
             if table is None or m > len(table) * bs:
-                if table is None or caching or not plain or m > (len(table) + 1) * bs:
+                if table is None or caching or m > (len(table) + 1) * bs:
                     if not self.allocate(r, m):
                         return p
                     continue
-                b = plain.pop()
-                rc[b] = 1
+                if plain:
+                    b = plain.pop()
+                    rc[b] = 1
+                elif self.fresh < self.num_blocks:
+                    b = self.fresh
+                    self.fresh = b + 1
+                    rc.append(1)
+                else:
+                    if not self.allocate(r, m):
+                        return p
+                    continue
                 table.append(b)
             had = counts.get(rid, 0)
             if m > had:
@@ -150,7 +177,8 @@ class PagedAllocator(KVAllocator):
         if self.enable_prefix_caching:
             return None  # decodes fill blocks that must be registered as they fill: call by call
         # Without prefix caching only takes matter: list them, step then batch order, off the stack.
-        bs, tables, plain = self.block_size, self.tables, self.free_plain
+        bs, tables = self.block_size, self.tables
+        free = self.num_free_plain()
         takes = []
         for p, (r, c) in enumerate(zip(reqs, counts)):
             j = len(tables[r.req_id]) * bs - c
@@ -159,19 +187,15 @@ class PagedAllocator(KVAllocator):
                 j += bs
         takes.sort()
         ok = num_steps
-        if len(takes) > len(plain):
-            ok = takes[len(plain)][0]
-            del takes[len(plain):]
+        if len(takes) > free:
+            ok = takes[free][0]
+            del takes[free:]
         changed: dict[int, int] = {}
         if takes:
-            got = plain[-len(takes):]
-            del plain[-len(takes):]
-            got.reverse()
-            rc = self.ref_count
-            reserved = (self.num_blocks - len(plain) - len(got)) * bs
+            reserved = (self.num_blocks - free) * bs
+            got = self._take_plain(len(takes))
             for (j, p), b in zip(takes, got):
                 tables[reqs[p].req_id].append(b)
-                rc[b] = 1
                 reserved += bs
                 changed[j] = reserved
         if type(self)._record_count is KVAllocator._record_count:
@@ -202,7 +226,7 @@ class PagedAllocator(KVAllocator):
             while j < num_steps:
                 takes.append(j)
                 j += bs
-        free = len(self.free_plain) + len(self.free_cached)
+        free = self.num_free_plain() + len(self.free_cached)
         if len(takes) <= free:
             return num_steps
         takes.sort()
@@ -246,11 +270,12 @@ class PagedAllocator(KVAllocator):
     def _release(self, blocks: list[int]) -> None:
         """Drop one holder of each block; a block nobody holds goes to the stack, or the LRU if cached."""
         rc, plain, block_hash = self.ref_count, self.free_plain, self.block_hash
+        caching = self.enable_prefix_caching
         for b in reversed(blocks):  # a prefix's tail is evicted before its head
             c = rc[b] - 1
             rc[b] = c
             if c == 0:
-                if block_hash[b] is None:
+                if not caching or block_hash[b] is None:
                     plain.append(b)
                 else:
                     self.free_cached[b] = None
@@ -273,4 +298,4 @@ class PagedAllocator(KVAllocator):
         return self.tables.get(req.req_id, ())
 
     def usage(self) -> KVUsage:
-        return self._usage(len(self.free_plain) + len(self.free_cached))
+        return self._usage(self.num_free_plain() + len(self.free_cached))

@@ -108,12 +108,15 @@ class SchedulingMachine(RuleBasedStateMachine):
         if isinstance(self.kv, PagedAllocator):
             held = Counter(b for rid, t in self.kv.tables.items() for b in t)
             assert set(self.kv.tables) == holders, "only running requests hold blocks"
-            free = [*self.kv.free_plain, *self.kv.free_cached]
+            free = [*self.kv.free_stack(), *self.kv.free_cached]
             assert len(set(free)) == len(free), "a block listed free twice"
-            assert all(self.kv.block_hash[b] is None for b in self.kv.free_plain), "cached content on the plain stack"
+            if self.kv.enable_prefix_caching:  # block_hash exists only with it
+                assert all(self.kv.block_hash[b] is None for b in self.kv.free_plain), "cached content on the plain stack"
             assert self.kv.live_tokens == sum(self.kv.num_tokens.values())
+            assert len(self.kv.ref_count) == self.kv.fresh, "ref_count covers exactly the blocks used so far"
             for b in range(self.kv.num_blocks):
-                assert self.kv.ref_count[b] == held[b], f"block {b}: refcount != holders"
+                rc = self.kv.ref_count[b] if b < self.kv.fresh else 0  # never used: held by nobody
+                assert rc == held[b], f"block {b}: refcount != holders"
                 assert (b in free) == (held[b] == 0), f"block {b} leaked or double-listed"
             for t in self.kv.tables.values():
                 assert len(set(t)) == len(t)
