@@ -9,7 +9,8 @@ tokens), one `generate` call of that many prompts of that length runs on the rea
 chunked prefill), and its decode-only steps are compared with the model: the step time (the engine's log)
 and one layer's attention (the backend's forward, timed in the engine). Cells run in `--rounds` rounds,
 each in its own random order, so that a slow minute of a shared machine lands on different cells each
-round; per cell it prints the median over rounds of model/real and the rounds' range.
+round; per cell it prints the median over rounds of model/real and the rounds' range. `--spread` runs each cell
+also (or only) with its prompts' lengths spread over 0.5-1.5x the cell's (same total), as a real batch's are.
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def spread_lengths(b: int, c: int) -> list[int]:
+    """b lengths evenly over 0.5-1.5x c, c on average: a real batch's mix, which a backend may pad."""
+    lengths = [int(round(c * (0.5 + i / (b - 1)))) for i in range(b)]
+    lengths[-1] += c * b - sum(lengths)
+    return lengths
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", default="1,2,3,4,8", help="decode batch sizes")
@@ -33,6 +41,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--profiles", default=None, help="a measured build's folder (default: build one in a temp dir)")
     p.add_argument("--backend", default="torch_sdpa")
+    p.add_argument("--spread", choices=["no", "yes", "both"], default="both",
+                   help="prompt lengths equal, or spread evenly over 0.5-1.5x the cell's (same total), or both")
     a = p.parse_args()
 
     import tempfile
@@ -66,15 +76,17 @@ def main() -> None:
 
     backend.forward = timed
     vocab, rng = llm.runner.config.vocab_size, np.random.default_rng(0)
-    cells = [(b, c) for b in map(int, a.requests.split(",")) for c in map(int, a.cached.split(","))]
-    got: dict[tuple[int, int], list[tuple[float, float]]] = {cell: [] for cell in cells}
+    spreads = {"no": [False], "yes": [True], "both": [False, True]}[a.spread]
+    cells = [(b, c, sp) for b in map(int, a.requests.split(",")) for c in map(int, a.cached.split(",")) for sp in spreads]
+    got: dict[tuple[int, int, bool], list[tuple[float, float]]] = {cell: [] for cell in cells}
     for _ in range(a.rounds):
         for i in rng.permutation(len(cells)):
-            b, c = cells[i]
+            b, c, spread = cells[i]
+            lengths = [c] * b if not spread or b == 1 else spread_lengths(b, c)
             calls.clear()
             before = llm.engine.steps
             first = len(before)
-            llm.generate(rng.integers(3, vocab, (b, c)).tolist(),
+            llm.generate([rng.integers(3, vocab, n).tolist() for n in lengths],
                          SamplingParams(max_tokens=-(-b * c // 1024) + 8, ignore_eos=True, temperature=0.0),
                          use_tqdm=False)
             steps = llm.engine.steps
@@ -87,11 +99,11 @@ def main() -> None:
                 model_att.append(cost.layer_attention(cost.step_fixed(s.num_seqs, s.new, s.num_logits, s.num_prefills),
                                                       s.attention_pairs, s.cached))
             real_att = np.median([t for k, pre, t in calls if k == b and not pre])
-            got[(b, c)].append((float(step), float(np.median(model_att) / real_att)))
+            got[(b, c, spread)].append((float(step), float(np.median(model_att) / real_att)))
     print(f"model/real per cell, median over {a.rounds} rounds [range]: whole decode step | one layer's attention")
-    for (b, c), r in got.items():
+    for (b, c, spread), r in got.items():
         s, att = np.array(r).T
-        print(f"  {b} requests x {c:4d} cached: step {np.median(s):.2f} [{s.min():.2f}-{s.max():.2f}] | "
+        print(f"  {b} requests x {c:4d} cached{' (spread)' if spread else '         '}: step {np.median(s):.2f} [{s.min():.2f}-{s.max():.2f}] | "
               f"attention {np.median(att):.2f} [{att.min():.2f}-{att.max():.2f}]")
 
 
