@@ -207,8 +207,9 @@ PREFILL_GRID = ((1, 16, 0), (1, 64, 0), (1, 256, 0), (1, 1024, 0), (1, 256, 512)
 
 
 def profile_attention(folder: Path, backend_name: str, repeats: int, device: str = "cpu", dtype: str = "float32",
-                      block_size: int = 16) -> list[dict[str, Any]]:
-    """One layer of the attention backend (prepare + forward) over decodes and prefills, ms per layer."""
+                      block_size: int = 16, passes: int = 3) -> list[dict[str, Any]]:
+    """One layer of the attention backend (prepare + forward) over decodes and prefills, ms per layer: each
+    case `repeats` times in each of `passes` passes (the first in grid order, the others shuffled), pooled."""
     import numpy as np
     import torch
     from transformers import AutoConfig
@@ -225,28 +226,36 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     clock = op_clock(device)
     cases = [("decode", b, 1, c) for b, c in DECODE_GRID] + [("prefill", b, n, c) for b, n, c in PREFILL_GRID]
-    rows = []
+    fwd: list[list[float]] = [[] for _ in cases]
+    prep: list[list[float]] = [[] for _ in cases]
     with torch.inference_mode():
-        for kind, batch_size, new, cached in cases:
-            need = -(-(cached + new) // block_size)
-            pool = need * batch_size
-            perm = np.random.default_rng(0).permutation(pool)
-            seqs = [SeqSlice(np.zeros(new, np.int64), cached, perm[i * need:(i + 1) * need], req_id=i)
-                    for i in range(batch_size)]
-            batch = build_batch(seqs, block_size, pool)
-            cache = backend.allocate_kv_cache(1, pool, block_size, hkv, d, tdtype, device)[0]
-            cache.normal_()
-            n = batch.num_tokens
-            q, k, v = (torch.randn(n, h, d, device=device, dtype=tdtype) for h in (hq, hkv, hkv))
-            meta = backend.prepare(batch, device)
-            fwd = _timer(lambda: backend.forward(q, k, v, cache, meta, d ** -0.5), repeats, sync, clock)
-            prep = _timer(lambda: backend.prepare(batch, device), repeats, sync, clock)
-            rows.append({"kind": kind, "batch_size": batch_size, "new_tokens": new, "cached_tokens": cached,
-                         **{f"time_stats.attention.{k}": v for k, v in _stats(fwd).items()},
-                         "time_stats.attention_prepare.median": statistics.median(prep),
-                         "n_head": hq, "n_kv_head": hkv, "head_dim": d, "block_size": block_size,
-                         "dtype_bytes": torch.empty(0, dtype=tdtype).element_size(),
-                         "backend": backend_name})
+        # Several passes, each in its own order: one sweep takes seconds, and a machine whose speed moves
+        # from one second to the next would hand the whole table one moment's speed.
+        order = np.random.default_rng(1)
+        for p in range(max(1, passes)):
+            for i in (range(len(cases)) if p == 0 else order.permutation(len(cases))):
+                _, batch_size, new, cached = cases[i]
+                need = -(-(cached + new) // block_size)
+                pool = need * batch_size
+                perm = np.random.default_rng(0).permutation(pool)
+                seqs = [SeqSlice(np.zeros(new, np.int64), cached, perm[j * need:(j + 1) * need], req_id=j)
+                        for j in range(batch_size)]
+                batch = build_batch(seqs, block_size, pool)
+                cache = backend.allocate_kv_cache(1, pool, block_size, hkv, d, tdtype, device)[0]
+                cache.normal_()
+                n = batch.num_tokens
+                q, k, v = (torch.randn(n, h, d, device=device, dtype=tdtype) for h in (hq, hkv, hkv))
+                meta = backend.prepare(batch, device)
+                fwd[i] += _timer(lambda: backend.forward(q, k, v, cache, meta, d ** -0.5), repeats, sync, clock)
+                prep[i] += _timer(lambda: backend.prepare(batch, device), repeats, sync, clock)
+    rows = []
+    for (kind, batch_size, new, cached), f, pr in zip(cases, fwd, prep):
+        rows.append({"kind": kind, "batch_size": batch_size, "new_tokens": new, "cached_tokens": cached,
+                     **{f"time_stats.attention.{k}": v for k, v in _stats(f).items()},
+                     "time_stats.attention_prepare.median": statistics.median(pr),
+                     "n_head": hq, "n_kv_head": hkv, "head_dim": d, "block_size": block_size,
+                     "dtype_bytes": torch.empty(0, dtype=tdtype).element_size(),
+                     "backend": backend_name})
     return rows
 
 

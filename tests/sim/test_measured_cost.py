@@ -677,3 +677,33 @@ def test_engine_profile_samples_as_told_greedy_by_default(monkeypatch: pytest.Mo
     fit = sim.profile.fit_engine_overhead(rows, json.loads((ensure_tiny_model("qwen3") / "config.json").read_text()),
                                           "cpu_2core", tmp_path, temperature=temperature)
     assert fit["temperature"] == temperature
+
+
+def test_attention_table_is_timed_over_passes_in_their_own_orders(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One sweep of the attention cases takes seconds; a machine slow for the first one must not hand
+    the whole table its speed: each case is timed in every pass (the later ones shuffled), pooled."""
+    import sim.profile
+    import varlen.batch
+
+    calls: list[int] = []
+    seen: list[tuple[int, int, int]] = []
+    cases = len(sim.profile.DECODE_GRID) + len(sim.profile.PREFILL_GRID)
+
+    def drifting(fn, repeats, sync, clock=None):  # the first pass runs at half speed
+        calls.append(1)
+        return [2.0 if len(calls) <= 2 * cases else 1.0] * repeats
+
+    real_build = varlen.batch.build_batch
+
+    def build(seqs, block_size, pool):
+        seen.append((len(seqs), int(seqs[0].num_cached), len(seqs[0].token_ids)))
+        return real_build(seqs, block_size, pool)
+
+    monkeypatch.setattr(sim.profile, "_timer", drifting)
+    monkeypatch.setattr(varlen.batch, "build_batch", build)
+    rows = sim.profile.profile_attention(sim.profile.model_folder("tiny"), "torch_ref", 2, passes=3)
+    assert len(calls) == 2 * 3 * cases  # forward and prepare, every case in every pass
+    assert all(r["time_stats.attention.median"] == 1.0 for r in rows)  # not the slow pass's 2.0
+    assert seen[cases:2 * cases] != seen[:cases] and sorted(seen[cases:2 * cases]) == sorted(seen[:cases])
+    one = sim.profile.profile_attention(sim.profile.model_folder("tiny"), "torch_ref", 2, passes=1)
+    assert len(one) == cases  # one pass: today's single sweep
