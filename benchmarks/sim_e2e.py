@@ -64,6 +64,13 @@ def main() -> None:
     rows: dict[str, dict[str, list]] = {}
     ref: dict | None = None
     with tempfile.TemporaryDirectory(prefix="sim_e2e_") as tmp:
+        # Every checkout's bytecode cached alike (PYTHONDONTWRITEBYTECODE would leave one compiling its
+        # sources on every run), written by one short warm-up run each before any is timed.
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env.setdefault("PYTHONPYCACHEPREFIX", str(Path(tmp) / "pycache"))
+        for name, cwd in checkouts.items():
+            timed([py, "-m", "sim.run", f"hydra.run.dir={Path(tmp) / ('warm-' + name)}", "workload.limit=20",
+                   *args.overrides], cwd, env)
         for rep in range(args.repeats):
             for name, cwd in checkouts.items():
                 for what, cmd in (("python -c pass", [py, "-c", "pass"]),

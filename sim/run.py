@@ -50,11 +50,14 @@ def load_requests(workload: Mapping[str, Any], vocab_size: int, memory_limit_gb:
     if check_memory:
         check_trace(trace, bool(opts.get("token_ids")), memory_limit_gb, token_times=token_times)
     # ignore_eos: the trace's output length is the request's length, as in the real engine's replay.
-    from sim.cells import cell_requests  # all of the trace, or the share of the cell being simulated
-
     # lazy: each request built as it arrives (a TraceRequests), released by the simulation as it ends.
-    reqs = cell_requests(trace, lambda t: trace_requests(t, vocab_size, SamplingParams(ignore_eos=True),
-                                                         token_ids=bool(opts.get("token_ids")), lazy=True))
+    def build(t: Any) -> Any:
+        return trace_requests(t, vocab_size, SamplingParams(ignore_eos=True), token_ids=bool(opts.get("token_ids")),
+                              lazy=True)
+
+    # All of the trace, or the share of the cell being simulated (only sim.cells, once imported, sets one).
+    cells = sys.modules.get("sim.cells")
+    reqs = build(trace) if cells is None else cells.cell_requests(trace, build)
     return trace, reqs
 
 
@@ -135,9 +138,10 @@ def check_settings(cfg: DictConfig) -> None:
     from sim.cluster import check_cluster
 
     check_cluster(cfg)
-    from sim.cells import check_cells
+    if not _one_fleet(cfg):
+        from sim.cells import check_cells
 
-    check_cells(cfg)
+        check_cells(cfg)
     check_slo(cfg)
     check_window(cfg)
     number(cfg, "workload.rate", low=0, low_open=True, optional=True, hint=" (requests/s)")
@@ -241,6 +245,16 @@ def token_level(cfg: DictConfig) -> bool:
     return bool(o.get("token_times", False) or o.get("timeline", False))
 
 
+def _one_fleet(cfg: DictConfig) -> bool:
+    """cluster.cells, cells_on and cell_key_blocks as shipped (one fleet in this process): valid, and
+    nothing of sim.cells needed, so a plain run does not import it."""
+    def at(key: str, default: Any) -> Any:
+        return OmegaConf.select(cfg, f"cluster.{key}", default=default)
+
+    cells, blocks = at("cells", 1), at("cell_key_blocks", 2)
+    return type(cells) is int and cells == 1 and type(blocks) is int and blocks == 2 and at("cells_on", "local") == "local"
+
+
 def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
                      announce: bool, steps_to: Path | None = None) -> tuple[Any, dict[str, Any], Any]:
     from sim.cost.hardware import HardwareSpec
@@ -253,15 +267,16 @@ def _simulate_config(cfg: DictConfig, labels: Mapping[str, Any] | None,
     from varlen.steplog import StepLog
 
     check_settings(cfg)
-    from sim.cells import cells_of, simulate_cells
-
     c = OmegaConf.to_container(cfg, resolve=True)
     model_config = load_sim_model(c["sim_model"]["config"])
     hardware = HardwareSpec.from_dict(c["hardware"])
     cost_model = build_cost_model(c["cost"], model_config, hardware)  # a bad cost.path fails now, not per replica
     cost_notes = unmeasured_notes(cost_model)
-    if cells_of(cfg) > 1:  # independent cells behind a front door, merged into one fleet's result
-        return simulate_cells(cfg, labels, announce, _simulate_paused, cost_notes)
+    if not _one_fleet(cfg):
+        from sim.cells import cells_of, simulate_cells
+
+        if cells_of(cfg) > 1:  # independent cells behind a front door, merged into one fleet's result
+            return simulate_cells(cfg, labels, announce, _simulate_paused, cost_notes)
     keep = token_level(cfg)
     e = c["engine"]
     num_blocks = e.get("num_blocks")
@@ -813,9 +828,9 @@ def _exit_now() -> None:
 
     if "-m" in sys.argv[1:] or "--multirun" in sys.argv[1:]:
         return
-    from sim.cells import stop_ray
-
-    stop_ray()  # os._exit skips the atexit hook that would stop a Ray instance cells started
+    cells = sys.modules.get("sim.cells")  # only it starts a Ray instance
+    if cells is not None:
+        cells.stop_ray()  # os._exit skips the atexit hook that would stop a Ray instance cells started
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -381,7 +381,8 @@ def kv_usage_columns(steps: Sequence, total_slots: int, max_points: int | None =
     }
     n = len(cols["time"])
     if max_points and n > max_points:
-        keep = np.unique(np.append(np.arange(0, n, -(-n // max_points)), cols["kv_usage"].argmax()))
+        keep = np.sort(np.append(np.arange(0, n, -(-n // max_points)), cols["kv_usage"].argmax()))
+        keep = keep[np.append(True, keep[1:] != keep[:-1])]  # np.unique's, without its numpy.ma import
         cols = {k: v[keep] for k, v in cols.items()}
     return cols
 
@@ -395,7 +396,46 @@ def kv_usage_table(steps: Sequence, total_slots: int, max_points: int | None = 2
 
 def _pcts(x: np.ndarray, qs: Sequence[float]) -> list[float]:
     # One call for all: each call partitions the values anew.
-    return [float(v) for v in np.percentile(x, qs)] if len(x) else [float("nan")] * len(qs)
+    return percentiles(x, qs) if len(x) else [float("nan")] * len(qs)
+
+
+def percentiles(x: np.ndarray, qs: Sequence[float]) -> list[float]:
+    """np.percentile(x, qs) (linear) of a non-empty 1-D array, by numpy's own steps and arithmetic,
+    bit for bit; without np.percentile's np.unique, whose first call imports numpy.ma at a run's start."""
+    arr = np.asanyarray(x)
+    n = len(arr)
+    virtual = (n - 1) * np.true_divide(np.asanyarray(qs), 100)
+    prev = np.floor(virtual)
+    nxt = prev + 1
+    above = virtual >= n - 1
+    prev[above] = -1
+    nxt[above] = -1
+    below = virtual < 0
+    prev[below] = 0
+    nxt[below] = 0
+    prev_i, next_i = prev.astype(np.intp), nxt.astype(np.intp)
+    kth = sorted({k % n for k in (0, -1, *prev_i.tolist(), *next_i.tolist())})
+    part = np.partition(arr, kth)
+    a, b = part[prev_i], part[next_i]
+    gamma = np.asanyarray(virtual - prev_i, dtype=virtual.dtype)
+    diff = np.subtract(b, a)
+    out = np.asanyarray(np.add(a, diff * gamma))
+    np.subtract(b, diff * (1 - gamma), out=out, where=gamma >= 0.5, casting="unsafe", dtype=type(out.dtype))
+    if np.issubdtype(arr.dtype, np.inexact) and np.isnan(part[-1]):
+        return [float("nan")] * len(qs)
+    return [float(v) for v in out]
+
+
+def median(x: np.ndarray) -> float:
+    """np.median(x) of a non-empty 1-D array of integers, by numpy's own steps (the mean of the one
+    or two middle values), without the numpy.ma import of its first call."""
+    arr = np.asanyarray(x)
+    if not np.issubdtype(arr.dtype, np.integer):
+        return float(np.median(arr))
+    n = len(arr)
+    part = np.partition(arr, [n // 2 - 1, n // 2] if n % 2 == 0 else [(n - 1) // 2])
+    h = n // 2
+    return float(np.mean(part[h:h + 1] if n % 2 else part[h - 1:h + 1]))
 
 
 def _time_weighted_kv(c: dict[str, np.ndarray], total_slots: int) -> float:

@@ -75,3 +75,22 @@ def test_a_single_run_leaves_the_ray_launcher_out_of_hydras_plugin_scan():
     assert "hydra_plugins.hydra_joblib_launcher.joblib_launcher" in single  # sim.yaml's launcher config
     for argv in (["-m", "workload.limit=5"], ["hydra/launcher=ray"], ["--info", "plugins"]):
         assert "hydra_plugins.hydra_ray_launcher.ray_launcher" in _plugins_after(argv), argv
+
+
+
+def _modules_after_run(tmp_path: Path, overrides: list[str]) -> set[str]:
+    """Every module a `python -m sim.run` imported (-X importtime lists each on stderr; the command
+    ends by os._exit, so nothing can be asked of it at exit)."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "sim.run", f"hydra.run.dir={tmp_path}",
+                          "progress.enabled=false", *overrides], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0 and (tmp_path / "summary.json").exists(), out.stderr[-2000:]
+    return {ln.rsplit("|", 1)[1].strip() for ln in out.stderr.splitlines() if ln.startswith("import time:")}
+
+
+def test_a_single_run_imports_neither_numpy_ma_nor_sim_cells(tmp_path):
+    # enough steps that kv_usage.csv is thinned to kv_points (its de-duplication of the kept steps)
+    mods = _modules_after_run(tmp_path / "one", ["workload.limit=300", "output.kv_points=50"])
+    assert "varlen.metrics" in mods and "numpy" in mods  # the list is whole (sim.run itself runs as __main__)
+    assert "numpy.ma" not in mods and "sim.cells" not in mods
+    assert "sim.cells" in _modules_after_run(tmp_path / "two", ["workload.limit=20", "cluster.cells=2"])

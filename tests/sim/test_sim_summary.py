@@ -89,3 +89,19 @@ def test_shared_latencies_give_the_same_summary_when_some_requests_did_not_finis
     assert got == want and got["aborted"] == 1 and got["finished"] == 49
     others = [r for r in reqs if r is not aborted]
     assert got["itl_p50"] == _pct([g for r in others for g in np.diff(r.token_times).tolist()], 50)
+
+
+def test_percentiles_and_median_are_numpys_bit_for_bit():
+    from varlen.metrics import median, percentiles
+
+    rng = np.random.default_rng(7)
+    for t in range(400):
+        n = int(rng.integers(1, 40))
+        x = [rng.random(n) * 1e3, rng.integers(0, 5000, n), np.round(rng.random(n), 2), rng.random(n)][t % 4]
+        if t % 4 == 3:
+            x[rng.integers(0, n)] = np.nan
+        for qs in ((50, 90, 99), (50, 99), (0, 100, 12.5, 33.3)):
+            got, want = np.array(percentiles(x, qs)), np.percentile(x, qs)
+            assert got.tobytes() == want.tobytes(), (x, qs)
+        if t % 4 == 1:
+            assert np.float64(median(x)).tobytes() == np.float64(np.median(x)).tobytes(), x

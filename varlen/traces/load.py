@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from varlen.metrics import median, percentiles
 from varlen.traces.cache import read_azure_cached
 from varlen.traces.mooncake import MOONCAKE_BLOCK_TOKENS, read_mooncake_jsonl
 from varlen.traces.synthetic import SyntheticTrace
@@ -180,9 +181,9 @@ def _fill_stats(s: TraceStats, c: Columns) -> None:
     s.duration_s = float(c.arrival[-1])
     s.mean_rate = (n - 1) / s.duration_s if s.duration_s > 0 else 0.0
     s.prompt_mean = float(c.prompt.mean())
-    s.prompt_p50, s.prompt_p99 = (float(x) for x in np.percentile(c.prompt, [50, 99]))
+    s.prompt_p50, s.prompt_p99 = percentiles(c.prompt, (50, 99))
     s.output_mean = float(c.output.mean())
-    s.output_p50 = float(np.median(c.output))
+    s.output_p50 = median(c.output)
 
 
 def _to_requests(c: Columns, kind: str) -> list[TraceRequest]:
