@@ -177,21 +177,11 @@ class GapCounts:
             return [float("nan")] * len(qs)
         if np.isnan(values[-1]):
             return [float("nan")] * len(qs)
-        virtual = (n - 1) * np.true_divide(np.asanyarray(qs), 100)
-        prev = np.floor(virtual)
-        nxt = prev + 1
-        above = virtual >= n - 1
-        prev[above] = -1
-        nxt[above] = -1
-        prev_i, next_i = prev.astype(np.intp), nxt.astype(np.intp)
+        virtual, prev_i, next_i = _positions(n, qs)
         ends = np.cumsum(counts)  # sorted position k holds values[searchsorted(ends, k, 'right')]
         a = values[np.searchsorted(ends, np.where(prev_i < 0, n - 1, prev_i), "right")]
         b = values[np.searchsorted(ends, np.where(next_i < 0, n - 1, next_i), "right")]
-        gamma = np.asanyarray(virtual - prev_i, dtype=virtual.dtype)
-        diff = b - a
-        out = np.add(a, diff * gamma)
-        np.subtract(b, diff * (1 - gamma), out=out, where=gamma >= 0.5, casting="unsafe", dtype=type(out.dtype))
-        return [float(x) for x in out]
+        return [float(x) for x in _lerp(a, b, virtual, prev_i)]
 
 
 def _sorted_table(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -404,6 +394,18 @@ def percentiles(x: np.ndarray, qs: Sequence[float]) -> list[float]:
     bit for bit; without np.percentile's np.unique, whose first call imports numpy.ma at a run's start."""
     arr = np.asanyarray(x)
     n = len(arr)
+    virtual, prev_i, next_i = _positions(n, qs)
+    kth = sorted({k % n for k in (0, -1, *prev_i.tolist(), *next_i.tolist())})
+    part = np.partition(arr, kth)
+    out = _lerp(part[prev_i], part[next_i], virtual, prev_i)
+    if np.issubdtype(arr.dtype, np.inexact) and np.isnan(part[-1]):
+        return [float("nan")] * len(qs)
+    return [float(v) for v in out]
+
+
+def _positions(n: int, qs: Sequence[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """np.percentile's (virtual index, lower and upper neighbour) for n sorted values: -1 (the last)
+    at and past the top, 0 below the bottom."""
     virtual = (n - 1) * np.true_divide(np.asanyarray(qs), 100)
     prev = np.floor(virtual)
     nxt = prev + 1
@@ -413,17 +415,16 @@ def percentiles(x: np.ndarray, qs: Sequence[float]) -> list[float]:
     below = virtual < 0
     prev[below] = 0
     nxt[below] = 0
-    prev_i, next_i = prev.astype(np.intp), nxt.astype(np.intp)
-    kth = sorted({k % n for k in (0, -1, *prev_i.tolist(), *next_i.tolist())})
-    part = np.partition(arr, kth)
-    a, b = part[prev_i], part[next_i]
+    return virtual, prev.astype(np.intp), nxt.astype(np.intp)
+
+
+def _lerp(a: np.ndarray, b: np.ndarray, virtual: np.ndarray, prev_i: np.ndarray) -> np.ndarray:
+    """np.percentile's linear interpolation between neighbours a and b, its arithmetic to the bit."""
     gamma = np.asanyarray(virtual - prev_i, dtype=virtual.dtype)
     diff = np.subtract(b, a)
     out = np.asanyarray(np.add(a, diff * gamma))
     np.subtract(b, diff * (1 - gamma), out=out, where=gamma >= 0.5, casting="unsafe", dtype=type(out.dtype))
-    if np.issubdtype(arr.dtype, np.inexact) and np.isnan(part[-1]):
-        return [float("nan")] * len(qs)
-    return [float(v) for v in out]
+    return out
 
 
 def median(x: np.ndarray) -> float:
