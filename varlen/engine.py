@@ -57,6 +57,68 @@ class Engine:
         self.num_preemptions = 0
         self.timings: dict[str, float] = defaultdict(float)  # wall seconds per phase of step()
         self._scheduled: list[tuple[Request, int]] | None = None
+        # stream_token_times: where the gaps go (None: each request keeps its token_times), the gaps not
+        # handed over yet (equal neighbours as one value and its count), and the equal gaps being counted.
+        self._gap_sink: Callable[[list[float], list[int]], None] | None = None
+        self._gap_values: list[float] = []
+        self._gap_counts: list[int] = []
+        self._gap_last = 0.0
+        self._gap_run = 0
+
+    def stream_token_times(self, sink: Callable[[list[float], list[int]], None]) -> None:
+        """From now on requests keep no token_times list: each keeps its first and last token time, its
+        count and its longest gap (num_token_times, first_token_time, last_token_time, max_token_gap), and
+        every inter-token gap goes to sink(values, counts) in batches (flush_token_gaps hands over the
+        rest). For runs whose requests all end finished: an aborted request's gaps, already handed over,
+        cannot be taken back, so ending one that has any raises instead."""
+        self._gap_sink = sink
+
+    def flush_token_gaps(self) -> None:
+        """Hand the gaps counted so far to the stream_token_times sink."""
+        if self._gap_run:
+            self._gap_values.append(self._gap_last)
+            self._gap_counts.append(self._gap_run)
+            self._gap_run = 0
+        sink = self._gap_sink
+        if sink is not None and self._gap_values:
+            values, counts = self._gap_values, self._gap_counts
+            self._gap_values, self._gap_counts = [], []
+            sink(values, counts)
+
+    def _count_gap(self, gap: float, n: int) -> None:
+        """`n` gaps of `gap` seconds (streaming): a batch's gaps mostly equal their neighbours'."""
+        if gap == self._gap_last:  # also where no run is open (count 0): it opens with this value
+            self._gap_run += n
+            return
+        if self._gap_run:
+            values = self._gap_values
+            values.append(self._gap_last)
+            self._gap_counts.append(self._gap_run)
+            if len(values) >= GAP_BATCH:
+                self._gap_run = 0
+                self.flush_token_gaps()
+        self._gap_last, self._gap_run = gap, n
+
+    def _stream_time(self, r: Request, end: float) -> None:
+        """Request `r` sampled a token at `end` (streaming): its figures, and its gap counted."""
+        n = r.num_token_times
+        if n:
+            gap = end - r.last_token_time  # np.diff's subtraction
+            if gap > r.max_token_gap:
+                r.max_token_gap = gap
+            self._count_gap(gap, 1)
+        else:
+            r.first_token_time = end
+        r.last_token_time = end
+        r.num_token_times = n + 1
+
+    def _check_unstreamed(self, req: Request) -> None:
+        """Refuse to abort a request whose gaps were already handed to the stream_token_times sink."""
+        if self._gap_sink is not None and req.num_token_times > 1:
+            raise RuntimeError(
+                f"request {req.req_id!r} would end aborted after {req.num_token_times} tokens whose gaps the "
+                f"run's gap table already counts (token times are streamed); rerun with token-level output "
+                f"(sim.run: output.token_times=true) to keep each request's token times")
 
     def add_request(self, req: Request, now: float | None = None) -> None:
         """Queue `req`, or end it `rejected` (with the reason) if it can never run. An arrival of
@@ -99,6 +161,7 @@ class Engine:
         req = self.requests.get(req_id)
         if req is None or req.is_finished:
             return
+        self._check_unstreamed(req)
         self._finish(req, FinishReason.ABORTED, message)
 
     def _finish(self, req: Request, reason: FinishReason, message: str = "", failed: bool = False) -> None:
@@ -167,13 +230,17 @@ class Engine:
         end = self.clock.now()
         finished = []
         sampled = 0
+        stream = self._gap_sink is not None
         for (r, n), tok in zip(out.scheduled, tokens):
             r.num_computed_tokens += n
             if tok is None:
                 continue
             sampled += 1
             r.output_token_ids.append(tok)
-            r.token_times.append(end)
+            if stream:
+                self._stream_time(r, end)
+            else:
+                r.token_times.append(end)
             reason = self._stop_reason(r, tok)
             if reason is not None:
                 self._finish(r, reason)
@@ -207,6 +274,7 @@ class Engine:
         if self.policy.running or not self.policy.waiting:
             return []
         head = self.policy.waiting[0]
+        self._check_unstreamed(head)
         self._finish(head, FinishReason.ABORTED,
                      f"could not be scheduled on an idle engine ({head.num_pending} tokens to compute, "
                      f"{self.kv.usage().free_slots} free KV slots, budget "
@@ -247,6 +315,10 @@ class Engine:
         for r in reqs:
             if r.status is not Status.FINISHED:
                 raise AssertionError(f"request {r.req_id} left unfinished")
+
+
+#: Gaps (distinct neighbours) a streaming engine holds before handing them to its sink.
+GAP_BATCH = 4096
 
 
 def grant_problem(policy: SchedulerPolicy, req: Request, n: int) -> str:
