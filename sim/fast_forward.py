@@ -166,7 +166,6 @@ class FastForwardEngine(Engine):
         tok_obj: object = tok  # boxed once for the membership tests, not once a request
         eos = tok_obj in self.eos_token_ids
         max_len = self.max_model_len
-        stream = self._gap_sink is not None
         for i in range(len(scheduled)):
             r, n = scheduled[i]
             r.num_computed_tokens += n
@@ -174,7 +173,7 @@ class FastForwardEngine(Engine):
                 continue
             outs = r.output_token_ids
             outs.append(tok)
-            if stream:  # Engine._stream_time, inline
+            if r.streams_token_times:  # Engine._stream_time, inline
                 nt = r.num_token_times
                 if nt:
                     gap = end - r.last_token_time
@@ -351,15 +350,15 @@ class FastForwardEngine(Engine):
         if k == 0:
             return [], False
         times = ends[:k] if k < len(ends) else ends
-        stream = self._gap_sink is not None
-        if stream:
-            self._stream_run(batch, times)
+        # Every request streamed (the common case), none (no stream_token_times), or a mix: those that
+        # keep their token times (Engine.add_request decides) extend their lists.
+        keep = self._gap_sink is None or self._stream_run(batch, times) < len(batch)
         if bulk is not None:
             toks = [tok] * k
             for r in batch:
                 r.num_computed_tokens += k
                 r.output_token_ids.extend(toks)
-                if not stream:
+                if keep and not r.streams_token_times:
                     r.token_times.extend(times)
         else:
             for p, r in enumerate(batch):
@@ -367,7 +366,7 @@ class FastForwardEngine(Engine):
                 missing = n_out[p] + k - len(r.output_token_ids)  # events may have added some
                 if missing > 0:
                     r.output_token_ids.extend([tok] * missing)
-                if not stream:
+                if keep and not r.streams_token_times:
                     r.token_times += times
                 # Records the count, unless an event asked it (or more): a step-by-step run asks once.
                 if asked[p] < base[p] + k and not kv.allocate(r, base[p] + k):
@@ -418,11 +417,11 @@ class FastForwardEngine(Engine):
         self.num_fast_forwarded_steps += k
         return finished, bool(finished) and not failed and times[-1] < until
 
-    def _stream_run(self, batch: list[Request], times: list[float]) -> None:
-        """Every request of `batch` sampled at each of `times` (streaming): each one's gap into the run,
-        then the run's own gaps, shared by the whole batch: O(batch + steps), not O(batch x steps)."""
+    def _stream_run(self, batch: list[Request], times: list[float]) -> int:
+        """Every request of `batch` sampled at each of `times`; those that stream their token times: each
+        one's gap into the run, then the run's own gaps, shared by all of them: O(batch + steps), not
+        O(batch x steps). Returns how many streamed."""
         first, last, k = times[0], times[-1], len(times)
-        b = len(batch)
         run_max = 0.0  # the run's longest gap (k > 1)
         prev = first
         for j in range(1, k):
@@ -430,9 +429,12 @@ class FastForwardEngine(Engine):
             gap = t - prev  # np.diff's subtraction, as on each request's timeline
             if j == 1 or gap > run_max:
                 run_max = gap
-            self._count_gap(gap, b)
             prev = t
+        b = 0
         for r in batch:
+            if not r.streams_token_times:
+                continue
+            b += 1
             n = r.num_token_times
             longest = r.max_token_gap
             if n:
@@ -448,6 +450,13 @@ class FastForwardEngine(Engine):
             r.max_token_gap = run_max if k > 1 and run_max > longest else longest
             r.last_token_time = last
             r.num_token_times = n + k
+        if b:
+            prev = first
+            for j in range(1, k):
+                t = times[j]
+                self._count_gap(t - prev, b)
+                prev = t
+        return b
 
     def _decode_allocations(self, batch: list[Request], base: list[int], n_out: list[int], tok: int, k: int,
                             changed: dict[int, int], asked: list[int]) -> tuple[int, bool]:

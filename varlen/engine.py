@@ -66,11 +66,14 @@ class Engine:
         self._gap_run = 0
 
     def stream_token_times(self, sink: Callable[[list[float], list[int]], None]) -> None:
-        """From now on requests keep no token_times list: each keeps its first and last token time, its
-        count and its longest gap (num_token_times, first_token_time, last_token_time, max_token_gap), and
-        every inter-token gap goes to sink(values, counts) in batches (flush_token_gaps hands over the
-        rest). For runs whose requests all end finished: an aborted request's gaps, already handed over,
-        cannot be taken back, so ending one that has any raises instead."""
+        """From now on requests added keep no token_times list: each keeps its first and last token time,
+        its count and its longest gap (num_token_times, first_token_time, last_token_time, max_token_gap),
+        and every inter-token gap goes to sink(values, counts) in batches (flush_token_gaps hands over the
+        rest). The sink counts finished requests' gaps only, and a streamed gap cannot be taken back, so a
+        request that could outgrow the whole KV pool (prompt + max_tokens, within max_model_len, over
+        kv.capacity_tokens: preempted alone, it can never be re-admitted and is aborted) keeps its list;
+        aborting a streamed request that has gaps (a policy leaving a request that fits unscheduled on an
+        idle engine, or abort()) raises instead."""
         self._gap_sink = sink
 
     def flush_token_gaps(self) -> None:
@@ -112,12 +115,12 @@ class Engine:
         r.last_token_time = end
         r.num_token_times = n + 1
 
-    def _check_unstreamed(self, req: Request) -> None:
+    def _check_unstreamed(self, req: Request, why: str) -> None:
         """Refuse to abort a request whose gaps were already handed to the stream_token_times sink."""
-        if self._gap_sink is not None and req.num_token_times > 1:
+        if req.streams_token_times and req.num_token_times > 1:
             raise RuntimeError(
-                f"request {req.req_id!r} would end aborted after {req.num_token_times} tokens whose gaps the "
-                f"run's gap table already counts (token times are streamed); rerun with token-level output "
+                f"request {req.req_id!r} would end aborted ({why}) after {req.num_token_times} tokens whose gaps "
+                f"the run's gap table already counts (token times are streamed); rerun with token-level output "
                 f"(sim.run: output.token_times=true) to keep each request's token times")
 
     def add_request(self, req: Request, now: float | None = None) -> None:
@@ -131,6 +134,11 @@ class Engine:
         if problem:
             req.finish(FinishReason.REJECTED, max(req.arrival, self.clock.now()), f"request {req.req_id!r}: {problem}")
             return
+        # Streamed unless it could outgrow the whole pool: then it may end aborted (Engine._unstick), and an
+        # aborted request's gaps must stay out of the gap table, so it keeps its token times. Shipped pools
+        # cap max_model_len at their capacity (kv.max_request_tokens); a plug-in pool may claim more.
+        req.streams_token_times = self._gap_sink is not None and \
+            min(req.num_prompt_tokens + req.sampling.max_tokens, self.max_model_len) <= self.kv.capacity_tokens
         self.requests[req.req_id] = req
         self.policy.add(req)
 
@@ -161,7 +169,7 @@ class Engine:
         req = self.requests.get(req_id)
         if req is None or req.is_finished:
             return
-        self._check_unstreamed(req)
+        self._check_unstreamed(req, f"abort(): {message}")
         self._finish(req, FinishReason.ABORTED, message)
 
     def _finish(self, req: Request, reason: FinishReason, message: str = "", failed: bool = False) -> None:
@@ -230,14 +238,13 @@ class Engine:
         end = self.clock.now()
         finished = []
         sampled = 0
-        stream = self._gap_sink is not None
         for (r, n), tok in zip(out.scheduled, tokens):
             r.num_computed_tokens += n
             if tok is None:
                 continue
             sampled += 1
             r.output_token_ids.append(tok)
-            if stream:
+            if r.streams_token_times:
                 self._stream_time(r, end)
             else:
                 r.token_times.append(end)
@@ -274,11 +281,11 @@ class Engine:
         if self.policy.running or not self.policy.waiting:
             return []
         head = self.policy.waiting[0]
-        self._check_unstreamed(head)
-        self._finish(head, FinishReason.ABORTED,
-                     f"could not be scheduled on an idle engine ({head.num_pending} tokens to compute, "
-                     f"{self.kv.usage().free_slots} free KV slots, budget "
-                     f"{self.policy.max_num_batched_tokens} tokens)")
+        detail = (f"({head.num_pending} tokens to compute, {self.kv.usage().free_slots} free KV slots, budget "
+                  f"{self.policy.max_num_batched_tokens} tokens)")
+        self._check_unstreamed(head, f"scheduler {self.policy.name} left it unscheduled on an idle engine though "
+                                     f"it fits the KV pool {detail}")
+        self._finish(head, FinishReason.ABORTED, f"could not be scheduled on an idle engine {detail}")
         return [head]
 
     def run(self, requests: Iterable[Request] = (), on_step: Callable[[list[Request]], None] | None = None) -> None:

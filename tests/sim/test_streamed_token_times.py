@@ -2,7 +2,8 @@
 token_times list; each request keeps its first and last token time, its count and its longest gap,
 and the engine counts every gap into the run's gap table as it happens (a decode run's shared gaps
 once, times its batch). The figures and the table equal those of the stored token times, bit for
-bit, preemptions included."""
+bit, preemptions included. A request that could outgrow the whole KV pool (so may end aborted) keeps
+its token times: it ends aborted with its reason, and the run goes on."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hydra import compose, initialize_config_dir
+
 from sim.fast_forward import FastForwardEngine
+from sim.run import CONF, _simulate_paused, write_outputs
 from sim.simulator import simulate
 from sim.validate import fresh_copies
+from varlen.kv import PagedAllocator
 from varlen.metrics import GapCounts, RequestResults
 from varlen.request import FinishReason
 from varlen.testing.fast_forward import factory, shared_prefix_requests
@@ -31,16 +36,29 @@ class OwnStopRule(FastForwardEngine):
         return super()._decode_run(batch, until)
 
 
+class OverclaimingPool(PagedAllocator):
+    """A plug-in pool that says it holds requests longer than itself (a user's allocator may): a request
+    whose prompt fits but whose prompt + outputs outgrow the pool is preempted alone, can never be
+    re-admitted, and the engine aborts it (Engine._unstick)."""
+
+    def max_request_tokens(self) -> int:
+        return self.max_model_len
+
+
 def _factory(policy: str, allocator: str, blocks: int, own_rule: bool):
-    make = factory(policy, allocator, blocks)
-    if not own_rule:
+    over = allocator.endswith("-overclaiming")
+    make = factory(policy, allocator.removesuffix("-overclaiming"), blocks)
+    if not own_rule and not over:
         return make
 
-    def make_own(clock):
+    def make_other(clock):
         e, ex = make(clock)
-        return OwnStopRule(e.policy, e.kv, ex, clock=clock, max_model_len=e.max_model_len), ex
+        kv = OverclaimingPool(blocks, 16, 1024, enable_prefix_caching=allocator.startswith("paged-cache")) \
+            if over else e.kv
+        cls = OwnStopRule if own_rule else FastForwardEngine
+        return cls(e.policy, kv, ex, clock=clock, max_model_len=1024 if over else e.max_model_len), ex
 
-    return make_own
+    return make_other
 
 
 def _streaming(make, tables: list[GapCounts]):
@@ -59,7 +77,8 @@ def _streaming(make, tables: list[GapCounts]):
 
 @settings(max_examples=25, deadline=None)
 @given(policy=st.sampled_from(["chunked", "sarathi", "vllm_v0", "continuous"]),
-       allocator=st.sampled_from(["paged", "paged-cache", "contiguous-pow2"]),
+       allocator=st.sampled_from(["paged", "paged-cache", "contiguous-pow2", "paged-overclaiming",
+                                  "paged-cache-overclaiming"]),
        blocks=st.sampled_from([24, 60, 400]), replicas=st.integers(1, 3), fast_forward=st.booleans(),
        n=st.integers(1, 40), rate=st.sampled_from([2.0, 30.0, 300.0]), seed=st.integers(0, 2**16),
        own_rule=st.booleans())
@@ -74,10 +93,16 @@ def test_streamed_figures_and_gaps_equal_the_stored_token_times(policy, allocato
     for rep in streamed.replicas:
         rep.engine.flush_token_gaps()
     gaps = []
+    engine = streamed.replicas[0].engine
+    capacity, longest = engine.kv.capacity_tokens, engine.max_model_len  # longest > capacity: overclaiming
     for a, b in zip(stored.requests, streamed.requests):
-        assert a.finish_reason in (FinishReason.LENGTH, FinishReason.STOP) and b.finish_reason == a.finish_reason
+        assert b.finish_reason == a.finish_reason and b.finish_message == a.finish_message
         assert b.output_token_ids == a.output_token_ids and b.finish_time == a.finish_time
         t = a.token_times
+        if min(b.num_prompt_tokens + b.sampling.max_tokens, longest) > capacity:  # may end aborted: keeps its times
+            assert not b.streams_token_times and b.num_token_times == 0 and b.token_times == t
+            continue
+        assert a.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
         assert b.token_times == [] and b.num_token_times == len(t) > 0
         assert (b.first_token_time, b.last_token_time) == (t[0], t[-1])
         if len(t) > 1:
@@ -128,7 +153,7 @@ def test_aborting_a_request_whose_gaps_were_streamed_is_refused_with_the_fix():
     while min(r.num_token_times for r in reqs) < 2:
         engine.step()
     one = reqs[0]
-    with pytest.raises(RuntimeError, match="output.token_times=true"):
+    with pytest.raises(RuntimeError, match=r"abort\(\): aborted by the caller.*output.token_times=true"):
         engine.abort(one.req_id)
     assert not one.is_finished
     fresh = fresh_copies(reqs[:1])[0]
@@ -136,3 +161,35 @@ def test_aborting_a_request_whose_gaps_were_streamed_is_refused_with_the_fix():
     engine.add_request(fresh)
     engine.abort("fresh")  # no token yet, no gap counted: aborted as usual
     assert fresh.finish_reason is FinishReason.ABORTED
+
+
+def _run(overrides: list[str], token_times: bool, out):
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("sim", overrides=overrides + [f"output.token_times={str(token_times).lower()}",
+                                                    "progress.enabled=false"])
+    out.mkdir()
+    res, row, results = _simulate_paused(cfg, {"scheduler": "chunked", "allocator": "paged"}, False)
+    write_outputs(res, row, out, cfg, results)
+    return res, {k: v for k, v in row.items() if k not in ("sim_wall_s", "sim_requests_per_wall_s")}
+
+
+def test_a_request_outgrowing_the_pool_ends_aborted_and_the_run_equals_token_level_output(tmp_path):
+    """One bad request never breaks the others: streamed or not, it ends aborted with its reason, the
+    others finish, and every summary figure and requests.csv equal the token-level run's."""
+    over = ["workload=synthetic", "workload.limit=60", "workload.rate=20", "workload.prompt_len=uniform:16:100",
+            "workload.output_len=uniform:1:150", "engine.num_blocks=8", "cluster.replicas=2",
+            "cluster.router=least_outstanding", f"allocator._target_={__name__}.OverclaimingPool"]
+    tok_res, tok_row = _run(over, True, tmp_path / "tokens")
+    col_res, col_row = _run(over, False, tmp_path / "columns")
+    assert isinstance(col_res.requests, RequestResults)
+    reasons = [r.finish_reason for r in tok_res.requests]
+    aborted = [r for r in tok_res.requests if r.finish_reason is FinishReason.ABORTED]
+    assert aborted and all("could not be scheduled on an idle engine" in r.finish_message for r in aborted)
+    assert all(len(r.token_times) > 1 for r in aborted)  # their gaps would have been streamed
+    assert all(x in (FinishReason.LENGTH, FinishReason.STOP, FinishReason.ABORTED) for x in reasons)
+    assert reasons.count(FinishReason.ABORTED) < len(reasons) - 10
+    assert tok_row.keys() == col_row.keys()
+    for k in tok_row:
+        x, y = tok_row[k], col_row[k]
+        assert x == y or (isinstance(x, float) and isinstance(y, float) and np.isnan(x) and np.isnan(y)), (k, x, y)
+    assert (tmp_path / "columns" / "requests.csv").read_bytes() == (tmp_path / "tokens" / "requests.csv").read_bytes()
