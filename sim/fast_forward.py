@@ -159,7 +159,7 @@ class FastForwardEngine(Engine):
         t1 = time.perf_counter()
         tok = ex.advance_step(len(scheduled), tn, tc, tnc, tnn, sampled, prefills)
         t2 = time.perf_counter()
-        end = self.clock.now()
+        end: float = self.clock.now()  # unboxed once: the streamed times are native arithmetic
         finished = []
         stop = FinishReason.STOP
         length = FinishReason.LENGTH
@@ -173,7 +173,22 @@ class FastForwardEngine(Engine):
                 continue
             outs = r.output_token_ids
             outs.append(tok)
-            r.token_times.append(end)
+            if r.streams_token_times:  # Engine._stream_time, inline
+                nt = r.num_token_times
+                if nt:
+                    gap = end - r.last_token_time
+                    if gap > r.max_token_gap:
+                        r.max_token_gap = gap
+                    if gap == self._gap_last:
+                        self._gap_run += 1
+                    else:
+                        self._count_gap(gap, 1)
+                else:
+                    r.first_token_time = end
+                r.last_token_time = end
+                r.num_token_times = nt + 1
+            else:
+                r.token_times.append(end)
             sp = r.sampling
             n_out = len(outs)
             # Engine._stop_reason, inline.
@@ -335,19 +350,24 @@ class FastForwardEngine(Engine):
         if k == 0:
             return [], False
         times = ends[:k] if k < len(ends) else ends
+        # Every request streamed (the common case), none (no stream_token_times), or a mix: those that
+        # keep their token times (Engine.add_request decides) extend their lists.
+        keep = self._gap_sink is None or self._stream_run(batch, times) < len(batch)
         if bulk is not None:
             toks = [tok] * k
             for r in batch:
                 r.num_computed_tokens += k
                 r.output_token_ids.extend(toks)
-                r.token_times.extend(times)
+                if keep and not r.streams_token_times:
+                    r.token_times.extend(times)
         else:
             for p, r in enumerate(batch):
                 r.num_computed_tokens = base[p] + k
                 missing = n_out[p] + k - len(r.output_token_ids)  # events may have added some
                 if missing > 0:
                     r.output_token_ids.extend([tok] * missing)
-                r.token_times += times
+                if keep and not r.streams_token_times:
+                    r.token_times += times
                 # Records the count, unless an event asked it (or more): a step-by-step run asks once.
                 if asked[p] < base[p] + k and not kv.allocate(r, base[p] + k):
                     raise AssertionError(f"{type(kv).__name__}.next_allocation_event missed an event for {r.req_id!r}")
@@ -396,6 +416,47 @@ class FastForwardEngine(Engine):
                                len(self.policy.waiting), len(self.policy.running)))
         self.num_fast_forwarded_steps += k
         return finished, bool(finished) and not failed and times[-1] < until
+
+    def _stream_run(self, batch: list[Request], times: list[float]) -> int:
+        """Every request of `batch` sampled at each of `times`; those that stream their token times: each
+        one's gap into the run, then the run's own gaps, shared by all of them: O(batch + steps), not
+        O(batch x steps). Returns how many streamed."""
+        first, last, k = times[0], times[-1], len(times)
+        run_max = 0.0  # the run's longest gap (k > 1)
+        prev = first
+        for j in range(1, k):
+            t = times[j]
+            gap = t - prev  # np.diff's subtraction, as on each request's timeline
+            if j == 1 or gap > run_max:
+                run_max = gap
+            prev = t
+        b = 0
+        for r in batch:
+            if not r.streams_token_times:
+                continue
+            b += 1
+            n = r.num_token_times
+            longest = r.max_token_gap
+            if n:
+                gap = first - r.last_token_time
+                if gap > longest:
+                    longest = gap
+                if gap == self._gap_last:  # _count_gap(gap, 1), its common case inline
+                    self._gap_run += 1
+                else:
+                    self._count_gap(gap, 1)
+            else:
+                r.first_token_time = first
+            r.max_token_gap = run_max if k > 1 and run_max > longest else longest
+            r.last_token_time = last
+            r.num_token_times = n + k
+        if b:
+            prev = first
+            for j in range(1, k):
+                t = times[j]
+                self._count_gap(t - prev, b)
+                prev = t
+        return b
 
     def _decode_allocations(self, batch: list[Request], base: list[int], n_out: list[int], tok: int, k: int,
                             changed: dict[int, int], asked: list[int]) -> tuple[int, bool]:

@@ -99,7 +99,8 @@ def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tupl
     """Serve `requests` on `num_replicas` engines, make_engine(clock) -> (engine, executor) for each;
     router: a conf/router name or a callable; fast_forward: tell each step the next arrival.
     keep_requests=False: each request is released as it ends (its slot in `requests` given a
-    placeholder) and the result holds their figures as columns (SimResult.requests a RequestResults).
+    placeholder) and the result holds their figures as columns (SimResult.requests a RequestResults);
+    the engines stream token times (Engine.stream_token_times): no request keeps a list of them.
     lazy: advance a replica only when it gets an arrival or the router reads it (False: every
     replica to every arrival, the reference; same results)."""
     if num_replicas < 1:
@@ -124,6 +125,8 @@ def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tupl
     else:
         pending, order = arrival_order(requests)
         release = Release(requests, pending, order)
+        for rep in replicas:  # no request keeps its token times: their gaps go straight to the run's table
+            rep.engine.stream_token_times(release.results.itl.add_counts)
     routed: dict[str, int] = {}
     progress = for_run(len(pending))
     t0 = time.perf_counter()
@@ -141,6 +144,8 @@ def simulate(requests: Sequence[Request], make_engine: Callable[[SimClock], tupl
     if progress is not None:
         progress.close(max(r.clock.now() for r in replicas), len(pending))
     if release is not None:
+        for rep in replicas:
+            rep.engine.flush_token_gaps()
         return SimResult(release.close(), replicas, wall, routed)
     return SimResult(list(requests), replicas, wall, routed)
 

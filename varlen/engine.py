@@ -57,6 +57,71 @@ class Engine:
         self.num_preemptions = 0
         self.timings: dict[str, float] = defaultdict(float)  # wall seconds per phase of step()
         self._scheduled: list[tuple[Request, int]] | None = None
+        # stream_token_times: where the gaps go (None: each request keeps its token_times), the gaps not
+        # handed over yet (equal neighbours as one value and its count), and the equal gaps being counted.
+        self._gap_sink: Callable[[list[float], list[int]], None] | None = None
+        self._gap_values: list[float] = []
+        self._gap_counts: list[int] = []
+        self._gap_last = 0.0
+        self._gap_run = 0
+
+    def stream_token_times(self, sink: Callable[[list[float], list[int]], None]) -> None:
+        """From now on requests added keep no token_times list: each keeps its first and last token time,
+        its count and its longest gap (num_token_times, first_token_time, last_token_time, max_token_gap),
+        and every inter-token gap goes to sink(values, counts) in batches (flush_token_gaps hands over the
+        rest). The sink counts finished requests' gaps only, and a streamed gap cannot be taken back, so a
+        request that could outgrow the whole KV pool (prompt + max_tokens, within max_model_len, over
+        kv.capacity_tokens: preempted alone, it can never be re-admitted and is aborted) keeps its list;
+        aborting a streamed request that has gaps (a policy leaving a request that fits unscheduled on an
+        idle engine, or abort()) raises instead."""
+        self._gap_sink = sink
+
+    def flush_token_gaps(self) -> None:
+        """Hand the gaps counted so far to the stream_token_times sink."""
+        if self._gap_run:
+            self._gap_values.append(self._gap_last)
+            self._gap_counts.append(self._gap_run)
+            self._gap_run = 0
+        sink = self._gap_sink
+        if sink is not None and self._gap_values:
+            values, counts = self._gap_values, self._gap_counts
+            self._gap_values, self._gap_counts = [], []
+            sink(values, counts)
+
+    def _count_gap(self, gap: float, n: int) -> None:
+        """`n` gaps of `gap` seconds (streaming): a batch's gaps mostly equal their neighbours'."""
+        if gap == self._gap_last:  # also where no run is open (count 0): it opens with this value
+            self._gap_run += n
+            return
+        if self._gap_run:
+            values = self._gap_values
+            values.append(self._gap_last)
+            self._gap_counts.append(self._gap_run)
+            if len(values) >= GAP_BATCH:
+                self._gap_run = 0
+                self.flush_token_gaps()
+        self._gap_last, self._gap_run = gap, n
+
+    def _stream_time(self, r: Request, end: float) -> None:
+        """Request `r` sampled a token at `end` (streaming): its figures, and its gap counted."""
+        n = r.num_token_times
+        if n:
+            gap = end - r.last_token_time  # np.diff's subtraction
+            if gap > r.max_token_gap:
+                r.max_token_gap = gap
+            self._count_gap(gap, 1)
+        else:
+            r.first_token_time = end
+        r.last_token_time = end
+        r.num_token_times = n + 1
+
+    def _check_unstreamed(self, req: Request, why: str) -> None:
+        """Refuse to abort a request whose gaps were already handed to the stream_token_times sink."""
+        if req.streams_token_times and req.num_token_times > 1:
+            raise RuntimeError(
+                f"request {req.req_id!r} would end aborted ({why}) after {req.num_token_times} tokens whose gaps "
+                f"the run's gap table already counts (token times are streamed); rerun with token-level output "
+                f"(sim.run: output.token_times=true) to keep each request's token times")
 
     def add_request(self, req: Request, now: float | None = None) -> None:
         """Queue `req`, or end it `rejected` (with the reason) if it can never run. An arrival of
@@ -69,6 +134,11 @@ class Engine:
         if problem:
             req.finish(FinishReason.REJECTED, max(req.arrival, self.clock.now()), f"request {req.req_id!r}: {problem}")
             return
+        # Streamed unless it could outgrow the whole pool: then it may end aborted (Engine._unstick), and an
+        # aborted request's gaps must stay out of the gap table, so it keeps its token times. Shipped pools
+        # cap max_model_len at their capacity (kv.max_request_tokens); a plug-in pool may claim more.
+        req.streams_token_times = self._gap_sink is not None and \
+            min(req.num_prompt_tokens + req.sampling.max_tokens, self.max_model_len) <= self.kv.capacity_tokens
         self.requests[req.req_id] = req
         self.policy.add(req)
 
@@ -99,6 +169,7 @@ class Engine:
         req = self.requests.get(req_id)
         if req is None or req.is_finished:
             return
+        self._check_unstreamed(req, f"abort(): {message}")
         self._finish(req, FinishReason.ABORTED, message)
 
     def _finish(self, req: Request, reason: FinishReason, message: str = "", failed: bool = False) -> None:
@@ -173,7 +244,10 @@ class Engine:
                 continue
             sampled += 1
             r.output_token_ids.append(tok)
-            r.token_times.append(end)
+            if r.streams_token_times:
+                self._stream_time(r, end)
+            else:
+                r.token_times.append(end)
             reason = self._stop_reason(r, tok)
             if reason is not None:
                 self._finish(r, reason)
@@ -207,10 +281,11 @@ class Engine:
         if self.policy.running or not self.policy.waiting:
             return []
         head = self.policy.waiting[0]
-        self._finish(head, FinishReason.ABORTED,
-                     f"could not be scheduled on an idle engine ({head.num_pending} tokens to compute, "
-                     f"{self.kv.usage().free_slots} free KV slots, budget "
-                     f"{self.policy.max_num_batched_tokens} tokens)")
+        detail = (f"({head.num_pending} tokens to compute, {self.kv.usage().free_slots} free KV slots, budget "
+                  f"{self.policy.max_num_batched_tokens} tokens)")
+        self._check_unstreamed(head, f"scheduler {self.policy.name} left it unscheduled on an idle engine though "
+                                     f"it fits the KV pool {detail}")
+        self._finish(head, FinishReason.ABORTED, f"could not be scheduled on an idle engine {detail}")
         return [head]
 
     def run(self, requests: Iterable[Request] = (), on_step: Callable[[list[Request]], None] | None = None) -> None:
@@ -247,6 +322,10 @@ class Engine:
         for r in reqs:
             if r.status is not Status.FINISHED:
                 raise AssertionError(f"request {r.req_id} left unfinished")
+
+
+#: Gaps (distinct neighbours) a streaming engine holds before handing them to its sink.
+GAP_BATCH = 4096
 
 
 def grant_problem(policy: SchedulerPolicy, req: Request, n: int) -> str:

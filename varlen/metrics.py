@@ -62,6 +62,12 @@ class GapCounts:
             v, c = _sorted_table(np.sort(np.asarray(gaps, np.float64)))
             self._push(v, c, len(gaps))
 
+    def add_counts(self, values: Sequence[float], counts: Sequence[int]) -> None:
+        """counts[i] gaps of values[i] seconds each (an engine's streamed gaps, Engine.stream_token_times)."""
+        if len(values):
+            c = np.asarray(counts, np.int64)
+            self._push(*_table(np.asarray(values, np.float64), c), int(c.sum()))
+
     CHUNK = 1 << 18  # token times counted at once: bounds the ~10 temporaries of that size
 
     def add_timelines(self, times: np.ndarray, lens: np.ndarray) -> None:
@@ -205,6 +211,11 @@ def _table(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return v, np.add.reduceat(counts[order], np.cumsum(n) - n) if len(v) else counts[:0]
 
 
+def _num_streamed(r: Any) -> int:
+    """A request's streamed token times (0 for any other object with a Request's fields, sim.cells')."""
+    return getattr(r, "num_token_times", 0)
+
+
 _REASONS = (None, "length", "stop", "aborted", "rejected")
 #: Each finish reason's index in _REASONS.
 _CODES = {None if v is None else FinishReason(v): i for i, v in enumerate(_REASONS)}
@@ -290,6 +301,25 @@ class RequestResults:
             end = max(int(np.searchsorted(ends, before + self.TOKENS, side="right")), start + 1)
             self._add_times(idx[start:end], times[start:end], lens[start:end], done[start:end])
             start = end
+        streamed = np.fromiter(map(_num_streamed, requests), np.int64, n)
+        if streamed.any():  # their gaps are in their engine's gap table already (Engine.stream_token_times)
+            self._add_streamed(idx, requests, streamed)
+
+    def _add_streamed(self, idx: np.ndarray, requests: list[Request], streamed: np.ndarray) -> None:
+        """First token, TPOT and longest gap of the requests whose engine streamed their token times,
+        computed as _timeline_figures computes them from the times."""
+        get = operator.attrgetter
+        has = streamed > 0
+        reqs = [r for r, h in zip(requests, has.tolist()) if h]
+        m, rows, lens = len(reqs), idx[has], streamed[has]
+        first = np.fromiter(map(get("first_token_time"), reqs), np.float64, m)
+        last = np.fromiter(map(get("last_token_time"), reqs), np.float64, m)
+        longest = np.fromiter(map(get("max_token_gap"), reqs), np.float64, m)
+        many = lens > 1
+        tpot, max_tbt = np.full(m, np.nan), np.full(m, np.nan)
+        tpot[many] = (last[many] - first[many]) / (lens[many] - 1)
+        max_tbt[many] = longest[many]
+        self.first_token[rows], self.tpot[rows], self.max_tbt[rows] = first, tpot, max_tbt
 
     def _add_times(self, idx: np.ndarray, times: Sequence[list[float]], lens: np.ndarray, done: np.ndarray) -> None:
         """First token, TPOT and longest gap of requests `idx` from their token times; the done

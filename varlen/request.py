@@ -50,6 +50,13 @@ class Request:
 
     first_scheduled: float | None = None
     token_times: list[float] = field(default_factory=list)
+    # Where the engine streams this request's token times (Engine.stream_token_times decides, per request)
+    # they stay out of token_times: these four are what TTFT, TPOT and the longest gap need.
+    streams_token_times: bool = field(default=False, repr=False)
+    num_token_times: int = field(default=0, repr=False)
+    first_token_time: float = field(default=0.0, repr=False)
+    last_token_time: float = field(default=0.0, repr=False)
+    max_token_gap: float = field(default=float("-inf"), repr=False)
     finish_time: float | None = None
     _hashes: list[int] = field(default_factory=list, repr=False)
     # len(prompt_token_ids), kept: read every step, and len() of an array is slow.
@@ -90,6 +97,10 @@ class Request:
         self.num_computed_tokens = self.num_prefix_hit_tokens = self.num_preemptions = 0
         self.first_scheduled = None
         self.token_times = []
+        self.streams_token_times = False
+        self.num_token_times = 0
+        self.first_token_time = self.last_token_time = 0.0
+        self.max_token_gap = float("-inf")
         self.finish_time = None
         self._hashes = []
         self.num_prompt_tokens = len(prompt_token_ids)
