@@ -215,61 +215,77 @@ class PagedAllocator(KVAllocator):
                      num_steps: int) -> tuple[int, dict[int, int]] | None:
         if self.enable_prefix_caching:
             return None  # decodes fill blocks that must be registered as they fill: call by call
-        # Without prefix caching only takes matter: list them, step then batch order, off the stack.
+        # Without prefix caching only takes matter: list them, step then batch order, off the stack, each
+        # as one int (step * n + position: ints sort faster than pairs).
         bs, held = self.block_size, self.held
+        rl: list[Request] = reqs if isinstance(reqs, list) else list(reqs)
+        cl: list[int] = counts if isinstance(counts, list) else list(counts)
+        n = min(len(rl), len(cl))
         free = self.num_free_plain()
-        takes = []
+        takes: list[int] = []
         hs: list[Held] = []
-        for p, (r, c) in enumerate(zip(reqs, counts)):
-            h = held[r.req_id]
+        for p in range(n):
+            h = held[rl[p].req_id]
             hs.append(h)
-            j = len(h.blocks) * bs - c
+            j = len(h.blocks) * bs - cl[p]
             while j < num_steps:
-                takes.append((j, p))
+                takes.append(j * n + p)
                 j += bs
         takes.sort()
         ok = num_steps
         if len(takes) > free:
-            ok = takes[free][0]
+            ok = takes[free] // n
             del takes[free:]
         changed: dict[int, int] = {}
         if takes:
             reserved = (self.num_blocks - free) * bs
             got = self._take_plain(len(takes))
-            for (j, p), b in zip(takes, got):
-                hs[p].blocks.append(b)
+            for i in range(len(takes)):
+                t = takes[i]
+                hs[t % n].blocks.append(got[i])
                 reserved += bs
-                changed[j] = reserved
+                changed[t // n] = reserved
         if type(self)._record_count is PagedAllocator._record_count:
             # _record_count inline, the live total added once.
             grown = 0
-            for h, c in zip(hs, counts):
-                m = c + ok
+            for p in range(n):
+                h = hs[p]
+                m = cl[p] + ok
                 had = h.count
                 if m > had:
                     h.count = m
                     grown += m - had
             self.live_tokens += grown
         else:
-            for p, r in enumerate(reqs):
-                self._record_count(r.req_id, counts[p] + ok)
-        for j, p in takes:
-            if j == ok:
-                self._record_count(reqs[p].req_id, counts[p] + ok + 1)
+            for p in range(n):
+                self._record_count(rl[p].req_id, cl[p] + ok)
+        for t in takes:
+            if t // n == ok:
+                p = t % n
+                self._record_count(rl[p].req_id, cl[p] + ok + 1)
         return ok, changed
 
     def decode_steps_fit(self, reqs: Sequence[Request], counts: Sequence[int], num_steps: int) -> int:
         # A decode takes at most one block, when its count passes its table; any free block serves.
         bs, held = self.block_size, self.held
+        rl: list[Request] = reqs if isinstance(reqs, list) else list(reqs)
+        cl: list[int] = counts if isinstance(counts, list) else list(counts)
+        n = min(len(rl), len(cl))
+        free = self.num_free_plain() + len(self.free_cached)
+        # Counted first: the steps are listed only when they may not all fit.
+        num_takes = 0
+        for p in range(n):
+            j = len(held[rl[p].req_id].blocks) * bs - cl[p]
+            if j < num_steps:
+                num_takes += (num_steps - j + bs - 1) // bs
+        if num_takes <= free:
+            return num_steps
         takes = []
-        for r, c in zip(reqs, counts):
-            j = len(held[r.req_id].blocks) * bs - c
+        for p in range(n):
+            j = len(held[rl[p].req_id].blocks) * bs - cl[p]
             while j < num_steps:
                 takes.append(j)
                 j += bs
-        free = self.num_free_plain() + len(self.free_cached)
-        if len(takes) <= free:
-            return num_steps
         takes.sort()
         return takes[free]
 
