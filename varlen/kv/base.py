@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from types import MappingProxyType
+from typing import Mapping, Sequence
 
 from mypy_extensions import mypyc_attr
 
@@ -39,18 +40,23 @@ class KVAllocator(ABC):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len or num_blocks * block_size
-        self.num_tokens: dict[str, int] = {}  # per holder, the largest count it asked slots for
+        self._counts: dict[str, int] = {}  # num_tokens' store (a subclass may keep counts its own way)
         self.live_tokens = 0  # their sum, kept as it changes: usage() runs every step
+
+    @property
+    def num_tokens(self) -> Mapping[str, int]:
+        """Per holder, the largest count it asked slots for (read-only: _record_count writes it)."""
+        return MappingProxyType(self._counts)
 
     def _record_count(self, req_id: str, num_tokens: int) -> None:
         """A holder asked for `num_tokens` slots: remember its largest count."""
-        had = self.num_tokens.get(req_id, 0)
+        had = self._counts.get(req_id, 0)
         if num_tokens > had:
-            self.num_tokens[req_id] = num_tokens
+            self._counts[req_id] = num_tokens
             self.live_tokens += num_tokens - had
 
     def _forget_count(self, req_id: str) -> None:
-        self.live_tokens -= self.num_tokens.pop(req_id, 0)
+        self.live_tokens -= self._counts.pop(req_id, 0)
 
     @property
     def capacity_tokens(self) -> int:

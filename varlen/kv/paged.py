@@ -10,12 +10,25 @@ used, and a pool of ~27k blocks would otherwise cost ~0.85 MB a replica before a
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping, Sequence
 
 from mypy_extensions import mypyc_attr
 
 from varlen.kv.base import KVAllocator, KVUsage
 from varlen.request import Request
+
+
+@dataclass(init=False, slots=True)
+class Held:
+    """What the pool keeps for one holder, in one record: a decode looks it up once a step, not three times."""
+    blocks: list[int]  # its block table
+    count: int  # the largest count it asked slots for (num_tokens)
+    registered: int  # how many leading blocks are registered (prefix caching)
+
+    def __init__(self, blocks: list[int], registered: int) -> None:
+        self.blocks, self.count, self.registered = blocks, 0, registered
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -36,10 +49,35 @@ class PagedAllocator(KVAllocator):
         self.block_hash: list[int | None] = [None] * cells
         self.block_tokens: list[tuple[int, ...] | None] = [None] * cells
         self.cached: dict[int, int] = {}  # hash -> block id
-        self.tables: dict[str, list[int]] = {}
-        self.registered: dict[str, int] = {}  # how many leading blocks of a request are registered
+        self.held: dict[str, Held] = {}  # per holder: its blocks, count and registered blocks
         self.prefix_hit_blocks = 0
         self.prefix_query_blocks = 0
+
+    @property
+    def tables(self) -> Mapping[str, list[int]]:
+        """Each holder's block table (read-only; a new mapping each read, of the live tables)."""
+        return MappingProxyType({rid: h.blocks for rid, h in self.held.items()})
+
+    @property
+    def registered(self) -> Mapping[str, int]:
+        """How many leading blocks of each holder are registered (read-only copy)."""
+        return MappingProxyType({rid: h.registered for rid, h in self.held.items()})
+
+    @property
+    def num_tokens(self) -> Mapping[str, int]:
+        return MappingProxyType({rid: h.count for rid, h in self.held.items() if h.count})
+
+    def _record_count(self, req_id: str, num_tokens: int) -> None:
+        h = self.held[req_id]  # only a holder records a count
+        if num_tokens > h.count:
+            self.live_tokens += num_tokens - h.count
+            h.count = num_tokens
+
+    def _forget_count(self, req_id: str) -> None:
+        h = self.held.get(req_id)
+        if h is not None:
+            self.live_tokens -= h.count
+            h.count = 0
 
     def num_free_plain(self) -> int:
         """Free blocks without cached content: returned ones and never-used ones."""
@@ -83,23 +121,25 @@ class PagedAllocator(KVAllocator):
         return len(self._hits(req)) * self.block_size
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
-        table = self.tables.get(req.req_id)
-        if table is not None and -(-num_tokens // self.block_size) <= len(table):
-            self._record_count(req.req_id, num_tokens)
+        rid = req.req_id
+        rec = self.held.get(rid)
+        if rec is not None and -(-num_tokens // self.block_size) <= len(rec.blocks):
+            self._record_count(rid, num_tokens)
             if self.enable_prefix_caching:
                 self._register_full_blocks(req, num_tokens)
             return True
         hits: list[int] = []
-        if table is None:
+        if rec is None:
             hits = self._hits(req)
-            table = []
+            table: list[int] = []
+        else:
+            table = rec.blocks
         need = -(-num_tokens // self.block_size) - len(table) - len(hits)
         revived = sum(1 for b in hits if self.ref_count[b] == 0)
         if need > self.num_free_plain() + len(self.free_cached) - revived:
             return False
-        if req.req_id not in self.tables:
-            self.tables[req.req_id] = table
-            self.registered[req.req_id] = len(hits)
+        if rec is None:
+            self.held[rid] = Held(table, len(hits))
             self.prefix_hit_blocks += len(hits)
             self.prefix_query_blocks += (req.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0
             for b in hits:
@@ -120,26 +160,25 @@ class PagedAllocator(KVAllocator):
                 self.block_hash[b] = self.block_tokens[b] = None
                 rc[b] = 1
                 table.append(b)
-        self._record_count(req.req_id, num_tokens)
+        self._record_count(rid, num_tokens)
         self._register_full_blocks(req, num_tokens)
         return True
 
     def allocate_decodes(self, reqs: list[Request], num: int) -> int:
         cls = type(self)
-        if (cls.allocate is not PagedAllocator.allocate or cls._record_count is not KVAllocator._record_count
+        if (cls.allocate is not PagedAllocator.allocate or cls._record_count is not PagedAllocator._record_count
                 or cls._register_full_blocks is not PagedAllocator._register_full_blocks):
             return KVAllocator.allocate_decodes(self, reqs, num)  # a subclass's own: called as it is
         # allocate() inlined for a decode whose table has room (it only records its count) and, without
         # prefix caching, for one that takes the stack's top block.
-        bs, tables, counts, caching = self.block_size, self.tables, self.num_tokens, self.enable_prefix_caching
+        bs, held, caching = self.block_size, self.held, self.enable_prefix_caching
         plain, rc = self.free_plain, self.ref_count
         for p in range(num):
             r = reqs[p]
-            rid = r.req_id
             m = r.num_computed_tokens + 1
-            table = tables.get(rid)
-            if table is None or m > len(table) * bs:
-                if table is None or caching or m > (len(table) + 1) * bs:
+            h = held.get(r.req_id)
+            if h is None or m > len(h.blocks) * bs:
+                if h is None or caching or m > (len(h.blocks) + 1) * bs:
                     if not self.allocate(r, m):
                         return p
                     continue
@@ -154,21 +193,21 @@ class PagedAllocator(KVAllocator):
                     if not self.allocate(r, m):
                         return p
                     continue
-                table.append(b)
-            had = counts.get(rid, 0)
+                h.blocks.append(b)
+            had = h.count
             if m > had:
-                counts[rid] = m
+                h.count = m
                 self.live_tokens += m - had
-            if caching:
+            if caching and min(m, r.num_tokens) // bs > h.registered:
                 self._register_full_blocks(r, m)
         return num
 
     def next_allocation_event(self, req: Request, num_tokens: int) -> int:
         bs = self.block_size
-        held = max(len(self.tables.get(req.req_id, ())), -(-num_tokens // bs))
-        event = held * bs + 1
+        h = self.held.get(req.req_id)
+        event = max(len(h.blocks) if h is not None else 0, -(-num_tokens // bs)) * bs + 1
         if self.enable_prefix_caching:
-            full = max(self.registered.get(req.req_id, 0), num_tokens // bs)
+            full = max(h.registered if h is not None else 0, num_tokens // bs)
             event = min(event, (full + 1) * bs)
         return event
 
@@ -176,59 +215,77 @@ class PagedAllocator(KVAllocator):
                      num_steps: int) -> tuple[int, dict[int, int]] | None:
         if self.enable_prefix_caching:
             return None  # decodes fill blocks that must be registered as they fill: call by call
-        # Without prefix caching only takes matter: list them, step then batch order, off the stack.
-        bs, tables = self.block_size, self.tables
+        # Without prefix caching only takes matter: list them, step then batch order, off the stack, each
+        # as one int (step * n + position: ints sort faster than pairs).
+        bs, held = self.block_size, self.held
+        rl: list[Request] = reqs if isinstance(reqs, list) else list(reqs)
+        cl: list[int] = counts if isinstance(counts, list) else list(counts)
+        n = min(len(rl), len(cl))
         free = self.num_free_plain()
-        takes = []
-        for p, (r, c) in enumerate(zip(reqs, counts)):
-            j = len(tables[r.req_id]) * bs - c
+        takes: list[int] = []
+        hs: list[Held] = []
+        for p in range(n):
+            h = held[rl[p].req_id]
+            hs.append(h)
+            j = len(h.blocks) * bs - cl[p]
             while j < num_steps:
-                takes.append((j, p))
+                takes.append(j * n + p)
                 j += bs
         takes.sort()
         ok = num_steps
         if len(takes) > free:
-            ok = takes[free][0]
+            ok = takes[free] // n
             del takes[free:]
         changed: dict[int, int] = {}
         if takes:
             reserved = (self.num_blocks - free) * bs
             got = self._take_plain(len(takes))
-            for (j, p), b in zip(takes, got):
-                tables[reqs[p].req_id].append(b)
+            for i in range(len(takes)):
+                t = takes[i]
+                hs[t % n].blocks.append(got[i])
                 reserved += bs
-                changed[j] = reserved
-        if type(self)._record_count is KVAllocator._record_count:
-            # _record_count inline: one lookup and store a request, the live total added once.
-            recorded, grown = self.num_tokens, 0
-            for r, c in zip(reqs, counts):
-                rid = r.req_id
-                m = c + ok
-                had = recorded.get(rid, 0)
+                changed[t // n] = reserved
+        if type(self)._record_count is PagedAllocator._record_count:
+            # _record_count inline, the live total added once.
+            grown = 0
+            for p in range(n):
+                h = hs[p]
+                m = cl[p] + ok
+                had = h.count
                 if m > had:
-                    recorded[rid] = m
+                    h.count = m
                     grown += m - had
             self.live_tokens += grown
         else:
-            for p, r in enumerate(reqs):
-                self._record_count(r.req_id, counts[p] + ok)
-        for j, p in takes:
-            if j == ok:
-                self._record_count(reqs[p].req_id, counts[p] + ok + 1)
+            for p in range(n):
+                self._record_count(rl[p].req_id, cl[p] + ok)
+        for t in takes:
+            if t // n == ok:
+                p = t % n
+                self._record_count(rl[p].req_id, cl[p] + ok + 1)
         return ok, changed
 
     def decode_steps_fit(self, reqs: Sequence[Request], counts: Sequence[int], num_steps: int) -> int:
         # A decode takes at most one block, when its count passes its table; any free block serves.
-        bs, tables = self.block_size, self.tables
+        bs, held = self.block_size, self.held
+        rl: list[Request] = reqs if isinstance(reqs, list) else list(reqs)
+        cl: list[int] = counts if isinstance(counts, list) else list(counts)
+        n = min(len(rl), len(cl))
+        free = self.num_free_plain() + len(self.free_cached)
+        # Counted first: the steps are listed only when they may not all fit.
+        num_takes = 0
+        for p in range(n):
+            j = len(held[rl[p].req_id].blocks) * bs - cl[p]
+            if j < num_steps:
+                num_takes += (num_steps - j + bs - 1) // bs
+        if num_takes <= free:
+            return num_steps
         takes = []
-        for r, c in zip(reqs, counts):
-            j = len(tables[r.req_id]) * bs - c
+        for p in range(n):
+            j = len(held[rl[p].req_id].blocks) * bs - cl[p]
             while j < num_steps:
                 takes.append(j)
                 j += bs
-        free = self.num_free_plain() + len(self.free_cached)
-        if len(takes) <= free:
-            return num_steps
         takes.sort()
         return takes[free]
 
@@ -236,9 +293,10 @@ class PagedAllocator(KVAllocator):
         # Findable now: a forward writes all new K/V before any attention reads them.
         if not self.enable_prefix_caching:
             return
-        bs, table = self.block_size, self.tables[req.req_id]
+        bs, rec = self.block_size, self.held[req.req_id]
+        table = rec.blocks
         full = min(num_tokens, req.num_tokens) // bs
-        start = self.registered[req.req_id]
+        start = rec.registered
         if full <= start:
             return
         hashes = req.block_hashes(bs, full)
@@ -248,14 +306,14 @@ class PagedAllocator(KVAllocator):
                 self.block_hash[b] = h
                 self.block_tokens[b] = tuple(req.token_ids(j * bs, (j + 1) * bs))
                 self.cached.setdefault(h, b)
-        self.registered[req.req_id] = full
+        rec.registered = full
 
     def free(self, req: Request) -> None:
-        table = self.tables.pop(req.req_id, None)
         self._forget_count(req.req_id)
-        self.registered.pop(req.req_id, None)
-        if table is None:
+        h = self.held.pop(req.req_id, None)
+        if h is None:
             return
+        table = h.blocks
         rc, plain = self.ref_count, self.free_plain
         if not self.enable_prefix_caching:
             for b in table:
@@ -284,9 +342,9 @@ class PagedAllocator(KVAllocator):
 
     def discard(self, req: Request, num_written: int) -> None:
         # Blocks are registered when allocated for a step, before its forward writes them.
-        table = self.tables.get(req.req_id)
-        if table is not None and self.enable_prefix_caching:
-            for b in table[num_written // self.block_size:]:
+        rec = self.held.get(req.req_id)
+        if rec is not None and self.enable_prefix_caching:
+            for b in rec.blocks[num_written // self.block_size:]:
                 h = self.block_hash[b]
                 if h is not None:
                     if self.cached.get(h) == b:
@@ -295,7 +353,8 @@ class PagedAllocator(KVAllocator):
         self.free(req)
 
     def block_table(self, req: Request) -> Sequence[int]:
-        return self.tables.get(req.req_id, ())
+        h = self.held.get(req.req_id)
+        return h.blocks if h is not None else ()
 
     def usage(self) -> KVUsage:
         return self._usage(self.num_free_plain() + len(self.free_cached))

@@ -24,18 +24,19 @@ class WindowedPagedAllocator(PagedAllocator):
         self.released: dict[str, int] = {}  # per request: how many leading blocks were given back
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
-        if req.req_id in self.tables:
+        if req.req_id in self.held:
             # Before taking blocks, so the room freed serves this very step.
             self._release_passed(req, min(req.num_computed_tokens, num_tokens - 1))
         return super().allocate(req, num_tokens)
 
     def _release_passed(self, req: Request, first_query: int) -> None:
         bs, rid = self.block_size, req.req_id
-        table = self.tables[rid]
+        h = self.held[rid]
+        table = h.blocks
         keep_from = first_query - self.sliding_window + 1  # the oldest position any layer still reads
         k = min(max(keep_from, 0) // bs, len(table))
         if self.enable_prefix_caching:
-            k = min(k, self.registered.get(rid, 0))  # (always true: those blocks filled in earlier steps)
+            k = min(k, h.registered)  # (always true: those blocks filled in earlier steps)
         done = self.released.get(rid, 0)
         if k <= done:
             return
@@ -45,7 +46,7 @@ class WindowedPagedAllocator(PagedAllocator):
     def next_allocation_event(self, req: Request, num_tokens: int) -> int:
         # allocate(req, m) runs at num_computed_tokens = m - 1: block `done` goes once m - W >= (done + 1) * bs.
         event = super().next_allocation_event(req, num_tokens)
-        if req.req_id in self.tables:
+        if req.req_id in self.held:
             free_at = (self.released.get(req.req_id, 0) + 1) * self.block_size + self.sliding_window
             event = min(event, max(free_at, num_tokens + 1))
         return event
@@ -60,7 +61,7 @@ class WindowedPagedAllocator(PagedAllocator):
 
     def free(self, req: Request) -> None:
         done = self.released.pop(req.req_id, 0)
-        table = self.tables.get(req.req_id)
-        if done and table is not None:
-            del table[:done]  # already given back
+        h = self.held.get(req.req_id)
+        if done and h is not None:
+            del h.blocks[:done]  # already given back
         super().free(req)
