@@ -629,7 +629,9 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=1024)
     p.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     p.add_argument("--weighting", choices=["relative", "absolute"], default="absolute")
-    p.add_argument("--backend", default=None, help="default: torch_sdpa if present, else torch_ref")
+    p.add_argument("--backend", default="auto",
+                   help="the real runs' attention backend, and the one measured's tables time (default auto: what "
+                        "backend=auto, the engine's default, picks here; printed)")
     p.add_argument("--repeats", type=int, default=3, help="real runs of each slice, interleaved A B A B ...")
     p.add_argument("--measured", action="store_true",
                    help="also predict both slices with cost.model=measured built by sim.profile on this machine "
@@ -664,16 +666,20 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from varlen import registry
+    from sim.profile import resolve_backend
     from varlen import LLM
     from varlen.traces import load_trace
 
-    backend = args.backend or ("torch_sdpa" if "torch_sdpa" in registry.names("backend") else "torch_ref")
     trace = load_trace("azure_conv", limit=2 * args.n, max_model_len=args.max_len, over_length="clip")
     slices = {"A": (0, args.n, args.rate_a), "B": (args.n, 2 * args.n, args.rate_b)}
     runs: dict[str, list[RealRun]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, described = fidelity_model(args.model, tmp)
+        try:
+            backend, line = resolve_backend(args.backend, Path(model_dir))
+        except ValueError as e:
+            p.error(f"--backend {args.backend}: {e}")
+        print(line)
         t = time.process_time()
         if args.warm:
             warm_row_counts(model_dir, backend, args)

@@ -4,7 +4,8 @@ operator tables in the layout `cost.model=measured` reads (sim/profiles/README.m
     python -m sim.profile --model tiny --out profiles/            # the embedded tiny Qwen3, on CPU
     python -m sim.profile --model /path/to/hf-folder --device cuda --dtype bfloat16 --gpu h200_sxm --out profiles/
 
-Also writes attention.csv (`--backend`), overhead.csv (the engine's per-step cost the operators
+Also writes attention.csv (`--backend`; by default what `backend=auto`, the engine's default, picks for the
+model here, printed), overhead.csv (the engine's per-step cost the operators
 leave unexplained) and, with `--collectives N`, network tables (sim/profile_network.py).
 """
 
@@ -58,12 +59,16 @@ def op_clock(device: str) -> Callable[[], float]:
 
 
 def _timer(fn: Callable[[], Any], repeats: int, sync: Callable[[], None],
-           clock: Callable[[], float] = time.perf_counter) -> list[float]:
+           clock: Callable[[], float] = time.perf_counter, before: Callable[[], Any] | None = None) -> list[float]:
+    """`fn`'s time in ms, `repeats` times after two untimed calls; `before` runs ahead of each timed call, off the clock."""
     for _ in range(2):
         fn()
     sync()
     out = []
     for _ in range(repeats):
+        if before is not None:
+            before()
+            sync()
         t0 = clock()
         fn()
         sync()
@@ -201,15 +206,57 @@ def _time_in_step_order(layer_ops: list[dict[str, Callable[[], Any]]], repeats: 
     return out
 
 
+def resolve_backend(name: str, folder: Path, device: str = "cpu", dtype: str = "float32",
+                    block_size: int = 16) -> tuple[str, str]:
+    """(the backend to time, the line that says so): `name` itself, or for "auto" the backend a run with
+    `backend=auto` (the engine's default) picks for this model here (varlen/backend_choice.py), so the
+    tables time what a user's run computes. Reads the model's layers (its windows, soft-caps, sinks) by
+    loading it once with the engine's attention."""
+    if name != "auto":
+        return name, f"backend: {name}"
+    import torch
+
+    from varlen.backend_choice import announcement, choose
+    from varlen.model_attention import read_model_attention
+    from varlen.model_runner import load_model
+
+    tdtype = getattr(torch, dtype)
+    layers = read_model_attention(load_model(folder, tdtype, device), "varlen_ctx").layers
+    chosen, passed = choose(device, tdtype, block_size, frozenset().union(*(spec.features for spec in layers)))
+    return chosen, announcement(chosen, passed, device, tdtype)
+
+
+# The most a profile reads between timed attention calls (above any CPU's L3 cache).
+EVICT_MAX_BYTES = 256 << 20
+
+
+def layer_weight_bytes(cfg: Any, dtype: Any) -> int:
+    """About how many bytes of weights one decoder layer reads (its projections and a gated MLP): what the
+    engine streams between one layer's attention call and the next layer's."""
+    import torch
+
+    h, hq = cfg.hidden_size, cfg.num_attention_heads
+    hkv = cfg.num_key_value_heads or hq
+    d = getattr(cfg, "head_dim", None) or h // hq
+    inter = getattr(cfg, "intermediate_size", None) or 4 * h
+    return (h * d * (2 * hq + 2 * hkv) + 3 * h * inter) * torch.empty(0, dtype=dtype).element_size()
+
+
 DECODE_GRID = ((1, 64), (1, 512), (1, 2048), (8, 64), (8, 512), (8, 2048), (32, 256), (32, 1024), (64, 512))
+# (requests, new tokens, cached). Both sides of a backend that sends prompts of >= backends.torch_paged.LONG_SDPA_MIN
+# (64) new tokens to SDPA and shorter ones (a chunk's tail) to its own kernel: 16, 32 and 48 new tokens are the kernel's.
 PREFILL_GRID = ((1, 16, 0), (1, 64, 0), (1, 256, 0), (1, 1024, 0), (1, 256, 512), (1, 512, 1024), (4, 128, 0),
-                (4, 256, 256))
+                (4, 256, 256), (1, 48, 512), (4, 32, 256))
 
 
 def profile_attention(folder: Path, backend_name: str, repeats: int, device: str = "cpu", dtype: str = "float32",
-                      block_size: int = 16, passes: int = 3) -> list[dict[str, Any]]:
+                      block_size: int = 16, passes: int = 3, evict_bytes: int | None = None) -> list[dict[str, Any]]:
     """One layer of the attention backend (prepare + forward) over decodes and prefills, ms per layer: each
-    case `repeats` times in each of `passes` passes (the first in grid order, the others shuffled), pooled."""
+    case `repeats` times in each of `passes` passes (the first in grid order, the others shuffled), pooled.
+    evict_bytes: a buffer this large is read before each timed forward, off the clock, as the engine streams one
+    layer's weights between two attention calls (default on CPU: layer_weight_bytes, at most EVICT_MAX_BYTES;
+    elsewhere 0, not validated there). Timed back to back instead, the KV and the kernel's data stay in cache
+    and small decodes came out at ~0.4x their time in the engine."""
     import numpy as np
     import torch
     from transformers import AutoConfig
@@ -225,6 +272,12 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
     backend.bind(hq, hkv, d, tdtype, block_size, device)  # as the model runner does, before any step
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     clock = op_clock(device)
+    if evict_bytes is None:
+        evict_bytes = min(layer_weight_bytes(cfg, tdtype), EVICT_MAX_BYTES) if device == "cpu" else 0
+    evict = None
+    if evict_bytes > 0:
+        flush = torch.ones(evict_bytes // 4, dtype=torch.float32, device=device)
+        evict = flush.sum  # a read, not a write: dirty lines would add a write-back the engine does not pay
     cases = [("decode", b, 1, c) for b, c in DECODE_GRID] + [("prefill", b, n, c) for b, n, c in PREFILL_GRID]
     fwd: list[list[float]] = [[] for _ in cases]
     prep: list[list[float]] = [[] for _ in cases]
@@ -246,7 +299,8 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
                 n = batch.num_tokens
                 q, k, v = (torch.randn(n, h, d, device=device, dtype=tdtype) for h in (hq, hkv, hkv))
                 meta = backend.prepare(batch, device)
-                fwd[i] += _timer(lambda: backend.forward(q, k, v, cache, meta, d ** -0.5), repeats, sync, clock)
+                fwd[i] += _timer(lambda: backend.forward(q, k, v, cache, meta, d ** -0.5), repeats, sync, clock,
+                                 before=evict)
                 prep[i] += _timer(lambda: backend.prepare(batch, device), repeats, sync, clock)
     rows = []
     for (kind, batch_size, new, cached), f, pr in zip(cases, fwd, prep):
@@ -503,7 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
     ap.add_argument("--linear-kernel", default="auto", choices=("auto", "onednn", "torch"),
                     help="the linear layers' kernel, as the engine you simulate runs them (LLM's linear_kernel)")
-    ap.add_argument("--backend", default="torch_sdpa", help="attention backend to profile ('' to skip attention)")
+    ap.add_argument("--backend", default="auto",
+                    help="attention backend to profile and run the engine on (default auto: what backend=auto, the "
+                         "engine's default, picks for this model here; '' to skip attention)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature of the engine runs the overhead is fitted on, as the engine you "
                          "simulate samples (0: greedy; above 0 adds each request's own softmax draw)")
@@ -563,13 +619,19 @@ def main(argv: list[str] | None = None) -> int:
     path = write_table(rows, Path(a.out), gpu, name)
     print(f"{len(rows)} token counts x {len(OPS)} operators -> {path}")
     if a.backend:
-        att = profile_attention(folder, a.backend, a.repeats, a.device, a.dtype)
-        print(f"{len(att)} attention cases ({a.backend}) -> {write_table(att, Path(a.out), gpu, name, 'attention')}")
+        try:
+            backend, line = resolve_backend(a.backend, folder, a.device, a.dtype)
+        except ValueError as err:  # auto finds no backend for this model here
+            print(f"error: --backend {a.backend}: {err}", file=sys.stderr)
+            return 2
+        print(line)
+        att = profile_attention(folder, backend, a.repeats, a.device, a.dtype)
+        print(f"{len(att)} attention cases ({backend}) -> {write_table(att, Path(a.out), gpu, name, 'attention')}")
         if a.engine:
             import json
 
             groups: list[int] = []
-            steps = profile_engine(folder, a.backend, a.repeats, a.device, a.dtype, a.linear_kernel, a.temperature,
+            steps = profile_engine(folder, backend, a.repeats, a.device, a.dtype, a.linear_kernel, a.temperature,
                                    passes=a.engine_passes, groups_out=groups)
             fit = fit_engine_overhead(steps, json.loads((folder / "config.json").read_text()), gpu, Path(a.out),
                                       temperature=a.temperature, groups=groups)
