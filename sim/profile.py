@@ -12,6 +12,7 @@ leave unexplained) and, with `--collectives N`, network tables (sim/profile_netw
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -228,6 +229,8 @@ def resolve_backend(name: str, folder: Path, device: str = "cpu", dtype: str = "
 
 # The most a profile reads between timed attention calls (above any CPU's L3 cache).
 EVICT_MAX_BYTES = 256 << 20
+# The most KV caches the timed attention calls take turns over (one per layer, as the engine's).
+KV_COPIES = 8
 
 
 def layer_weight_bytes(cfg: Any, dtype: Any) -> int:
@@ -254,9 +257,10 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
     """One layer of the attention backend (prepare + forward) over decodes and prefills, ms per layer: each
     case `repeats` times in each of `passes` passes (the first in grid order, the others shuffled), pooled.
     evict_bytes: a buffer this large is read before each timed forward, off the clock, as the engine streams one
-    layer's weights between two attention calls (default on CPU: layer_weight_bytes, at most EVICT_MAX_BYTES;
-    elsewhere 0, not validated there). Timed back to back instead, the KV and the kernel's data stay in cache
-    and small decodes came out at ~0.4x their time in the engine."""
+    layer's weights between two attention calls, and the calls take turns over one KV cache per layer (default
+    on CPU: layer_weight_bytes, at most EVICT_MAX_BYTES; elsewhere 0, not validated there). Timed back to back
+    instead, the KV and the kernel's data stay in cache and small decodes came out at ~0.4x their time in the
+    engine; how much of one KV cache stays in L3 then depends on what else the machine runs."""
     import numpy as np
     import torch
     from transformers import AutoConfig
@@ -274,6 +278,9 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
     clock = op_clock(device)
     if evict_bytes is None:
         evict_bytes = min(layer_weight_bytes(cfg, tdtype), EVICT_MAX_BYTES) if device == "cpu" else 0
+    # As in a step, a layer's KV was last read a whole cycle of layers ago: with eviction, the calls take turns
+    # over `copies` caches (the model's layers, at most KV_COPIES), so the KV comes from memory, not a cache.
+    copies = min(cfg.num_hidden_layers, KV_COPIES) if evict_bytes > 0 else 1
     evict = None
     if evict_bytes > 0:
         flush = torch.ones(evict_bytes // 4, dtype=torch.float32, device=device)
@@ -294,12 +301,14 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
                 seqs = [SeqSlice(np.zeros(new, np.int64), cached, perm[j * need:(j + 1) * need], req_id=j)
                         for j in range(batch_size)]
                 batch = build_batch(seqs, block_size, pool)
-                cache = backend.allocate_kv_cache(1, pool, block_size, hkv, d, tdtype, device)[0]
-                cache.normal_()
+                caches = backend.allocate_kv_cache(copies, pool, block_size, hkv, d, tdtype, device)
+                for cache in caches:
+                    cache.normal_()
                 n = batch.num_tokens
                 q, k, v = (torch.randn(n, h, d, device=device, dtype=tdtype) for h in (hq, hkv, hkv))
                 meta = backend.prepare(batch, device)
-                fwd[i] += _timer(lambda: backend.forward(q, k, v, cache, meta, d ** -0.5), repeats, sync, clock,
+                turn = itertools.cycle(caches)  # each call the next layer's cache, as a step's layers take turns
+                fwd[i] += _timer(lambda: backend.forward(q, k, v, next(turn), meta, d ** -0.5), repeats, sync, clock,
                                  before=evict)
                 prep[i] += _timer(lambda: backend.prepare(batch, device), repeats, sync, clock)
     rows = []
