@@ -44,7 +44,7 @@ def main() -> None:
 
     from sim.cost.measured import MeasuredCostModel
     from sim.profile import (DEFAULT_TOKENS, fit_engine_overhead, profile_attention, profile_engine, profile_model,
-                             write_table)
+                             resolve_backend, write_table)
     from throughput import model_dir
 
     torch.set_num_threads(1)
@@ -60,8 +60,6 @@ def main() -> None:
     else:
         takes_groups = True
     folder = model_dir("50m")
-    from sim.profile import resolve_backend
-
     a.backend, line = resolve_backend(a.backend, Path(folder))
     print(line, flush=True)
     cfg = json.loads((folder / "config.json").read_text())

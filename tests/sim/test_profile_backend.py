@@ -106,3 +106,31 @@ def test_each_timed_attention_call_follows_a_read_of_one_layers_weights(monkeypa
     seen.clear()
     sim.profile.profile_attention(folder, "torch_ref", 1, passes=1, evict_bytes=0)
     assert all(b is None for b in seen)
+
+
+def test_the_timed_calls_take_turns_over_one_kv_cache_per_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a step a layer's KV was last read a whole cycle of layers ago: with eviction the timed calls rotate over
+    the model's layers' caches (at most KV_COPIES), so what stays in the CPU's cache does not hinge on the
+    machine's other work; back to back (evict_bytes=0) one cache."""
+    import sim.profile
+    from backends.torch_ref import TorchRefBackend
+    from transformers import AutoConfig
+
+    folder = sim.profile.model_folder("tiny")
+    layers = AutoConfig.from_pretrained(folder).num_hidden_layers
+    used: list[int] = []
+    real_forward = TorchRefBackend.forward
+
+    def spy(self: Any, q: Any, k: Any, v: Any, kv_cache: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        used.append(kv_cache.data_ptr())
+        return real_forward(self, q, k, v, kv_cache, *args, **kw)
+
+    monkeypatch.setattr(TorchRefBackend, "forward", spy)
+    monkeypatch.setattr(sim.profile, "DECODE_GRID", ((2, 64),))
+    monkeypatch.setattr(sim.profile, "PREFILL_GRID", ())
+    sim.profile.profile_attention(folder, "torch_ref", 2 * layers, passes=1)
+    assert len(set(used)) == min(layers, sim.profile.KV_COPIES) > 1
+    assert all(a != b for a, b in zip(used, used[1:]))  # never the same cache twice in a row
+    used.clear()
+    sim.profile.profile_attention(folder, "torch_ref", 2 * layers, passes=1, evict_bytes=0)
+    assert len(set(used)) == 1
