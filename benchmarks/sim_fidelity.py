@@ -638,6 +638,8 @@ def main() -> None:
                         "(operators, attention backend, engine overhead; no trace run)")
     p.add_argument("--no-warm", dest="warm", action="store_false",
                    help="warm up on one batch only, not on every step size (first uses then land in the timed runs)")
+    p.add_argument("--profiles-out", default=None,
+                   help="with --measured, copy its build (sim.profile's folder layout) to this folder")
     p.add_argument("--steps-out", default=None,
                    help="write every real run's step rows (and sim.profile's engine rows with --measured) to this "
                         "JSON-lines file: run, new and cached tokens per request, seconds, sampled rows")
@@ -720,6 +722,11 @@ def main() -> None:
                 profiler.between_runs(i, ticks)
                 profiler.probes.append((before, probe.read(f"after sim.profile pass {i + 1}")))
         measured = profiler.model() if profiler is not None else None
+        if profiler is not None and args.profiles_out:  # the build, for cost.profiles= or measured_decode --profiles
+            import shutil
+
+            shutil.copytree(profiler.root, args.profiles_out, dirs_exist_ok=True)
+            print(f"measured's build -> {args.profiles_out}")
     if args.steps_out:
         write_steps(args.steps_out, runs, profiler)
     speed = diagnose(runs, feature_sets[0])
