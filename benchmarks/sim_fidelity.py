@@ -1,7 +1,8 @@
 """Fidelity of the `profiled` and `measured` cost models against the real engine on CPU.
 
 The engine on CPU (1 torch thread; --model 50m, the default: benchmarks/throughput.py's ~50M Qwen3
-shape, whose steps take tens of ms, so one run's jitter stays small next to them) serves two slices of the Azure
+shape, whose steps take tens of ms, so one run's jitter stays small next to them; --backend, by default what
+backend=auto picks here, as a user's run does: torch_paged, printed) serves two slices of the Azure
 conversation trace (each prompt its own tokens, so none is served from the prefix cache and TTFT
 times real prefills), A and B at two rates, --repeats times each, interleaved; the model fitted on
 A's step logs simulates B and vice versa, against the median of the real repeats and beside the
