@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -108,9 +109,13 @@ def _fused_ops(module: Any) -> Any:
 
 
 def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: str = "cpu",
-                  dtype: str = "float32", linear_kernel: str = "auto") -> list[dict[str, Any]]:
+                  dtype: str = "float32", linear_kernel: str = "auto", passes: int = 3) -> list[dict[str, Any]]:
     """One row per token count: the operators' time statistics (ms) and the shape columns, each
-    operator timed as the engine runs it (engine_model)."""
+    operator timed as the engine runs it (engine_model), `repeats` times in each of `passes` passes over the
+    token counts (the first in order, the others shuffled), pooled: one sweep takes about a second, and on a
+    shared machine the layers' sum at one count moved 20-40% from one sweep to the next, which one sweep
+    hands to that count's decode steps alone."""
+    import numpy as np
     import torch
 
     model = engine_model(folder, device, dtype, linear_kernel)
@@ -123,22 +128,35 @@ def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: s
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     clock = op_clock(device)
     rows = []
+    timed: dict[int, dict[str, list[float]]] = {t: {} for t in tokens}
+
+    def setup(t: int) -> tuple[list[dict[str, Callable[[], Any]]], Callable[[], Any]]:
+        """A step's inputs at t tokens and each layer's operators on them (made per pass: no count's tensors held)."""
+        ids = torch.randint(0, cfg.vocab_size, (1, t), device=device)
+        x = model.model.embed_tokens(ids)
+        pos = torch.arange(t, device=device)[None]
+        cos, sin = model.model.rotary_emb(x, pos)
+        q = attn.q_proj(x).view(1, t, heads, head_dim)
+        k = attn.k_proj(x).view(1, t, kv_heads, head_dim)
+        attn_out = torch.randn(1, t, heads * head_dim, device=device, dtype=x.dtype)
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        inner = mlp.act_fn(gate) * up
+        resid = x.clone()
+        layer_ops = [_layer_ops(lyr, rotary, x, q, k, cos, sin, attn_out, gate, up, inner, resid)
+                     for lyr in model.model.layers]
+        return layer_ops, partial(model.model.embed_tokens, ids)
+
     with torch.inference_mode():
+        order = np.random.default_rng(2)
+        for p in range(max(1, passes)):
+            for t in (tokens if p == 0 else [tokens[i] for i in order.permutation(len(tokens))]):
+                layer_ops, emb = setup(t)
+                got = _time_in_step_order(layer_ops, repeats, sync, clock)
+                got["emb"] = _timer(emb, repeats, sync, clock)
+                for op, ms in got.items():
+                    timed[t].setdefault(op, []).extend(ms)
         for t in tokens:
-            ids = torch.randint(0, cfg.vocab_size, (1, t), device=device)
-            x = model.model.embed_tokens(ids)
-            pos = torch.arange(t, device=device)[None]
-            cos, sin = model.model.rotary_emb(x, pos)
-            q = attn.q_proj(x).view(1, t, heads, head_dim)
-            k = attn.k_proj(x).view(1, t, kv_heads, head_dim)
-            attn_out = torch.randn(1, t, heads * head_dim, device=device, dtype=x.dtype)
-            gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-            inner = mlp.act_fn(gate) * up
-            resid = x.clone()
-            layer_ops = [_layer_ops(lyr, rotary, x, q, k, cos, sin, attn_out, gate, up, inner, resid)
-                         for lyr in model.model.layers]
-            times = _time_in_step_order(layer_ops, repeats, sync, clock)
-            times["emb"] = _timer(lambda: model.model.embed_tokens(ids), repeats, sync, clock)
+            times = timed[t]
             row: dict[str, Any] = {}
             for op in OPS:
                 row.update({f"time_stats.{op}.{k}": v for k, v in _stats(times[op]).items()})

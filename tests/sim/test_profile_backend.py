@@ -134,3 +134,29 @@ def test_the_timed_calls_take_turns_over_one_kv_cache_per_layer(monkeypatch: pyt
     used.clear()
     sim.profile.profile_attention(folder, "torch_ref", 2 * layers, passes=1, evict_bytes=0)
     assert len(set(used)) == 1
+
+
+def test_the_operator_table_is_timed_over_passes_in_their_own_orders(monkeypatch: pytest.MonkeyPatch) -> None:
+    """profile_model times every token count in each pass, the first pass in order and the later ones shuffled,
+    and pools the samples: a slow first pass (the machine, for a second) does not set the table."""
+    import sim.profile
+
+    order: list[int] = []
+    real_timer = sim.profile._timer
+
+    def embedding_timer(fn: Any, repeats: int, sync: Any, clock: Any = None, before: Any = None) -> list[float]:
+        order.append(int(fn.args[0].shape[1]))  # the embedding's token ids: this count's call
+        return real_timer(fn, repeats, sync, clock, before)
+
+    def drifting(layer_ops: Any, repeats: int, sync: Any, clock: Any) -> dict[str, list[float]]:
+        slow = len(order) < 4  # the first pass runs at half speed
+        return {op: [2.0 if slow else 1.0] * repeats for op in sim.profile.OPS if op != "emb"}
+
+    monkeypatch.setattr(sim.profile, "_timer", embedding_timer)
+    monkeypatch.setattr(sim.profile, "_time_in_step_order", drifting)
+    rows = sim.profile.profile_model(sim.profile.model_folder("tiny"), (1, 2, 3, 4), 2, passes=3)
+    assert order[:4] == [1, 2, 3, 4] and len(order) == 12
+    assert all(sorted(order[i:i + 4]) == [1, 2, 3, 4] for i in (4, 8))
+    assert order[4:8] != [1, 2, 3, 4] or order[8:] != [1, 2, 3, 4]
+    assert [r["num_tokens"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["time_stats.mlp_up_proj.median"] == 1.0 and r["time_stats.mlp_up_proj.max"] == 2.0 for r in rows)
