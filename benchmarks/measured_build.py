@@ -33,7 +33,8 @@ def main() -> None:
     p.add_argument("--rows-out", default=None, help="save the passes' step rows (JSON lines) to refit later")
     p.add_argument("--rows-in", default=None, help="refit saved rows (and their tables) instead of timing")
     p.add_argument("--tables", default=None, help="folder for (or of) the operator tables (default: a temp dir)")
-    p.add_argument("--backend", default="torch_sdpa")
+    p.add_argument("--backend", default="auto",
+                   help="attention backend (default auto: what backend=auto, the engine's default, picks here; printed)")
     p.add_argument("--fit-from", default=None,
                    help="fit with another sim/profile.py's fit_engine_overhead, to compare (e.g. `git show "
                         "main:sim/profile.py > old.py`)")
@@ -43,7 +44,7 @@ def main() -> None:
 
     from sim.cost.measured import MeasuredCostModel
     from sim.profile import (DEFAULT_TOKENS, fit_engine_overhead, profile_attention, profile_engine, profile_model,
-                             write_table)
+                             resolve_backend, write_table)
     from throughput import model_dir
 
     torch.set_num_threads(1)
@@ -59,6 +60,8 @@ def main() -> None:
     else:
         takes_groups = True
     folder = model_dir("50m")
+    a.backend, line = resolve_backend(a.backend, Path(folder))
+    print(line, flush=True)
     cfg = json.loads((folder / "config.json").read_text())
     root = Path(a.tables or tempfile.mkdtemp(prefix="mbuild-"))
     passes: list[list] = []

@@ -5,8 +5,8 @@
 
 Builds `measured` for the ~50M benchmark model as benchmarks/sim_fidelity.py's MeasuredProfiler does
 (operator and attention tables, one engine pass), or loads one. Then, for each cell (requests x cached
-tokens), one `generate` call of that many prompts of that length runs on the real engine (torch_sdpa,
-chunked prefill), and its decode-only steps are compared with the model: the step time (the engine's log)
+tokens), one `generate` call of that many prompts of that length runs on the real engine (`--backend`, by
+default what backend=auto picks, as a user's run does; chunked prefill), and its decode-only steps are compared with the model: the step time (the engine's log)
 and one layer's attention (the backend's forward, timed in the engine). Cells run in `--rounds` rounds,
 each in its own random order, so that a slow minute of a shared machine lands on different cells each
 round; per cell it prints the median over rounds of model/real and the rounds' range. `--spread` runs each cell
@@ -40,7 +40,8 @@ def main() -> None:
     p.add_argument("--cached", default="300,900,1500", help="prompt lengths (cached tokens at the decodes)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--profiles", default=None, help="a measured build's folder (default: build one in a temp dir)")
-    p.add_argument("--backend", default="torch_sdpa")
+    p.add_argument("--backend", default="auto",
+                   help="attention backend (default auto: what backend=auto, the engine's default, picks here; printed)")
     p.add_argument("--spread", choices=["no", "yes", "both"], default="both",
                    help="prompt lengths equal, or spread evenly over 0.5-1.5x the cell's (same total), or both")
     a = p.parse_args()
@@ -56,6 +57,10 @@ def main() -> None:
     from varlen.sampling_params import SamplingParams
 
     folder = str(model_dir("50m"))
+    from sim.profile import resolve_backend
+
+    a.backend, line = resolve_backend(a.backend, Path(folder))
+    print(line, flush=True)
     cfg = json.loads((Path(folder) / "config.json").read_text())
     if a.profiles is None:
         prof = MeasuredProfiler(folder, a.backend, tempfile.mkdtemp(prefix="measured-decode-"))
@@ -64,14 +69,14 @@ def main() -> None:
         print(f"build: {prof.root}")
     else:
         cost = MeasuredCostModel(cfg, "cpu_2core", profiles=a.profiles)
-    llm = LLM(folder, backend=a.backend, allocator="paged", block_size=16, num_blocks=1024, max_model_len=2048,
+    llm = LLM(folder, backend=a.backend, allocator="paged", block_size=16, num_blocks=1024, max_model_len=4096,
               max_num_seqs=16, max_num_batched_tokens=1024)
     backend, forward, calls = llm.backend, llm.backend.forward, []
 
     def timed(q, k, v, cache, meta, scale, *args, **kw):  # the engine's clock on CPU: CPU time
         t = time.process_time()
         out = forward(q, k, v, cache, meta, scale, *args, **kw)
-        calls.append((len(meta.batch.seq_lens), bool(meta.prefills), time.process_time() - t))
+        calls.append((len(meta.batch.seq_lens), meta.batch.max_query_len > 1, time.process_time() - t))
         return out
 
     backend.forward = timed

@@ -1,7 +1,8 @@
 """Fidelity of the `profiled` and `measured` cost models against the real engine on CPU.
 
 The engine on CPU (1 torch thread; --model 50m, the default: benchmarks/throughput.py's ~50M Qwen3
-shape, whose steps take tens of ms, so one run's jitter stays small next to them) serves two slices of the Azure
+shape, whose steps take tens of ms, so one run's jitter stays small next to them; --backend, by default what
+backend=auto picks here, as a user's run does: torch_paged, printed) serves two slices of the Azure
 conversation trace (each prompt its own tokens, so none is served from the prefix cache and TTFT
 times real prefills), A and B at two rates, --repeats times each, interleaved; the model fitted on
 A's step logs simulates B and vice versa, against the median of the real repeats and beside the
@@ -629,13 +630,17 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=1024)
     p.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     p.add_argument("--weighting", choices=["relative", "absolute"], default="absolute")
-    p.add_argument("--backend", default=None, help="default: torch_sdpa if present, else torch_ref")
+    p.add_argument("--backend", default="auto",
+                   help="the real runs' attention backend, and the one measured's tables time (default auto: what "
+                        "backend=auto, the engine's default, picks here; printed)")
     p.add_argument("--repeats", type=int, default=3, help="real runs of each slice, interleaved A B A B ...")
     p.add_argument("--measured", action="store_true",
                    help="also predict both slices with cost.model=measured built by sim.profile on this machine "
                         "(operators, attention backend, engine overhead; no trace run)")
     p.add_argument("--no-warm", dest="warm", action="store_false",
                    help="warm up on one batch only, not on every step size (first uses then land in the timed runs)")
+    p.add_argument("--profiles-out", default=None,
+                   help="with --measured, copy its build (sim.profile's folder layout) to this folder")
     p.add_argument("--steps-out", default=None,
                    help="write every real run's step rows (and sim.profile's engine rows with --measured) to this "
                         "JSON-lines file: run, new and cached tokens per request, seconds, sampled rows")
@@ -664,16 +669,20 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from varlen import registry
+    from sim.profile import resolve_backend
     from varlen import LLM
     from varlen.traces import load_trace
 
-    backend = args.backend or ("torch_sdpa" if "torch_sdpa" in registry.names("backend") else "torch_ref")
     trace = load_trace("azure_conv", limit=2 * args.n, max_model_len=args.max_len, over_length="clip")
     slices = {"A": (0, args.n, args.rate_a), "B": (args.n, 2 * args.n, args.rate_b)}
     runs: dict[str, list[RealRun]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, described = fidelity_model(args.model, tmp)
+        try:
+            backend, line = resolve_backend(args.backend, Path(model_dir))
+        except ValueError as e:
+            p.error(f"--backend {args.backend}: {e}")
+        print(line)
         t = time.process_time()
         if args.warm:
             warm_row_counts(model_dir, backend, args)
@@ -714,6 +723,11 @@ def main() -> None:
                 profiler.between_runs(i, ticks)
                 profiler.probes.append((before, probe.read(f"after sim.profile pass {i + 1}")))
         measured = profiler.model() if profiler is not None else None
+        if profiler is not None and args.profiles_out:  # the build, for cost.profiles= or measured_decode --profiles
+            import shutil
+
+            shutil.copytree(profiler.root, args.profiles_out, dirs_exist_ok=True)
+            print(f"measured's build -> {args.profiles_out}")
     if args.steps_out:
         write_steps(args.steps_out, runs, profiler)
     speed = diagnose(runs, feature_sets[0])

@@ -4,17 +4,20 @@ operator tables in the layout `cost.model=measured` reads (sim/profiles/README.m
     python -m sim.profile --model tiny --out profiles/            # the embedded tiny Qwen3, on CPU
     python -m sim.profile --model /path/to/hf-folder --device cuda --dtype bfloat16 --gpu h200_sxm --out profiles/
 
-Also writes attention.csv (`--backend`), overhead.csv (the engine's per-step cost the operators
+Also writes attention.csv (`--backend`; by default what `backend=auto`, the engine's default, picks for the
+model here, printed), overhead.csv (the engine's per-step cost the operators
 leave unexplained) and, with `--collectives N`, network tables (sim/profile_network.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,12 +61,16 @@ def op_clock(device: str) -> Callable[[], float]:
 
 
 def _timer(fn: Callable[[], Any], repeats: int, sync: Callable[[], None],
-           clock: Callable[[], float] = time.perf_counter) -> list[float]:
+           clock: Callable[[], float] = time.perf_counter, before: Callable[[], Any] | None = None) -> list[float]:
+    """`fn`'s time in ms, `repeats` times after two untimed calls; `before` runs ahead of each timed call, off the clock."""
     for _ in range(2):
         fn()
     sync()
     out = []
     for _ in range(repeats):
+        if before is not None:
+            before()
+            sync()
         t0 = clock()
         fn()
         sync()
@@ -102,9 +109,13 @@ def _fused_ops(module: Any) -> Any:
 
 
 def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: str = "cpu",
-                  dtype: str = "float32", linear_kernel: str = "auto") -> list[dict[str, Any]]:
+                  dtype: str = "float32", linear_kernel: str = "auto", passes: int = 3) -> list[dict[str, Any]]:
     """One row per token count: the operators' time statistics (ms) and the shape columns, each
-    operator timed as the engine runs it (engine_model)."""
+    operator timed as the engine runs it (engine_model), `repeats` times in each of `passes` passes over the
+    token counts (the first in order, the others shuffled), pooled: one sweep takes about a second, and on a
+    shared machine the layers' sum at one count moved 20-40% from one sweep to the next, which one sweep
+    hands to that count's decode steps alone."""
+    import numpy as np
     import torch
 
     model = engine_model(folder, device, dtype, linear_kernel)
@@ -117,22 +128,35 @@ def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: s
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     clock = op_clock(device)
     rows = []
+    timed: dict[int, dict[str, list[float]]] = {t: {} for t in tokens}
+
+    def setup(t: int) -> tuple[list[dict[str, Callable[[], Any]]], Callable[[], Any]]:
+        """A step's inputs at t tokens and each layer's operators on them (made per pass: no count's tensors held)."""
+        ids = torch.randint(0, cfg.vocab_size, (1, t), device=device)
+        x = model.model.embed_tokens(ids)
+        pos = torch.arange(t, device=device)[None]
+        cos, sin = model.model.rotary_emb(x, pos)
+        q = attn.q_proj(x).view(1, t, heads, head_dim)
+        k = attn.k_proj(x).view(1, t, kv_heads, head_dim)
+        attn_out = torch.randn(1, t, heads * head_dim, device=device, dtype=x.dtype)
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        inner = mlp.act_fn(gate) * up
+        resid = x.clone()
+        layer_ops = [_layer_ops(lyr, rotary, x, q, k, cos, sin, attn_out, gate, up, inner, resid)
+                     for lyr in model.model.layers]
+        return layer_ops, partial(model.model.embed_tokens, ids)
+
     with torch.inference_mode():
+        order = np.random.default_rng(2)
+        for p in range(max(1, passes)):
+            for t in (tokens if p == 0 else [tokens[i] for i in order.permutation(len(tokens))]):
+                layer_ops, emb = setup(t)
+                got = _time_in_step_order(layer_ops, repeats, sync, clock)
+                got["emb"] = _timer(emb, repeats, sync, clock)
+                for op, ms in got.items():
+                    timed[t].setdefault(op, []).extend(ms)
         for t in tokens:
-            ids = torch.randint(0, cfg.vocab_size, (1, t), device=device)
-            x = model.model.embed_tokens(ids)
-            pos = torch.arange(t, device=device)[None]
-            cos, sin = model.model.rotary_emb(x, pos)
-            q = attn.q_proj(x).view(1, t, heads, head_dim)
-            k = attn.k_proj(x).view(1, t, kv_heads, head_dim)
-            attn_out = torch.randn(1, t, heads * head_dim, device=device, dtype=x.dtype)
-            gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-            inner = mlp.act_fn(gate) * up
-            resid = x.clone()
-            layer_ops = [_layer_ops(lyr, rotary, x, q, k, cos, sin, attn_out, gate, up, inner, resid)
-                         for lyr in model.model.layers]
-            times = _time_in_step_order(layer_ops, repeats, sync, clock)
-            times["emb"] = _timer(lambda: model.model.embed_tokens(ids), repeats, sync, clock)
+            times = timed[t]
             row: dict[str, Any] = {}
             for op in OPS:
                 row.update({f"time_stats.{op}.{k}": v for k, v in _stats(times[op]).items()})
@@ -201,15 +225,60 @@ def _time_in_step_order(layer_ops: list[dict[str, Callable[[], Any]]], repeats: 
     return out
 
 
+def resolve_backend(name: str, folder: Path, device: str = "cpu", dtype: str = "float32",
+                    block_size: int = 16) -> tuple[str, str]:
+    """(the backend to time, the line that says so): `name` itself, or for "auto" the backend a run with
+    `backend=auto` (the engine's default) picks for this model here (varlen/backend_choice.py), so the
+    tables time what a user's run computes. Reads the model's layers (its windows, soft-caps, sinks) by
+    loading it once with the engine's attention."""
+    if name != "auto":
+        return name, f"backend: {name}"
+    import torch
+
+    from varlen.backend_choice import announcement, choose
+    from varlen.model_attention import read_model_attention
+    from varlen.model_runner import load_model
+
+    tdtype = getattr(torch, dtype)
+    layers = read_model_attention(load_model(folder, tdtype, device), "varlen_ctx").layers
+    chosen, passed = choose(device, tdtype, block_size, frozenset().union(*(spec.features for spec in layers)))
+    return chosen, announcement(chosen, passed, device, tdtype)
+
+
+# The most a profile reads between timed attention calls (above any CPU's L3 cache).
+EVICT_MAX_BYTES = 256 << 20
+# The most KV caches the timed attention calls take turns over (one per layer, as the engine's).
+KV_COPIES = 8
+
+
+def layer_weight_bytes(cfg: Any, dtype: Any) -> int:
+    """About how many bytes of weights one decoder layer reads (its projections and a gated MLP): what the
+    engine streams between one layer's attention call and the next layer's."""
+    import torch
+
+    h, hq = cfg.hidden_size, cfg.num_attention_heads
+    hkv = cfg.num_key_value_heads or hq
+    d = getattr(cfg, "head_dim", None) or h // hq
+    inter = getattr(cfg, "intermediate_size", None) or 4 * h
+    return (h * d * (2 * hq + 2 * hkv) + 3 * h * inter) * torch.empty(0, dtype=dtype).element_size()
+
+
 DECODE_GRID = ((1, 64), (1, 512), (1, 2048), (8, 64), (8, 512), (8, 2048), (32, 256), (32, 1024), (64, 512))
+# (requests, new tokens, cached). Both sides of a backend that sends prompts of >= backends.torch_paged.LONG_SDPA_MIN
+# (64) new tokens to SDPA and shorter ones (a chunk's tail) to its own kernel: 16, 32 and 48 new tokens are the kernel's.
 PREFILL_GRID = ((1, 16, 0), (1, 64, 0), (1, 256, 0), (1, 1024, 0), (1, 256, 512), (1, 512, 1024), (4, 128, 0),
-                (4, 256, 256))
+                (4, 256, 256), (1, 48, 512), (4, 32, 256))
 
 
 def profile_attention(folder: Path, backend_name: str, repeats: int, device: str = "cpu", dtype: str = "float32",
-                      block_size: int = 16, passes: int = 3) -> list[dict[str, Any]]:
+                      block_size: int = 16, passes: int = 3, evict_bytes: int | None = None) -> list[dict[str, Any]]:
     """One layer of the attention backend (prepare + forward) over decodes and prefills, ms per layer: each
-    case `repeats` times in each of `passes` passes (the first in grid order, the others shuffled), pooled."""
+    case `repeats` times in each of `passes` passes (the first in grid order, the others shuffled), pooled.
+    evict_bytes: a buffer this large is read before each timed forward, off the clock, as the engine streams one
+    layer's weights between two attention calls, and the calls take turns over one KV cache per layer (default
+    on CPU: layer_weight_bytes, at most EVICT_MAX_BYTES; elsewhere 0, not validated there). Timed back to back
+    instead, the KV and the kernel's data stay in cache and small decodes came out at ~0.4x their time in the
+    engine; how much of one KV cache stays in L3 then depends on what else the machine runs."""
     import numpy as np
     import torch
     from transformers import AutoConfig
@@ -225,6 +294,15 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
     backend.bind(hq, hkv, d, tdtype, block_size, device)  # as the model runner does, before any step
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     clock = op_clock(device)
+    if evict_bytes is None:
+        evict_bytes = min(layer_weight_bytes(cfg, tdtype), EVICT_MAX_BYTES) if device == "cpu" else 0
+    # As in a step, a layer's KV was last read a whole cycle of layers ago: with eviction, the calls take turns
+    # over `copies` caches (the model's layers, at most KV_COPIES), so the KV comes from memory, not a cache.
+    copies = min(cfg.num_hidden_layers, KV_COPIES) if evict_bytes > 0 else 1
+    evict = None
+    if evict_bytes > 0:
+        flush = torch.ones(evict_bytes // 4, dtype=torch.float32, device=device)
+        evict = flush.sum  # a read, not a write: dirty lines would add a write-back the engine does not pay
     cases = [("decode", b, 1, c) for b, c in DECODE_GRID] + [("prefill", b, n, c) for b, n, c in PREFILL_GRID]
     fwd: list[list[float]] = [[] for _ in cases]
     prep: list[list[float]] = [[] for _ in cases]
@@ -241,12 +319,15 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
                 seqs = [SeqSlice(np.zeros(new, np.int64), cached, perm[j * need:(j + 1) * need], req_id=j)
                         for j in range(batch_size)]
                 batch = build_batch(seqs, block_size, pool)
-                cache = backend.allocate_kv_cache(1, pool, block_size, hkv, d, tdtype, device)[0]
-                cache.normal_()
+                caches = backend.allocate_kv_cache(copies, pool, block_size, hkv, d, tdtype, device)
+                for cache in caches:
+                    cache.normal_()
                 n = batch.num_tokens
                 q, k, v = (torch.randn(n, h, d, device=device, dtype=tdtype) for h in (hq, hkv, hkv))
                 meta = backend.prepare(batch, device)
-                fwd[i] += _timer(lambda: backend.forward(q, k, v, cache, meta, d ** -0.5), repeats, sync, clock)
+                turn = itertools.cycle(caches)  # each call the next layer's cache, as a step's layers take turns
+                fwd[i] += _timer(lambda: backend.forward(q, k, v, next(turn), meta, d ** -0.5), repeats, sync, clock,
+                                 before=evict)
                 prep[i] += _timer(lambda: backend.prepare(batch, device), repeats, sync, clock)
     rows = []
     for (kind, batch_size, new, cached), f, pr in zip(cases, fwd, prep):
@@ -503,7 +584,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
     ap.add_argument("--linear-kernel", default="auto", choices=("auto", "onednn", "torch"),
                     help="the linear layers' kernel, as the engine you simulate runs them (LLM's linear_kernel)")
-    ap.add_argument("--backend", default="torch_sdpa", help="attention backend to profile ('' to skip attention)")
+    ap.add_argument("--backend", default="auto",
+                    help="attention backend to profile and run the engine on (default auto: what backend=auto, the "
+                         "engine's default, picks for this model here; '' to skip attention)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature of the engine runs the overhead is fitted on, as the engine you "
                          "simulate samples (0: greedy; above 0 adds each request's own softmax draw)")
@@ -563,13 +646,19 @@ def main(argv: list[str] | None = None) -> int:
     path = write_table(rows, Path(a.out), gpu, name)
     print(f"{len(rows)} token counts x {len(OPS)} operators -> {path}")
     if a.backend:
-        att = profile_attention(folder, a.backend, a.repeats, a.device, a.dtype)
-        print(f"{len(att)} attention cases ({a.backend}) -> {write_table(att, Path(a.out), gpu, name, 'attention')}")
+        try:
+            backend, line = resolve_backend(a.backend, folder, a.device, a.dtype)
+        except ValueError as err:  # auto finds no backend for this model here
+            print(f"error: --backend {a.backend}: {err}", file=sys.stderr)
+            return 2
+        print(line)
+        att = profile_attention(folder, backend, a.repeats, a.device, a.dtype)
+        print(f"{len(att)} attention cases ({backend}) -> {write_table(att, Path(a.out), gpu, name, 'attention')}")
         if a.engine:
             import json
 
             groups: list[int] = []
-            steps = profile_engine(folder, a.backend, a.repeats, a.device, a.dtype, a.linear_kernel, a.temperature,
+            steps = profile_engine(folder, backend, a.repeats, a.device, a.dtype, a.linear_kernel, a.temperature,
                                    passes=a.engine_passes, groups_out=groups)
             fit = fit_engine_overhead(steps, json.loads((folder / "config.json").read_text()), gpu, Path(a.out),
                                       temperature=a.temperature, groups=groups)

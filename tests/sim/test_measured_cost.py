@@ -313,7 +313,7 @@ def test_sim_run_with_the_measured_model_and_its_errors(tmp_path: Path) -> None:
 
 def test_profiler_writes_tables_the_measured_model_reads(tmp_path: Path) -> None:
     """python -m sim.profile's table for the tiny model is valid and read back exactly."""
-    from sim.profile import main
+    from sim.profile import DECODE_GRID, PREFILL_GRID, main
 
     assert main(["--model", "tiny", "--out", str(tmp_path), "--tokens", "1,8,64", "--repeats", "1", "--no-engine"]) == 0
     path = tmp_path / "compute/cpu_2core/local/tiny/mlp.csv"
@@ -326,8 +326,9 @@ def test_profiler_writes_tables_the_measured_model_reads(tmp_path: Path) -> None
     assert m._layer[8] == pytest.approx(sum(PER_LAYER[op] * times[op][1] for op in LAYER_OPS) * 1e-3, rel=1e-12)
     # The backend's attention was profiled too, and calibrates the attention.
     att = load_profiles(tmp_path).attention("cpu_2core")
-    assert len(att) == 1 and len(att[0][1]["batch_size"]) == 17
-    assert m.attention_calibration is not None and any(n.startswith("attention: calibrated on 17") for n in m.notes)
+    assert len(att) == 1 and len(att[0][1]["batch_size"]) == len(DECODE_GRID) + len(PREFILL_GRID)
+    assert m.attention_calibration is not None and any(n.startswith(f"attention: calibrated on {len(DECODE_GRID) + len(PREFILL_GRID)} ")
+                                                      for n in m.notes)
     for b in (1, 9):
         f = m.decode_step_time(b)
         assert f(100 * b) == m.step_time_sums(StepSums(b, b, 100 * b, 100 * b, b, b))
@@ -631,7 +632,7 @@ def test_operators_are_timed_over_every_layer_in_step_order(monkeypatch: pytest.
         return model
 
     monkeypatch.setattr(sim.profile, "engine_model", spy)
-    rows = sim.profile.profile_model(ensure_tiny_model("qwen3"), (1, 8), 2)
+    rows = sim.profile.profile_model(ensure_tiny_model("qwen3"), (1, 8), 2, passes=1)
     layers = json.loads((ensure_tiny_model("qwen3") / "config.json").read_text())["num_hidden_layers"]
     assert layers > 1 and order == list(range(layers)) * (2 + 2) * 2  # (2 untimed + 2 timed passes) x token counts
     assert all(r[f"time_stats.{op}.median"] > 0 for r in rows for op in ("attn_pre_proj", "mlp_down_proj"))
@@ -689,7 +690,7 @@ def test_attention_table_is_timed_over_passes_in_their_own_orders(monkeypatch: p
     seen: list[tuple[int, int, int]] = []
     cases = len(sim.profile.DECODE_GRID) + len(sim.profile.PREFILL_GRID)
 
-    def drifting(fn, repeats, sync, clock=None):  # the first pass runs at half speed
+    def drifting(fn, repeats, sync, clock=None, before=None):  # the first pass runs at half speed
         calls.append(1)
         return [2.0 if len(calls) <= 2 * cases else 1.0] * repeats
 
