@@ -425,7 +425,7 @@ class Merge:
         rep = c["replica"]
         self.replica_of[pos] = np.where(rep >= 0, o.cell * R + rep, -1)
         if o.results is not None:
-            _place(self.requests, o.results, pos)
+            self.requests.place(o.results, pos)
         else:
             _records(o, self.requests)
         reps = [ReplicaRecord(o.cell * R + i, _Engine(_rebuilt_log(log) if isinstance(log, list) else _column_log(log),
@@ -465,17 +465,6 @@ class Merge:
         return CellsResult(self.requests, replicas, wall_s, self.replica_of, sum(p[4] for p in self.parts.values()),
                            len(self.parts), steps_of, total_slots, self.decode_of if self.disagg else None,
                            prefill, decode, transfers, self.hits if self.disagg else None)
-
-
-def _place(out: RequestResults, part: RequestResults, rows: np.ndarray) -> None:
-    """A cell's RequestResults into the fleet's, its row j into row rows[j]; the gap tables summed
-    (RequestResults.placed's placement, one part at a time)."""
-    for k in RequestResults._ARRAYS:
-        getattr(out, k)[rows] = getattr(part, k)
-    req_id, message = out.req_id, out.finish_message
-    for j, i in enumerate(rows.tolist()):
-        req_id[i], message[i] = part.req_id[j], part.finish_message[j]
-    out.itl.absorb(part.itl)
 
 
 def _records(o: CellOutput, records: list) -> None:

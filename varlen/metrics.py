@@ -248,18 +248,15 @@ class RequestResults:
     _ARRAYS = ("reason", "prompt_tokens", "output_tokens", "num_preemptions", "prefix_hit_tokens", "priority",
                "arrival", "first_scheduled", "first_token", "finish", "tpot", "max_tbt", "filled")
 
-    @classmethod
-    def placed(cls, parts: Sequence[tuple["RequestResults", np.ndarray]], n: int) -> "RequestResults":
-        """n rows from `parts`, each (results, the row each of its rows goes to): a fleet's from its
-        cells', rows back in trace order, the gap tables summed."""
-        out = cls(n)
-        for part, rows in parts:
-            for k in cls._ARRAYS:
-                getattr(out, k)[rows] = getattr(part, k)
-            for j, i in enumerate(rows.tolist()):
-                out.req_id[i], out.finish_message[i] = part.req_id[j], part.finish_message[j]
-            out.itl.absorb(part.itl)
-        return out
+    def place(self, part: "RequestResults", rows: np.ndarray) -> None:
+        """`part`'s row j into my row rows[j], its gap table added to mine (a fleet's results from its
+        cells', rows back in trace order)."""
+        for k in self._ARRAYS:
+            getattr(self, k)[rows] = getattr(part, k)
+        req_id, message = self.req_id, self.finish_message
+        for j, i in enumerate(rows.tolist()):
+            req_id[i], message[i] = part.req_id[j], part.finish_message[j]
+        self.itl.absorb(part.itl)
 
     @classmethod
     def of(cls, requests: Sequence[Request]) -> "RequestResults":
