@@ -252,15 +252,15 @@ KV_COPIES = 8
 
 
 def layer_weight_bytes(cfg: Any, dtype: Any) -> int:
-    """About how many bytes of weights one decoder layer reads (its projections and a gated MLP): what the
-    engine streams between one layer's attention call and the next layer's."""
+    """About how many bytes of weights one decoder layer reads (its projections and its MLP, the experts a
+    token runs in an MoE layer): what the engine streams between one layer's attention call and the next's."""
     import torch
 
-    h, hq = cfg.hidden_size, cfg.num_attention_heads
-    hkv = cfg.num_key_value_heads or hq
-    d = getattr(cfg, "head_dim", None) or h // hq
-    inter = getattr(cfg, "intermediate_size", None) or 4 * h
-    return (h * d * (2 * hq + 2 * hkv) + 3 * h * inter) * torch.empty(0, dtype=dtype).element_size()
+    from sim.cost.hardware import ModelShape
+
+    shape = ModelShape.from_config(cfg.to_dict())
+    mlp = shape.moe_active_mlp_params if shape.is_moe else shape.mlp_matrices * shape.hidden * shape.intermediate
+    return (shape.attention_params + mlp) * torch.empty(0, dtype=dtype).element_size()
 
 
 DECODE_GRID = ((1, 64), (1, 512), (1, 2048), (8, 64), (8, 512), (8, 2048), (32, 256), (32, 1024), (64, 512))
