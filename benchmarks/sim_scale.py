@@ -173,11 +173,12 @@ def main() -> None:
           f"each point at {LOAD:.0%} of replicas x that")
     print(f"{'requests':>9} {'replicas':>8} {'cells':>5} {'rate':>8} {'wall s':>8} {'loop s':>8} {'CPU s':>7} "
           f"{'req/s':>8} {'loop req/s':>10} {'req/CPU s':>9} {'peak MB':>8} {'SLO att.':>8}  status", flush=True)
-    core = None
+    cores: dict[str, int] = {}
     for requests, replicas, cells in points:
         rate = LOAD * replicas * cap
         r = run_point(requests, replicas, rate, args.time_limit, cells, args.cells_on)
-        core = r.get("core", core)
+        if "core" in r:
+            cores[r["core"]] = cores.get(r["core"], 0) + 1
         if r["status"] != "ok":
             print(f"{requests:>9} {replicas:>8} {cells:>5} {rate:>8.4g}  {r['status']}", flush=True)
             continue
@@ -188,7 +189,12 @@ def main() -> None:
               f"{att if att is None else f'{att:.1%}':>8}  ok", flush=True)
     print(f"req/s: requests per second of the whole process's wall time (loop: of the event loop's; CPU s: the "
           f"process's user + system time, steadier on a shared machine); {VIDUR}")
-    print(f"goal: 1,000,000 requests on 100 replicas in <= 60 s wall on one core, <= 2 GB peak; core: {core}")
+    print(f"goal: 1,000,000 requests on 100 replicas in <= 60 s wall on one core, <= 2 GB peak; core: "
+          f"{', '.join(cores) or 'none ran'}")
+    if len(cores) > 1 or any(not c.startswith("compiled") for c in cores):
+        # A build evicted from the cache mid-grid, or never built, times the pure-Python core (3-4x slower).
+        print(f"WARNING: not every point ran the compiled core ({'; '.join(f'{c}: {n} points' for c, n in cores.items())}): "
+              "run `python -m varlen.compile` and measure again", flush=True)
 
 
 def azure_row() -> None:
