@@ -58,12 +58,12 @@ def build(force: bool = False) -> Path:
     return target
 
 
-#: Builds kept in the cache (each ~2 MB): switching branches or VARLEN_CORE groups reuses them.
+#: Builds kept in the cache (each ~2 MB), the most recently used: switching branches or VARLEN_CORE groups reuses them.
 KEEP_BUILDS = 8
 
 
 def prune(keep: int) -> None:
-    """Delete all but the `keep` most recently built builds."""
+    """Delete all but the `keep` most recently used builds (built, or loaded by an import: compiled.mark_used)."""
     builds = sorted(build_dir().parent.glob("core-*/COMPLETE"), key=lambda p: p.stat().st_mtime, reverse=True)
     for done in builds[keep:]:
         shutil.rmtree(done.parent, ignore_errors=True)

@@ -92,6 +92,15 @@ def build_dir() -> Path:
 _state: tuple[Path | None, str] | None = None  # (active build folder, why), decided once per process
 
 
+def mark_used(build: Path) -> None:
+    """Stamp a build as just used: pruning (varlen.compile.prune) keeps the most recently used builds, so
+    other checkouts' builds never evict the one a checkout keeps running."""
+    try:
+        os.utime(build / "COMPLETE")
+    except OSError:  # a read-only cache: pruning then goes by build time
+        pass
+
+
 def _decide() -> tuple[Path | None, str]:
     global _state
     if _state is None:
@@ -104,6 +113,7 @@ def _decide() -> tuple[Path | None, str]:
                 _state = (None, f"pure Python (cannot hash the core's sources: {e})")
             else:
                 if (d / "COMPLETE").is_file():
+                    mark_used(d)
                     sys.path.append(str(d / "lib"))
                     sys.meta_path.insert(0, _OwnAbcCaches())
                     part = "" if set(MODULES) == {m for g in GROUPS.values() for m in g} else f"groups {','.join(core_groups())}, "

@@ -241,6 +241,35 @@ def test_prune_keeps_the_newest_builds(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"core-{i:020d}" for i in (4, 5, 6)] + ["unrelated"]
 
 
+def test_a_build_in_use_outlives_newer_builds(tmp_path, monkeypatch):
+    """Builds made by other checkouts never evict the one an import keeps loading (least recently used go)."""
+    from varlen.compile import prune
+
+    monkeypatch.setenv("VARLEN_CACHE_DIR", str(tmp_path))
+    for i in range(5):
+        done = tmp_path / f"core-{i:020d}" / "COMPLETE"
+        done.parent.mkdir()
+        done.touch()
+        os.utime(done, (1000 + i, 1000 + i))
+    compiled.mark_used(tmp_path / f"core-{0:020d}")  # the oldest build, loaded again
+    prune(keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"core-{i:020d}" for i in (0, 4)]
+
+
+def test_loading_the_core_marks_it_used(tmp_path):
+    """An import that finds a build stamps it (a subprocess on a cache of its own holding an empty build of
+    these sources: the decision is made once per process and nothing is imported from it)."""
+    code = ("import os, varlen.compiled as c; d = c.build_dir(); d.mkdir(parents=True); (d / 'COMPLETE').touch(); "
+            "os.utime(d / 'COMPLETE', (1000, 1000)); c._state = None; c._decide(); print(c.status()); "
+            "print(os.stat(d / 'COMPLETE').st_mtime)")
+    env = {**os.environ, "VARLEN_CACHE_DIR": str(tmp_path)}
+    env.pop("VARLEN_PURE", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    status, mtime = proc.stdout.splitlines()
+    assert status.startswith("compiled") and str(tmp_path) in status
+    assert float(mtime) > 1000
+
+
 def test_pure_when_asked():
     proc = subprocess.run([sys.executable, "-c", "import varlen.compiled as c, varlen.engine as e; print(c.status()); print(e.__file__)"],
                           cwd=REPO, env={**os.environ, "VARLEN_PURE": "1"}, capture_output=True, text=True, check=True)
