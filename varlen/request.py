@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import numbers
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -59,6 +59,9 @@ class Request:
     max_token_gap: float = field(default=float("-inf"), repr=False)
     finish_time: float | None = None
     _hashes: list[int] = field(default_factory=list, repr=False)
+    # Opaque to all but the KV allocator that set it: its record of this request, reached without a lookup
+    # by id. That allocator clears it when it frees the request; any other reads None or a record not its own.
+    kv_handle: Any = field(default=None, repr=False)  # (Any: a compiled dataclass cannot name `object`)
     # len(prompt_token_ids), kept: read every step, and len() of an array is slow.
     num_prompt_tokens: int = field(init=False, repr=False)
 
@@ -103,6 +106,7 @@ class Request:
         self.max_token_gap = float("-inf")
         self.finish_time = None
         self._hashes = []
+        self.kv_handle = None
         self.num_prompt_tokens = len(prompt_token_ids)
 
     @property
@@ -153,6 +157,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_prefix_hit_tokens = 0
         self.num_preemptions += 1
+        self.kv_handle = None  # its blocks were freed; no record of them may be reached from here
 
 
 def prompt_problem(ids: object, vocab_size: int) -> str:

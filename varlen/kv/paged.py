@@ -10,9 +10,9 @@ used, and a pool of ~27k blocks would otherwise cost ~0.85 MB a replica before a
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from mypy_extensions import mypyc_attr
 
@@ -26,9 +26,13 @@ class Held:
     blocks: list[int]  # its block table
     count: int  # the largest count it asked slots for (num_tokens)
     registered: int  # how many leading blocks are registered (prefix caching)
+    # The pool holding it, None once freed: a request's handle (Request.kv_handle) to this record is read
+    # only by that pool and only while the record is in its `held`. (Any: a compiled dataclass cannot
+    # name `object`; not compared, so equal records of two pools compare equal.)
+    owner: Any = field(compare=False, repr=False)
 
-    def __init__(self, blocks: list[int], registered: int) -> None:
-        self.blocks, self.count, self.registered = blocks, 0, registered
+    def __init__(self, blocks: list[int], registered: int, owner: object) -> None:
+        self.blocks, self.count, self.registered, self.owner = blocks, 0, registered, owner
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -66,6 +70,17 @@ class PagedAllocator(KVAllocator):
     @property
     def num_tokens(self) -> Mapping[str, int]:
         return MappingProxyType({rid: h.count for rid, h in self.held.items() if h.count})
+
+    def _record(self, req: Request) -> Held | None:
+        """req's record in `held`: through its handle where this pool set it, else by id (then kept as the
+        handle, unless another pool's is there)."""
+        k = req.kv_handle
+        if isinstance(k, Held) and k.owner is self:
+            return k
+        h = self.held.get(req.req_id)
+        if h is not None and k is None:
+            req.kv_handle = h
+        return h
 
     def _record_count(self, req_id: str, num_tokens: int) -> None:
         h = self.held[req_id]  # only a holder records a count
@@ -122,7 +137,7 @@ class PagedAllocator(KVAllocator):
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
         rid = req.req_id
-        rec = self.held.get(rid)
+        rec = self._record(req)
         if rec is not None and -(-num_tokens // self.block_size) <= len(rec.blocks):
             self._record_count(rid, num_tokens)
             if self.enable_prefix_caching:
@@ -139,7 +154,7 @@ class PagedAllocator(KVAllocator):
         if need > self.num_free_plain() + len(self.free_cached) - revived:
             return False
         if rec is None:
-            self.held[rid] = Held(table, len(hits))
+            self.held[rid] = req.kv_handle = Held(table, len(hits), self)
             self.prefix_hit_blocks += len(hits)
             self.prefix_query_blocks += (req.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0
             for b in hits:
@@ -176,7 +191,8 @@ class PagedAllocator(KVAllocator):
         for p in range(num):
             r = reqs[p]
             m = r.num_computed_tokens + 1
-            h = held.get(r.req_id)
+            k = r.kv_handle
+            h = k if isinstance(k, Held) and k.owner is self else held.get(r.req_id)
             if h is None or m > len(h.blocks) * bs:
                 if h is None or caching or m > (len(h.blocks) + 1) * bs:
                     if not self.allocate(r, m):
@@ -204,7 +220,7 @@ class PagedAllocator(KVAllocator):
 
     def next_allocation_event(self, req: Request, num_tokens: int) -> int:
         bs = self.block_size
-        h = self.held.get(req.req_id)
+        h = self._record(req)
         event = max(len(h.blocks) if h is not None else 0, -(-num_tokens // bs)) * bs + 1
         if self.enable_prefix_caching:
             full = max(h.registered if h is not None else 0, num_tokens // bs)
@@ -217,7 +233,7 @@ class PagedAllocator(KVAllocator):
             return None  # decodes fill blocks that must be registered as they fill: call by call
         # Without prefix caching only takes matter: list them, step then batch order, off the stack, each
         # as one int (step * n + position: ints sort faster than pairs).
-        bs, held = self.block_size, self.held
+        bs = self.block_size
         rl: list[Request] = reqs if isinstance(reqs, list) else list(reqs)
         cl: list[int] = counts if isinstance(counts, list) else list(counts)
         n = min(len(rl), len(cl))
@@ -225,7 +241,9 @@ class PagedAllocator(KVAllocator):
         takes: list[int] = []
         hs: list[Held] = []
         for p in range(n):
-            h = held[rl[p].req_id]
+            r = rl[p]
+            k = r.kv_handle
+            h = k if isinstance(k, Held) and k.owner is self else self.held[r.req_id]
             hs.append(h)
             j = len(h.blocks) * bs - cl[p]
             while j < num_steps:
@@ -267,7 +285,7 @@ class PagedAllocator(KVAllocator):
 
     def decode_steps_fit(self, reqs: Sequence[Request], counts: Sequence[int], num_steps: int) -> int:
         # A decode takes at most one block, when its count passes its table; any free block serves.
-        bs, held = self.block_size, self.held
+        bs = self.block_size
         rl: list[Request] = reqs if isinstance(reqs, list) else list(reqs)
         cl: list[int] = counts if isinstance(counts, list) else list(counts)
         n = min(len(rl), len(cl))
@@ -275,14 +293,20 @@ class PagedAllocator(KVAllocator):
         # Counted first: the steps are listed only when they may not all fit.
         num_takes = 0
         for p in range(n):
-            j = len(held[rl[p].req_id].blocks) * bs - cl[p]
+            r = rl[p]
+            k = r.kv_handle
+            h = k if isinstance(k, Held) and k.owner is self else self.held[r.req_id]
+            j = len(h.blocks) * bs - cl[p]
             if j < num_steps:
                 num_takes += (num_steps - j + bs - 1) // bs
         if num_takes <= free:
             return num_steps
         takes = []
         for p in range(n):
-            j = len(held[rl[p].req_id].blocks) * bs - cl[p]
+            r = rl[p]
+            k = r.kv_handle
+            g = k if isinstance(k, Held) and k.owner is self else self.held[r.req_id]
+            j = len(g.blocks) * bs - cl[p]
             while j < num_steps:
                 takes.append(j)
                 j += bs
@@ -293,7 +317,9 @@ class PagedAllocator(KVAllocator):
         # Findable now: a forward writes all new K/V before any attention reads them.
         if not self.enable_prefix_caching:
             return
-        bs, rec = self.block_size, self.held[req.req_id]
+        bs, rec = self.block_size, self._record(req)
+        if rec is None:
+            raise KeyError(req.req_id)  # only a holder registers blocks
         table = rec.blocks
         full = min(num_tokens, req.num_tokens) // bs
         start = rec.registered
@@ -314,6 +340,11 @@ class PagedAllocator(KVAllocator):
         if h is None:
             return
         table = h.blocks
+        # The record leaves `held`: no handle to it is read again (another object of this id may hold one).
+        h.owner = None
+        k: object = req.kv_handle  # (typed: `is` against an Any would make h an Any)
+        if k is h:
+            req.kv_handle = None
         rc, plain = self.ref_count, self.free_plain
         if not self.enable_prefix_caching:
             for b in table:
@@ -342,7 +373,7 @@ class PagedAllocator(KVAllocator):
 
     def discard(self, req: Request, num_written: int) -> None:
         # Blocks are registered when allocated for a step, before its forward writes them.
-        rec = self.held.get(req.req_id)
+        rec = self._record(req)
         if rec is not None and self.enable_prefix_caching:
             for b in rec.blocks[num_written // self.block_size:]:
                 h = self.block_hash[b]
@@ -353,7 +384,7 @@ class PagedAllocator(KVAllocator):
         self.free(req)
 
     def block_table(self, req: Request) -> Sequence[int]:
-        h = self.held.get(req.req_id)
+        h = self._record(req)
         return h.blocks if h is not None else ()
 
     def usage(self) -> KVUsage:
