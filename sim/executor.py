@@ -110,14 +110,15 @@ class CostModelExecutor(FastForwardExecutor):
             self._known_seqs, self._known_cached, self._known_start = num_seqs, cached, t
             extend = True
         # The clock's own sum, one step at a time: bit-identical end times.
-        for _ in range(max_steps - len(ends)):
+        reused = len(ends)
+        for _ in range(max_steps - reused):
             if t >= until:
                 break
             t += step_seconds(self.cost, step_time(cached))
             ends.append(t)
-            if extend:
-                known.append(t)
             cached += num_seqs
+        if extend and len(ends) > reused:
+            known.extend(ends[reused:])  # the same float objects: each end boxed once
         return SIM_TOKEN, ends
 
     def ready_time(self, now: float) -> float:

@@ -128,15 +128,32 @@ class FastForwardEngine(Engine):
         self.num_preemptions += len(out.preempted)
         if not out:
             return self._unstick()
-        scheduled = out.scheduled
-        self._scheduled = scheduled
+        self._batch = out
+        # The leading decodes a shipped policy hands over in bulk (one token each, no tuples), then the rest.
+        bulk = out.decodes
+        decodes: list[Request] = [] if bulk is None else bulk
+        rest = out.rest()
+        nd = len(decodes)
+        size = nd + len(rest)
         steps = self.steps
-        blank = self._batch_ids(len(scheduled))
+        blank = self._batch_ids(size)
         detail = blank is None
         cached: list[int] = []
-        samples: list[bool] = []  # whether each entry samples, as execute() decides it
-        tn = tc = tnc = tnn = prefills = sampled = 0
-        for r, n in scheduled:
+        tc = 0
+        for r in decodes:
+            c = r.num_computed_tokens
+            if c + 1 > r.num_prompt_tokens + len(r.output_token_ids):
+                raise ValueError(grant_problem(policy, r, 1))
+            if detail:
+                cached.append(c)
+            if r.first_scheduled is None:
+                r.first_scheduled = start
+            tc += c
+        samples: list[bool] = []  # whether each entry of `rest` samples, as execute() decides it
+        tn = tnn = sampled = nd  # each decode: one new token, and it samples
+        tnc = tc
+        prefills = 0
+        for r, n in rest:
             c = r.num_computed_tokens
             total = r.num_prompt_tokens + len(r.output_token_ids)
             # A wrong grant would compute past the request's tokens or nothing, step after step.
@@ -157,7 +174,7 @@ class FastForwardEngine(Engine):
             if last:
                 sampled += 1
         t1 = time.perf_counter()
-        tok = ex.advance_step(len(scheduled), tn, tc, tnc, tnn, sampled, prefills)
+        tok = ex.advance_step(size, tn, tc, tnc, tnn, sampled, prefills)
         t2 = time.perf_counter()
         end: float = self.clock.now()  # unboxed once: the streamed times are native arithmetic
         finished = []
@@ -166,11 +183,15 @@ class FastForwardEngine(Engine):
         tok_obj: object = tok  # boxed once for the membership tests, not once a request
         eos = tok_obj in self.eos_token_ids
         max_len = self.max_model_len
-        for i in range(len(scheduled)):
-            r, n = scheduled[i]
-            r.num_computed_tokens += n
-            if not samples[i]:
-                continue
+        for i in range(size):
+            if i < nd:
+                r = decodes[i]
+                r.num_computed_tokens += 1
+            else:
+                r, n = rest[i - nd]
+                r.num_computed_tokens += n
+                if not samples[i - nd]:
+                    continue
             outs = r.output_token_ids
             outs.append(tok)
             if r.streams_token_times:  # Engine._stream_time, inline
@@ -202,8 +223,10 @@ class FastForwardEngine(Engine):
         usage = kv.usage()
         new: list[int] = []
         if blank is None:
-            ids = [r.req_id for r, _ in scheduled]
-            new = [n for _, n in scheduled]
+            ids = [r.req_id for r in decodes]
+            ids += [r.req_id for r, _ in rest]
+            new = [1] * nd
+            new += [n for _, n in rest]
         else:  # not read: only the batch's size is
             ids = blank
         steps.append(StepRecord(

@@ -15,7 +15,7 @@ from mypy_extensions import mypyc_attr
 from varlen.clock import WallClock
 from varlen.kv.base import KVAllocator
 from varlen.request import FinishReason, Request, Status, prompt_problem
-from varlen.scheduler_api import SchedulerPolicy
+from varlen.scheduler_api import SchedulerOutput, SchedulerPolicy
 from varlen.steplog import StepLog, StepRecord
 
 
@@ -56,7 +56,7 @@ class Engine:
         self.steps = StepLog()
         self.num_preemptions = 0
         self.timings: dict[str, float] = defaultdict(float)  # wall seconds per phase of step()
-        self._scheduled: list[tuple[Request, int]] | None = None
+        self._batch: SchedulerOutput | None = None  # the step's batch while it runs (ended aborted if it raises)
         # stream_token_times: where the gaps go (None: each request keeps its token_times), the gaps not
         # handed over yet (equal neighbours as one value and its count), and the equal gaps being counted.
         self._gap_sink: Callable[[list[float], list[int]], None] | None = None
@@ -191,19 +191,19 @@ class Engine:
         `aborted`, queues and KV pool stay consistent, and the error propagates."""
         if start is None:
             start = self.clock.now()
-        # Not assigned here: mypy would narrow _scheduled to None in `except`.
+        # Not assigned here: mypy would narrow _batch to None in `except`.
         try:
             return self._step(start)
         except BaseException as err:
-            scheduled = self._scheduled
-            if scheduled is not None:
-                self._fail([r for r, _ in scheduled], err, f"step {len(self.steps)} failed")
+            batch = self._batch
+            if batch is not None:
+                self._fail([r for r, _ in batch.scheduled], err, f"step {len(self.steps)} failed")
             else:
                 self._fail(list(self.requests.values()), err,
                            f"step {len(self.steps)} failed before its batch was decided")
             raise
         finally:
-            self._scheduled = None
+            self._batch = None
 
     def _fail(self, reqs: list[Request], err: BaseException, what: str) -> None:
         message = _error_message(what, err)
@@ -219,9 +219,10 @@ class Engine:
         self.num_preemptions += len(out.preempted)
         if not out:
             return self._unstick()
-        self._scheduled = out.scheduled
+        self._batch = out
+        scheduled = out.scheduled
         cached = []
-        for r, n in out.scheduled:
+        for r, n in scheduled:
             c = r.num_computed_tokens
             # A wrong grant would compute past the request's tokens or nothing, step after step.
             if n < 1 or c + n > r.num_tokens:
@@ -230,15 +231,15 @@ class Engine:
             if r.first_scheduled is None:
                 r.first_scheduled = start
         t1 = time.perf_counter()
-        tokens = self.executor.execute(out.scheduled, self.kv)
-        if len(tokens) != len(out.scheduled):
+        tokens = self.executor.execute(scheduled, self.kv)
+        if len(tokens) != len(scheduled):
             raise RuntimeError(f"{type(self.executor).__name__}.execute returned {len(tokens)} tokens for a batch "
-                               f"of {len(out.scheduled)} requests (one entry each, None for a prefill chunk)")
+                               f"of {len(scheduled)} requests (one entry each, None for a prefill chunk)")
         t2 = time.perf_counter()
         end = self.clock.now()
         finished = []
         sampled = 0
-        for (r, n), tok in zip(out.scheduled, tokens):
+        for (r, n), tok in zip(scheduled, tokens):
             r.num_computed_tokens += n
             if tok is None:
                 continue
@@ -254,8 +255,8 @@ class Engine:
                 finished.append(r)
         usage = self.kv.usage()
         rec = StepRecord(
-            len(self.steps), start, end - start, [r.req_id for r, _ in out.scheduled],
-            [n for _, n in out.scheduled], cached, len(out.preempted), usage.reserved_slots,
+            len(self.steps), start, end - start, [r.req_id for r, _ in scheduled],
+            [n for _, n in scheduled], cached, len(out.preempted), usage.reserved_slots,
             usage.live_tokens, len(self.policy.waiting), sampled, len(self.policy.running))
         self.steps.append(rec)
         timings = self.timings

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from abc import ABC
 from collections import deque
-from dataclasses import dataclass
 from itertools import islice
 from typing import ClassVar, Iterator, Protocol
 
@@ -47,21 +46,60 @@ class WaitingQueue(Protocol):
     def __contains__(self, req: object) -> bool: ...
 
 
-@dataclass(init=False, slots=True)
 class SchedulerOutput:
-    scheduled: list[tuple[Request, int]]  # (request, new tokens), batch order
+    """A step's batch: `scheduled`, (request, new tokens) in batch order, and the requests preempted.
+
+    A shipped policy may hand its leading decodes over in bulk (`decodes`, each granted one token,
+    ahead of the entries appended since) while no one holds the list: reading `scheduled` puts them
+    into it, so every reader of `scheduled` sees the whole batch, the same list object from then on."""
+
     preempted: list[Request]
 
     def __init__(self, scheduled: list[tuple[Request, int]] | None = None, preempted: list[Request] | None = None) -> None:
-        self.scheduled = [] if scheduled is None else scheduled
+        self._entries: list[tuple[Request, int]] = [] if scheduled is None else scheduled  # after `decodes`
+        self.decodes: list[Request] | None = None  # leading one-token grants not in _entries yet
+        self.handed_out = scheduled is not None  # whether a caller holds _entries (then no bulk decodes)
         self.preempted = [] if preempted is None else preempted
 
     @property
+    def scheduled(self) -> list[tuple[Request, int]]:
+        entries = self._entries
+        self.handed_out = True
+        decodes = self.decodes
+        if decodes is not None:
+            self.decodes = None
+            entries[0:0] = [(r, 1) for r in decodes]  # in place: a list read before stays the batch's
+        return entries
+
+    @scheduled.setter
+    def scheduled(self, value: list[tuple[Request, int]]) -> None:
+        self._entries = value
+        self.decodes = None
+        self.handed_out = True
+
+    def add(self, req: Request, n: int) -> None:
+        """Append (req, n) to the batch (no copy of the bulk decodes)."""
+        self._entries.append((req, n))
+
+    def rest(self) -> list[tuple[Request, int]]:
+        """The entries after `decodes` (the whole batch where decodes is None)."""
+        return self._entries
+
+    @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        d = self.decodes
+        return (0 if d is None else len(d)) + sum(n for _, n in self._entries)
 
     def __bool__(self) -> bool:
-        return bool(self.scheduled)
+        return bool(self._entries) or bool(self.decodes)
+
+    def __repr__(self) -> str:
+        return f"SchedulerOutput(scheduled={self.scheduled!r}, preempted={self.preempted!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SchedulerOutput):
+            return NotImplemented
+        return self.scheduled == other.scheduled and self.preempted == other.preempted
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -169,9 +207,11 @@ class SchedulerPolicy(ABC):
                     if got < first:
                         refused = running[got]
                     first = got
-                    scheduled = out.scheduled
-                    for p in range(first):
-                        scheduled.append((running[p], 1))
+                    if not out.handed_out and out.decodes is None and not out.rest():
+                        out.decodes = running[:first]  # one slice, not a (request, 1) tuple each
+                    else:
+                        for p in range(first):
+                            out.add(running[p], 1)
                     budget -= first
         for req in running[first:] if first else list(running):
             # Preempted as a victim earlier in this loop (out.preempted is short; `running` is not).
@@ -188,7 +228,7 @@ class SchedulerPolicy(ABC):
                 if victim is req:
                     break
             else:
-                out.scheduled.append((req, n))
+                out.add(req, n)
                 budget -= n
         return budget
 
@@ -233,7 +273,7 @@ class SchedulerPolicy(ABC):
             self.waiting.remove(req)
             req.status = Status.RUNNING
             self.running.append(req)
-            out.scheduled.append((req, n))
+            out.add(req, n)
             budget -= n
             seats -= 1
         return budget
