@@ -564,10 +564,12 @@ class MeasuredProfiler:
     runs: the tables after the first pair, one pass of the engine's batches after each pair, so the
     overhead fit (and its operator scale) sees the machine over the same minutes as the real runs."""
 
-    def __init__(self, model_dir: str, backend: str, out: str) -> None:
+    def __init__(self, model_dir: str, backend: str, out: str, settings: dict[str, int] | None = None) -> None:
         import json
 
         self.folder, self.root, self.backend = Path(model_dir), Path(out), backend
+        # The real runs' engine sizes: the overhead is fitted on the chunks and decode batches that engine makes.
+        self.settings = settings
         self.cfg = json.loads((self.folder / "config.json").read_text())
         self.rows: list = []
         self.groups: list[int] = []
@@ -583,7 +585,8 @@ class MeasuredProfiler:
         # The speed ticks in bursts after each of the pass's batches: the minutes its overhead fit saw.
         between = None if ticks is None else partial(ticks.burst, "sim.profile passes", 10)
         got: list[int] = []
-        self.rows += profile_engine(self.folder, self.backend, 3, between=between, groups_out=got)
+        self.rows += profile_engine(self.folder, self.backend, 3, between=between, groups_out=got,
+                                    settings=self.settings)
         self.groups += [i] * len(got)  # each pass its own group: the fit's halves are alternate passes
 
     def model(self):
@@ -596,6 +599,12 @@ class MeasuredProfiler:
         print(f"\nmeasured model from sim.profile (engine overhead on {fit['steps']} steps, step MAPE "
               f"{fit['step_mape_pct']:.1f}%; {overhead_confidence(fit)}):\n  " + "\n  ".join(cost.notes))
         return cost
+
+
+def fidelity_engine(args) -> dict[str, int]:
+    """The real runs' engine sizes (real_run's LLM), for the measured model's engine passes."""
+    return {"max_num_seqs": args.seqs, "max_num_batched_tokens": args.budget, "max_model_len": args.max_len,
+            "num_blocks": args.blocks}
 
 
 def write_steps(path: str, runs: dict[str, list[RealRun]], profiler) -> None:
@@ -695,7 +704,8 @@ def main() -> None:
         # A, B, A, B, ...: interleaved, so the repeats of both slices span the same stretch of
         # the machine's time (a shared VM's speed drifts by several percent over minutes); so do
         # sim.profile's engine runs for `measured`, one pass after each pair.
-        profiler = MeasuredProfiler(model_dir, backend, os.path.join(tmp, "profiles")) if args.measured else None
+        profiler = MeasuredProfiler(model_dir, backend, os.path.join(tmp, "profiles"), fidelity_engine(args)) \
+            if args.measured else None
         # The speed probe, read before the first run and after every run and sim.profile pass: each run
         # is bracketed by two readings, as is each pass the measured model's speed comes from.
         probe = SpeedProbe(model_dir, backend, args)

@@ -341,12 +341,30 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
 
 
 ENGINE_BATCHES = ((1, 32, 24), (4, 64, 24), (16, 128, 16), (32, 200, 8), (8, 400, 4), (2, 900, 24))  # requests, prompt, output
+# The engine profile_engine runs unless told the simulated engine's: its token budget and seats set how prompts
+# are chunked and how many decodes share a step, so the overhead is fitted on the steps that engine makes.
+ENGINE_SETTINGS = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "max_model_len": 2048}
+
+
+def engine_settings(given: dict[str, int] | None = None) -> dict[str, int]:
+    """ENGINE_SETTINGS with `given` over them; a name LLM does not size by, or a value below 1, is refused."""
+    out = dict(ENGINE_SETTINGS)
+    for key, value in (given or {}).items():
+        if key not in (*ENGINE_SETTINGS, "num_blocks"):
+            raise ValueError(f"engine setting {key!r}: profile_engine sizes the engine by "
+                             f"{', '.join((*ENGINE_SETTINGS, 'num_blocks'))}")
+        if value is None:
+            continue
+        if int(value) < 1:
+            raise ValueError(f"engine setting {key}={value}: must be >= 1")
+        out[key] = int(value)
+    return out
 
 
 def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu", dtype: str = "float32",
                    linear_kernel: str = "auto", temperature: float = 0.0,
                    between: Callable[[], None] | None = None, passes: int | None = None,
-                   groups_out: list[int] | None = None) -> list[Any]:
+                   groups_out: list[int] | None = None, settings: dict[str, int] | None = None) -> list[Any]:
     """The real engine's step log over a few synthetic batches (sim.cost.fitted.profile_rows), each
     batch run once untimed first: a GEMM's first call at a new row count creates its oneDNN
     primitive, a one-off the operator tables (timed after warm calls) and a long run do not pay.
@@ -355,14 +373,16 @@ def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu"
     between: called after each timed batch, outside every step.
     passes: timed passes over ENGINE_BATCHES (default max(1, repeats // 3)), each in its own order: the
     machine's speed moves from one call to the next, and a batch size timed in one call only carries that
-    call's speed into the fit. groups_out: gets each returned row's pass number (fit_engine_overhead's groups)."""
+    call's speed into the fit. groups_out: gets each returned row's pass number (fit_engine_overhead's groups).
+    settings: the simulated engine's max_num_seqs, max_num_batched_tokens, max_model_len, num_blocks over
+    ENGINE_SETTINGS (engine_settings): the budget sets the prompt chunks' sizes and the seats the decode batches."""
     import numpy as np
 
     from sim.cost.fitted import profile_rows
     from varlen import LLM, SamplingParams
 
-    llm = LLM(str(folder), backend=backend, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=2048,
-              device=device, dtype=dtype, linear_kernel=linear_kernel)
+    sizes = engine_settings(settings)
+    llm = LLM(str(folder), backend=backend, device=device, dtype=dtype, linear_kernel=linear_kernel, **sizes)
     if device == "cpu":
         # CPU time: on a shared machine other processes stretch wall-clock steps at random.
         llm.engine.clock = _CpuClock()
@@ -370,6 +390,7 @@ def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu"
     vocab = llm.runner.config.vocab_size
 
     def run(b: int, prompt: int, out: int) -> list[Any]:
+        prompt = max(1, min(prompt, sizes["max_model_len"] - out))  # a shorter engine's longest request
         # Random prompts: repeated ones would be prefix-cache hits, and the prefills not computed.
         before = llm.engine.steps
         first = len(before)
@@ -593,6 +614,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-passes", type=int, default=3,
                     help="timed passes over the engine's synthetic batches, each in its own order (more: a "
                          "steadier overhead fit; its printed spread says how steady)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_SETTINGS["max_num_batched_tokens"],
+                    help="the token budget of the engine you simulate: the engine runs the overhead is fitted on "
+                         "chunk prompts to it (as engine.max_num_batched_tokens)")
+    ap.add_argument("--max-num-seqs", type=int, default=ENGINE_SETTINGS["max_num_seqs"],
+                    help="the seats of the engine you simulate (as engine.max_num_seqs): the most decodes in a step")
+    ap.add_argument("--max-model-len", type=int, default=ENGINE_SETTINGS["max_model_len"],
+                    help="the longest request of the engine you simulate (longer synthetic prompts are cut to it)")
     ap.add_argument("--no-engine", dest="engine", action="store_false",
                     help="skip the engine's per-step overhead (a few real engine runs)")
     ap.add_argument("--collectives", type=int, default=None,
@@ -606,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens = tuple(sorted({int(x) for x in a.tokens.split(",")}))
         if not a.temperature >= 0:
             raise ValueError(f"--temperature {a.temperature}: must be >= 0 (0 = greedy)")
+        settings = engine_settings({"max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
+                                    "max_model_len": a.max_model_len})
         if a.engine_passes < 1:
             raise ValueError(f"--engine-passes {a.engine_passes}: must be >= 1 (--no-engine skips the engine runs)")
         if not tokens or tokens[0] < 1 or a.repeats < 1:
@@ -659,9 +689,10 @@ def main(argv: list[str] | None = None) -> int:
 
             groups: list[int] = []
             steps = profile_engine(folder, backend, a.repeats, a.device, a.dtype, a.linear_kernel, a.temperature,
-                                   passes=a.engine_passes, groups_out=groups)
+                                   passes=a.engine_passes, groups_out=groups, settings=settings)
             fit = fit_engine_overhead(steps, json.loads((folder / "config.json").read_text()), gpu, Path(a.out),
                                       temperature=a.temperature, groups=groups)
+            fit.update(settings)  # which engine the overhead was fitted at, kept beside it
             path = write_table([fit], Path(a.out), gpu, name, "overhead")
             print(f"engine overhead from {fit['steps']} real steps: operators x{fit['ops_scale']:.3g} "
                   f"(decode-only steps x{fit['decode_ops_scale']:.3g}) + "
