@@ -61,9 +61,10 @@ def op_clock(device: str) -> Callable[[], float]:
 
 
 def _timer(fn: Callable[[], Any], repeats: int, sync: Callable[[], None],
-           clock: Callable[[], float] = time.perf_counter, before: Callable[[], Any] | None = None) -> list[float]:
-    """`fn`'s time in ms, `repeats` times after two untimed calls; `before` runs ahead of each timed call, off the clock."""
-    for _ in range(2):
+           clock: Callable[[], float] = time.perf_counter, before: Callable[[], Any] | None = None,
+           untimed: int = 2) -> list[float]:
+    """`fn`'s time in ms, `repeats` times after `untimed` calls; `before` runs ahead of each timed call, off the clock."""
+    for _ in range(untimed):
         fn()
     sync()
     out = []
@@ -108,13 +109,18 @@ def _fused_ops(module: Any) -> Any:
     return args[1] if len(args) > 1 else None
 
 
+# Token counts up to SMALL_TOKENS (decode batch sizes) are timed SMALL_VISITS times in each round of profile_model.
+SMALL_TOKENS, SMALL_VISITS = 16, 4
+
+
 def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: str = "cpu",
                   dtype: str = "float32", linear_kernel: str = "auto", passes: int = 3) -> list[dict[str, Any]]:
     """One row per token count: the operators' time statistics (ms) and the shape columns, each
-    operator timed as the engine runs it (engine_model), `repeats` times in each of `passes` passes over the
-    token counts (the first in order, the others shuffled), pooled: one sweep takes about a second, and on a
-    shared machine the layers' sum at one count moved 20-40% from one sweep to the next, which one sweep
-    hands to that count's decode steps alone."""
+    operator timed as the engine runs it (engine_model), in `passes` x `repeats` rounds that each time every
+    count once (the first round in order, the others shuffled), each round's samples over that round's speed
+    (round_speeds). On a shared or quiet VM the layers' sum at one count moved 10-40% from one second to the
+    next: timed in blocks (a count's repeats back to back), each count carried a few seconds' speed, and two
+    tables disagreed 10-20% per count; a round visits every count within about a second, so they share it."""
     import numpy as np
     import torch
 
@@ -128,10 +134,9 @@ def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: s
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     clock = op_clock(device)
     rows = []
-    timed: dict[int, dict[str, list[float]]] = {t: {} for t in tokens}
 
     def setup(t: int) -> tuple[list[dict[str, Callable[[], Any]]], Callable[[], Any]]:
-        """A step's inputs at t tokens and each layer's operators on them (made per pass: no count's tensors held)."""
+        """A step's inputs at t tokens and each layer's operators on them."""
         ids = torch.randint(0, cfg.vocab_size, (1, t), device=device)
         x = model.model.embed_tokens(ids)
         pos = torch.arange(t, device=device)[None]
@@ -147,24 +152,47 @@ def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: s
         return layer_ops, partial(model.model.embed_tokens, ids)
 
     with torch.inference_mode():
+        # Every count's inputs held for the whole table (activations only: ~50 MB for a 50M model to 512 tokens).
+        made = {t: setup(t) for t in tokens}
+        for t in tokens:  # untimed: first calls at a row count create their kernels, fault pages in
+            _time_in_step_order(made[t][0], 0, sync, clock)
         order = np.random.default_rng(2)
-        for p in range(max(1, passes)):
-            for t in (tokens if p == 0 else [tokens[i] for i in order.permutation(len(tokens))]):
-                layer_ops, emb = setup(t)
-                got = _time_in_step_order(layer_ops, repeats, sync, clock)
-                got["emb"] = _timer(emb, repeats, sync, clock)
-                for op, ms in got.items():
-                    timed[t].setdefault(op, []).extend(ms)
+        rounds = max(1, passes) * max(1, repeats)
+        # Decode batch sizes visited SMALL_VISITS times a round: a visit costs a few ms (a large count's, tens),
+        # and the table's noise at these counts is a few percent of every decode step the model predicts.
+        visits = list(tokens) + [t for t in tokens if t <= SMALL_TOKENS] * (SMALL_VISITS - 1)
+        timed: list[dict[int, list[dict[str, float]]]] = []
+        for r in range(rounds):
+            got: dict[int, list[dict[str, float]]] = {}
+            for t in (visits if r == 0 else [visits[i] for i in order.permutation(len(visits))]):
+                layer_ops, emb = made[t]
+                one = {op: ms[0] for op, ms in _time_in_step_order(layer_ops, 1, sync, clock, untimed=0).items()}
+                one["emb"] = _timer(emb, 1, sync, clock, untimed=0)[0]
+                got.setdefault(t, []).append(one)
+            timed.append(got)
+        speeds = round_speeds([{t: statistics.fmean(sum(one.values()) for one in ones) for t, ones in got.items()}
+                               for got in timed])
         for t in tokens:
-            times = timed[t]
             row: dict[str, Any] = {}
             for op in OPS:
-                row.update({f"time_stats.{op}.{k}": v for k, v in _stats(times[op]).items()})
+                row.update({f"time_stats.{op}.{k}": v for k, v in _stats(
+                    [one[op] / v for got, v in zip(timed, speeds) for one in got[t]]).items()})
             row.update(n_head=heads, n_kv_head=kv_heads, n_embd=cfg.hidden_size,
                        n_expanded_embd=cfg.intermediate_size, vocab_size=cfg.vocab_size, use_gated_mlp=True,
                        num_tokens=t, num_tensor_parallel_workers=1, head_dim=head_dim)
             rows.append(row)
     return rows
+
+
+def round_speeds(rounds: list[dict[Any, float]]) -> list[float]:
+    """Each round's speed: the median over its entries of the entry's time over that entry's median across the
+    rounds (1.0: a typical round). A table's samples divided by it keep their shape across entries (what the
+    measured model reads: the engine fit's operator scale sets the level) without the seconds that ran slow."""
+    import numpy as np
+
+    keys = list(rounds[0])
+    typical = {k: float(np.median([r[k] for r in rounds])) for k in keys}
+    return [float(np.median([r[k] / typical[k] for k in keys if typical[k] > 0] or [1.0])) for r in rounds]
 
 
 def _layer_ops(layer: Any, rotary: Callable[..., Any], x: Any, q: Any, k: Any, cos: Any, sin: Any, attn_out: Any,
@@ -198,14 +226,14 @@ def _layer_ops(layer: Any, rotary: Callable[..., Any], x: Any, q: Any, k: Any, c
 
 
 def _time_in_step_order(layer_ops: list[dict[str, Callable[[], Any]]], repeats: int, sync: Callable[[], None],
-                        clock: Callable[[], float]) -> dict[str, list[float]]:
+                        clock: Callable[[], float], untimed: int = 2) -> dict[str, list[float]]:
     """Each operator's ms per layer: every layer's operators in the order a step runs them, each timed,
     summed over the layers. A step reads each layer's weights once: one operator timed over and over on
     the same weights finds them in cache (decode GEMMs 3-7x fast), while a flushed cache before each
     call made them ~40% slow; in step order the caches hold what they hold in the engine."""
     names = [op for op in OPS if op != "emb"]
     out: dict[str, list[float]] = {op: [] for op in names}
-    for rep in range(repeats + 2):  # two untimed passes first
+    for rep in range(repeats + untimed):  # the untimed passes first
         acc = dict.fromkeys(names, 0.0)
         for ops in layer_ops:
             for op in names:
@@ -213,7 +241,7 @@ def _time_in_step_order(layer_ops: list[dict[str, Callable[[], Any]]], repeats: 
                 ops[op]()
                 sync()
                 acc[op] += clock() - t0
-        if rep >= 2:
+        if rep >= untimed:
             for op in names:
                 out[op].append(acc[op] / len(layer_ops) * 1e3)
     if "fused_add" in layer_ops[0]:
