@@ -33,10 +33,13 @@ runs on its own engine (SpeedProbe), the first design, which did not track the r
     taskset -c 1 python benchmarks/sim_fidelity.py --model tiny   # ~4 ms steps: run-to-run jitter dominates
 
 --measured also predicts both slices with cost.model=measured built by `python -m sim.profile`'s
-functions on the same model and machine (operators, attention backend, engine overhead): a model
-that never saw a trace run, next to the profiled model fitted on the other slice. Its tables are
-timed after the first pair of real runs and its engine batches after every pair, so its overhead
-fit sees the machine over the same minutes as the runs it is judged against.
+functions on the same model and machine (operators, attention backend, engine overhead on engine batches
+sized as the real runs' engine: budget, seats, length): a model that never saw a trace run, next to the
+profiled model fitted on the other slice. Its tables are timed after each of the first two pairs of real
+runs and two passes of its engine batches after every pair, so its overhead fit sees the machine over the
+same minutes as the runs it is judged against. Two builds are kept apart (A: the first tables and each
+pair's first pass; B: the second tables and second passes) and printed side by side on the slices' steps
+("measured build A vs build B": how far one build strays from the next); the model judged pools both.
 """
 
 from __future__ import annotations
@@ -640,16 +643,13 @@ def mean_table(tables: list[list[dict]]) -> list[dict]:
     return out
 
 
-def build_agreement(a, b, runs: dict[str, list[RealRun]]) -> dict[str, float]:
-    """Two measured builds' predicted time of every real step of the slices, B over A: the median by step kind
-    and over all steps, and the largest step kind's median gap (a build's reproducibility, in the model's own
-    terms: no real run is judged)."""
-    from sim.cost.fitted import profile_rows
-
+def build_agreement(a, b, rows: list) -> dict[str, float]:
+    """Two measured builds' predicted time of every step in `rows` (profile_rows of the slices' runs), B over A:
+    the median by step kind and over all steps, and the largest step kind's median gap (a build's
+    reproducibility, in the model's own terms: no real run is judged)."""
     kinds: dict[str, list[float]] = {}
-    for rs in runs.values():
-        for new, cached, _, logits in profile_rows(rs[0].steps):
-            kinds.setdefault(step_kind(new), []).append(b.step_time(new, cached, logits) / a.step_time(new, cached, logits))
+    for new, cached, _, logits in rows:
+        kinds.setdefault(step_kind(new), []).append(b.step_time(new, cached, logits) / a.step_time(new, cached, logits))
     out = {k: float(np.median(v)) for k, v in kinds.items()}
     out["all steps"] = float(np.median([x for v in kinds.values() for x in v]))
     out["worst kind gap %"] = max(abs(v - 1.0) for k, v in out.items() if k != "all steps") * 100.0
@@ -789,7 +789,10 @@ def main() -> None:
                 profiler.probes.append((before, probe.read(f"after sim.profile pass {i + 1}")))
         measured = profiler.model() if profiler is not None else None
         if profiler is not None:
-            agree = build_agreement(profiler.builds["A"], profiler.builds["B"], runs)
+            from sim.cost.fitted import profile_rows
+
+            agree = build_agreement(profiler.builds["A"], profiler.builds["B"],
+                                    [row for rs in runs.values() for row in profile_rows(rs[0].steps)])
             order = sorted((k for k in agree if k.startswith(("decode", "mixed", "prefill"))),
                            key=lambda k: (not k.startswith("decode"), k.replace("9+", "99")))
             print("\nmeasured build A vs build B: B's predicted step time over A's on the slices' steps (one run of "
