@@ -35,6 +35,10 @@ def main() -> None:
     p.add_argument("--tables", default=None, help="folder for (or of) the operator tables (default: a temp dir)")
     p.add_argument("--backend", default="auto",
                    help="attention backend (default auto: what backend=auto, the engine's default, picks here; printed)")
+    p.add_argument("--budget", type=int, default=256, help="the engine's token budget (default: sim_fidelity's)")
+    p.add_argument("--seqs", type=int, default=16, help="the engine's seats (default: sim_fidelity's)")
+    p.add_argument("--max-len", type=int, default=1024, help="the engine's longest request (default: sim_fidelity's)")
+    p.add_argument("--blocks", type=int, default=1024, help="the engine's KV blocks (default: sim_fidelity's)")
     p.add_argument("--fit-from", default=None,
                    help="fit with another sim/profile.py's fit_engine_overhead, to compare (e.g. `git show "
                         "main:sim/profile.py > old.py`)")
@@ -77,7 +81,9 @@ def main() -> None:
         write_table(profile_attention(folder, a.backend, 7), root, "cpu_2core", "m", "attention")
         print(f"tables -> {root}", flush=True)
         groups_out: list[int] = []
-        rows = profile_engine(folder, a.backend, 3, passes=a.passes, groups_out=groups_out)
+        settings = {"max_num_seqs": a.seqs, "max_num_batched_tokens": a.budget, "max_model_len": a.max_len,
+                    "num_blocks": a.blocks}
+        rows = profile_engine(folder, a.backend, 3, passes=a.passes, groups_out=groups_out, settings=settings)
         passes = [[r for r, g in zip(rows, groups_out) if g == i] for i in range(a.passes)]
         print(f"{a.passes} passes, {len(rows)} steps", flush=True)
         if a.rows_out:

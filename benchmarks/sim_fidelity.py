@@ -33,10 +33,13 @@ runs on its own engine (SpeedProbe), the first design, which did not track the r
     taskset -c 1 python benchmarks/sim_fidelity.py --model tiny   # ~4 ms steps: run-to-run jitter dominates
 
 --measured also predicts both slices with cost.model=measured built by `python -m sim.profile`'s
-functions on the same model and machine (operators, attention backend, engine overhead): a model
-that never saw a trace run, next to the profiled model fitted on the other slice. Its tables are
-timed after the first pair of real runs and its engine batches after every pair, so its overhead
-fit sees the machine over the same minutes as the runs it is judged against.
+functions on the same model and machine (operators, attention backend, engine overhead on engine batches
+sized as the real runs' engine: budget, seats, length): a model that never saw a trace run, next to the
+profiled model fitted on the other slice. Its tables are timed after each of the first two pairs of real
+runs and two passes of its engine batches after every pair, so its overhead fit sees the machine over the
+same minutes as the runs it is judged against. Two builds are kept apart (A: the first tables and each
+pair's first pass; B: the second tables and second passes) and printed side by side on the slices' steps
+("measured build A vs build B": how far one build strays from the next); the model judged pools both.
 """
 
 from __future__ import annotations
@@ -560,42 +563,103 @@ def step_ratios(cost, target: list[RealRun]) -> str:
 
 class MeasuredProfiler:
     """cost.model=measured for this model on this machine, from sim.profile's functions alone (operator
-    and attention tables, the engine's overhead on its own synthetic batches), timed between the real
-    runs: the tables after the first pair, one pass of the engine's batches after each pair, so the
-    overhead fit (and its operator scale) sees the machine over the same minutes as the real runs."""
+    and attention tables, the engine's overhead on its own synthetic batches sized as the real runs' engine),
+    timed between the real runs: the tables after each of the first two pairs, two passes of the engine's
+    batches after each pair, so the overhead fit (and its operator scale) sees the machine over the same
+    minutes as the real runs. Two builds are kept apart, A (the first tables, each pair's first pass) and B
+    (the second tables, each pair's second pass), to show how far one build strays from the next
+    (build_agreement); the model judged pools both: the two tables' mean and every pass."""
 
-    def __init__(self, model_dir: str, backend: str, out: str) -> None:
+    TABLE_PAIRS = 2  # pairs after which the tables are timed
+    ENGINE_PASSES = 2  # profile_engine passes after each pair
+
+    def __init__(self, model_dir: str, backend: str, out: str, settings: dict[str, int] | None = None) -> None:
         import json
 
         self.folder, self.root, self.backend = Path(model_dir), Path(out), backend
+        # The real runs' engine sizes: the overhead is fitted on the chunks and decode batches that engine makes.
+        self.settings = settings
         self.cfg = json.loads((self.folder / "config.json").read_text())
+        self.tables: list[tuple[list, list]] = []  # (operator rows, attention rows) per timing
         self.rows: list = []
         self.groups: list[int] = []
         self.probes: list[tuple[float, float]] = []  # the speed probe right before and after each pass
+        self.builds: dict[str, object] = {}
 
     def between_runs(self, i: int, ticks: SpeedTicks | None = None) -> None:
-        from sim.profile import DEFAULT_TOKENS, profile_attention, profile_engine, profile_model, write_table
+        from sim.profile import DEFAULT_TOKENS, profile_attention, profile_engine, profile_model
 
-        if i == 0:
+        if i < self.TABLE_PAIRS:
             tokens = tuple(t for t in DEFAULT_TOKENS if t <= 512)  # sim.profile's, to the budget's range
-            write_table(profile_model(self.folder, tokens, 7), self.root, "cpu_2core", "m")
-            write_table(profile_attention(self.folder, self.backend, 7), self.root, "cpu_2core", "m", "attention")
+            self.tables.append((profile_model(self.folder, tokens, 7), profile_attention(self.folder, self.backend, 7)))
         # The speed ticks in bursts after each of the pass's batches: the minutes its overhead fit saw.
         between = None if ticks is None else partial(ticks.burst, "sim.profile passes", 10)
         got: list[int] = []
-        self.rows += profile_engine(self.folder, self.backend, 3, between=between, groups_out=got)
-        self.groups += [i] * len(got)  # each pass its own group: the fit's halves are alternate passes
+        self.rows += profile_engine(self.folder, self.backend, 3, between=between, groups_out=got,
+                                    settings=self.settings, passes=self.ENGINE_PASSES)
+        self.groups += [i * self.ENGINE_PASSES + g for g in got]  # each pass its own group
+
+    def _build(self, root: Path, tables: tuple[list, list], keep) -> tuple[object, dict]:
+        from sim.cost.measured import MeasuredCostModel
+        from sim.profile import fit_engine_overhead, write_table
+
+        write_table(tables[0], root, "cpu_2core", "m")
+        write_table(tables[1], root, "cpu_2core", "m", "attention")
+        rows = [r for r, g in zip(self.rows, self.groups) if keep(g)]
+        groups = [g for g in self.groups if keep(g)]
+        fit = fit_engine_overhead(rows, self.cfg, "cpu_2core", root, groups=groups)
+        write_table([fit], root, "cpu_2core", "m", "overhead")
+        return MeasuredCostModel(self.cfg, "cpu_2core", profiles=root), fit
 
     def model(self):
-        from sim.cost.measured import MeasuredCostModel
-        from sim.profile import fit_engine_overhead, overhead_confidence, write_table
+        from sim.profile import overhead_confidence
 
-        fit = fit_engine_overhead(self.rows, self.cfg, "cpu_2core", self.root, groups=self.groups)
-        write_table([fit], self.root, "cpu_2core", "m", "overhead")
-        cost = MeasuredCostModel(self.cfg, "cpu_2core", profiles=self.root)
-        print(f"\nmeasured model from sim.profile (engine overhead on {fit['steps']} steps, step MAPE "
-              f"{fit['step_mape_pct']:.1f}%; {overhead_confidence(fit)}):\n  " + "\n  ".join(cost.notes))
+        first, second = self.tables[0], self.tables[-1]
+        n = self.ENGINE_PASSES
+        for name, tables, keep in (("A", first, lambda g: g % n == 0), ("B", second, lambda g: g % n == n - 1)):
+            cost, fit = self._build(self.root.parent / f"build_{name}", tables, keep)
+            self.builds[name] = cost
+            print(f"\nmeasured build {name} (tables {1 if tables is first else len(self.tables)}, engine passes "
+                  f"{sorted({g for g in self.groups if keep(g)})}): {fit['const_ms']:.3g} ms a step + "
+                  f"{fit['per_seq_ms']:.3g} a request + {fit['per_prefill_ms']:.3g} a prefill, operators "
+                  f"x{fit['ops_scale']:.3g} (decode x{fit['decode_ops_scale']:.3g}); {overhead_confidence(fit)}")
+        cost, fit = self._build(self.root, (mean_table([t[0] for t in self.tables]),
+                                            mean_table([t[1] for t in self.tables])), lambda g: True)
+        print(f"\nmeasured model from sim.profile (the mean of {len(self.tables)} tables, engine overhead on "
+              f"{fit['steps']} steps of {len(set(self.groups))} passes, step MAPE {fit['step_mape_pct']:.1f}%; "
+              f"{overhead_confidence(fit)}):\n  " + "\n  ".join(cost.notes))
         return cost
+
+
+def mean_table(tables: list[list[dict]]) -> list[dict]:
+    """Tables of the same cases, row by row: every timing column the mean over the tables (the rest as the first's)."""
+    out = []
+    for rows in zip(*tables):
+        row = dict(rows[0])
+        for k, v in row.items():
+            if k.startswith("time_stats."):
+                row[k] = float(np.mean([r[k] for r in rows]))
+        out.append(row)
+    return out
+
+
+def build_agreement(a, b, rows: list) -> dict[str, float]:
+    """Two measured builds' predicted time of every step in `rows` (profile_rows of the slices' runs), B over A:
+    the median by step kind and over all steps, and the largest step kind's median gap (a build's
+    reproducibility, in the model's own terms: no real run is judged)."""
+    kinds: dict[str, list[float]] = {}
+    for new, cached, _, logits in rows:
+        kinds.setdefault(step_kind(new), []).append(b.step_time(new, cached, logits) / a.step_time(new, cached, logits))
+    out = {k: float(np.median(v)) for k, v in kinds.items()}
+    out["all steps"] = float(np.median([x for v in kinds.values() for x in v]))
+    out["worst kind gap %"] = max(abs(v - 1.0) for k, v in out.items() if k != "all steps") * 100.0
+    return out
+
+
+def fidelity_engine(args) -> dict[str, int]:
+    """The real runs' engine sizes (real_run's LLM), for the measured model's engine passes."""
+    return {"max_num_seqs": args.seqs, "max_num_batched_tokens": args.budget, "max_model_len": args.max_len,
+            "num_blocks": args.blocks}
 
 
 def write_steps(path: str, runs: dict[str, list[RealRun]], profiler) -> None:
@@ -695,7 +759,8 @@ def main() -> None:
         # A, B, A, B, ...: interleaved, so the repeats of both slices span the same stretch of
         # the machine's time (a shared VM's speed drifts by several percent over minutes); so do
         # sim.profile's engine runs for `measured`, one pass after each pair.
-        profiler = MeasuredProfiler(model_dir, backend, os.path.join(tmp, "profiles")) if args.measured else None
+        profiler = MeasuredProfiler(model_dir, backend, os.path.join(tmp, "profiles"), fidelity_engine(args)) \
+            if args.measured else None
         # The speed probe, read before the first run and after every run and sim.profile pass: each run
         # is bracketed by two readings, as is each pass the measured model's speed comes from.
         probe = SpeedProbe(model_dir, backend, args)
@@ -723,6 +788,16 @@ def main() -> None:
                 profiler.between_runs(i, ticks)
                 profiler.probes.append((before, probe.read(f"after sim.profile pass {i + 1}")))
         measured = profiler.model() if profiler is not None else None
+        if profiler is not None:
+            from sim.cost.fitted import profile_rows
+
+            agree = build_agreement(profiler.builds["A"], profiler.builds["B"],
+                                    [row for rs in runs.values() for row in profile_rows(rs[0].steps)])
+            order = sorted((k for k in agree if k.startswith(("decode", "mixed", "prefill"))),
+                           key=lambda k: (not k.startswith("decode"), k.replace("9+", "99")))
+            print("\nmeasured build A vs build B: B's predicted step time over A's on the slices' steps (one run of "
+                  "each), median by kind: " + ", ".join(f"{k} {agree[k]:.3f}" for k in order)
+                  + f"; all steps {agree['all steps']:.3f}; largest kind gap {agree['worst kind gap %']:.1f}%")
         if profiler is not None and args.profiles_out:  # the build, for cost.profiles= or measured_decode --profiles
             import shutil
 

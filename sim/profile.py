@@ -61,9 +61,10 @@ def op_clock(device: str) -> Callable[[], float]:
 
 
 def _timer(fn: Callable[[], Any], repeats: int, sync: Callable[[], None],
-           clock: Callable[[], float] = time.perf_counter, before: Callable[[], Any] | None = None) -> list[float]:
-    """`fn`'s time in ms, `repeats` times after two untimed calls; `before` runs ahead of each timed call, off the clock."""
-    for _ in range(2):
+           clock: Callable[[], float] = time.perf_counter, before: Callable[[], Any] | None = None,
+           untimed: int = 2) -> list[float]:
+    """`fn`'s time in ms, `repeats` times after `untimed` calls; `before` runs ahead of each timed call, off the clock."""
+    for _ in range(untimed):
         fn()
     sync()
     out = []
@@ -108,13 +109,18 @@ def _fused_ops(module: Any) -> Any:
     return args[1] if len(args) > 1 else None
 
 
+# Token counts up to SMALL_TOKENS (decode batch sizes) are timed SMALL_VISITS times in each round of profile_model.
+SMALL_TOKENS, SMALL_VISITS = 16, 4
+
+
 def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: str = "cpu",
                   dtype: str = "float32", linear_kernel: str = "auto", passes: int = 3) -> list[dict[str, Any]]:
     """One row per token count: the operators' time statistics (ms) and the shape columns, each
-    operator timed as the engine runs it (engine_model), `repeats` times in each of `passes` passes over the
-    token counts (the first in order, the others shuffled), pooled: one sweep takes about a second, and on a
-    shared machine the layers' sum at one count moved 20-40% from one sweep to the next, which one sweep
-    hands to that count's decode steps alone."""
+    operator timed as the engine runs it (engine_model), in `passes` x `repeats` rounds that each time every
+    count once (the first round in order, the others shuffled), each round's samples over that round's speed
+    (round_speeds). On a shared or quiet VM the layers' sum at one count moved 10-40% from one second to the
+    next: timed in blocks (a count's repeats back to back), each count carried a few seconds' speed, and two
+    tables disagreed 10-20% per count; a round visits every count within about a second, so they share it."""
     import numpy as np
     import torch
 
@@ -128,10 +134,9 @@ def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: s
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     clock = op_clock(device)
     rows = []
-    timed: dict[int, dict[str, list[float]]] = {t: {} for t in tokens}
 
     def setup(t: int) -> tuple[list[dict[str, Callable[[], Any]]], Callable[[], Any]]:
-        """A step's inputs at t tokens and each layer's operators on them (made per pass: no count's tensors held)."""
+        """A step's inputs at t tokens and each layer's operators on them."""
         ids = torch.randint(0, cfg.vocab_size, (1, t), device=device)
         x = model.model.embed_tokens(ids)
         pos = torch.arange(t, device=device)[None]
@@ -147,24 +152,47 @@ def profile_model(folder: Path, tokens: tuple[int, ...], repeats: int, device: s
         return layer_ops, partial(model.model.embed_tokens, ids)
 
     with torch.inference_mode():
+        # Every count's inputs held for the whole table (activations only: ~50 MB for a 50M model to 512 tokens).
+        made = {t: setup(t) for t in tokens}
+        for t in tokens:  # untimed: first calls at a row count create their kernels, fault pages in
+            _time_in_step_order(made[t][0], 0, sync, clock)
         order = np.random.default_rng(2)
-        for p in range(max(1, passes)):
-            for t in (tokens if p == 0 else [tokens[i] for i in order.permutation(len(tokens))]):
-                layer_ops, emb = setup(t)
-                got = _time_in_step_order(layer_ops, repeats, sync, clock)
-                got["emb"] = _timer(emb, repeats, sync, clock)
-                for op, ms in got.items():
-                    timed[t].setdefault(op, []).extend(ms)
+        rounds = max(1, passes) * max(1, repeats)
+        # Decode batch sizes visited SMALL_VISITS times a round: a visit costs a few ms (a large count's, tens),
+        # and the table's noise at these counts is a few percent of every decode step the model predicts.
+        visits = list(tokens) + [t for t in tokens if t <= SMALL_TOKENS] * (SMALL_VISITS - 1)
+        timed: list[dict[int, list[dict[str, float]]]] = []
+        for r in range(rounds):
+            got: dict[int, list[dict[str, float]]] = {}
+            for t in (visits if r == 0 else [visits[i] for i in order.permutation(len(visits))]):
+                layer_ops, emb = made[t]
+                one = {op: ms[0] for op, ms in _time_in_step_order(layer_ops, 1, sync, clock, untimed=0).items()}
+                one["emb"] = _timer(emb, 1, sync, clock, untimed=0)[0]
+                got.setdefault(t, []).append(one)
+            timed.append(got)
+        speeds = round_speeds([{t: statistics.fmean(sum(one.values()) for one in ones) for t, ones in got.items()}
+                               for got in timed])
         for t in tokens:
-            times = timed[t]
             row: dict[str, Any] = {}
             for op in OPS:
-                row.update({f"time_stats.{op}.{k}": v for k, v in _stats(times[op]).items()})
+                row.update({f"time_stats.{op}.{k}": v for k, v in _stats(
+                    [one[op] / v for got, v in zip(timed, speeds) for one in got[t]]).items()})
             row.update(n_head=heads, n_kv_head=kv_heads, n_embd=cfg.hidden_size,
                        n_expanded_embd=cfg.intermediate_size, vocab_size=cfg.vocab_size, use_gated_mlp=True,
                        num_tokens=t, num_tensor_parallel_workers=1, head_dim=head_dim)
             rows.append(row)
     return rows
+
+
+def round_speeds(rounds: list[dict[Any, float]]) -> list[float]:
+    """Each round's speed: the median over its entries of the entry's time over that entry's median across the
+    rounds (1.0: a typical round). A table's samples divided by it keep their shape across entries (what the
+    measured model reads: the engine fit's operator scale sets the level) without the seconds that ran slow."""
+    import numpy as np
+
+    keys = list(rounds[0])
+    typical = {k: float(np.median([r[k] for r in rounds])) for k in keys}
+    return [float(np.median([r[k] / typical[k] for k in keys if typical[k] > 0] or [1.0])) for r in rounds]
 
 
 def _layer_ops(layer: Any, rotary: Callable[..., Any], x: Any, q: Any, k: Any, cos: Any, sin: Any, attn_out: Any,
@@ -198,14 +226,14 @@ def _layer_ops(layer: Any, rotary: Callable[..., Any], x: Any, q: Any, k: Any, c
 
 
 def _time_in_step_order(layer_ops: list[dict[str, Callable[[], Any]]], repeats: int, sync: Callable[[], None],
-                        clock: Callable[[], float]) -> dict[str, list[float]]:
+                        clock: Callable[[], float], untimed: int = 2) -> dict[str, list[float]]:
     """Each operator's ms per layer: every layer's operators in the order a step runs them, each timed,
     summed over the layers. A step reads each layer's weights once: one operator timed over and over on
     the same weights finds them in cache (decode GEMMs 3-7x fast), while a flushed cache before each
     call made them ~40% slow; in step order the caches hold what they hold in the engine."""
     names = [op for op in OPS if op != "emb"]
     out: dict[str, list[float]] = {op: [] for op in names}
-    for rep in range(repeats + 2):  # two untimed passes first
+    for rep in range(repeats + untimed):  # the untimed passes first
         acc = dict.fromkeys(names, 0.0)
         for ops in layer_ops:
             for op in names:
@@ -213,7 +241,7 @@ def _time_in_step_order(layer_ops: list[dict[str, Callable[[], Any]]], repeats: 
                 ops[op]()
                 sync()
                 acc[op] += clock() - t0
-        if rep >= 2:
+        if rep >= untimed:
             for op in names:
                 out[op].append(acc[op] / len(layer_ops) * 1e3)
     if "fused_add" in layer_ops[0]:
@@ -341,12 +369,30 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
 
 
 ENGINE_BATCHES = ((1, 32, 24), (4, 64, 24), (16, 128, 16), (32, 200, 8), (8, 400, 4), (2, 900, 24))  # requests, prompt, output
+# The engine profile_engine runs unless told the simulated engine's: its token budget and seats set how prompts
+# are chunked and how many decodes share a step, so the overhead is fitted on the steps that engine makes.
+ENGINE_SETTINGS = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "max_model_len": 2048}
+
+
+def engine_settings(given: dict[str, int] | None = None) -> dict[str, int]:
+    """ENGINE_SETTINGS with `given` over them; a name LLM does not size by, or a value below 1, is refused."""
+    out = dict(ENGINE_SETTINGS)
+    for key, value in (given or {}).items():
+        if key not in (*ENGINE_SETTINGS, "num_blocks"):
+            raise ValueError(f"engine setting {key!r}: profile_engine sizes the engine by "
+                             f"{', '.join((*ENGINE_SETTINGS, 'num_blocks'))}")
+        if value is None:
+            continue
+        if int(value) < 1:
+            raise ValueError(f"engine setting {key}={value}: must be >= 1")
+        out[key] = int(value)
+    return out
 
 
 def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu", dtype: str = "float32",
                    linear_kernel: str = "auto", temperature: float = 0.0,
                    between: Callable[[], None] | None = None, passes: int | None = None,
-                   groups_out: list[int] | None = None) -> list[Any]:
+                   groups_out: list[int] | None = None, settings: dict[str, int] | None = None) -> list[Any]:
     """The real engine's step log over a few synthetic batches (sim.cost.fitted.profile_rows), each
     batch run once untimed first: a GEMM's first call at a new row count creates its oneDNN
     primitive, a one-off the operator tables (timed after warm calls) and a long run do not pay.
@@ -355,14 +401,16 @@ def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu"
     between: called after each timed batch, outside every step.
     passes: timed passes over ENGINE_BATCHES (default max(1, repeats // 3)), each in its own order: the
     machine's speed moves from one call to the next, and a batch size timed in one call only carries that
-    call's speed into the fit. groups_out: gets each returned row's pass number (fit_engine_overhead's groups)."""
+    call's speed into the fit. groups_out: gets each returned row's pass number (fit_engine_overhead's groups).
+    settings: the simulated engine's max_num_seqs, max_num_batched_tokens, max_model_len, num_blocks over
+    ENGINE_SETTINGS (engine_settings): the budget sets the prompt chunks' sizes and the seats the decode batches."""
     import numpy as np
 
     from sim.cost.fitted import profile_rows
     from varlen import LLM, SamplingParams
 
-    llm = LLM(str(folder), backend=backend, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=2048,
-              device=device, dtype=dtype, linear_kernel=linear_kernel)
+    sizes = engine_settings(settings)
+    llm = LLM(str(folder), backend=backend, device=device, dtype=dtype, linear_kernel=linear_kernel, **sizes)
     if device == "cpu":
         # CPU time: on a shared machine other processes stretch wall-clock steps at random.
         llm.engine.clock = _CpuClock()
@@ -370,6 +418,7 @@ def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu"
     vocab = llm.runner.config.vocab_size
 
     def run(b: int, prompt: int, out: int) -> list[Any]:
+        prompt = max(1, min(prompt, sizes["max_model_len"] - out))  # a shorter engine's longest request
         # Random prompts: repeated ones would be prefix-cache hits, and the prefills not computed.
         before = llm.engine.steps
         first = len(before)
@@ -466,9 +515,9 @@ def fit_engine_overhead(rows: list[Any], config: dict[str, Any], gpu: str, out: 
 
 
 def _overhead_fit(X: Any, op: Any, real: Any, scaled: bool, pinned: bool) -> dict[str, Any]:
-    """The overhead form's non-negative least squares in relative error: each step alike, as in absolute
-    terms the few long prompt steps set the constant and their few percent of noise lands on every short
-    decode step. pinned: the chunk steps' operator scale for the decode-only steps too."""
+    """The overhead form's non-negative least absolute deviations in relative error (L1_ROUNDS): each step
+    alike, as in absolute terms the few long prompt steps set the constant and their few percent of noise lands
+    on every short decode step. pinned: the chunk steps' operator scale for the decode-only steps too."""
     import numpy as np
 
     from sim.cost.fitted import _nnls
@@ -481,7 +530,12 @@ def _overhead_fit(X: Any, op: Any, real: Any, scaled: bool, pinned: bool) -> dic
         A, b = A * w[:, None], b * w
         norms = np.linalg.norm(A, axis=0)
         norms[norms == 0] = 1.0
-        return _nnls(A / norms, b) / norms
+        A = A / norms
+        x = _nnls(A, b)
+        for _ in range(L1_ROUNDS):  # each step weighed by 1/|its residual|: least absolute deviations
+            u = 1.0 / np.sqrt(np.maximum(np.abs(A @ x - b), 1e-3))
+            x = _nnls(A * u[:, None], b * u)
+        return x / norms
 
     # A scale for steps with a prompt chunk and one for decode-only steps: the tables time each operator
     # alone, and a compute-bound chunk step and a weight-streaming decode step depart from that differently.
@@ -501,6 +555,12 @@ def _overhead_fit(X: Any, op: Any, real: Any, scaled: bool, pinned: bool) -> dic
     chunk_scale = scales[0] if (~decode).any() else scales[-1]
     decode_scale = scales[-1] if decode.any() else scales[0]
     return {"coef": coef, "ops_scale": chunk_scale, "decode_ops_scale": decode_scale}
+
+
+# Reweighting rounds that turn the overhead fit's least squares into least absolute (relative) deviations: a
+# machine's slow and fast seconds make a step's time skewed, and least squares left the engine's own decode
+# steps 3-12% under their median by size; the median step is what the simulated steps should be.
+L1_ROUNDS = 30
 
 
 # A decode scale whose standard error is above this is not kept apart from the per-step and per-request terms.
@@ -593,6 +653,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-passes", type=int, default=3,
                     help="timed passes over the engine's synthetic batches, each in its own order (more: a "
                          "steadier overhead fit; its printed spread says how steady)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_SETTINGS["max_num_batched_tokens"],
+                    help="the token budget of the engine you simulate: the engine runs the overhead is fitted on "
+                         "chunk prompts to it (as engine.max_num_batched_tokens)")
+    ap.add_argument("--max-num-seqs", type=int, default=ENGINE_SETTINGS["max_num_seqs"],
+                    help="the seats of the engine you simulate (as engine.max_num_seqs): the most decodes in a step")
+    ap.add_argument("--max-model-len", type=int, default=ENGINE_SETTINGS["max_model_len"],
+                    help="the longest request of the engine you simulate (longer synthetic prompts are cut to it)")
     ap.add_argument("--no-engine", dest="engine", action="store_false",
                     help="skip the engine's per-step overhead (a few real engine runs)")
     ap.add_argument("--collectives", type=int, default=None,
@@ -606,6 +673,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens = tuple(sorted({int(x) for x in a.tokens.split(",")}))
         if not a.temperature >= 0:
             raise ValueError(f"--temperature {a.temperature}: must be >= 0 (0 = greedy)")
+        settings = engine_settings({"max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
+                                    "max_model_len": a.max_model_len})
         if a.engine_passes < 1:
             raise ValueError(f"--engine-passes {a.engine_passes}: must be >= 1 (--no-engine skips the engine runs)")
         if not tokens or tokens[0] < 1 or a.repeats < 1:
@@ -659,9 +728,10 @@ def main(argv: list[str] | None = None) -> int:
 
             groups: list[int] = []
             steps = profile_engine(folder, backend, a.repeats, a.device, a.dtype, a.linear_kernel, a.temperature,
-                                   passes=a.engine_passes, groups_out=groups)
+                                   passes=a.engine_passes, groups_out=groups, settings=settings)
             fit = fit_engine_overhead(steps, json.loads((folder / "config.json").read_text()), gpu, Path(a.out),
                                       temperature=a.temperature, groups=groups)
+            fit.update(settings)  # which engine the overhead was fitted at, kept beside it
             path = write_table([fit], Path(a.out), gpu, name, "overhead")
             print(f"engine overhead from {fit['steps']} real steps: operators x{fit['ops_scale']:.3g} "
                   f"(decode-only steps x{fit['decode_ops_scale']:.3g}) + "

@@ -126,3 +126,56 @@ def test_speed_ticks_come_after_every_kth_step_and_their_time_is_off_the_runs_cl
     assert clock._idle == pytest.approx(-sum(ticks.samples["A #1"]), abs=1e-15)  # exactly what the ticks took
     ticks.burst("sim.profile passes", 5)
     assert len(ticks.samples["sim.profile passes"]) == 5 and ticks.median("sim.profile passes") > 0
+
+
+def test_mean_table_averages_the_timings_row_by_row_and_keeps_the_shape_columns() -> None:
+    a = [{"num_tokens": 1, "time_stats.add.median": 1.0, "time_stats.add.max": 3.0, "n_head": 8},
+         {"num_tokens": 2, "time_stats.add.median": 2.0, "time_stats.add.max": 2.0, "n_head": 8}]
+    b = [{"num_tokens": 1, "time_stats.add.median": 3.0, "time_stats.add.max": 5.0, "n_head": 8},
+         {"num_tokens": 2, "time_stats.add.median": 4.0, "time_stats.add.max": 4.0, "n_head": 8}]
+    got = sim_fidelity.mean_table([a, b])
+    assert got == [{"num_tokens": 1, "time_stats.add.median": 2.0, "time_stats.add.max": 4.0, "n_head": 8},
+                   {"num_tokens": 2, "time_stats.add.median": 3.0, "time_stats.add.max": 3.0, "n_head": 8}]
+
+
+def test_build_agreement_compares_two_builds_by_step_kind() -> None:
+    """B over A on every step, median by kind (decode k, mixed, prefill) and over all, and the largest kind gap."""
+
+    class Build:
+        def __init__(self, decode: float, chunk: float) -> None:
+            self.decode, self.chunk = decode, chunk
+
+        def step_time(self, new, cached, logits=None) -> float:
+            return (self.decode if max(new) == 1 else self.chunk) * len(new)
+
+    rows = [([1], [10], 0.0, 1), ([1, 1], [10, 20], 0.0, 2), ([1, 50], [10, 0], 0.0, 2), ([64], [0], 0.0, 1)]
+    got = sim_fidelity.build_agreement(Build(1.0, 2.0), Build(1.02, 1.9), rows)
+    assert got["decode 1"] == pytest.approx(1.02) and got["decode 2"] == pytest.approx(1.02)
+    assert got["mixed"] == pytest.approx(0.95) and got["prefill"] == pytest.approx(0.95)
+    assert got["worst kind gap %"] == pytest.approx(5.0)
+    assert got["all steps"] == pytest.approx((1.02 + 0.95) / 2)
+
+
+def test_the_measured_build_times_two_tables_and_two_engine_passes_a_pair(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    """Tables after each of the first two pairs, two engine passes after every pair, each pass its own group:
+    build A takes each pair's first pass, build B its second (so the two builds' figures are apart)."""
+    import sim.profile
+
+    calls: list[str] = []
+    monkeypatch.setattr(sim.profile, "profile_model", lambda *a, **k: calls.append("ops") or ["ops"])
+    monkeypatch.setattr(sim.profile, "profile_attention", lambda *a, **k: calls.append("attention") or ["att"])
+
+    def engine(*a, passes=None, groups_out=None, **k):
+        calls.append(f"engine x{passes}")
+        groups_out += [p for p in range(passes) for _ in range(2)]
+        return [("row", p) for p in range(passes) for _ in range(2)]
+
+    monkeypatch.setattr(sim.profile, "profile_engine", engine)
+    prof = sim_fidelity.MeasuredProfiler(str(tmp_path), "torch_sdpa", str(tmp_path / "p")) \
+        if (tmp_path / "config.json").write_text("{}") else None
+    for i in range(3):
+        prof.between_runs(i)
+    assert calls == ["ops", "attention", "engine x2"] * 2 + ["engine x2"]
+    assert len(prof.tables) == 2 and prof.groups == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert len(prof.rows) == 12

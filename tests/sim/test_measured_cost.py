@@ -634,7 +634,8 @@ def test_operators_are_timed_over_every_layer_in_step_order(monkeypatch: pytest.
     monkeypatch.setattr(sim.profile, "engine_model", spy)
     rows = sim.profile.profile_model(ensure_tiny_model("qwen3"), (1, 8), 2, passes=1)
     layers = json.loads((ensure_tiny_model("qwen3") / "config.json").read_text())["num_hidden_layers"]
-    assert layers > 1 and order == list(range(layers)) * (2 + 2) * 2  # (2 untimed + 2 timed passes) x token counts
+    # (2 untimed + 2 rounds x SMALL_VISITS timed passes) x token counts, each pass over the layers in order
+    assert layers > 1 and order == list(range(layers)) * (2 + 2 * sim.profile.SMALL_VISITS) * 2
     assert all(r[f"time_stats.{op}.median"] > 0 for r in rows for op in ("attn_pre_proj", "mlp_down_proj"))
 
 

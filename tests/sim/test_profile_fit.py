@@ -179,3 +179,63 @@ def test_profile_engine_passes_are_labelled_for_the_fit(monkeypatch: pytest.Monk
     per_pass = sum(b * (p + o - 1) for b, p, o in sim.profile.ENGINE_BATCHES)
     for p in range(3):
         assert sum(sum(new) for (new, *_), g in zip(rows, groups) if g == p) == per_pass
+
+
+def test_profile_engine_runs_the_simulated_engines_budget_and_seats(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The overhead is fitted on the steps the simulated engine makes: at its token budget its prompts come in
+    chunks of at most that many tokens and at its seats no more decodes share a step (the fixed 512 / 64 engine
+    ran 512-token chunks for a 256-token engine's fit)."""
+    import sim.profile
+    from varlen.tiny_model import ensure_tiny_model
+
+    monkeypatch.setattr(sim.profile, "ENGINE_BATCHES", ((6, 100, 3),))
+    folder = ensure_tiny_model("qwen3")
+    default = sim.profile.profile_engine(folder, "torch_sdpa", 3, passes=1)
+    assert max(sum(new) for new, *_ in default) > 64 and max(len(new) for new, *_ in default) > 4
+    rows = sim.profile.profile_engine(folder, "torch_sdpa", 3, passes=1,
+                                      settings={"max_num_batched_tokens": 64, "max_num_seqs": 4, "num_blocks": 256})
+    assert max(sum(new) for new, *_ in rows) <= 64 and max(len(new) for new, *_ in rows) <= 4
+    assert sum(sum(new) for new, *_ in rows) == 6 * (100 + 3 - 1)  # every prompt and output still computed
+
+
+def test_engine_settings_are_checked_where_they_enter(capsys: pytest.CaptureFixture[str]) -> None:
+    from sim.profile import engine_settings, main
+
+    assert engine_settings({"max_num_batched_tokens": 256})["max_num_batched_tokens"] == 256
+    with pytest.raises(ValueError, match="block_size"):
+        engine_settings({"block_size": 16})
+    assert main(["--max-num-batched-tokens", "0"]) == 2
+    assert "max_num_batched_tokens=0" in capsys.readouterr().err
+
+
+def test_the_fidelity_benchmarks_measured_build_fits_at_its_real_runs_engine(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    """benchmarks/sim_fidelity.py's `measured` fits its overhead on engine passes sized as its real runs."""
+    import argparse
+    import sys
+
+    import sim.profile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import sim_fidelity
+
+    seen: list[dict] = []
+    monkeypatch.setattr(sim.profile, "profile_engine", lambda *a, settings=None, groups_out=None, **k: (
+        seen.append(settings) or []))
+    args = argparse.Namespace(seqs=16, budget=256, max_len=1024, blocks=1024)
+    prof = sim_fidelity.MeasuredProfiler(str(sim.profile.model_folder("tiny")), "torch_sdpa", str(tmp_path),
+                                         sim_fidelity.fidelity_engine(args))
+    prof.between_runs(1)  # a later pair: engine passes only
+    assert seen == [{"max_num_seqs": 16, "max_num_batched_tokens": 256, "max_model_len": 1024, "num_blocks": 1024}]
+
+
+def test_the_fit_follows_the_median_step_when_some_steps_run_slow(tmp_path: Path, ops: MeasuredCostModel) -> None:
+    """A machine's slow seconds make a fifth of the steps 30-60% slow: the fit (least absolute relative
+    deviations) still predicts the typical step, where least squares was pulled off it."""
+    from sim.profile import fit_engine_overhead
+
+    rows, groups = rows_from(ops, 3, noise=0.01, seed=3)
+    rng = np.random.default_rng(4)
+    rows = [(n, c, t * (1.0 + rng.uniform(0.3, 0.6)) if rng.random() < 0.2 else t, x) for n, c, t, x in rows]
+    fit = fit_engine_overhead(rows, LLAMA3_8B, "h200_sxm", tmp_path, groups=groups)
+    assert max(abs(e) for e in decode_errors(tmp_path, fit, ops)) < 0.02
