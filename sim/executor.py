@@ -121,6 +121,10 @@ class CostModelExecutor(FastForwardExecutor):
             known.extend(ends[reused:])  # the same float objects: each end boxed once
         return SIM_TOKEN, ends
 
+    def times_prefixes(self) -> bool:
+        # This very class only: a subclass's decode_run is its own.
+        return type(self) is CostModelExecutor
+
     def ready_time(self, now: float) -> float:
         """When the next step may start: now, unless the cost model replays a recorded timeline."""
         t: object = self.cost.next_start(now)

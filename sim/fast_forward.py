@@ -32,6 +32,11 @@ class FastForwardExecutor(Executor):
         a replica's horizon). None: this executor steps one at a time."""
         return None
 
+    def times_prefixes(self) -> bool:
+        """Whether decode_run(batch, m, until) times exactly the first m steps decode_run(batch, n, until)
+        times for n > m, with the same token (count_horizon may then time a stretch in pieces)."""
+        return False
+
     def fuses_steps(self) -> bool:
         """Whether FastForwardEngine may run execute() inline: sum the batch itself and call advance_step
         (same clock, same tokens, nothing else changed). Only a class whose execute() is exactly that."""
@@ -60,6 +65,7 @@ class FastForwardEngine(Engine):
         self._fused = -1  # whether _step runs the executor inline (_fuses; -1: not checked)
         self._own_rules = -1  # whether the stop rule and step limits are this module's own (_rules_own; -1: not checked)
         self._blank_ids: dict[int, list[str]] = {}  # batch size -> the req_ids a log that reads none gets
+        self.horizon_bound = 0  # count_horizon's last answer a lower bound: the steps to time next; 0: exact
 
     def _batch_ids(self, batch_size: int) -> list[str] | None:
         """None where the step log reads the batch's request ids, else a shared list of that size."""
@@ -257,10 +263,14 @@ class FastForwardEngine(Engine):
             return finished
         return finished + self._timed_decode_run(batch, until)
 
-    def count_horizon(self) -> float:
+    def count_horizon(self, bound: int = 0) -> float:
         """With no arrival, the start of the first step that may end a request or leave the promised
         decodes (a finish, a stop token, an allocation that may fail): the count of unfinished requests
-        holds for every step starting before it. The clock's now when that is not known."""
+        holds for every step starting before it. The clock's now when that is not known.
+        bound > 0, and an executor whose shorter runs time the first steps of longer ones
+        (times_prefixes): at most `bound` steps are timed; when that cut the stretch, the end of the
+        last one is returned, a lower bound, and horizon_bound says how far to time next (else 0)."""
+        self.horizon_bound = 0
         now = self.clock.now()
         batch = self.policy.next_decode_batch()
         if not batch or not self._promises_kept() or self._fits < 1:
@@ -276,16 +286,27 @@ class FastForwardEngine(Engine):
         ex = self.executor
         assert isinstance(ex, FastForwardExecutor)
         try:
-            run = ex.decode_run(batch, k, math.inf)
-            if run is None:
-                return now
-            tok, ends = run
-            if self._any_stop_token(batch, tok) if own else any(self._is_stop_token(r, tok) for r in batch):
-                return now
-            j = min(k - 1, len(ends), self.kv.decode_steps_fit(batch, base, k))
+            fits = self.kv.decode_steps_fit(batch, base, k)
+            n = k
+            if 0 < bound < min(k - 1, fits) and ex.times_prefixes():
+                n = bound  # a shorter run first: its steps are the longer one's first steps
+            while True:
+                run = ex.decode_run(batch, n, math.inf)
+                if run is None:
+                    return now
+                tok, ends = run
+                if self._any_stop_token(batch, tok) if own else any(self._is_stop_token(r, tok) for r in batch):
+                    return now
+                if n < k:
+                    if len(ends) == n:  # cut by the bound: the whole run's horizon is at least this
+                        self.horizon_bound = 2 * n
+                        return ends[n - 1]
+                    n = k  # the executor stopped on its own: the whole run decides
+                    continue
+                j = min(k - 1, len(ends), fits)
+                return ends[j - 1] if j > 0 else now
         except Exception:  # raised again by the step itself, when the replica gets there
             return now
-        return ends[j - 1] if j > 0 else now
 
     def _steps_to_limit(self, batch: Sequence[Request], n_out: list[int]) -> list[int]:
         """Each request's decode steps until max_tokens or max_model_len ends it (`n_out`: its outputs so far)."""

@@ -17,7 +17,7 @@ import heapq
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Final, Iterator, Sequence
 
 from sim.executor import CostModelExecutor
 from sim.release import Release, arrival_order
@@ -209,6 +209,9 @@ def _advance(rep: Replica, t: float, until: float, fast_forward: bool) -> float:
     return rep.executor.ready_time(rep.clock.now()) if eng.has_unfinished() else float("inf")
 
 
+#: Steps a replica's horizon times at first (_lazy_loop), doubled each time it must look further.
+FIRST_REACH: Final = 8
+
 def _lazy_loop(pending: Sequence[Request], replicas: list[Replica], route: Router, reads: str, routed: dict[str, int],
                fast_forward: bool, progress: Callable[[float, int, list[Replica]], None] | None = None) -> None:
     """Arrivals in order; before each, the replicas the router reads (reads="nothing": none; "all":
@@ -223,6 +226,9 @@ def _lazy_loop(pending: Sequence[Request], replicas: list[Replica], route: Route
     # (until then its count is exact however far behind it is). Stale entries are skipped.
     busy: list[tuple[float, int]] = []
     horizon = [inf] * num_replicas  # each replica's live entry in `busy`
+    # Each replica's steps to time next when its horizon is a lower bound (count_horizon), else 0: an
+    # arrival usually cuts a stretch long before its end, so it is timed in doubling pieces as needed.
+    reach = [0] * num_replicas
     shared = reads != "nothing" and num_replicas > 1
     counts = [0] * num_replicas
     index = LeastIndex(num_replicas) if reads == "outstanding" else None
@@ -243,8 +249,17 @@ def _lazy_loop(pending: Sequence[Request], replicas: list[Replica], route: Route
                 h, k = heapq.heappop(busy)
                 if h != horizon[k]:
                     continue
+                if reach[k]:  # a lower bound: the stretch timed further, the replica left where it is
+                    h = horizon[k] = _horizon(replicas[k], due[k], ahead, reach)
+                    if h >= a:
+                        heapq.heappush(busy, (h, k))
+                        continue
+                    if reach[k]:
+                        heapq.heappush(busy, (h, k))  # popped again at once, timed further still
+                        continue
                 events += _catch_up(replicas[k], due, a, fast_forward)
-                h = horizon[k] = _horizon(replicas[k], due[k], ahead)
+                reach[k] = FIRST_REACH
+                h = horizon[k] = _horizon(replicas[k], due[k], ahead, reach)
                 if h < inf:
                     heapq.heappush(busy, (h, k))
                 if index is not None:
@@ -276,7 +291,8 @@ def _lazy_loop(pending: Sequence[Request], replicas: list[Replica], route: Route
         if idle and rep.engine.has_unfinished():
             due[k] = rep.executor.ready_time(rep.clock.now())
         if shared:
-            h = _horizon(rep, due[k], ahead)
+            reach[k] = FIRST_REACH
+            h = _horizon(rep, due[k], ahead, reach)
             if h != horizon[k]:
                 horizon[k] = h
                 if h < inf:
@@ -291,13 +307,18 @@ def _lazy_loop(pending: Sequence[Request], replicas: list[Replica], route: Route
         _catch_up(replicas[k], due, inf, fast_forward)
 
 
-def _horizon(rep: Replica, t: float, ahead: bool) -> float:
-    """Replica `rep`'s horizon (sim/simulator.py's _lazy_loop) given its next step's time `t`."""
+def _horizon(rep: Replica, t: float, ahead: bool, reach: list[int]) -> float:
+    """Replica `rep`'s horizon (sim/simulator.py's _lazy_loop) given its next step's time `t`, timing
+    at most reach[k] steps ahead (0: all); reach[k] becomes the steps to time next if it is a lower bound."""
+    k = rep.index
     if not ahead or t != rep.clock.now():  # not at its step (a replayed timeline): no promise
+        reach[k] = 0
         return t
     eng = rep.engine
     assert isinstance(eng, FastForwardEngine)
-    return eng.count_horizon()
+    h = eng.count_horizon(reach[k])
+    reach[k] = eng.horizon_bound
+    return h
 
 
 def _catch_up(rep: Replica, due: list[float], until: float, fast_forward: bool) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from sim.executor import CostModelExecutor
 from sim.fast_forward import FastForwardEngine
 from sim.simulator import simulate
 from sim.validate import fresh_copies
@@ -79,6 +80,76 @@ def test_the_horizon_is_the_start_of_the_first_finishing_step():
     eng.step(0.0)  # the prefills (and each request's first token)
     assert eng.count_horizon() == finishing
     assert eng.count_horizon() > clock.now()
+
+
+def four_decodes(make):
+    """An engine past its prefills with four decodes ahead (max_tokens 30, 12, 50, 19)."""
+    clock = SimClock()
+    eng, _ = make(clock)
+    for i, m in enumerate((30, 12, 50, 19)):
+        eng.add_request(Request(f"r{i}", list(range(1, 9)), SamplingParams(max_tokens=m, ignore_eos=True)))
+    eng.step(0.0)
+    return eng, clock
+
+
+def test_a_bounded_horizon_timed_further_is_the_whole_one():
+    """count_horizon(bound) times `bound` steps: a lower bound (horizon_bound says how far to time next);
+    timed further, doubling, it ends exactly at the horizon timed whole, the engine left where it was."""
+    make = factory("chunked", "paged", 400)
+    eng, clock = four_decodes(make)
+    whole = eng.count_horizon()
+    assert eng.horizon_bound == 0
+    now, steps = clock.now(), len(eng.steps)
+    bound, answers = 2, []
+    while bound:
+        answers.append(eng.count_horizon(bound))
+        assert (bound, eng.horizon_bound) in ((2, 4), (4, 8), (8, 16), (16, 0))  # 12 tokens: 10 steps ahead
+        bound = eng.horizon_bound
+    assert clock.now() < answers[0] < answers[1] < answers[2] < whole == answers[-1]
+    assert (clock.now(), len(eng.steps)) == (now, steps)
+    # A bound at or past the stretch's end: the whole horizon at once.
+    assert eng.count_horizon(10) == whole and eng.horizon_bound == 0
+
+
+class WholeHorizons(CostModelExecutor):
+    """The same steps, times and decode runs; only not CostModelExecutor itself, so every horizon is
+    timed whole (times_prefixes is False), as before bounded horizons."""
+
+
+class Bounded(FastForwardEngine):
+    bounded = 0
+    calls = 0
+
+    def count_horizon(self, bound=0):
+        h = super().count_horizon(bound)
+        self.bounded += self.horizon_bound > 0
+        return h
+
+    def step(self, start=None, until=None):
+        self.calls += 1
+        return super().step(start, until)
+
+
+def bounded(base, executor):
+    def make(clock):
+        eng, _ = base(clock)
+        ex = executor(eng.executor.cost, clock)
+        return Bounded(eng.policy, eng.kv, ex, clock=clock, max_model_len=eng.max_model_len), ex
+    return make
+
+
+def test_bounded_horizons_catch_replicas_up_at_the_same_arrivals():
+    """A fleet whose horizons are timed in bounded pieces advances each replica at the very arrivals
+    (the same step calls, the same decode runs in the step log) as one whose horizons are timed whole."""
+    base = factory("chunked", "paged", 2000)
+    reqs = shared_prefix_requests(240, rate=300.0, seed=11)
+    whole = simulate(fresh_copies(reqs), bounded(base, WholeHorizons), num_replicas=16, router="least_outstanding")
+    pieces = simulate(fresh_copies(reqs), bounded(base, CostModelExecutor), num_replicas=16,
+                      router="least_outstanding")
+    assert_same(whole, pieces)
+    assert [r.engine.calls for r in whole.replicas] == [r.engine.calls for r in pieces.replicas]
+    assert sum(r.engine.bounded for r in whole.replicas) == 0
+    assert sum(r.engine.bounded for r in pieces.replicas) > 0
 
 
 def paged_state(draw, cls, caching: bool):
