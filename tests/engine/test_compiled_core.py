@@ -227,15 +227,20 @@ def test_build_key_follows_the_sources(tmp_path, monkeypatch):
     assert compiled.build_key() != key
 
 
+def _builds(cache: Path, n: int) -> None:
+    """n complete builds in `cache`, build i stamped at time 1000 + i."""
+    for i in range(n):
+        done = cache / f"core-{i:020d}" / "COMPLETE"
+        done.parent.mkdir()
+        done.touch()
+        os.utime(done, (1000 + i, 1000 + i))
+
+
 def test_prune_keeps_the_newest_builds(tmp_path, monkeypatch):
     from varlen.compile import prune
 
     monkeypatch.setenv("VARLEN_CACHE_DIR", str(tmp_path))
-    for i in range(7):
-        done = tmp_path / f"core-{i:020d}" / "COMPLETE"
-        done.parent.mkdir()
-        done.touch()
-        os.utime(done, (1000 + i, 1000 + i))
+    _builds(tmp_path, 7)
     (tmp_path / "unrelated").mkdir()
     prune(keep=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"core-{i:020d}" for i in (4, 5, 6)] + ["unrelated"]
@@ -246,11 +251,7 @@ def test_a_build_in_use_outlives_newer_builds(tmp_path, monkeypatch):
     from varlen.compile import prune
 
     monkeypatch.setenv("VARLEN_CACHE_DIR", str(tmp_path))
-    for i in range(5):
-        done = tmp_path / f"core-{i:020d}" / "COMPLETE"
-        done.parent.mkdir()
-        done.touch()
-        os.utime(done, (1000 + i, 1000 + i))
+    _builds(tmp_path, 5)
     compiled.mark_used(tmp_path / f"core-{0:020d}")  # the oldest build, loaded again
     prune(keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"core-{i:020d}" for i in (0, 4)]
