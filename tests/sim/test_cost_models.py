@@ -410,9 +410,11 @@ def test_cost_models_keep_their_pre_split_numbers(name: str) -> None:
     """tests/data/cost_reference.json holds step times, decode closures and explain parts that the
     single sim/cost_models.py computed (before the split into sim/cost/, commit 9affe90) over 41
     random mixed batches, with the hardware's one constant step overhead of then (old_overhead: a
-    spec with only step_overhead_s still times steps identically). Roofline and measured keep them bit for bit: a simulation's clock is
-    unchanged (measured's were recomputed when its GEMM fit changed on purpose, issue 14). The fitted model now adds its fixed terms before its attention terms rather than in
-    feature order: the same numbers up to float rounding."""
+    spec with only step_overhead_s still times steps identically). Roofline keeps them bit for bit: a
+    simulation's clock is unchanged. Measured keeps them to 1e-12: its GEMM fit solves through numpy's
+    BLAS/LAPACK, whose last bits depend on the CPU's kernels and the numpy build (its numbers were
+    recomputed when the fit changed on purpose, issue 14). The fitted model now adds its fixed terms
+    before its attention terms rather than in feature order: the same numbers up to float rounding."""
     from sim.cost.base import StepSums
     from sim.explain import breakdown
 
@@ -422,10 +424,11 @@ def test_cost_models_keep_their_pre_split_numbers(name: str) -> None:
     got_sums = [m.step_time_sums(StepSums.of(n, c, r)) for n, c, r in ref["batches"]]
     got_arrays = [m.step_time(n, c, r) for n, c, r in ref["batches"]]
     got_decode = [m.decode_step_time(n)(c) for n, c in ref["decodes"]]
-    if name.startswith("profiled"):
-        assert got_sums == pytest.approx(want["step_time_sums"], rel=1e-14, abs=0)
-        assert got_arrays == pytest.approx(want["step_time"], rel=1e-14, abs=0)
-        assert got_decode == pytest.approx(want["decode"], rel=1e-14, abs=0)
+    if not name.startswith("roofline"):
+        rel = 1e-14 if name.startswith("profiled") else 1e-12
+        assert got_sums == pytest.approx(want["step_time_sums"], rel=rel, abs=0)
+        assert got_arrays == pytest.approx(want["step_time"], rel=rel, abs=0)
+        assert got_decode == pytest.approx(want["decode"], rel=rel, abs=0)
     else:
         assert got_sums == want["step_time_sums"]
         assert got_arrays == want["step_time"]
