@@ -19,7 +19,7 @@ from varlen.kv.growth import DecodeGrowth
 from varlen.promises import keeps_promise
 from varlen.request import FinishReason, Request
 from varlen.scheduler_api import SchedulerPolicy
-from varlen.steplog import DecodeRun, StepRecord
+from varlen.steplog import DecodeRun, StepLog, StepRecord
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -66,6 +66,14 @@ class FastForwardEngine(Engine):
         self._own_rules = -1  # whether the stop rule and step limits are this module's own (_rules_own; -1: not checked)
         self._blank_ids: dict[int, list[str]] = {}  # batch size -> the req_ids a log that reads none gets
         self.horizon_bound = 0  # count_horizon's last answer a lower bound: the steps to time next; 0: exact
+        # _base_and_limit's last answer, its batch and the step log and count it was read at: a step is the
+        # one thing that changes a running request's counts, and count_horizon, timing further in doubling
+        # pieces, then the decode run itself, ask again of the same batch.
+        self._limits_log: StepLog | None = None
+        self._limits_at = -1
+        self._limits_batch: list[Request] = []
+        self._limits_base: list[int] = []
+        self._limits_min = 0
 
     def _batch_ids(self, batch_size: int) -> list[str] | None:
         """None where the step log reads the batch's request ids, else a shared list of that size."""
@@ -93,27 +101,36 @@ class FastForwardEngine(Engine):
         return self._own_rules > 0
 
     def _base_and_limit(self, batch: Sequence[Request]) -> tuple[list[int], int]:
-        """(each request's computed tokens, min(_steps_to_limit)) in one pass (own rules only)."""
+        """(each request's computed tokens, min(_steps_to_limit)) in one pass (own rules only); the list is
+        shared with the next caller asking of the same batch before a step (not to be changed)."""
+        log = self.steps
+        at = len(log)
+        if at == self._limits_at and log is self._limits_log and batch == self._limits_batch:
+            return self._limits_base, self._limits_min
+        reqs: list[Request] = batch if isinstance(batch, list) else list(batch)
         max_len = self.max_model_len
-        base: list[int] = []
+        base = [r.num_computed_tokens for r in reqs]
         limit = 0
-        for r in batch:
-            base.append(r.num_computed_tokens)
-            n = len(r.output_token_ids)
-            s = r.sampling.max_tokens - n
-            t = max_len - r.num_prompt_tokens - n
+        first = True
+        for r in reqs:
+            n_out = len(r.output_token_ids)
+            s = r.sampling.max_tokens - n_out
+            t = max_len - r.num_prompt_tokens - n_out
             if t < s:
                 s = t
-            if s < limit or len(base) == 1:
-                limit = s
+            if s < limit or first:
+                limit, first = s, False
+        self._limits_log, self._limits_at, self._limits_batch = log, at, reqs
+        self._limits_base, self._limits_min = base, limit
         return base, limit
 
     def _any_stop_token(self, batch: Sequence[Request], tok: object) -> bool:
         """any(Engine._is_stop_token(r, tok) for r in batch), inline (own rules only); `tok` boxed once."""
+        reqs: list[Request] = batch if isinstance(batch, list) else list(batch)
         eos = tok in self.eos_token_ids
-        for r in batch:
+        for r in reqs:
             sp = r.sampling
-            if tok in sp.stop_token_ids or (eos and not sp.ignore_eos):
+            if (eos and not sp.ignore_eos) or (sp.stop_token_ids and tok in sp.stop_token_ids):
                 return True
         return False
 
