@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import heapq
 import math
-import time
-from typing import Sequence
+from time import perf_counter
+from typing import Any, Sequence
 
 from mypy_extensions import mypyc_attr
 
@@ -141,7 +141,7 @@ class FastForwardEngine(Engine):
             self._fused = int(self._fuses())
         if not self._fused:
             return super()._step(start)
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         policy, kv = self.policy, self.kv
         out = policy.schedule(kv)
         ex = self.executor
@@ -196,14 +196,14 @@ class FastForwardEngine(Engine):
             samples.append(last)
             if last:
                 sampled += 1
-        t1 = time.perf_counter()
+        t1 = perf_counter()
         tok = ex.advance_step(size, tn, tc, tnc, tnn, sampled, prefills)
-        t2 = time.perf_counter()
-        end: float = self.clock.now()  # unboxed once: the streamed times are native arithmetic
+        t2 = perf_counter()
+        end = self._now()
         finished = []
         stop = FinishReason.STOP
         length = FinishReason.LENGTH
-        tok_obj: object = tok  # boxed once for the membership tests, not once a request
+        tok_obj: Any = tok  # boxed once for the outputs and membership tests, not once a request
         eos = tok_obj in self.eos_token_ids
         max_len = self.max_model_len
         for i in range(size):
@@ -215,8 +215,8 @@ class FastForwardEngine(Engine):
                 r.num_computed_tokens += n
                 if not samples[i - nd]:
                     continue
-            outs = r.output_token_ids
-            outs.append(tok)
+            outs: list[Any] = r.output_token_ids
+            outs.append(tok_obj)
             if r.streams_token_times:  # Engine._stream_time, inline
                 nt = r.num_token_times
                 if nt:
@@ -236,7 +236,7 @@ class FastForwardEngine(Engine):
             sp = r.sampling
             n_out = len(outs)
             # Engine._stop_reason, inline.
-            if tok_obj in sp.stop_token_ids or (eos and not sp.ignore_eos):
+            if (sp.stop_token_ids and tok_obj in sp.stop_token_ids) or (eos and not sp.ignore_eos):
                 self._finish(r, stop)
             elif n_out >= sp.max_tokens or r.num_prompt_tokens + n_out >= max_len:
                 self._finish(r, length)
@@ -258,14 +258,15 @@ class FastForwardEngine(Engine):
         timings = self.timings
         timings["schedule"] += t1 - t0
         timings["execute"] += t2 - t1
-        timings["update"] += time.perf_counter() - t2
+        timings["update"] += perf_counter() - t2
         return finished
 
     def step(self, start: float | None = None, until: float | None = None) -> list[Request]:
         """The pure-decode steps the policy promises from `start` up to `until`, else one step and
         then those (until None: exactly Engine.step). A failure there aborts every running request."""
         before, preemptions = len(self.steps), self.num_preemptions
-        if until is not None and (start is None or start == self.clock.now()) and self.clock.now() < until:
+        now = self._now() if until is not None else 0.0
+        if until is not None and (start is None or start == now) and now < until:
             # A run cut short at `until` resumes as a run: no full step between two stretches of decodes.
             batch = self.policy.next_decode_batch()
             if batch and self._promises_kept():
@@ -288,7 +289,7 @@ class FastForwardEngine(Engine):
         (times_prefixes): at most `bound` steps are timed; when that cut the stretch, the end of the
         last one is returned, a lower bound, and horizon_bound says how far to time next (else 0)."""
         self.horizon_bound = 0
-        now = self.clock.now()
+        now = self._now()
         batch = self.policy.next_decode_batch()
         if not batch or not self._promises_kept() or self._fits < 1:
             return now
@@ -331,13 +332,13 @@ class FastForwardEngine(Engine):
         return [min(r.sampling.max_tokens - n, max_len - r.num_prompt_tokens - n) for r, n in zip(batch, n_out)]
 
     def _timed_decode_run(self, batch: list[Request], until: float) -> list[Request]:
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         try:
             finished = self._decode_run(batch, until)
         except BaseException as err:
             self._fail(list(self.policy.running), err, f"step {len(self.steps)} failed")
             raise
-        self.timings["decode_run"] += time.perf_counter() - t0
+        self.timings["decode_run"] += perf_counter() - t0
         return finished
 
     def _promises_kept(self) -> bool:
@@ -432,8 +433,12 @@ class FastForwardEngine(Engine):
                 # Records the count, unless an event asked it (or more): a step-by-step run asks once.
                 if asked[p] < base[p] + k and not kv.allocate(r, base[p] + k):
                     raise AssertionError(f"{type(kv).__name__}.next_allocation_event missed an event for {r.req_id!r}")
-        start = self.clock.now()
-        self.clock.sleep_until(times[-1])
+        start = self._now()
+        c = self._sim_clock
+        if c is not None and c is self.clock:
+            c.sleep_until(times[-1])
+        else:
+            self.clock.sleep_until(times[-1])
         finished = []
         if own:
             # Engine._stop_reason, inline: a stop token only where k == 1 (a longer run has none); a length

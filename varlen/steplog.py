@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import struct
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Final, Iterable, Iterator
 
 import numpy as np
 
@@ -78,12 +78,12 @@ class DecodeRun:
 
 #: Steps, per-request list items and ENTRY per entry a StepLog(keep=False) holds before folding them
 #: (about 60 bytes each: a few hundred KB a replica).
-HOLD = 4096
+HOLD: Final = 4096  # Final: compiled, a constant rather than a module lookup per append
 #: What an entry itself counts toward HOLD beside its steps and its per-request list items: a writer
 #: that leaves those out where they are not read (reads_batches) is folded less often, in as much memory.
-ENTRY = 8
+ENTRY: Final = 8
 #: Folded chunks joined into one every this many (few arrays, not one per fold).
-JOIN = 64
+JOIN: Final = 64
 
 
 class StepLog:
