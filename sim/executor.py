@@ -89,8 +89,9 @@ class CostModelExecutor(FastForwardExecutor):
         if step_time is None:
             step_time = self._decode_fns[num_seqs] = self.cost.decode_step_time(num_seqs)
         t = self.clock.now()
+        reqs: list[Request] = batch if isinstance(batch, list) else list(batch)
         cached = 0
-        for r in batch:
+        for r in reqs:
             cached += r.num_computed_tokens
         # Its times depend on (start, batch size, cached tokens) only: the stretch timed last (a replica's
         # horizon times it ahead of the steps) is reused from any of its step boundaries, and extended.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from typing import Sequence
+from typing import Any, Callable, Final, Sequence
 
 from mypy_extensions import mypyc_attr
 
@@ -19,7 +19,10 @@ from varlen.kv.growth import DecodeGrowth
 from varlen.promises import keeps_promise
 from varlen.request import FinishReason, Request
 from varlen.scheduler_api import SchedulerPolicy
-from varlen.steplog import DecodeRun, StepRecord
+from varlen.steplog import DecodeRun, StepLog, StepRecord
+
+#: Final: compiled, read from a C static rather than looked up in the module's dict at every step.
+_perf_counter: Final[Callable[[], float]] = time.perf_counter
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -66,6 +69,14 @@ class FastForwardEngine(Engine):
         self._own_rules = -1  # whether the stop rule and step limits are this module's own (_rules_own; -1: not checked)
         self._blank_ids: dict[int, list[str]] = {}  # batch size -> the req_ids a log that reads none gets
         self.horizon_bound = 0  # count_horizon's last answer a lower bound: the steps to time next; 0: exact
+        # _base_and_limit's last answer, its batch and the step log and count it was read at: a step is the
+        # one thing that changes a running request's counts, and count_horizon, timing further in doubling
+        # pieces, then the decode run itself, ask again of the same batch.
+        self._limits_log: StepLog | None = None
+        self._limits_at = -1
+        self._limits_batch: list[Request] = []
+        self._limits_base: list[int] = []
+        self._limits_min = 0
 
     def _batch_ids(self, batch_size: int) -> list[str] | None:
         """None where the step log reads the batch's request ids, else a shared list of that size."""
@@ -93,27 +104,36 @@ class FastForwardEngine(Engine):
         return self._own_rules > 0
 
     def _base_and_limit(self, batch: Sequence[Request]) -> tuple[list[int], int]:
-        """(each request's computed tokens, min(_steps_to_limit)) in one pass (own rules only)."""
+        """(each request's computed tokens, min(_steps_to_limit)) in one pass (own rules only); the list is
+        shared with the next caller asking of the same batch before a step (not to be changed)."""
+        log = self.steps
+        at = len(log)
+        if at == self._limits_at and log is self._limits_log and batch == self._limits_batch:
+            return self._limits_base, self._limits_min
+        reqs: list[Request] = batch if isinstance(batch, list) else list(batch)
         max_len = self.max_model_len
-        base: list[int] = []
+        base = [r.num_computed_tokens for r in reqs]
         limit = 0
-        for r in batch:
-            base.append(r.num_computed_tokens)
-            n = len(r.output_token_ids)
-            s = r.sampling.max_tokens - n
-            t = max_len - r.num_prompt_tokens - n
+        first = True
+        for r in reqs:
+            n_out = len(r.output_token_ids)
+            s = r.sampling.max_tokens - n_out
+            t = max_len - r.num_prompt_tokens - n_out
             if t < s:
                 s = t
-            if s < limit or len(base) == 1:
-                limit = s
+            if s < limit or first:
+                limit, first = s, False
+        self._limits_log, self._limits_at, self._limits_batch = log, at, reqs
+        self._limits_base, self._limits_min = base, limit
         return base, limit
 
     def _any_stop_token(self, batch: Sequence[Request], tok: object) -> bool:
         """any(Engine._is_stop_token(r, tok) for r in batch), inline (own rules only); `tok` boxed once."""
+        reqs: list[Request] = batch if isinstance(batch, list) else list(batch)
         eos = tok in self.eos_token_ids
-        for r in batch:
+        for r in reqs:
             sp = r.sampling
-            if tok in sp.stop_token_ids or (eos and not sp.ignore_eos):
+            if (eos and not sp.ignore_eos) or (sp.stop_token_ids and tok in sp.stop_token_ids):
                 return True
         return False
 
@@ -124,7 +144,7 @@ class FastForwardEngine(Engine):
             self._fused = int(self._fuses())
         if not self._fused:
             return super()._step(start)
-        t0 = time.perf_counter()
+        t0 = _perf_counter()
         policy, kv = self.policy, self.kv
         out = policy.schedule(kv)
         ex = self.executor
@@ -179,14 +199,14 @@ class FastForwardEngine(Engine):
             samples.append(last)
             if last:
                 sampled += 1
-        t1 = time.perf_counter()
+        t1 = _perf_counter()
         tok = ex.advance_step(size, tn, tc, tnc, tnn, sampled, prefills)
-        t2 = time.perf_counter()
-        end: float = self.clock.now()  # unboxed once: the streamed times are native arithmetic
+        t2 = _perf_counter()
+        end = self._now()
         finished = []
         stop = FinishReason.STOP
         length = FinishReason.LENGTH
-        tok_obj: object = tok  # boxed once for the membership tests, not once a request
+        tok_obj: Any = tok  # boxed once for the outputs and membership tests, not once a request
         eos = tok_obj in self.eos_token_ids
         max_len = self.max_model_len
         for i in range(size):
@@ -198,8 +218,8 @@ class FastForwardEngine(Engine):
                 r.num_computed_tokens += n
                 if not samples[i - nd]:
                     continue
-            outs = r.output_token_ids
-            outs.append(tok)
+            outs: list[Any] = r.output_token_ids
+            outs.append(tok_obj)
             if r.streams_token_times:  # Engine._stream_time, inline
                 nt = r.num_token_times
                 if nt:
@@ -219,7 +239,7 @@ class FastForwardEngine(Engine):
             sp = r.sampling
             n_out = len(outs)
             # Engine._stop_reason, inline.
-            if tok_obj in sp.stop_token_ids or (eos and not sp.ignore_eos):
+            if (sp.stop_token_ids and tok_obj in sp.stop_token_ids) or (eos and not sp.ignore_eos):
                 self._finish(r, stop)
             elif n_out >= sp.max_tokens or r.num_prompt_tokens + n_out >= max_len:
                 self._finish(r, length)
@@ -241,14 +261,15 @@ class FastForwardEngine(Engine):
         timings = self.timings
         timings["schedule"] += t1 - t0
         timings["execute"] += t2 - t1
-        timings["update"] += time.perf_counter() - t2
+        timings["update"] += _perf_counter() - t2
         return finished
 
     def step(self, start: float | None = None, until: float | None = None) -> list[Request]:
         """The pure-decode steps the policy promises from `start` up to `until`, else one step and
         then those (until None: exactly Engine.step). A failure there aborts every running request."""
         before, preemptions = len(self.steps), self.num_preemptions
-        if until is not None and (start is None or start == self.clock.now()) and self.clock.now() < until:
+        now = self._now() if until is not None else 0.0
+        if until is not None and (start is None or start == now) and now < until:
             # A run cut short at `until` resumes as a run: no full step between two stretches of decodes.
             batch = self.policy.next_decode_batch()
             if batch and self._promises_kept():
@@ -271,7 +292,7 @@ class FastForwardEngine(Engine):
         (times_prefixes): at most `bound` steps are timed; when that cut the stretch, the end of the
         last one is returned, a lower bound, and horizon_bound says how far to time next (else 0)."""
         self.horizon_bound = 0
-        now = self.clock.now()
+        now = self._now()
         batch = self.policy.next_decode_batch()
         if not batch or not self._promises_kept() or self._fits < 1:
             return now
@@ -314,13 +335,13 @@ class FastForwardEngine(Engine):
         return [min(r.sampling.max_tokens - n, max_len - r.num_prompt_tokens - n) for r, n in zip(batch, n_out)]
 
     def _timed_decode_run(self, batch: list[Request], until: float) -> list[Request]:
-        t0 = time.perf_counter()
+        t0 = _perf_counter()
         try:
             finished = self._decode_run(batch, until)
         except BaseException as err:
             self._fail(list(self.policy.running), err, f"step {len(self.steps)} failed")
             raise
-        self.timings["decode_run"] += time.perf_counter() - t0
+        self.timings["decode_run"] += _perf_counter() - t0
         return finished
 
     def _promises_kept(self) -> bool:
@@ -415,8 +436,12 @@ class FastForwardEngine(Engine):
                 # Records the count, unless an event asked it (or more): a step-by-step run asks once.
                 if asked[p] < base[p] + k and not kv.allocate(r, base[p] + k):
                     raise AssertionError(f"{type(kv).__name__}.next_allocation_event missed an event for {r.req_id!r}")
-        start = self.clock.now()
-        self.clock.sleep_until(times[-1])
+        start = self._now()
+        c = self._sim_clock
+        if c is not None and c is self.clock:
+            c.sleep_until(times[-1])
+        else:
+            self.clock.sleep_until(times[-1])
         finished = []
         if own:
             # Engine._stop_reason, inline: a stop token only where k == 1 (a longer run has none); a length

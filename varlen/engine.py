@@ -8,11 +8,11 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections import defaultdict, deque
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Final, Iterable, Sequence
 
 from mypy_extensions import mypyc_attr
 
-from varlen.clock import WallClock
+from varlen.clock import SimClock, WallClock
 from varlen.kv.base import KVAllocator
 from varlen.request import FinishReason, Request, Status, prompt_problem
 from varlen.scheduler_api import SchedulerOutput, SchedulerPolicy
@@ -39,6 +39,9 @@ class Engine:
         """`eos_token_id`: one id or several; `vocab_size`: rejects token ids outside it (None: no check)."""
         self.policy, self.kv, self.executor = policy, kv, executor
         self.clock = WallClock() if clock is None else clock
+        # The clock read natively while it is this very SimClock (the simulator's): a call through
+        # Python costs more than the step's arithmetic around it.
+        self._sim_clock: SimClock | None = self.clock if type(self.clock) is SimClock else None
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"max_model_len={max_model_len}: must be >= 1 (or None: what the KV pool holds)")
         cap = kv.max_request_tokens()
@@ -172,9 +175,17 @@ class Engine:
         self._check_unstreamed(req, f"abort(): {message}")
         self._finish(req, FinishReason.ABORTED, message)
 
+    def _now(self) -> float:
+        """self.clock.now()."""
+        c = self._sim_clock
+        if c is not None and c is self.clock:
+            return c.now()
+        t: float = self.clock.now()
+        return t
+
     def _finish(self, req: Request, reason: FinishReason, message: str = "", failed: bool = False) -> None:
         """End `req`; `failed`: its step raised, so its newest KV may be unwritten (kv.discard)."""
-        req.finish(reason, self.clock.now(), message)
+        req.finish(reason, self._now(), message)
         self.requests.pop(req.req_id, None)
         self.policy.remove(req)
         if failed:
@@ -325,8 +336,9 @@ class Engine:
                 raise AssertionError(f"request {r.req_id} left unfinished")
 
 
-#: Gaps (distinct neighbours) a streaming engine holds before handing them to its sink.
-GAP_BATCH = 4096
+#: Gaps (distinct neighbours) a streaming engine holds before handing them to its sink (Final:
+#: compiled, a constant rather than a module lookup per gap).
+GAP_BATCH: Final = 4096
 
 
 def grant_problem(policy: SchedulerPolicy, req: Request, n: int) -> str:

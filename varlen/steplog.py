@@ -10,8 +10,9 @@ handed to `sink` (steps.csv written as the run goes) and dropped.
 from __future__ import annotations
 
 import bisect
+import struct
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Final, Iterable, Iterator
 
 import numpy as np
 
@@ -77,12 +78,12 @@ class DecodeRun:
 
 #: Steps, per-request list items and ENTRY per entry a StepLog(keep=False) holds before folding them
 #: (about 60 bytes each: a few hundred KB a replica).
-HOLD = 4096
+HOLD: Final = 4096  # Final: compiled, a constant rather than a module lookup per append
 #: What an entry itself counts toward HOLD beside its steps and its per-request list items: a writer
 #: that leaves those out where they are not read (reads_batches) is folded less often, in as much memory.
-ENTRY = 8
+ENTRY: Final = 8
 #: Folded chunks joined into one every this many (few arrays, not one per fold).
-JOIN = 64
+JOIN: Final = 64
 
 
 class StepLog:
@@ -260,29 +261,38 @@ class StepLog:
                 record_dur.append(e.duration)
                 ends.append(nan)
                 reserved.append(e.kv_reserved_slots)
-        i64 = np.int64
         n = len(steps)
-        steps_a = np.array(steps, i64)
+        steps_a = _ints(steps)
         first = np.cumsum(steps_a) - steps_a
         per_step: np.ndarray = np.repeat(np.arange(n), steps_a)
         offset = np.arange(len(per_step)) - first[per_step]
-        seqs_s = np.array(seqs, i64)[per_step]
-        live = np.array(live0, i64)[per_step] + seqs_s * (offset + 1)
-        live[first + steps_a - 1] = np.array(live_last, i64)
-        end = np.array(ends, np.float64)
+        seqs_s = _ints(seqs)[per_step]
+        live = _ints(live0)[per_step] + seqs_s * (offset + 1)
+        live[first + steps_a - 1] = _ints(live_last)
+        end = _floats(ends)
         start = np.empty(len(end))
         start[1:] = end[:-1]  # a run's step starts where the one before it ended...
-        start[first] = np.array(start0, np.float64)  # ...but its first, and every record, start where recorded
+        start[first] = _floats(start0)  # ...but its first, and every record, start where recorded
         in_run = ~np.isnan(end)
-        duration = np.array(record_dur, np.float64)[per_step]
+        duration = _floats(record_dur)[per_step]
         duration[in_run] = end[in_run] - start[in_run]
         cols = dict(start=start, duration=duration, num_seqs=seqs_s)
         if tokens:
-            cols.update(num_new_tokens=np.array(new, i64)[per_step],
-                        num_cached_tokens=np.array(cached0, i64)[per_step] + seqs_s * offset)
-        cols.update(kv_reserved_slots=np.array(reserved, i64), kv_live_tokens=live,
-                    num_waiting=np.array(waiting, i64)[per_step])
+            cols.update(num_new_tokens=_ints(new)[per_step],
+                        num_cached_tokens=_ints(cached0)[per_step] + seqs_s * offset)
+        cols.update(kv_reserved_slots=_ints(reserved), kv_live_tokens=live,
+                    num_waiting=_ints(waiting)[per_step])
         return cols
+
+
+def _ints(values: list[int]) -> np.ndarray:
+    """np.array(values, np.int64), packed as C integers in one call rather than converted one by one."""
+    return np.frombuffer(bytearray(struct.pack(f"{len(values)}q", *values)), np.int64)
+
+
+def _floats(values: list[float]) -> np.ndarray:
+    """np.array(values, np.float64), packed as C doubles in one call rather than converted one by one."""
+    return np.frombuffer(bytearray(struct.pack(f"{len(values)}d", *values)), np.float64)
 
 
 #: Counts a StepLog(keep=False) keeps as int32 where every value fits (half the memory of int64).

@@ -71,3 +71,16 @@ def test_columns_without_token_sums():
     assert set(log.columns(tokens=False)) == set(lean)
     both = StepLog.concat([StepLog([*log.entries]), _log(50.0)])
     assert set(both.columns(tokens=False)) == set(lean)
+
+
+def test_packed_columns_are_numpys_own_conversion():
+    """The folds pack their lists with struct: the same int64 and float64 arrays np.array makes (nan,
+    negatives, int64's ends, nothing), writable like them."""
+    from varlen.steplog import _floats, _ints
+
+    for ints in ([], [0], [3, -7, 2**63 - 1, -(2**63)], list(range(5000))):
+        got, want = _ints(ints), np.array(ints, np.int64)
+        assert got.dtype == want.dtype and np.array_equal(got, want) and got.flags.writeable
+    for floats in ([], [0.5], [float("nan"), -1e300, 3.0, float("inf")]):
+        got, want = _floats(floats), np.array(floats, np.float64)
+        assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=True) and got.flags.writeable

@@ -16,6 +16,7 @@ from varlen.kv import PagedAllocator
 from varlen.kv.windowed import WindowedPagedAllocator
 from varlen.request import Request
 from varlen.sampling_params import SamplingParams
+from varlen.steplog import StepLog, StepRecord
 from varlen.testing.fast_forward import assert_same, factory, shared_prefix_requests
 
 
@@ -191,3 +192,43 @@ def test_decode_steps_fit_is_what_the_calls_do(data, cls, caching, num_steps):
             done = j
             break
     assert fit == done if cls is PagedAllocator else fit <= done
+
+
+def test_the_batch_limits_are_read_again_after_a_step_or_for_another_batch():
+    """_base_and_limit answers a repeated question about the same batch from its last answer (the
+    horizon's doubling calls, then the decode run) until a step is recorded, the batch differs or
+    the engine's step log is replaced: each answer is what the requests hold at that moment."""
+    make = factory("chunked", "paged", 400)
+    eng, clock = four_decodes(make)
+
+    def fresh(batch):
+        return ([r.num_computed_tokens for r in batch],
+                min(eng._steps_to_limit(batch, [len(r.output_token_ids) for r in batch])))
+
+    batch = eng.policy.next_decode_batch()
+    first = eng._base_and_limit(batch)
+    assert first == fresh(batch) and first[1] == 11  # r1: 12 tokens, 1 sampled by the prefill step
+    again = eng._base_and_limit(eng.policy.next_decode_batch())  # an equal list, asked again
+    assert again[0] is first[0]  # kept, not read again
+    assert eng._base_and_limit(batch[1:]) == fresh(batch[1:])  # another batch: read afresh
+    eng.step(clock.now(), clock.now() + 1e-9)  # one step (its decode run cut at once)
+    assert len(eng.steps) > 1
+    batch = eng.policy.next_decode_batch()
+    after = eng._base_and_limit(batch)
+    assert after == fresh(batch) and after[0] != first[0]
+    at = len(eng.steps)
+    eng.steps = StepLog()  # a new log of the same length: its answers are its own
+    for i in range(at):
+        eng.steps.append(StepRecord(i, 0.0, 0.1, ["x"], [1], [0], 0, 16, 1, 0, 1, 1))
+    assert len(eng.steps) == at and eng._base_and_limit(batch)[0] is not after[0]
+
+
+def test_the_engine_reads_whichever_clock_it_holds():
+    """Engine._now reads the SimClock natively, and a clock put in its place afterwards is the one read."""
+    make = factory("chunked", "paged", 400)
+    eng, clock = four_decodes(make)
+    assert eng._now() == clock.now() > 0.0
+    later = SimClock(clock.now() + 5.0)
+    eng.clock = later
+    clock.advance(1.0)  # the clock it was built with no longer speaks for it
+    assert eng._now() == later.now() != clock.now()
