@@ -196,17 +196,10 @@ class SchedulerPolicy(ABC):
             if self._own_grant:
                 # The leading decodes, while the budget lasts, each granted one token (as _grant does) and
                 # allocated in bulk, in order, up to the first allocation that fails (the loop preempts).
-                limit = min(len(running), budget)
-                while first < limit:
-                    r = running[first]
-                    if r.num_prompt_tokens + len(r.output_token_ids) - r.num_computed_tokens != 1:
-                        break
-                    first += 1
-                if first:
-                    got = kv.allocate_decodes(running, first)
-                    if got < first:
-                        refused = running[got]
-                    first = got
+                first, failed = kv._allocate_leading_decodes(running, min(len(running), budget))
+                if failed:
+                    refused = running[first]
+                if first or failed:
                     if not out.handed_out and out.decodes is None and not out.rest():
                         out.decodes = running[:first]  # one slice, not a (request, 1) tuple each
                     else:

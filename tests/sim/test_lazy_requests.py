@@ -44,16 +44,18 @@ def test_a_simulation_builds_each_request_as_it_arrives_and_drops_it_when_it_end
     lazy = trace_requests(_trace(4000, rate=20.0, output_len="uniform:1:6"), 512, SamplingParams(ignore_eos=True),
                           token_ids=False, lazy=True)
     built: list[int] = []
-    build = lazy.build
+    positions: list[int] = []
 
-    def counting(i: int):
-        built.append(len(lazy._made))  # requests held when one more is built
-        return build(i)
+    class Counting(dict):  # every request built is kept here: each insertion is one build
+        def __setitem__(self, i, r) -> None:
+            built.append(len(self))  # requests held when one more is built
+            positions.append(i)
+            super().__setitem__(i, r)
 
-    lazy.build = counting
+    lazy._made = Counting()
     res = simulate(lazy, engine_factory(), 2, "least_outstanding", keep_requests=False)
     # Each built once; the ended ones released as the run goes (folded every ~1,000 events), not all held.
-    assert len(built) == 4000 and max(built) < 2000
+    assert sorted(positions) == list(range(4000)) and max(built) < 2000
     assert not lazy._made and all(lazy[i] is RELEASED for i in range(4000))
     assert res.results.finish_reasons().count("length") == 4000
 
