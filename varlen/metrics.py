@@ -224,6 +224,8 @@ def _num_streamed(r: Any) -> int:
 _REASONS = (None, "length", "stop", "aborted", "rejected")
 #: Each finish reason's index in _REASONS.
 _CODES = {None if v is None else FinishReason(v): i for i, v in enumerate(_REASONS)}
+#: The same by the reason's id: the members and None are singletons, and an int hashes without a call.
+_CODE_OF_ID = {id(k): v for k, v in _CODES.items()}
 #: RequestResults.add's integer columns and the request field each is read from.
 _COUNTS = (("prompt_tokens", "num_prompt_tokens"), ("output_tokens", "num_output_tokens"),
            ("num_preemptions", "num_preemptions"), ("prefix_hit_tokens", "num_prefix_hit_tokens"),
@@ -281,7 +283,9 @@ class RequestResults:
         requests = requests if isinstance(requests, list) else list(requests)
         get = operator.attrgetter
         idx = np.fromiter(rows, np.intp, n)
-        codes = np.fromiter(map(_CODES.__getitem__, map(get("finish_reason"), requests)), np.int8, n)
+        reasons = list(map(get("finish_reason"), requests))
+        known = list(map(_CODE_OF_ID.get, map(id, reasons)))
+        codes = np.fromiter(known if None not in known else map(_CODES.__getitem__, reasons), np.int8, n)
         self.reason[idx] = codes
         req_id, finish_message = self.req_id, self.finish_message
         for j, r, m in zip(idx.tolist(), map(get("req_id"), requests), map(get("finish_message"), requests)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from itertools import repeat
 from typing import Any, Mapping, Sequence, overload
 
 import numpy as np
@@ -82,7 +83,20 @@ class TraceRequests(Sequence[Request]):
         arrivals = self.arrivals[start:stop].tolist()
         prompts = self._prompt[start:stop].tolist()
         outputs = self._output[start:stop].tolist()
-        for j in range(stop - start):
+        n = stop - start
+        if self._rows is None and not released[start:stop].count(1) and \
+                not any(map(made.__contains__, range(start, stop))):
+            # Arrivals in order: none built or released yet, so all made at once, by no bytecode per request.
+            views = self._views
+            for length in set(prompts).difference(views):
+                views[length] = self._zeros[:length]
+            for o in set(outputs).difference(params):
+                params[o] = dataclasses.replace(self._sampling, max_tokens=o)
+            out = list(map(Request, ids[start:stop], map(views.__getitem__, prompts), map(params.__getitem__, outputs),
+                           arrivals, repeat(0, n), repeat(None, n), outputs))
+            made.update(zip(range(start, stop), out))
+            return out
+        for j in range(n):
             i = start + j
             r = made.get(i)
             if r is None:

@@ -55,6 +55,12 @@ def test_a_slice_is_the_requests_read_one_by_one(token_ids):
         assert type(a.arrival) is float and a.num_prompt_tokens == b.num_prompt_tokens
         np.testing.assert_array_equal(a.prompt_token_ids, b.prompt_token_ids)
     assert all(lazy[i] is got[i - 5] for i in range(5, 30))  # kept, as a read of one keeps it
+    fresh = lazy[30:36]  # none built yet: made in one go
+    for a, b in zip(fresh, want[30:36]):
+        assert (a.req_id, a.arrival, a.sampling, a.expected_output_len, a.priority, a.prompt, a.num_prompt_tokens) == \
+               (b.req_id, b.arrival, b.sampling, b.expected_output_len, b.priority, b.prompt, b.num_prompt_tokens)
+        np.testing.assert_array_equal(a.prompt_token_ids, b.prompt_token_ids)
+    assert all(lazy[i] is fresh[i - 30] for i in range(30, 36))
     assert lazy[38:100] == [lazy[38], lazy[39]] and lazy[30:10] == [] and lazy[10:20:3] == [lazy[i] for i in (10, 13, 16, 19)]
 
 
@@ -69,6 +75,10 @@ def test_a_simulation_builds_each_request_as_it_arrives_and_drops_it_when_it_end
             built.append(len(self))  # requests held when one more is built
             positions.append(i)
             super().__setitem__(i, r)
+
+        def update(self, pairs) -> None:
+            for i, r in pairs:
+                self[i] = r
 
     lazy._made = Counting()
     res = simulate(lazy, engine_factory(), 2, "least_outstanding", keep_requests=False)

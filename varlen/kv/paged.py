@@ -271,12 +271,11 @@ class PagedAllocator(KVAllocator):
         n = min(len(rl), len(cl))
         free = self.num_free_plain()
         takes: list[int] = []
-        hs: list[Held] = []
+        held = self.held
         for p in range(n):
             r = rl[p]
             k = r.kv_handle
-            h = k if isinstance(k, Held) and k.owner is self else self.held[r.req_id]
-            hs.append(h)
+            h = k if isinstance(k, Held) and k.owner is self else held[r.req_id]
             j = len(h.blocks) * bs - cl[p]
             while j < num_steps:
                 takes.append(j * n + p)
@@ -297,14 +296,19 @@ class PagedAllocator(KVAllocator):
                 if j != step:  # a step's entry once, after its last take (takes are in step order)
                     changed[step] = reserved
                     step = j
-                hs[t - j * n].blocks.append(got[i])
+                r = rl[t - j * n]
+                k = r.kv_handle
+                h = k if isinstance(k, Held) and k.owner is self else held[r.req_id]
+                h.blocks.append(got[i])
                 reserved += bs
             changed[step] = reserved
         if self._own_calls or self._count_own():
             # _record_count inline, the live total added once.
             grown = 0
             for p in range(n):
-                h = hs[p]
+                r = rl[p]
+                k = r.kv_handle
+                h = k if isinstance(k, Held) and k.owner is self else held[r.req_id]
                 m = cl[p] + ok
                 had = h.count
                 if m > had:
