@@ -22,7 +22,7 @@ from typing import Any, Callable, Final, Iterator, Sequence
 from sim.executor import CostModelExecutor
 from sim.release import Release, arrival_order
 from sim.route_check import check_route
-from sim.routers import Loads, Router, Unread, make_router, router_reads
+from sim.routers import LeastOutstandingRouter, Loads, Router, Unread, make_router, router_reads
 from sim.fast_forward import FastForwardEngine
 from sim.progress import for_run
 from varlen.clock import SimClock
@@ -211,6 +211,8 @@ def _advance(rep: Replica, t: float, until: float, fast_forward: bool) -> float:
 
 #: Steps a replica's horizon times at first (_lazy_loop), doubled each time it must look further.
 FIRST_REACH: Final = 8
+#: Arrivals _lazy_loop reads at once.
+ARRIVALS_READ: Final = 256
 
 def _lazy_loop(pending: Sequence[Request], replicas: list[Replica], route: Router, reads: str, routed: dict[str, int],
                fast_forward: bool, progress: Callable[[float, int, list[Replica]], None] | None = None) -> None:
@@ -238,10 +240,20 @@ def _lazy_loop(pending: Sequence[Request], replicas: list[Replica], route: Route
         view = Unread(route, num_replicas)
     elif index is not None:
         view = Loads(route, counts, index.least)
+    # least_outstanding itself (not a subclass): its answer is the index's, asked without the call.
+    least = index is not None and type(route) is LeastOutstandingRouter
     i, n = 0, len(pending)
     events = 0
+    # The arrivals read a slice at a time: a TraceRequests builds a slice's requests in one pass.
+    chunk: list[Request] = []
+    at = 0  # the next arrival's index in chunk
     while i < n:
-        req = pending[i]
+        if at == len(chunk):
+            got = pending[i:i + ARRIVALS_READ]
+            chunk = got if isinstance(got, list) else list(got)
+            at = 0
+        req = chunk[at]
+        at += 1
         a = req.arrival
         i += 1
         if shared:
@@ -273,9 +285,16 @@ def _lazy_loop(pending: Sequence[Request], replicas: list[Replica], route: Route
             if progress is not None:
                 progress(a, i - 1, replicas)
         k = 0
-        if num_replicas > 1:
+        if least:
+            assert index is not None
+            k = index.least()
+        elif num_replicas > 1:
             try:
-                k = check_route(route, pick(view, req), num_replicas)
+                v = pick(view, req)
+                if type(v) is int and 0 <= v < num_replicas:  # check_route's common case, inline
+                    k = v
+                else:
+                    k = check_route(route, v, num_replicas)
             except BaseException:
                 # Stop where the reference loop stops: every replica at the arrival.
                 for j in range(num_replicas):

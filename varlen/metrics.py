@@ -64,9 +64,14 @@ class GapCounts:
 
     def add_counts(self, values: Sequence[float], counts: Sequence[int]) -> None:
         """counts[i] gaps of values[i] seconds each (an engine's streamed gaps, Engine.stream_token_times)."""
-        if len(values):
-            c = np.asarray(counts, np.int64)
-            self._push(*_table(np.asarray(values, np.float64), c), int(c.sum()))
+        n = len(values)
+        if n:
+            if type(values) is list and type(counts) is list:  # packed whole: ~4x cheaper than asarray's
+                v = np.frombuffer(struct.pack(f"{n}d", *values), np.float64)  # element by element
+                c = np.frombuffer(struct.pack(f"{len(counts)}q", *counts), np.int64)
+            else:
+                v, c = np.asarray(values, np.float64), np.asarray(counts, np.int64)
+            self._push(*_table(v, c), int(c.sum()))
 
     CHUNK = 1 << 18  # token times counted at once: bounds the ~10 temporaries of that size
 
@@ -219,6 +224,8 @@ def _num_streamed(r: Any) -> int:
 _REASONS = (None, "length", "stop", "aborted", "rejected")
 #: Each finish reason's index in _REASONS.
 _CODES = {None if v is None else FinishReason(v): i for i, v in enumerate(_REASONS)}
+#: The same by the reason's id: the members and None are singletons, and an int hashes without a call.
+_CODE_OF_ID = {id(k): v for k, v in _CODES.items()}
 #: RequestResults.add's integer columns and the request field each is read from.
 _COUNTS = (("prompt_tokens", "num_prompt_tokens"), ("output_tokens", "num_output_tokens"),
            ("num_preemptions", "num_preemptions"), ("prefix_hit_tokens", "num_prefix_hit_tokens"),
@@ -276,7 +283,9 @@ class RequestResults:
         requests = requests if isinstance(requests, list) else list(requests)
         get = operator.attrgetter
         idx = np.fromiter(rows, np.intp, n)
-        codes = np.fromiter(map(_CODES.__getitem__, map(get("finish_reason"), requests)), np.int8, n)
+        reasons = list(map(get("finish_reason"), requests))
+        known = list(map(_CODE_OF_ID.get, map(id, reasons)))
+        codes = np.fromiter(known if None not in known else map(_CODES.__getitem__, reasons), np.int8, n)
         self.reason[idx] = codes
         req_id, finish_message = self.req_id, self.finish_message
         for j, r, m in zip(idx.tolist(), map(get("req_id"), requests), map(get("finish_message"), requests)):
@@ -292,13 +301,18 @@ class RequestResults:
         lens = np.fromiter(map(len, times), np.int64, n)
         ends = np.cumsum(lens)
         done = (codes == 1) | (codes == 2)
-        start = 0
+        start = 0 if ends[-1] else n  # no token times kept (all streamed): the figures are NaN, as computed
+        if start:
+            self.first_token[idx] = self.tpot[idx] = self.max_tbt[idx] = np.nan
         while start < n:
             before = int(ends[start - 1]) if start else 0
             end = max(int(np.searchsorted(ends, before + self.TOKENS, side="right")), start + 1)
             self._add_times(idx[start:end], times[start:end], lens[start:end], done[start:end])
             start = end
-        streamed = np.fromiter(map(_num_streamed, requests), np.int64, n)
+        try:
+            streamed = np.fromiter(map(get("num_token_times"), requests), np.int64, n)
+        except AttributeError:  # not every one a Request (sim.cells' rows): read as _num_streamed reads them
+            streamed = np.fromiter(map(_num_streamed, requests), np.int64, n)
         if streamed.any():  # their gaps are in their engine's gap table already (Engine.stream_token_times)
             self._add_streamed(idx, requests, streamed)
 

@@ -123,6 +123,7 @@ class SchedulerPolicy(ABC):
         self.running: list[Request] = []
         self._repeats = -1  # whether repeats_decode_batches is my class's own promise (-1: not checked yet)
         self._own_grant = -1  # whether _grant is this class's (-1: not checked yet): decodes then granted in bulk
+        self._own_order = -1  # whether waiting_order is this class's (-1: not checked yet): FCFS, a prefix copied
 
     @property
     def name(self) -> str:
@@ -196,17 +197,10 @@ class SchedulerPolicy(ABC):
             if self._own_grant:
                 # The leading decodes, while the budget lasts, each granted one token (as _grant does) and
                 # allocated in bulk, in order, up to the first allocation that fails (the loop preempts).
-                limit = min(len(running), budget)
-                while first < limit:
-                    r = running[first]
-                    if r.num_prompt_tokens + len(r.output_token_ids) - r.num_computed_tokens != 1:
-                        break
-                    first += 1
-                if first:
-                    got = kv.allocate_decodes(running, first)
-                    if got < first:
-                        refused = running[got]
-                    first = got
+                first, failed = kv._allocate_leading_decodes(running, min(len(running), budget))
+                if failed:
+                    refused = running[first]
+                if first or failed:
                     if not out.handed_out and out.decodes is None and not out.rest():
                         out.decodes = running[:first]  # one slice, not a (request, 1) tuple each
                     else:
@@ -253,14 +247,16 @@ class SchedulerPolicy(ABC):
             seats = min(seats, limit)
         if seats <= 0 or budget <= 0 or not self.waiting:
             return budget
-        preempted = set(map(id, out.preempted))
-        if type(self).waiting_order is SchedulerPolicy.waiting_order:
+        preempted = set(map(id, out.preempted)) if out.preempted else None
+        if self._own_order < 0:
+            self._own_order = int(type(self).waiting_order is SchedulerPolicy.waiting_order)
+        if self._own_order:
             # FCFS: at most `seats` requests can be looked at; copy only those.
             order: list[Request] = list(islice(self.waiting, seats))
         else:
             order = self.waiting_order()
         for req in order:
-            if seats <= 0 or budget <= 0 or id(req) in preempted:
+            if seats <= 0 or budget <= 0 or (preempted is not None and id(req) in preempted):
                 break
             hit = kv.match_prefix(req)
             req.num_computed_tokens = hit

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from itertools import repeat
 from typing import Any, Mapping, Sequence, overload
 
 import numpy as np
@@ -50,6 +51,7 @@ class TraceRequests(Sequence[Request]):
         self._arrival_s, self._prompt_lens, self._output_lens = map(memoryview, (self.arrivals, self._prompt,
                                                                                 self._output))
         self._params: dict[int, SamplingParams] = {}
+        self._views: dict[int, np.ndarray] = {}  # prompt length -> its zero prompt (token_ids=False), shared
         self._made: dict[int, Request] = {}
         self._released = bytearray(n)  # 1: released
         self._placeholder: Request | None = None
@@ -63,10 +65,52 @@ class TraceRequests(Sequence[Request]):
         sp = self._params.get(out)
         if sp is None:
             sp = self._params[out] = dataclasses.replace(self._sampling, max_tokens=out)
+        return Request(self._ids[i], self._prompt_of(i, self._prompt_lens[i]), sp, self._arrival_s[i], 0, None, out)
+
+    def _prompt_of(self, i: int, length: int) -> Any:
         rows = self._rows
-        prompt = synth_prompt_tokens(rows[i], self._vocab_size) if rows is not None else \
-            self._zeros[:self._prompt_lens[i]]
-        return Request(self._ids[i], prompt, sp, arrival=self._arrival_s[i], expected_output_len=out)
+        if rows is not None:
+            return synth_prompt_tokens(rows[i], self._vocab_size)
+        view = self._views.get(length)
+        if view is None:
+            view = self._views[length] = self._zeros[:length]
+        return view
+
+    def _span(self, start: int, stop: int) -> list[Request]:
+        """self[start:stop]: the requests not built yet built in one pass, their columns read at once."""
+        made, released, params, ids = self._made, self._released, self._params, self._ids
+        out: list[Request] = []
+        arrivals = self.arrivals[start:stop].tolist()
+        prompts = self._prompt[start:stop].tolist()
+        outputs = self._output[start:stop].tolist()
+        n = stop - start
+        if self._rows is None and not released[start:stop].count(1) and \
+                not any(map(made.__contains__, range(start, stop))):
+            # Arrivals in order: none built or released yet, so all made at once, by no bytecode per request.
+            views = self._views
+            for length in set(prompts).difference(views):
+                views[length] = self._zeros[:length]
+            for o in set(outputs).difference(params):
+                params[o] = dataclasses.replace(self._sampling, max_tokens=o)
+            out = list(map(Request, ids[start:stop], map(views.__getitem__, prompts), map(params.__getitem__, outputs),
+                           arrivals, repeat(0, n), repeat(None, n), outputs))
+            made.update(zip(range(start, stop), out))
+            return out
+        for j in range(n):
+            i = start + j
+            r = made.get(i)
+            if r is None:
+                if released[i]:
+                    assert self._placeholder is not None
+                    r = self._placeholder
+                else:
+                    o = outputs[j]
+                    sp = params.get(o)
+                    if sp is None:
+                        sp = params[o] = dataclasses.replace(self._sampling, max_tokens=o)
+                    r = made[i] = Request(ids[i], self._prompt_of(i, prompts[j]), sp, arrivals[j], 0, None, o)
+            out.append(r)
+        return out
 
     @overload
     def __getitem__(self, i: int) -> Request: ...
@@ -83,7 +127,10 @@ class TraceRequests(Sequence[Request]):
                 r = self._made[i] = self.build(i)
                 return r
         elif isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
+            start, stop, step = i.indices(len(self))
+            if step == 1:
+                return self._span(start, max(start, stop))
+            return [self[j] for j in range(start, stop, step)]
         n = len(self._ids)
         if not -n <= i < n:
             raise IndexError(f"request {i} out of range ({n} requests)")

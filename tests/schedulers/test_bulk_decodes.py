@@ -125,3 +125,33 @@ def test_paged_allocate_decodes_equals_its_calls_one_by_one(caching: bool) -> No
                 r.num_computed_tokens += 1
                 r.output_token_ids.append(0)
     assert got_a < len(ra)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_paged_leading_decodes_equal_the_scan_then_allocate_decodes(caching: bool) -> None:
+    """PagedAllocator's fused pass: the leading requests needing one token (a prefill in the middle
+    stops it), allocated up to the first failure, as KVAllocator's scan and allocate_decodes decide."""
+    def pool() -> tuple[PagedAllocator, list[Request]]:
+        kv = PagedAllocator(num_blocks=14, block_size=4, enable_prefix_caching=caching)
+        reqs = [Request(f"r{i}", list(range(i, i + 3 + i % 5))) for i in range(7)]
+        for i, r in enumerate(reqs):
+            assert kv.allocate(r, r.num_prompt_tokens)
+            r.num_computed_tokens = r.num_prompt_tokens - (2 if i == 5 else 0)  # r5: a prompt still coming in
+            r.output_token_ids.append(0)
+        return kv, reqs
+
+    a, ra = pool()
+    b, rb = pool()
+    seen = set()
+    for _ in range(10):  # the pool runs out part way: both stop at the same request, saying it failed
+        got_a = a._allocate_leading_decodes(ra, len(ra))
+        got_b = KVAllocator._allocate_leading_decodes(b, rb, len(rb))
+        assert got_a == got_b
+        assert state(a) == state(b)
+        seen.add(got_a)
+        for rs in (ra, rb):
+            for r in rs[:got_a[0]]:
+                r.num_computed_tokens += 1
+                r.output_token_ids.append(0)
+    assert (5, False) in seen and any(failed for _, failed in seen)  # stopped by the prefill, then by the pool
+    assert a._allocate_leading_decodes(ra, 2)[0] <= 2  # never past the limit

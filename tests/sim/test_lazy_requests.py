@@ -40,20 +40,50 @@ def test_lazy_requests_are_the_built_list_built_on_first_read(token_ids):
         lazy[40]
 
 
+@pytest.mark.parametrize("token_ids", [False, True])
+def test_a_slice_is_the_requests_read_one_by_one(token_ids):
+    trace, sp = _trace(40), SamplingParams(ignore_eos=True)
+    want = trace_requests(trace, 512, sp, token_ids=token_ids)
+    lazy = trace_requests(trace, 512, sp, token_ids=token_ids, lazy=True)
+    held = lazy[7]
+    lazy.release(9, RELEASED)
+    got = lazy[5:30]  # built in one pass, except the one already built and the released one
+    assert got[2] is held and got[4] is RELEASED and len(got) == 25
+    for a, b in zip(got[:4] + got[5:], want[5:9] + want[10:30]):
+        assert (a.req_id, a.arrival, a.sampling, a.expected_output_len, a.priority, a.prompt) == \
+               (b.req_id, b.arrival, b.sampling, b.expected_output_len, b.priority, b.prompt)
+        assert type(a.arrival) is float and a.num_prompt_tokens == b.num_prompt_tokens
+        np.testing.assert_array_equal(a.prompt_token_ids, b.prompt_token_ids)
+    assert all(lazy[i] is got[i - 5] for i in range(5, 30))  # kept, as a read of one keeps it
+    fresh = lazy[30:36]  # none built yet: made in one go
+    for a, b in zip(fresh, want[30:36]):
+        assert (a.req_id, a.arrival, a.sampling, a.expected_output_len, a.priority, a.prompt, a.num_prompt_tokens) == \
+               (b.req_id, b.arrival, b.sampling, b.expected_output_len, b.priority, b.prompt, b.num_prompt_tokens)
+        np.testing.assert_array_equal(a.prompt_token_ids, b.prompt_token_ids)
+    assert all(lazy[i] is fresh[i - 30] for i in range(30, 36))
+    assert lazy[38:100] == [lazy[38], lazy[39]] and lazy[30:10] == [] and lazy[10:20:3] == [lazy[i] for i in (10, 13, 16, 19)]
+
+
 def test_a_simulation_builds_each_request_as_it_arrives_and_drops_it_when_it_ends():
     lazy = trace_requests(_trace(4000, rate=20.0, output_len="uniform:1:6"), 512, SamplingParams(ignore_eos=True),
                           token_ids=False, lazy=True)
     built: list[int] = []
-    build = lazy.build
+    positions: list[int] = []
 
-    def counting(i: int):
-        built.append(len(lazy._made))  # requests held when one more is built
-        return build(i)
+    class Counting(dict):  # every request built is kept here: each insertion is one build
+        def __setitem__(self, i, r) -> None:
+            built.append(len(self))  # requests held when one more is built
+            positions.append(i)
+            super().__setitem__(i, r)
 
-    lazy.build = counting
+        def update(self, pairs) -> None:
+            for i, r in pairs:
+                self[i] = r
+
+    lazy._made = Counting()
     res = simulate(lazy, engine_factory(), 2, "least_outstanding", keep_requests=False)
     # Each built once; the ended ones released as the run goes (folded every ~1,000 events), not all held.
-    assert len(built) == 4000 and max(built) < 2000
+    assert sorted(positions) == list(range(4000)) and max(built) < 2000
     assert not lazy._made and all(lazy[i] is RELEASED for i in range(4000))
     assert res.results.finish_reasons().count("length") == 4000
 

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from schedulers import ChunkedPolicy
 from sim.cost.roofline import RooflineCostModel
 from sim.executor import CostModelExecutor
-from sim.routers import PrefixAwareRouter
+from sim.routers import LeastOutstandingRouter, PrefixAwareRouter
 from sim.headline import prefix_hit_rate
 from sim.run import check_router
 from sim.simulator import simulate
@@ -48,6 +48,22 @@ def test_every_router_serves_every_request(name):
     assert all(r.finish_reason.value == "length" and r.num_output_tokens == r.sampling.max_tokens for r in reqs)
     assert sorted(res.routed) == sorted(r.req_id for r in reqs)
     assert set(res.routed.values()) <= {0, 1, 2}
+
+
+def test_a_subclass_of_least_outstanding_is_still_called_at_every_arrival():
+    """The simulator answers the shipped least_outstanding itself; a user's subclass is its own router."""
+    class Tracked(LeastOutstandingRouter):
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def __call__(self, replicas, req):
+            self.calls += 1
+            return super().__call__(replicas, req)
+
+    tracked = Tracked()
+    a = simulate(mooncake(60), engine_factory(), num_replicas=3, router=tracked)
+    b = simulate(mooncake(60), engine_factory(), num_replicas=3, router=LeastOutstandingRouter())
+    assert tracked.calls == 60 and a.routed == b.routed and len(set(b.routed.values())) == 3
 
 
 def test_router_names_are_conf_router_yaml():

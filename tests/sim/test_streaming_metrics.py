@@ -292,3 +292,15 @@ def test_folding_many_ended_requests_at_once_needs_memory_for_a_group_only():
     finally:
         tracemalloc.stop()
     assert peak < 25e6 and res.filled.all()  # all at once: ~40 MB
+
+
+def test_gap_counts_from_lists_equal_those_from_arrays():
+    """add_counts packs lists whole (an engine's streamed batches); arrays are read as they are."""
+    rng = np.random.default_rng(4)
+    values = (rng.integers(0, 50, 300) * 1e-3 + 0.1 / 3).tolist()
+    counts = rng.integers(1, 9, 300).tolist()
+    a, b = GapCounts(), GapCounts()
+    a.add_counts(values, counts)
+    b.add_counts(np.asarray(values), np.asarray(counts))
+    (va, ca), (vb, cb) = a.table(), b.table()
+    assert va.tobytes() == vb.tobytes() and ca.tolist() == cb.tolist() and len(a) == sum(counts)

@@ -100,6 +100,18 @@ class KVAllocator(ABC):
                 return p
         return num
 
+    def _allocate_leading_decodes(self, reqs: list[Request], limit: int) -> tuple[int, bool]:
+        """allocate_decodes(reqs, n) for the n <= limit leading requests that each need one token (a policy's
+        leading decodes): (how many succeeded, whether one failed). PagedAllocator fuses the two passes."""
+        n = 0
+        while n < limit:
+            r = reqs[n]
+            if r.num_prompt_tokens + len(r.output_token_ids) - r.num_computed_tokens != 1:
+                break
+            n += 1
+        got = self.allocate_decodes(reqs, n) if n else 0
+        return got, got < n
+
     def decode_steps_fit(self, reqs: Sequence[Request], counts: Sequence[int], num_steps: int) -> int:
         """How many of the next `num_steps` decode steps of `reqs` (allocate(reqs[p], counts[p] + j + 1)
         for step j) certainly succeed, asked without side effects; 0 when the allocator cannot tell."""

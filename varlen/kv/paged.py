@@ -56,6 +56,13 @@ class PagedAllocator(KVAllocator):
         self.held: dict[str, Held] = {}  # per holder: its blocks, count and registered blocks
         self.prefix_hit_blocks = 0
         self.prefix_query_blocks = 0
+        # Whether allocate, _record_count and _register_full_blocks are this class's: allocate_decodes and
+        # grow_decodes then inline them; and allocate_decodes too: the policy's scan is fused with it.
+        cls = type(self)
+        own = (cls.allocate is PagedAllocator.allocate and cls._record_count is PagedAllocator._record_count
+               and cls._register_full_blocks is PagedAllocator._register_full_blocks)
+        self._own_calls = int(own)
+        self._own_leading = int(own and cls.allocate_decodes is PagedAllocator.allocate_decodes)
 
     @property
     def tables(self) -> Mapping[str, list[int]]:
@@ -106,11 +113,13 @@ class PagedAllocator(KVAllocator):
         """The next n content-free blocks (n <= num_free_plain()), in hand-out order, each held once."""
         plain, rc = self.free_plain, self.ref_count
         k = min(n, len(plain))
-        got = plain[len(plain) - k:]
-        del plain[len(plain) - k:]
-        got.reverse()
-        for b in got:
-            rc[b] = 1
+        got: list[int] = []
+        if k:
+            got = plain[len(plain) - k:]
+            del plain[len(plain) - k:]
+            got.reverse()
+            for b in got:
+                rc[b] = 1
         if n > k:
             f = self.fresh
             got.extend(range(f, f + n - k))
@@ -179,24 +188,44 @@ class PagedAllocator(KVAllocator):
         self._register_full_blocks(req, num_tokens)
         return True
 
+    def _count_own(self) -> bool:
+        """Whether _record_count is PagedAllocator's (_own_calls says so when it is set)."""
+        return type(self)._record_count is PagedAllocator._record_count
+
     def allocate_decodes(self, reqs: list[Request], num: int) -> int:
-        cls = type(self)
-        if (cls.allocate is not PagedAllocator.allocate or cls._record_count is not PagedAllocator._record_count
-                or cls._register_full_blocks is not PagedAllocator._register_full_blocks):
+        if not self._own_calls:
             return KVAllocator.allocate_decodes(self, reqs, num)  # a subclass's own: called as it is
+        return self._decodes(reqs, num, False) >> 1
+
+    def _allocate_leading_decodes(self, reqs: list[Request], limit: int) -> tuple[int, bool]:
+        if not self._own_leading:
+            return KVAllocator._allocate_leading_decodes(self, reqs, limit)
+        code = self._decodes(reqs, limit, True)
+        return code >> 1, bool(code & 1)
+
+    def _decodes(self, reqs: list[Request], num: int, leading: bool) -> int:
+        """allocate_decodes' calls for reqs[:num], stopping at the first that fails or, `leading`, at the
+        first request that needs other than one token: 2 * (calls that succeeded) + (1 if one failed)."""
         # allocate() inlined for a decode whose table has room (it only records its count) and, without
-        # prefix caching, for one that takes the stack's top block.
+        # prefix caching, for one that takes the stack's top block; the live total added once.
         bs, held, caching = self.block_size, self.held, self.enable_prefix_caching
         plain, rc = self.free_plain, self.ref_count
+        grown = 0
         for p in range(num):
             r = reqs[p]
-            m = r.num_computed_tokens + 1
+            c = r.num_computed_tokens
+            if leading and r.num_prompt_tokens + len(r.output_token_ids) - c != 1:
+                self.live_tokens += grown
+                return 2 * p
+            m = c + 1
             k = r.kv_handle
             h = k if isinstance(k, Held) and k.owner is self else held.get(r.req_id)
             if h is None or m > len(h.blocks) * bs:
                 if h is None or caching or m > (len(h.blocks) + 1) * bs:
+                    self.live_tokens += grown
+                    grown = 0
                     if not self.allocate(r, m):
-                        return p
+                        return 2 * p + 1
                     continue
                 if plain:
                     b = plain.pop()
@@ -206,17 +235,20 @@ class PagedAllocator(KVAllocator):
                     self.fresh = b + 1
                     rc.append(1)
                 else:
+                    self.live_tokens += grown
+                    grown = 0
                     if not self.allocate(r, m):
-                        return p
+                        return 2 * p + 1
                     continue
                 h.blocks.append(b)
             had = h.count
             if m > had:
                 h.count = m
-                self.live_tokens += m - had
+                grown += m - had
             if caching and min(m, r.num_tokens) // bs > h.registered:
                 self._register_full_blocks(r, m)
-        return num
+        self.live_tokens += grown
+        return 2 * num
 
     def next_allocation_event(self, req: Request, num_tokens: int) -> int:
         bs = self.block_size
@@ -239,12 +271,11 @@ class PagedAllocator(KVAllocator):
         n = min(len(rl), len(cl))
         free = self.num_free_plain()
         takes: list[int] = []
-        hs: list[Held] = []
+        held = self.held
         for p in range(n):
             r = rl[p]
             k = r.kv_handle
-            h = k if isinstance(k, Held) and k.owner is self else self.held[r.req_id]
-            hs.append(h)
+            h = k if isinstance(k, Held) and k.owner is self else held[r.req_id]
             j = len(h.blocks) * bs - cl[p]
             while j < num_steps:
                 takes.append(j * n + p)
@@ -258,16 +289,26 @@ class PagedAllocator(KVAllocator):
         if takes:
             reserved = (self.num_blocks - free) * bs
             got = self._take_plain(len(takes))
+            step = takes[0] // n
             for i in range(len(takes)):
                 t = takes[i]
-                hs[t % n].blocks.append(got[i])
+                j = t // n
+                if j != step:  # a step's entry once, after its last take (takes are in step order)
+                    changed[step] = reserved
+                    step = j
+                r = rl[t - j * n]
+                k = r.kv_handle
+                h = k if isinstance(k, Held) and k.owner is self else held[r.req_id]
+                h.blocks.append(got[i])
                 reserved += bs
-                changed[t // n] = reserved
-        if type(self)._record_count is PagedAllocator._record_count:
+            changed[step] = reserved
+        if self._own_calls or self._count_own():
             # _record_count inline, the live total added once.
             grown = 0
             for p in range(n):
-                h = hs[p]
+                r = rl[p]
+                k = r.kv_handle
+                h = k if isinstance(k, Held) and k.owner is self else held[r.req_id]
                 m = cl[p] + ok
                 had = h.count
                 if m > had:
@@ -277,10 +318,11 @@ class PagedAllocator(KVAllocator):
         else:
             for p in range(n):
                 self._record_count(rl[p].req_id, cl[p] + ok)
-        for t in takes:
-            if t // n == ok:
-                p = t % n
-                self._record_count(rl[p].req_id, cl[p] + ok + 1)
+        if ok < num_steps:  # the failing step's calls before the failing one succeeded
+            for t in takes:
+                if t // n == ok:
+                    p = t % n
+                    self._record_count(rl[p].req_id, cl[p] + ok + 1)
         return ok, changed
 
     def decode_steps_fit(self, reqs: Sequence[Request], counts: Sequence[int], num_steps: int) -> int:
