@@ -443,10 +443,15 @@ def verdict(raw: dict[str, float], adjusted: dict[str, float], noise: float, goa
     goal could be luck and one over it the machine: the speed-adjusted error (each run against its own
     simulation at its speed) is judged. Both figures stay printed above; a miss is called a miss."""
     use_adj = noise > goal and bool(adjusted)
-    why = (f"speed-adjusted: the real engine's own farthest run strays {noise:.1f}% (> {goal:g}%) from the median, "
-           f"so only each run against its own simulation at its speed can resolve {goal:g}%" if use_adj else
-           f"raw: the real engine's farthest run strays {noise:.1f}% (<= {goal:g}%), so one simulation against "
-           "the median resolves it")
+    if use_adj:
+        why = (f"speed-adjusted: the real engine's own farthest run strays {noise:.1f}% (> {goal:g}%) from the median, "
+               f"so only each run against its own simulation at its speed can resolve {goal:g}%")
+    elif noise > goal:
+        why = (f"raw, for want of a speed-adjusted one (--clock wall); the real engine's own farthest run strays "
+               f"{noise:.1f}% (> {goal:g}%) from the median, so this figure cannot resolve {goal:g}%")
+    else:
+        why = (f"raw: the real engine's farthest run strays {noise:.1f}% (<= {goal:g}%), so one simulation against "
+               "the median resolves it")
     lines = [f"VERDICT (goal: worst error <= {goal:g}% on TTFT p50/p90, TPOT p50, throughput); judged figure: {why}"]
     for name in raw:
         judged = adjusted.get(name) if use_adj else raw[name]

@@ -217,7 +217,7 @@ class MeasuredCostModel(CostModel):
             head_s = max(head_f / self.hardware.flops, head_b / self.hardware.bandwidth)
             comm = L * self._at(self._ar, t) + self._at(self._pp, t)
             return StepFixed(L, lin, head_s + comm + overhead, num_seqs=num_seqs, new=new, linear_s=L * lin,
-                             lm_head_s=head_s, communication_s=comm, overhead_s=overhead)
+                             lm_head_s=head_s, communication_s=comm, overhead_s=overhead, num_prefills=num_prefills)
         fixed, head, at = self._fixed, self._head, self._at
         lm_head = head[num_logits] if num_logits < len(head) else at(head, num_logits)
         base = (fixed[t] if t < len(fixed) else at(fixed, t)) + lm_head + overhead
