@@ -206,6 +206,9 @@ def test_each_engine_pass_is_ticked_apart_and_fitted_at_its_own_speed(monkeypatc
     prof.between_runs(1, ticks)
     assert sorted(ticks.samples) == ["sim.profile pass 2", "sim.profile pass 3"]
     assert all(len(v) == 10 * 2 for v in ticks.samples.values())  # 10 ticks after each of a pass's 2 batches
+    ticks.samples = {"sim.profile pass 2": [1.0, 1.2, 1.1], "sim.profile pass 3": [0.9], "sim.profile pass 4": [1.5],
+                     "bursts after the runs": [9.0]}  # another kind of sample: never set against the passes'
+    assert sim_fidelity.pass_factors(ticks, [2, 2, 3, 4]) == pytest.approx({2: 1.0, 3: 0.9 / 1.1, 4: 1.5 / 1.1})
 
     fitted: list = []
     monkeypatch.setattr(sim.profile, "write_table", lambda *a, **k: None)
