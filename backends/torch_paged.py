@@ -181,6 +181,12 @@ class TorchPagedBackend(AttentionBackend):
         self._sinks = {id(spec.sinks): spec.sinks.detach().float().contiguous()
                        for spec in self.layers if spec.sinks is not None}
 
+    @property
+    def long_query_min(self) -> int:
+        """New tokens from which a request takes SDPA (cost ~ its n x (cached + n) rectangle) rather than the
+        kernel (~ its causal pairs); 0 when every request takes the kernel. sim.profile records it per table."""
+        return LONG_SDPA_MIN if self._sdpa_ok else 0
+
     def slow_path_reason(self, dtype: torch.dtype) -> str | None:
         """Why this backend would run another backend's code (for backend=auto), or None."""
         if dtype not in _ELEM:

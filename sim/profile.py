@@ -294,8 +294,10 @@ def layer_weight_bytes(cfg: Any, dtype: Any) -> int:
 DECODE_GRID = ((1, 64), (1, 512), (1, 2048), (8, 64), (8, 512), (8, 2048), (32, 256), (32, 1024), (64, 512))
 # (requests, new tokens, cached). Both sides of a backend that sends prompts of >= backends.torch_paged.LONG_SDPA_MIN
 # (64) new tokens to SDPA and shorter ones (a chunk's tail) to its own kernel: 16, 32 and 48 new tokens are the kernel's.
+# SDPA charges a chunk after a cached context its whole n x (cached + n) rectangle: (1, 128, 512) and (1, 192, 128)
+# are such chunks at a chunked engine's budget, beside the fresh prompts (cached 0).
 PREFILL_GRID = ((1, 16, 0), (1, 64, 0), (1, 256, 0), (1, 1024, 0), (1, 256, 512), (1, 512, 1024), (4, 128, 0),
-                (4, 256, 256), (1, 48, 512), (4, 32, 256))
+                (4, 256, 256), (1, 128, 512), (1, 192, 128), (1, 48, 512), (4, 32, 256))
 
 
 def profile_attention(folder: Path, backend_name: str, repeats: int, device: str = "cpu", dtype: str = "float32",
@@ -364,7 +366,9 @@ def profile_attention(folder: Path, backend_name: str, repeats: int, device: str
                      "time_stats.attention_prepare.median": statistics.median(pr),
                      "n_head": hq, "n_kv_head": hkv, "head_dim": d, "block_size": block_size,
                      "dtype_bytes": torch.empty(0, dtype=tdtype).element_size(),
-                     "backend": backend_name})
+                     "backend": backend_name,
+                     # Its long-prompt path's threshold, if it has one: the calibration fits each path's own rate.
+                     "long_query_min": int(getattr(backend, "long_query_min", 0))})
     return rows
 
 

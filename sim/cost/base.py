@@ -72,12 +72,16 @@ class StepFixed:
     lm_head_s: float
     communication_s: float
     overhead_s: float
+    num_prefills: int
+    # The step's sum of n_i^2, which step_fixed does not take: set by the caller from the step's sums
+    # (NaN: not given), for a backend whose attention depends on the chunks' shape (MeasuredCostModel).
+    new_sq: float
 
     def __init__(self, layers: float, per_layer: float, per_step: float, *, num_seqs: int = 0, new: float = 0.0,
                  embedding_s: float = NOT_SPLIT, linear_s: float = NOT_SPLIT, lm_head_s: float = NOT_SPLIT,
-                 communication_s: float = 0.0, overhead_s: float = NOT_SPLIT) -> None:
+                 communication_s: float = 0.0, overhead_s: float = NOT_SPLIT, num_prefills: int = 0) -> None:
         self.layers, self.per_layer, self.per_step = layers, per_layer, per_step
-        self.num_seqs, self.new = num_seqs, new
+        self.num_seqs, self.new, self.num_prefills, self.new_sq = num_seqs, new, num_prefills, NOT_SPLIT
         self.embedding_s, self.linear_s, self.lm_head_s = embedding_s, linear_s, lm_head_s
         self.communication_s, self.overhead_s = communication_s, overhead_s
 
@@ -107,6 +111,7 @@ class CostModel(ABC):
 
     def step_time_sums(self, s: StepSums) -> float:
         f = self.step_fixed(s.num_seqs, s.new, s.num_logits, s.num_prefills)
+        f.new_sq = s.new_sq
         return self.step_total(f, self.layer_attention(f, s.attention_pairs, s.cached))
 
     def step_time(self, new_tokens: ArrayLike, cached_tokens: ArrayLike,
@@ -121,6 +126,7 @@ class CostModel(ABC):
                 return self.step_time_sums(StepSums(num_seqs, num_seqs, cached, cached, num_seqs, num_seqs))
             return generic
         f = self.step_fixed(num_seqs, num_seqs, num_seqs, 0)
+        f.new_sq = float(num_seqs)
         half_pairs = (num_seqs + num_seqs) / 2.0  # StepSums.attention_pairs less sum n_i * c_i
 
         def step(cached: int) -> float:
@@ -129,6 +135,7 @@ class CostModel(ABC):
 
     def parts(self, s: StepSums) -> dict[str, float | None]:
         f = self.step_fixed(s.num_seqs, s.new, s.num_logits, s.num_prefills)
+        f.new_sq = s.new_sq
         attention = f.layers * self.layer_attention(f, s.attention_pairs, s.cached)
         parts = {"embedding_s": f.embedding_s, "linear_s": f.linear_s, "attention_s": attention,
                  "lm_head_s": f.lm_head_s, "communication_s": f.communication_s, "overhead_s": f.overhead_s}

@@ -120,6 +120,7 @@ class MeasuredCostModel(CostModel):
             attention = "attention: estimated (roofline at the hardware's efficiencies; no attention tables)"
             self._a0 = self._a1 = 0.0
             self._calibrated = False
+            self._long_min, self._a_long, self._a_key, self._F_rect, self._F_fresh = 0, 0.0, 0.0, float("inf"), float("inf")
         else:
             attention = (f"attention: calibrated on {cal.cases} measured cases ({cal.source}): "
                          f"{1 / max(cal.per_byte, 1e-30) / 1e9:.3g} GB/s, {1 / max(cal.per_flop, 1e-30) / 1e12:.3g} TFLOP/s, "
@@ -128,6 +129,16 @@ class MeasuredCostModel(CostModel):
             self._F = 1.0 / cal.per_flop if cal.per_flop > 0 else float("inf")
             self._B = 1.0 / cal.per_byte if cal.per_byte > 0 else float("inf")
             self._calibrated = True
+            # The backend's long-prompt path (torch_paged's SDPA): its own rate on the chunk's whole rectangle.
+            self._long_min, self._a_long, self._a_key = cal.long_query_min, cal.per_long, cal.per_gathered
+            self._F_rect = 1.0 / cal.per_rect_flop if cal.per_rect_flop > 0 else float("inf")
+            self._F_fresh = 1.0 / cal.per_fresh_flop if cal.per_fresh_flop > 0 else float("inf")
+            if cal.long_query_min:
+                attention += (f"; prompts of >= {cal.long_query_min} new tokens: "
+                              f"{1 / max(cal.per_rect_flop, 1e-30) / 1e12:.3g} TFLOP/s on their n x (cached + n) "
+                              f"rectangle after a context, {1 / max(cal.per_fresh_flop, 1e-30) / 1e12:.3g} TFLOP/s "
+                              f"on causal pairs when fresh, + {cal.per_long * 1e6:.3g} us per such request and "
+                              f"{cal.per_gathered * 1e9:.3g} ns per key it gathers, per layer")
         # sim.profile's fitted engine overhead on this device, else hardware.step_overhead_s.
         prof_ov = self.profiles.engine_overhead(self.gpu) if engine_overhead and overhead_s is None else None
         if prof_ov is None and overhead_s is not None:
@@ -171,8 +182,8 @@ class MeasuredCostModel(CostModel):
         self._head = [k * x for x in self._head]
         L = self.shape.layers
         self._fixed = [e + L * (ly + a) + p for e, ly, a, p in zip(self._emb, self._layer, self._ar, self._pp)]
-        self._a0, self._a1 = k * self._a0, k * self._a1
-        self._F, self._B = self._F / k, self._B / k
+        self._a0, self._a1, self._a_long, self._a_key = k * self._a0, k * self._a1, k * self._a_long, k * self._a_key
+        self._F, self._B, self._F_rect, self._F_fresh = self._F / k, self._B / k, self._F_rect / k, self._F_fresh / k
 
     def _router_ms(self, tokens: Any) -> Any:
         """The router GEMM (hidden x experts, replicated on every GPU of a TP group) by the roofline, ms."""
@@ -206,7 +217,7 @@ class MeasuredCostModel(CostModel):
             head_s = max(head_f / self.hardware.flops, head_b / self.hardware.bandwidth)
             comm = L * self._at(self._ar, t) + self._at(self._pp, t)
             return StepFixed(L, lin, head_s + comm + overhead, num_seqs=num_seqs, new=new, linear_s=L * lin,
-                             lm_head_s=head_s, communication_s=comm, overhead_s=overhead)
+                             lm_head_s=head_s, communication_s=comm, overhead_s=overhead, num_prefills=num_prefills)
         fixed, head, at = self._fixed, self._head, self._at
         lm_head = head[num_logits] if num_logits < len(head) else at(head, num_logits)
         base = (fixed[t] if t < len(fixed) else at(fixed, t)) + lm_head + overhead
@@ -218,14 +229,36 @@ class MeasuredCostModel(CostModel):
         # per_layer 0: the tables sum each token count's layers once, when the model is built.
         return StepFixed(L, 0.0, base, num_seqs=num_seqs, new=t, embedding_s=k * at(self._emb, t),
                          linear_s=k * L * at(self._layer, t), lm_head_s=k * lm_head,
-                         communication_s=comm, overhead_s=overhead)
+                         communication_s=comm, overhead_s=overhead, num_prefills=num_prefills)
 
     def layer_attention(self, f: StepFixed, pairs: float, cached: float) -> float:
-        """The roofline, or its calibrated form (the terms' sum plus per-call and per-request costs)."""
+        """The roofline, or its calibrated form (the terms' sum plus per-call and per-request costs; with a
+        long-prompt path, its chunks' rectangles at that path's rate, the rest's causal pairs at the kernel's)."""
         t = f.new
-        a = self._pair_flops * pairs / self._F
         b = (self._kv_token * (cached + 2.0 * t) + self._q_token * t) / self._B
         k = self._decode_k if t <= f.num_seqs else 1.0
         if self._calibrated:
-            return k * (self._a0 + self._a1 * f.num_seqs + a + b)
-        return k * max(a, b)
+            if self._long_min and t > f.num_seqs:
+                return self._two_paths(f, pairs, cached) + self._a0 + self._a1 * f.num_seqs + b
+            return k * (self._a0 + self._a1 * f.num_seqs + self._pair_flops * pairs / self._F + b)
+        return k * max(self._pair_flops * pairs / self._F, b)
+
+    def _two_paths(self, f: StepFixed, pairs: float, cached: float) -> float:
+        """A step with prompt chunks on a backend with a long-prompt path, from the step's sums: the chunks'
+        mean length sum(n^2) / sum(n) decides their path, exact with one chunk (the usual step of a chunked
+        engine) or chunks of one length. Decodes (n = 1) add c + 1 causal pairs each and nothing to
+        sum n(n - 1), so sum (n - 1) c = sum n c - cached is the chunks' alone."""
+        decodes = f.num_seqs - f.num_prefills
+        chunk_new = f.new - decodes
+        chunk_sq = f.new_sq - decodes
+        if not (chunk_new > 0 and chunk_sq / chunk_new >= self._long_min):  # NaN new_sq: not given, one path
+            return self._pair_flops * pairs / self._F
+        mean = chunk_sq / chunk_new
+        new_cached = pairs - (f.new_sq + f.new) / 2.0
+        chunk_cached = min(max((new_cached - cached) / (mean - 1.0), 0.0), cached)  # sum c over the chunks
+        kernel = cached - chunk_cached + decodes  # the decodes' causal pairs
+        if chunk_cached > 0.5:  # after a context (masked SDPA): sum n (c + n) over the chunks
+            chunks = (mean * chunk_cached + chunk_sq) / self._F_rect + self._a_key * (chunk_cached + chunk_new) / self._pair_flops
+        else:  # fresh prompts (plain causal SDPA): their causal pairs
+            chunks = (chunk_sq + chunk_new) / 2.0 / self._F_fresh
+        return self._pair_flops * (kernel / self._F + chunks) + self._a_long * f.num_prefills

@@ -268,7 +268,9 @@ class Profiles:
         out = []
         for path in self._attention_paths.get(gpu, []):
             header, rows, lines = _read_csv(path)
-            out.append((path, _columns(path, header, rows, lines, ATTENTION_COLUMNS)))
+            # long_query_min: the profiled backend's second path for long prompts (absent: one path).
+            optional = [c for c in ("long_query_min",) if c in header]
+            out.append((path, _columns(path, header, rows, lines, (*ATTENTION_COLUMNS, *optional))))
         return out
 
     def engine_overhead(self, gpu: str) -> tuple[str, dict[str, float]] | None:

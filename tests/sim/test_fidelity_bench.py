@@ -179,3 +179,53 @@ def test_the_measured_build_times_two_tables_and_two_engine_passes_a_pair(monkey
     assert calls == ["ops", "attention", "engine x2"] * 2 + ["engine x2"]
     assert len(prof.tables) == 2 and prof.groups == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     assert len(prof.rows) == 12
+
+
+def test_each_engine_pass_is_ticked_apart_and_fitted_at_its_own_speed(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """The passes a measured build fits its overhead on ran at 0.75-1.0x each other's speed: each pass's bursts
+    are kept under its own label, and its steps are divided by its own factor before the fit."""
+    import sim.profile
+
+    monkeypatch.setattr(sim.profile, "ENGINE_BATCHES", ((1, 4, 2), (2, 4, 2)))
+
+    def engine(*a, passes=None, groups_out=None, between=None, **k):
+        rows = []
+        for p in range(passes):
+            for _ in sim.profile.ENGINE_BATCHES:
+                rows.append(([1], [10], 0.02 * (p + 1), 1))  # the second pass twice as slow
+                groups_out.append(p)
+                between()
+        return rows
+
+    monkeypatch.setattr(sim.profile, "profile_engine", engine)
+    (tmp_path / "config.json").write_text("{}")
+    prof = sim_fidelity.MeasuredProfiler(str(tmp_path), "torch_sdpa", str(tmp_path / "p"))
+    prof.TABLE_PAIRS = 0  # no tables: the engine passes alone
+    ticks = sim_fidelity.SpeedTicks()
+    prof.between_runs(1, ticks)
+    assert sorted(ticks.samples) == ["sim.profile pass 2", "sim.profile pass 3"]
+    assert all(len(v) == 10 * 2 for v in ticks.samples.values())  # 10 ticks after each of a pass's 2 batches
+    ticks.samples = {"sim.profile pass 2": [1.0, 1.2, 1.1], "sim.profile pass 3": [0.9], "sim.profile pass 4": [1.5],
+                     "bursts after the runs": [9.0]}  # another kind of sample: never set against the passes'
+    assert sim_fidelity.pass_factors(ticks, [2, 2, 3, 4]) == pytest.approx({2: 1.0, 3: 0.9 / 1.1, 4: 1.5 / 1.1})
+
+    fitted: list = []
+    monkeypatch.setattr(sim.profile, "write_table", lambda *a, **k: None)
+    monkeypatch.setattr(sim.profile, "fit_engine_overhead", lambda rows, *a, **k: fitted.append(rows) or {})
+    monkeypatch.setattr("sim.cost.measured.MeasuredCostModel", lambda *a, **k: "model")
+    prof.pass_speeds = {2: 1.0, 3: 2.0}
+    prof._build(tmp_path / "b", ([], []), lambda g: True)
+    assert [t for _, _, t, _ in fitted[0]] == pytest.approx([0.02] * 4)  # every pass at the reference speed
+
+
+def test_the_verdict_judges_the_adjusted_figure_only_when_the_real_runs_stray_past_the_goal() -> None:
+    quiet = sim_fidelity.verdict({"profiled": 4.0, "measured": 6.0}, {"profiled": 9.0, "measured": 1.0}, noise=3.0)
+    assert "judged figure: raw" in quiet[0]
+    assert quiet[1].startswith("  profiled: PASS at 4.0%") and quiet[2].startswith("  measured: MISS at 6.0%")
+    noisy = sim_fidelity.verdict({"profiled": 4.0, "measured": 6.0}, {"profiled": 9.0, "measured": 1.0}, noise=15.0)
+    assert "judged figure: speed-adjusted" in noisy[0] and "15.0% (> 5%)" in noisy[0]
+    assert noisy[1].startswith("  profiled: MISS at 9.0%") and noisy[2].startswith("  measured: PASS at 1.0%")
+    assert "raw 4.0%" in noisy[1]  # the raw figure stays beside the judged one
+    none = sim_fidelity.verdict({"profiled": 4.0}, {}, noise=15.0)
+    assert "judged figure: raw, for want of" in none[0] and "cannot resolve 5%" in none[0]

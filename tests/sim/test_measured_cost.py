@@ -709,3 +709,68 @@ def test_attention_table_is_timed_over_passes_in_their_own_orders(monkeypatch: p
     assert seen[cases:2 * cases] != seen[:cases] and sorted(seen[cases:2 * cases]) == sorted(seen[:cases])
     one = sim.profile.profile_attention(sim.profile.model_folder("tiny"), "torch_ref", 2, passes=1)
     assert len(one) == cases  # one pass: today's single sweep
+
+
+# One layer's attention on a backend with a long-prompt path (torch_paged: SDPA from 64 new tokens): the
+# kernel per causal pair, SDPA per rectangle pair after a context and per causal pair when fresh.
+TWO_PATHS = dict(const=20e-6, per_seq=3e-6, per_byte=1 / 50e9, per_flop=1 / 0.2e12, per_rect_flop=1 / 2e12,
+                 per_long=40e-6, per_fresh_flop=1 / 3e12, per_gathered=5e-9)
+Q_DIM, KV_DIM, DTYPE = 4096, 1024, 2  # LLAMA3_8B's, at the H200's 2-byte dtype
+
+
+def _two_path_layer_s(requests: list[tuple[int, int]], long_min: int = 64) -> float:
+    """TWO_PATHS's attention for one layer over (new, cached) requests, each on its own path."""
+    k = TWO_PATHS
+    t = k["const"] + k["per_seq"] * len(requests)
+    for n, c in requests:
+        t += k["per_byte"] * (2 * KV_DIM * DTYPE * (c + 2 * n) + 2 * Q_DIM * DTYPE * n)
+        if n < long_min:
+            t += k["per_flop"] * 4 * Q_DIM * (n * c + n * (n + 1) / 2)
+        elif c > 0:
+            t += k["per_long"] + k["per_rect_flop"] * 4 * Q_DIM * n * (c + n) + k["per_gathered"] * (c + n)
+        else:
+            t += k["per_long"] + k["per_fresh_flop"] * 4 * Q_DIM * n * (n + 1) / 2
+    return t
+
+
+def _two_path_table(folder: Path) -> None:
+    from sim.cost.profiles import ATTENTION_COLUMNS
+
+    rows = []
+    for b, n, c in [(1, 1, 64), (1, 1, 4096), (16, 1, 512), (64, 1, 2048), (1, 16, 0), (1, 48, 512), (4, 32, 256),
+                    (1, 64, 0), (1, 256, 0), (4, 128, 0), (1, 256, 512), (1, 128, 512), (4, 256, 256), (1, 192, 128)]:
+        ms = _two_path_layer_s([(n, c)] * b) * 1e3
+        rows.append([b, n, c, 32, 8, 128, DTYPE, ms, 64])
+    d = folder / "compute/h200_sxm/me/m"
+    d.mkdir(parents=True)
+    (d / "attention.csv").write_text("\n".join([",".join((*ATTENTION_COLUMNS, "long_query_min"))]
+                                               + [",".join(map(str, r)) for r in rows]) + "\n")
+
+
+def test_attention_calibration_fits_each_path_of_a_backend_with_a_long_prompt_path(tmp_path: Path) -> None:
+    from sim.cost.attention import calibrate_attention
+
+    _two_path_table(tmp_path)
+    cal = calibrate_attention(load_profiles(tmp_path), "h200_sxm")
+    assert cal is not None and cal.long_query_min == 64 and cal.cases == 14
+    for name, want in TWO_PATHS.items():
+        assert getattr(cal, name) == pytest.approx(want, rel=1e-6), name
+
+
+@pytest.mark.parametrize("requests", [
+    [(128, 512), (1, 100), (1, 200), (1, 300)],  # a chunk after its context, beside decodes: SDPA's rectangle
+    [(200, 0), (1, 40)],                          # a fresh prompt: SDPA's causal pairs
+    [(48, 512), (1, 100)],                        # a chunk's short tail: the kernel's pairs
+    [(1, 100), (1, 700)],                         # decodes alone
+])
+def test_the_measured_model_charges_each_request_its_backends_path(tmp_path: Path, requests) -> None:
+    """From the step's sums alone (sum n^2 gives the chunk's length, sum (n - 1) c its context), the step's
+    attention is each request's on its own path: a chunk after a context pays its whole n x (cached + n)
+    rectangle at SDPA's rate, not its causal pairs at the kernel's."""
+    _two_path_table(tmp_path)
+    m = MeasuredCostModel(LLAMA3_8B, "h200_sxm", profiles=tmp_path)
+    assert any("prompts of >= 64 new tokens" in n for n in m.notes)
+    new, cached = zip(*requests)
+    got = m.parts(StepSums.of(new, cached))["attention_s"] / m.shape.layers
+    assert got == pytest.approx(_two_path_layer_s(requests), rel=1e-9)
+    assert m.step_time(new, cached) == m.step_time_sums(StepSums.of(new, cached))

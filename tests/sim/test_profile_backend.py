@@ -200,3 +200,17 @@ def test_round_speeds_are_each_rounds_median_over_its_entries() -> None:
 
     rounds = [{1: 1.0, 2: 10.0, 3: 5.0}, {1: 1.5, 2: 15.0, 3: 7.5}, {1: 1.0, 2: 10.0, 3: 50.0}]
     assert round_speeds(rounds) == pytest.approx([1.0, 1.5, 1.0])  # one entry's outlier does not move its round
+
+
+def test_attention_rows_name_the_backends_long_prompt_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch_paged sends requests of >= LONG_SDPA_MIN new tokens to SDPA: its rows say so (the measured model
+    fits that path's rates apart); a backend with one path writes 0."""
+    import sim.profile
+    from backends.torch_paged import LONG_SDPA_MIN
+
+    monkeypatch.setattr(sim.profile, "DECODE_GRID", ((2, 64),))
+    monkeypatch.setattr(sim.profile, "PREFILL_GRID", ((1, 64, 16),))
+    folder = sim.profile.model_folder("tiny")
+    paged = sim.profile.profile_attention(folder, "torch_paged", 1, passes=1)
+    assert [r["long_query_min"] for r in paged] == [LONG_SDPA_MIN] * 2
+    assert [r["long_query_min"] for r in sim.profile.profile_attention(folder, "torch_ref", 1, passes=1)] == [0, 0]
