@@ -186,7 +186,9 @@ class Engine:
     def _finish(self, req: Request, reason: FinishReason, message: str = "", failed: bool = False) -> None:
         """End `req`; `failed`: its step raised, so its newest KV may be unwritten (kv.discard)."""
         req.finish(reason, self._now(), message)
-        self.requests.pop(req.req_id, None)
+        requests = self.requests
+        if req.req_id in requests:  # compiled: two native lookups, where pop(key, None) is a method call
+            del requests[req.req_id]
         self.policy.remove(req)
         if failed:
             self.kv.discard(req, req.num_computed_tokens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from typing import Final
 
 import numpy as np
 
@@ -12,6 +13,7 @@ import numpy as np
 GREEDY_BELOW = 1e-5
 SEED_LIMIT = 2**64  # what torch.Generator.manual_seed takes
 MAX_LOGPROBS = 20  # top-k logprobs per token, at most (vLLM's default cap, OpenAI chat's top_logprobs)
+_INF: Final = math.inf
 
 
 def _integer(v: object) -> int | None:
@@ -26,7 +28,7 @@ def _integer(v: object) -> int | None:
 def _real(v: object) -> float | None:
     """v as a float when it is a finite real number (never a bool), else None."""
     if type(v) is float:
-        return v if math.isfinite(v) else None
+        return v if -_INF < v < _INF else None  # compiled: a native comparison, not a call (nan fails it)
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
         return None
     f = float(v)
@@ -57,7 +59,8 @@ def check_sampling(max_tokens: object, temperature: object, top_k: object, top_p
         sd = _integer(seed)
         if sd is None or not 0 <= sd < SEED_LIMIT:
             return f"seed={seed!r}: must be None or an integer in [0, 2**64)"
-    if not isinstance(stop_token_ids, (list, tuple, np.ndarray)):
+    # Every request checks these (Engine.add_request): the builtin types first, numpy's only if need be.
+    if not isinstance(stop_token_ids, (list, tuple)) and not isinstance(stop_token_ids, np.ndarray):
         return f"stop_token_ids={stop_token_ids!r}: must be a list of token ids"
     stops = []
     for tok in stop_token_ids:
@@ -65,17 +68,16 @@ def check_sampling(max_tokens: object, temperature: object, top_k: object, top_p
         if i is None or i < 0:
             return f"stop_token_ids={stop_token_ids!r}: {tok!r} is not a token id (an integer >= 0)"
         stops.append(i)
-    if not isinstance(ignore_eos, (bool, np.bool_)):
+    if type(ignore_eos) is not bool and not isinstance(ignore_eos, np.bool_):
         return f"ignore_eos={ignore_eos!r}: must be True or False"
     copies = _integer(n)
     if copies is None or copies < 1:
         return f"n={n!r}: must be an integer >= 1 (completions per prompt)"
-    bad_stop = f"stop={stop!r}: must be a non-empty string or a list of them (text that ends the output)"
     items: list[object] = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, (list, tuple)) else [None]
     texts: list[str] = []
     for text in items:
         if not isinstance(text, str) or not text:
-            return bad_stop
+            return f"stop={stop!r}: must be a non-empty string or a list of them (text that ends the output)"
         texts.append(text)
     top = None
     if logprobs is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sim.executor import SIM_TOKEN
+from sim.executor import SIM_TOKEN, CostModelExecutor
 from sim.fast_forward import FastForwardEngine
 from sim.simulator import simulate
 from sim.validate import fresh_copies
@@ -127,3 +127,33 @@ def test_an_allocator_with_its_own_count_bookkeeping_is_called_in_decode_runs():
     ref = simulate(fresh_copies(reqs), base)
     assert [(r.req_id, r.token_times, r.finish_reason) for r in ref.requests] == \
            [(r.req_id, r.token_times, r.finish_reason) for r in res.requests]
+
+
+class PastUntil(CostModelExecutor):
+    """A user's executor (CostModelExecutor's own decode_run, re-declared): counts the runs it is asked
+    for from a clock already at or past `until`, which CostModelExecutor itself is no longer asked for."""
+
+    late_calls = 0
+
+    def decode_run(self, batch, max_steps, until):
+        self.late_calls += self.clock.now() >= until
+        return super().decode_run(batch, max_steps, until)
+
+
+def test_a_run_past_until_is_skipped_for_the_shipped_executor_only():
+    """A full step ending at or past the next arrival: no decode run is asked of CostModelExecutor
+    (it would time no step); a subclass is still asked, and both simulations are the same."""
+    base = factory("chunked", "paged", 400)
+
+    def make(clock):
+        eng, _ = base(clock)
+        ex = PastUntil(eng.executor.cost, clock)
+        return FastForwardEngine(eng.policy, eng.kv, ex, clock=clock, max_model_len=eng.max_model_len), ex
+
+    reqs = shared_prefix_requests(60, rate=40.0, seed=5)
+    ref = simulate(fresh_copies(reqs), make, num_replicas=2, router="least_outstanding")
+    got = simulate(fresh_copies(reqs), base, num_replicas=2, router="least_outstanding")
+    assert all(r.engine._own_run == 0 for r in ref.replicas) and all(r.engine._own_run == 1 for r in got.replicas)
+    assert sum(r.executor.late_calls for r in ref.replicas) > 0
+    assert sum(r.engine.num_fast_forwarded_steps for r in got.replicas) > 0
+    assert_same(ref, got)
