@@ -111,21 +111,34 @@ class PagedAllocator(KVAllocator):
 
     def _take_plain(self, n: int) -> list[int]:
         """The next n content-free blocks (n <= num_free_plain()), in hand-out order, each held once."""
-        plain, rc = self.free_plain, self.ref_count
-        k = min(n, len(plain))
         got: list[int] = []
-        if k:
-            got = plain[len(plain) - k:]
-            del plain[len(plain) - k:]
-            got.reverse()
-            for b in got:
-                rc[b] = 1
-        if n > k:
-            f = self.fresh
-            got.extend(range(f, f + n - k))
-            rc.extend([1] * (n - k))
-            self.fresh = f + n - k
+        self._take_plain_into(got, n)
         return got
+
+    def _take_plain_into(self, got: list[int], n: int) -> None:
+        """_take_plain(n) appended to `got` (a block table grows in place, no list in between)."""
+        # The stack's top k as a slice (its int objects moved, not rebuilt); never-used ids counted out in
+        # native ints (compiled).
+        plain, rc = self.free_plain, self.ref_count
+        want: i64 = n
+        k: i64 = min(want, len(plain))
+        if k:
+            start = len(plain) - k
+            top = plain[start:]
+            del plain[start:]
+            top.reverse()
+            for b in top:
+                rc[b] = 1
+            got += top
+        if want > k:
+            f: i64 = self.fresh
+            end = f + want - k
+            j = f
+            while j < end:
+                got.append(j)
+                j += 1
+            rc.extend([1] * (want - k))
+            self.fresh = end
 
     def _hits(self, req: Request) -> list[int]:
         if not self.enable_prefix_caching:
@@ -175,7 +188,7 @@ class PagedAllocator(KVAllocator):
             rc = self.ref_count
             n = min(need, self.num_free_plain())
             if n:
-                table += self._take_plain(n)
+                self._take_plain_into(table, n)
             for _ in range(need - n):
                 b, _ = self.free_cached.popitem(last=False)
                 h = self.block_hash[b]
@@ -271,7 +284,8 @@ class PagedAllocator(KVAllocator):
         if self.enable_prefix_caching:
             return None  # decodes fill blocks that must be registered as they fill: call by call
         # Without prefix caching only takes matter: list them, step then batch order, off the stack, each
-        # as one int (step * n + position: ints sort faster than pairs). Each record is looked up once.
+        # as one int (step * n + position: ints sort faster than pairs). A record is looked up again
+        # where needed (cheaper than keeping a list of them).
         bs: i64 = self.block_size
         rl: list[Request] = reqs if isinstance(reqs, list) else list(reqs)
         cl: list[int] = counts if isinstance(counts, list) else list(counts)
@@ -280,13 +294,11 @@ class PagedAllocator(KVAllocator):
         free: i64 = self.num_free_plain()
         takes: list[int] = []
         held = self.held
-        hs: list[Held] = []
         p: i64 = 0
         while p < n:
             r = rl[p]
             k = r.kv_handle
             h = k if isinstance(k, Held) and k.owner is self else held[r.req_id]
-            hs.append(h)
             j: i64 = len(h.blocks) * bs - cl[p]
             while j < steps:
                 takes.append(j * n + p)
@@ -308,7 +320,10 @@ class PagedAllocator(KVAllocator):
                 if js != step:  # a step's entry once, after its last take (takes are in step order)
                     changed[step] = reserved
                     step = js
-                hs[t - js * n].blocks.append(got[i])
+                r = rl[t - js * n]
+                k = r.kv_handle
+                h = k if isinstance(k, Held) and k.owner is self else held[r.req_id]
+                h.blocks.append(got[i])
                 reserved += bs
             changed[step] = reserved
         if self._own_calls or self._count_own():
@@ -316,7 +331,9 @@ class PagedAllocator(KVAllocator):
             grown: i64 = 0
             p = 0
             while p < n:
-                h = hs[p]
+                r = rl[p]
+                k = r.kv_handle
+                h = k if isinstance(k, Held) and k.owner is self else held[r.req_id]
                 m: i64 = cl[p] + ok
                 had = h.count
                 if m > had:
