@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from abc import ABC
 from collections import deque
-from itertools import islice
 from typing import ClassVar, Iterator, Protocol
 
-from mypy_extensions import mypyc_attr
+from mypy_extensions import i64, mypyc_attr
 
 from varlen.kv.base import KVAllocator
 from varlen.promises import keeps_promise
@@ -164,10 +163,14 @@ class SchedulerPolicy(ABC):
                 or len(running) > self.max_num_batched_tokens):
             return None
         # Newest first: a prompt still being chunked in was admitted last (same answer, shorter scan).
-        for i in range(len(running) - 1, -1, -1):
+        # (i64: asked several times a step of every running request; compiled, no tagged arithmetic.)
+        i: i64 = len(running) - 1
+        while i >= 0:
             r = running[i]
-            if r.num_prompt_tokens + len(r.output_token_ids) - r.num_computed_tokens != 1:
+            c: i64 = r.num_computed_tokens
+            if r.num_prompt_tokens + len(r.output_token_ids) - c != 1:
                 return None
+            i -= 1
         return list(running)
 
     def _may_admit(self) -> bool:
@@ -250,12 +253,20 @@ class SchedulerPolicy(ABC):
         preempted = set(map(id, out.preempted)) if out.preempted else None
         if self._own_order < 0:
             self._own_order = int(type(self).waiting_order is SchedulerPolicy.waiting_order)
-        if self._own_order:
-            # FCFS: at most `seats` requests can be looked at; copy only those.
-            order: list[Request] = list(islice(self.waiting, seats))
-        else:
-            order = self.waiting_order()
-        for req in order:
+        # FCFS: the queue's head each time, no copy (each admission removes the head; the first refusal
+        # ends the loop), the order waiting_order's copy would give.
+        order: list[Request] | None = None if self._own_order else self.waiting_order()
+        i = 0
+        while True:
+            if order is None:
+                if not self.waiting:
+                    break
+                req = self.waiting[0]
+            elif i < len(order):
+                req = order[i]
+                i += 1
+            else:
+                break
             if seats <= 0 or budget <= 0 or (preempted is not None and id(req) in preempted):
                 break
             hit = kv.match_prefix(req)

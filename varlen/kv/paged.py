@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
-from mypy_extensions import mypyc_attr
+from mypy_extensions import i64, mypyc_attr
 
 from varlen.kv.base import KVAllocator, KVUsage
 from varlen.request import Request
@@ -24,14 +24,14 @@ from varlen.request import Request
 class Held:
     """What the pool keeps for one holder, in one record: a decode looks it up once a step, not three times."""
     blocks: list[int]  # its block table
-    count: int  # the largest count it asked slots for (num_tokens)
-    registered: int  # how many leading blocks are registered (prefix caching)
+    count: i64  # the largest count it asked slots for (num_tokens; i64: read and written per decode per step)
+    registered: i64  # how many leading blocks are registered (prefix caching)
     # The pool holding it, None once freed: a request's handle (Request.kv_handle) to this record is read
     # only by that pool and only while the record is in its `held`. (Any: a compiled dataclass cannot
     # name `object`; not compared, so equal records of two pools compare equal.)
     owner: Any = field(compare=False, repr=False)
 
-    def __init__(self, blocks: list[int], registered: int, owner: object) -> None:
+    def __init__(self, blocks: list[int], registered: i64, owner: object) -> None:
         self.blocks, self.count, self.registered, self.owner = blocks, 0, registered, owner
 
 
@@ -111,21 +111,34 @@ class PagedAllocator(KVAllocator):
 
     def _take_plain(self, n: int) -> list[int]:
         """The next n content-free blocks (n <= num_free_plain()), in hand-out order, each held once."""
-        plain, rc = self.free_plain, self.ref_count
-        k = min(n, len(plain))
         got: list[int] = []
-        if k:
-            got = plain[len(plain) - k:]
-            del plain[len(plain) - k:]
-            got.reverse()
-            for b in got:
-                rc[b] = 1
-        if n > k:
-            f = self.fresh
-            got.extend(range(f, f + n - k))
-            rc.extend([1] * (n - k))
-            self.fresh = f + n - k
+        self._take_plain_into(got, n)
         return got
+
+    def _take_plain_into(self, got: list[int], n: int) -> None:
+        """_take_plain(n) appended to `got` (a block table grows in place, no list in between)."""
+        # The stack's top k as a slice (its int objects moved, not rebuilt); never-used ids counted out in
+        # native ints (compiled).
+        plain, rc = self.free_plain, self.ref_count
+        want: i64 = n
+        k: i64 = min(want, len(plain))
+        if k:
+            start = len(plain) - k
+            top = plain[start:]
+            del plain[start:]
+            top.reverse()
+            for b in top:
+                rc[b] = 1
+            got += top
+        if want > k:
+            f: i64 = self.fresh
+            end = f + want - k
+            j = f
+            while j < end:
+                got.append(j)
+                j += 1
+            rc.extend([1] * (want - k))
+            self.fresh = end
 
     def _hits(self, req: Request) -> list[int]:
         if not self.enable_prefix_caching:
@@ -175,7 +188,7 @@ class PagedAllocator(KVAllocator):
             rc = self.ref_count
             n = min(need, self.num_free_plain())
             if n:
-                table += self._take_plain(n)
+                self._take_plain_into(table, n)
             for _ in range(need - n):
                 b, _ = self.free_cached.popitem(last=False)
                 h = self.block_hash[b]
@@ -207,13 +220,17 @@ class PagedAllocator(KVAllocator):
         """allocate_decodes' calls for reqs[:num], stopping at the first that fails or, `leading`, at the
         first request that needs other than one token: 2 * (calls that succeeded) + (1 if one failed)."""
         # allocate() inlined for a decode whose table has room (it only records its count) and, without
-        # prefix caching, for one that takes the stack's top block; the live total added once.
-        bs, held, caching = self.block_size, self.held, self.enable_prefix_caching
+        # prefix caching, for one that takes the stack's top block; the live total added once. (i64: this
+        # loop runs for every running request at every step; compiled, native ints skip tagged arithmetic.)
+        bs: i64 = self.block_size
+        held, caching = self.held, self.enable_prefix_caching
         plain, rc = self.free_plain, self.ref_count
-        grown = 0
-        for p in range(num):
+        grown: i64 = 0
+        n: i64 = num
+        p: i64 = 0
+        while p < n:
             r = reqs[p]
-            c = r.num_computed_tokens
+            c: i64 = r.num_computed_tokens
             if leading and r.num_prompt_tokens + len(r.output_token_ids) - c != 1:
                 self.live_tokens += grown
                 return 2 * p
@@ -226,6 +243,7 @@ class PagedAllocator(KVAllocator):
                     grown = 0
                     if not self.allocate(r, m):
                         return 2 * p + 1
+                    p += 1
                     continue
                 if plain:
                     b = plain.pop()
@@ -239,6 +257,7 @@ class PagedAllocator(KVAllocator):
                     grown = 0
                     if not self.allocate(r, m):
                         return 2 * p + 1
+                    p += 1
                     continue
                 h.blocks.append(b)
             had = h.count
@@ -247,6 +266,7 @@ class PagedAllocator(KVAllocator):
                 grown += m - had
             if caching and min(m, r.num_tokens) // bs > h.registered:
                 self._register_full_blocks(r, m)
+            p += 1
         self.live_tokens += grown
         return 2 * num
 
@@ -264,39 +284,43 @@ class PagedAllocator(KVAllocator):
         if self.enable_prefix_caching:
             return None  # decodes fill blocks that must be registered as they fill: call by call
         # Without prefix caching only takes matter: list them, step then batch order, off the stack, each
-        # as one int (step * n + position: ints sort faster than pairs).
-        bs = self.block_size
+        # as one int (step * n + position: ints sort faster than pairs). A record is looked up again
+        # where needed (cheaper than keeping a list of them).
+        bs: i64 = self.block_size
         rl: list[Request] = reqs if isinstance(reqs, list) else list(reqs)
         cl: list[int] = counts if isinstance(counts, list) else list(counts)
-        n = min(len(rl), len(cl))
-        free = self.num_free_plain()
+        n: i64 = min(len(rl), len(cl))
+        steps: i64 = num_steps
+        free: i64 = self.num_free_plain()
         takes: list[int] = []
         held = self.held
-        for p in range(n):
+        p: i64 = 0
+        while p < n:
             r = rl[p]
             k = r.kv_handle
             h = k if isinstance(k, Held) and k.owner is self else held[r.req_id]
-            j = len(h.blocks) * bs - cl[p]
-            while j < num_steps:
+            j: i64 = len(h.blocks) * bs - cl[p]
+            while j < steps:
                 takes.append(j * n + p)
                 j += bs
+            p += 1
         takes.sort()
-        ok = num_steps
+        ok: i64 = steps
         if len(takes) > free:
             ok = takes[free] // n
             del takes[free:]
         changed: dict[int, int] = {}
         if takes:
-            reserved = (self.num_blocks - free) * bs
+            reserved: i64 = (self.num_blocks - free) * bs
             got = self._take_plain(len(takes))
-            step = takes[0] // n
+            step: i64 = takes[0] // n
             for i in range(len(takes)):
-                t = takes[i]
-                j = t // n
-                if j != step:  # a step's entry once, after its last take (takes are in step order)
+                t: i64 = takes[i]
+                js: i64 = t // n
+                if js != step:  # a step's entry once, after its last take (takes are in step order)
                     changed[step] = reserved
-                    step = j
-                r = rl[t - j * n]
+                    step = js
+                r = rl[t - js * n]
                 k = r.kv_handle
                 h = k if isinstance(k, Held) and k.owner is self else held[r.req_id]
                 h.blocks.append(got[i])
@@ -304,54 +328,60 @@ class PagedAllocator(KVAllocator):
             changed[step] = reserved
         if self._own_calls or self._count_own():
             # _record_count inline, the live total added once.
-            grown = 0
-            for p in range(n):
+            grown: i64 = 0
+            p = 0
+            while p < n:
                 r = rl[p]
                 k = r.kv_handle
                 h = k if isinstance(k, Held) and k.owner is self else held[r.req_id]
-                m = cl[p] + ok
+                m: i64 = cl[p] + ok
                 had = h.count
                 if m > had:
                     h.count = m
                     grown += m - had
+                p += 1
             self.live_tokens += grown
         else:
-            for p in range(n):
-                self._record_count(rl[p].req_id, cl[p] + ok)
-        if ok < num_steps:  # the failing step's calls before the failing one succeeded
-            for t in takes:
-                if t // n == ok:
-                    p = t % n
-                    self._record_count(rl[p].req_id, cl[p] + ok + 1)
+            for q in range(n):
+                self._record_count(rl[q].req_id, cl[q] + ok)
+        if ok < steps:  # the failing step's calls before the failing one succeeded
+            for t2 in takes:
+                if t2 // n == ok:
+                    q = t2 % n
+                    self._record_count(rl[q].req_id, cl[q] + ok + 1)
         return ok, changed
 
     def decode_steps_fit(self, reqs: Sequence[Request], counts: Sequence[int], num_steps: int) -> int:
         # A decode takes at most one block, when its count passes its table; any free block serves.
-        bs = self.block_size
+        bs: i64 = self.block_size
         rl: list[Request] = reqs if isinstance(reqs, list) else list(reqs)
         cl: list[int] = counts if isinstance(counts, list) else list(counts)
-        n = min(len(rl), len(cl))
-        free = self.num_free_plain() + len(self.free_cached)
+        n: i64 = min(len(rl), len(cl))
+        steps: i64 = num_steps
+        free: i64 = self.num_free_plain() + len(self.free_cached)
+        held = self.held
         # Counted first: the steps are listed only when they may not all fit.
-        num_takes = 0
-        for p in range(n):
+        num_takes: i64 = 0
+        p: i64 = 0
+        while p < n:
             r = rl[p]
             k = r.kv_handle
-            h = k if isinstance(k, Held) and k.owner is self else self.held[r.req_id]
-            j = len(h.blocks) * bs - cl[p]
-            if j < num_steps:
-                num_takes += (num_steps - j + bs - 1) // bs
+            h = k if isinstance(k, Held) and k.owner is self else held[r.req_id]
+            j: i64 = len(h.blocks) * bs - cl[p]
+            if j < steps:
+                num_takes += (steps - j + bs - 1) // bs
+            p += 1
         if num_takes <= free:
             return num_steps
         takes = []
-        for p in range(n):
-            r = rl[p]
+        for q in range(n):
+            r = rl[q]
             k = r.kv_handle
-            g = k if isinstance(k, Held) and k.owner is self else self.held[r.req_id]
-            j = len(g.blocks) * bs - cl[p]
-            while j < num_steps:
-                takes.append(j)
-                j += bs
+            g = k if isinstance(k, Held) and k.owner is self else held[r.req_id]
+            j2 = len(g.blocks) * bs - cl[q]
+            while j2 < steps:
+                takes.append(j2)
+                j2 += bs
         takes.sort()
         return takes[free]
 
