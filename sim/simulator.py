@@ -19,8 +19,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Final, Iterator, Sequence
 
-from mypy_extensions import i64
-
 from sim.executor import CostModelExecutor
 from sim.release import Release, arrival_order
 from sim.route_check import check_route
@@ -228,7 +226,7 @@ def _lazy_loop(pending: Sequence[Request], replicas: list[Replica], route: Route
     # (horizon, replica) for the replicas the router reads: a replica is advanced to an arrival after
     # its horizon, its next step for "all", the first step that may change its count for "outstanding"
     # (until then its count is exact however far behind it is). Stale entries are skipped.
-    busy: list[Any] = []  # (float, int) tuples, kept by _heappush and _heappop
+    busy: list[tuple[float, int]] = []
     horizon = [inf] * num_replicas  # each replica's live entry in `busy`
     # Each replica's steps to time next when its horizon is a lower bound (count_horizon), else 0: an
     # arrival usually cuts a stretch long before its end, so it is timed in doubling pieces as needed.
@@ -259,23 +257,23 @@ def _lazy_loop(pending: Sequence[Request], replicas: list[Replica], route: Route
         a = req.arrival
         i += 1
         if shared:
-            while busy and _head(busy) < a:
-                h, k = _heappop(busy)
+            while busy and busy[0][0] < a:
+                h, k = heapq.heappop(busy)
                 if h != horizon[k]:
                     continue
                 if reach[k]:  # a lower bound: the stretch timed further, the replica left where it is
                     h = horizon[k] = _horizon(replicas[k], due[k], ahead, reach)
                     if h >= a:
-                        _heappush(busy, (h, k))
+                        heapq.heappush(busy, (h, k))
                         continue
                     if reach[k]:
-                        _heappush(busy, (h, k))  # popped again at once, timed further still
+                        heapq.heappush(busy, (h, k))  # popped again at once, timed further still
                         continue
                 events += _catch_up(replicas[k], due, a, fast_forward)
                 reach[k] = FIRST_REACH
                 h = horizon[k] = _horizon(replicas[k], due[k], ahead, reach)
                 if h < inf:
-                    _heappush(busy, (h, k))
+                    heapq.heappush(busy, (h, k))
                 if index is not None:
                     c = replicas[k].outstanding
                     if c != counts[k]:
@@ -317,7 +315,7 @@ def _lazy_loop(pending: Sequence[Request], replicas: list[Replica], route: Route
             if h != horizon[k]:
                 horizon[k] = h
                 if h < inf:
-                    _heappush(busy, (h, k))
+                    heapq.heappush(busy, (h, k))
         if index is not None:
             c = rep.outstanding
             if c != counts[k]:
@@ -326,63 +324,6 @@ def _lazy_loop(pending: Sequence[Request], replicas: list[Replica], route: Route
     # Every arrival served: each replica runs to its end, on its own.
     for k in range(num_replicas):
         _catch_up(replicas[k], due, inf, fast_forward)
-
-
-def _before(a: tuple[float, int], b: tuple[float, int]) -> bool:
-    """a < b as tuples compare (the first unequal item decides), in native code."""
-    return a[0] < b[0] if a[0] != b[0] else a[1] < b[1]
-
-
-def _head(heap: list[Any]) -> float:
-    """The time of the heap's first entry."""
-    top: tuple[float, int] = heap[0]
-    return top[0]
-
-
-# heapq's push and pop, step for step (the same heap after each), for _lazy_loop's (float, int) entries:
-# compiled comparisons rather than tuple rich comparisons, each entry moved as the object it is.
-def _heappush(heap: list[Any], item: tuple[float, int]) -> None:
-    heap.append(item)
-    _siftdown(heap, 0, len(heap) - 1)
-
-
-def _heappop(heap: list[Any]) -> tuple[float, int]:
-    last = heap.pop()
-    if heap:
-        top = heap[0]
-        heap[0] = last
-        _siftup(heap, 0)
-        return top
-    return last
-
-
-def _siftdown(heap: list[Any], start: i64, pos: i64) -> None:
-    new = heap[pos]
-    while pos > start:
-        parent_pos = (pos - 1) >> 1
-        parent = heap[parent_pos]
-        if _before(new, parent):
-            heap[pos] = parent
-            pos = parent_pos
-            continue
-        break
-    heap[pos] = new
-
-
-def _siftup(heap: list[Any], pos: i64) -> None:
-    end: i64 = len(heap)
-    start = pos
-    new = heap[pos]
-    child = 2 * pos + 1
-    while child < end:
-        right = child + 1
-        if right < end and not _before(heap[child], heap[right]):
-            child = right
-        heap[pos] = heap[child]
-        pos = child
-        child = 2 * pos + 1
-    heap[pos] = new
-    _siftdown(heap, start, pos)
 
 
 def _horizon(rep: Replica, t: float, ahead: bool, reach: list[int]) -> float:
