@@ -25,7 +25,12 @@ each sim.profile batch and each run) give each run a factor (its ticks' median o
 each of measured's engine passes one (its bursts over the passes' median burst): passes a minute apart ran
 at 0.75-1.0x each other's speed, so each pass's steps are divided by its own factor before the overhead fit,
 which leaves the measured model at the passes' median speed, taken as the runs' (they are interleaved over
-the same minutes). Ticks are compared only with ticks of their own kind (in-run with in-run, a pass's bursts
+the same minutes). The steps move more than the ticks (a run whose ticks are 10% slow has steps ~17% slow), so
+a tick factor becomes a step factor through a slope (SpeedSlope: tick^k, or a line, whichever fits better)
+fitted on measured's own engine passes, each pass's steps against one fit on every pass, undivided; the slope
+is printed with its fit, k = 1 where the passes' ticks spread too little to fit it, and it divides the passes
+and scales each real run alike. The same slope fitted on the judged runs themselves is printed beside it,
+never applied. Ticks are compared only with ticks of their own kind (in-run with in-run, a pass's bursts
 with the passes'): the bursts' level against the in-run ticks moved the model 7-9% off the runs' steps in a
 run where the passes' own median matched them within 3%. Beside the raw error (one simulation against
 the real median) the summary gives the speed-adjusted one: each real run simulated at its own factor
@@ -622,7 +627,8 @@ class MeasuredProfiler:
         self.groups: list[int] = []
         self.probes: list[tuple[float, float]] = []  # the speed probe right before and after each pass
         self.builds: dict[str, object] = {}
-        self.pass_speeds: dict[int, float] = {}  # engine pass (group) -> its speed factor, set by model()
+        self.pass_speeds: dict[int, float] = {}  # engine pass (group) -> its step factor, set by model()
+        self.slope = SpeedSlope.identity("the model not built yet")  # set by model()
 
     def between_runs(self, i: int, ticks: SpeedTicks | None = None) -> None:
         from sim.profile import DEFAULT_TOKENS, profile_attention, profile_engine, profile_model
@@ -658,17 +664,39 @@ class MeasuredProfiler:
         write_table([fit], root, "cpu_2core", "m", "overhead")
         return MeasuredCostModel(self.cfg, "cpu_2core", profiles=root), fit
 
-    def model(self, pass_speeds: dict[int, float] | None = None):
-        """The builds and the pooled model; pass_speeds: each engine pass's speed factor (its ticks over the
-        runs' reference), its steps divided by it before the overhead fit: passes a minute apart ran at
-        0.75-1.0x each other's speed, and a fit over them mixes those speeds into its terms."""
+    def pass_step_factors(self, cost) -> dict[int, float]:
+        """Each engine pass's steps over `cost`'s time for them (the median step), over the passes' median: how
+        fast each pass's steps ran, in the passes' own terms (every pass runs the same batches)."""
+        own: dict[int, list[float]] = {}
+        for (new, cached, t, logits), g in zip(self.rows, self.groups):
+            own.setdefault(g, []).append(t / cost.step_time(new, cached, logits))
+        med = {g: float(np.median(v)) for g, v in sorted(own.items())}
+        mid = float(np.median(list(med.values())))
+        return {g: v / mid for g, v in med.items()}
+
+    def model(self, pass_ticks: dict[int, float] | None = None):
+        """The builds and the pooled model. pass_ticks: each engine pass's tick factor (its bursts over the
+        passes' median; pass_factors). The steps move more than the ticks, so the slope (step factor against
+        tick factor, fit_speed_slope) is fitted on these passes' own steps against a fit that ignores their
+        speed, then each pass's steps are divided by its tick factor through that slope before the
+        overhead fit: passes a minute apart ran at 0.75-1.0x each other's speed, and a fit over them mixes
+        those speeds into its terms. Sets self.slope (the identity without pass_ticks)."""
         from sim.profile import overhead_confidence
 
-        self.pass_speeds = dict(pass_speeds or {})
-        if self.pass_speeds:
-            print("\nmeasured's engine passes, each divided by its own speed factor (its bursts over the passes' "
-                  "median) before the overhead fit: " + ", ".join(f"pass {g + 1} x{v:.3f}"
-                                                                 for g, v in sorted(self.pass_speeds.items())))
+        self.slope = SpeedSlope.identity("no engine passes' ticks")
+        self.pass_speeds = {}
+        pooled = (mean_table([t[0] for t in self.tables]), mean_table([t[1] for t in self.tables]))
+        if pass_ticks:
+            plain, _ = self._build(self.root.parent / "build_plain", pooled, lambda g: True)
+            steps = self.pass_step_factors(plain)
+            self.slope = fit_speed_slope(pass_ticks, steps)
+            print(f"\nmeasured's engine passes, tick factor (bursts over the passes' median) -> step factor (steps over "
+                  "one fit on every pass, undivided, over the passes' median): " + ", ".join(
+                      f"pass {g + 1} x{pass_ticks[g]:.3f} -> x{steps[g]:.3f}" for g in sorted(pass_ticks)))
+            print(f"  speed slope: {self.slope.describe()}")
+            self.pass_speeds = {g: self.slope(v) for g, v in pass_ticks.items()}
+            print("  each pass divided by its tick factor through the slope before the overhead fit: "
+                  + ", ".join(f"pass {g + 1} x{v:.3f}" for g, v in sorted(self.pass_speeds.items())))
 
         first, second = self.tables[0], self.tables[-1]
         n = self.ENGINE_PASSES
@@ -679,8 +707,7 @@ class MeasuredProfiler:
                   f"{sorted({g for g in self.groups if keep(g)})}): {fit['const_ms']:.3g} ms a step + "
                   f"{fit['per_seq_ms']:.3g} a request + {fit['per_prefill_ms']:.3g} a prefill, operators "
                   f"x{fit['ops_scale']:.3g} (decode x{fit['decode_ops_scale']:.3g}); {overhead_confidence(fit)}")
-        cost, fit = self._build(self.root, (mean_table([t[0] for t in self.tables]),
-                                            mean_table([t[1] for t in self.tables])), lambda g: True)
+        cost, fit = self._build(self.root, pooled, lambda g: True)
         print(f"\nmeasured model from sim.profile (the mean of {len(self.tables)} tables, engine overhead on "
               f"{fit['steps']} steps of {len(set(self.groups))} passes, step MAPE {fit['step_mape_pct']:.1f}%; "
               f"{overhead_confidence(fit)}):\n  " + "\n  ".join(cost.notes))
@@ -693,6 +720,71 @@ def pass_factors(ticks: SpeedTicks, groups: list[int]) -> dict[int, float]:
     own = {g: ticks.median(f"sim.profile pass {g}") for g in sorted(set(groups))}
     mid = float(np.median(list(own.values())))
     return {g: v / mid for g, v in own.items()}
+
+
+#: Passes' tick factors spread less than this ((max - min) / median): too little to fit a slope on; k = 1.
+SLOPE_MIN_SPREAD = 0.03
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedSlope:
+    """How far steps move when the ticks move: step factor = tick factor ** k ("power") or
+    1 + k * (tick factor - 1) ("linear"). The ticks are a small fixed product, the steps a whole engine's, and
+    a machine that slows the ticks by 10% slowed the steps by ~17%: dividing by the tick factor itself left
+    most of the drift in. r2: the fit's on its points (NaN when not fitted); note: why k = 1 when it is."""
+
+    form: str
+    k: float
+    r2: float = float("nan")
+    spread: float = float("nan")
+    points: int = 0
+    note: str = ""
+
+    @classmethod
+    def identity(cls, note: str) -> SpeedSlope:
+        return cls("power", 1.0, note=note)
+
+    def __call__(self, tick: float) -> float:
+        """The step factor of a run or pass whose tick factor is `tick`."""
+        return float(tick ** self.k) if self.form == "power" else float(1.0 + self.k * (tick - 1.0))
+
+    def describe(self) -> str:
+        law = f"step = tick^{self.k:.2f}" if self.form == "power" else f"step = 1 + {self.k:.2f} (tick - 1)"
+        if self.note:
+            return f"k = 1 (fallback: {self.note}), {law}"
+        return (f"k = {self.k:.2f} ({self.form}: {law}), R2 {self.r2:.2f} on {self.points} points whose tick factors "
+                f"spread {self.spread * 100:.1f}%")
+
+
+def fit_speed_slope(ticks: dict, steps: dict, min_spread: float = SLOPE_MIN_SPREAD) -> SpeedSlope:
+    """The slope of step factors against tick factors (both over their median, keyed alike: one point a pass),
+    as a power and as a line through (1, 1), by least squares; the one with the smaller squared error in the
+    factors is kept. Falls back to k = 1 when the tick factors spread < min_spread (the slope would be the
+    steps' noise over next to no signal), or the fit finds no positive slope."""
+    keys = sorted(set(ticks) & set(steps))
+    t = np.array([ticks[g] for g in keys], dtype=float)
+    s = np.array([steps[g] for g in keys], dtype=float)
+    spread = float((t.max() - t.min()) / np.median(t)) if len(t) else 0.0
+    if len(keys) < 3 or spread < min_spread:
+        return dataclasses.replace(SpeedSlope.identity(
+            f"the tick factors spread {spread * 100:.1f}% over {len(keys)} points, under the "
+            f"{min_spread * 100:g}% and 3 points a slope needs"), spread=spread, points=len(keys))
+    lt, ls = np.log(t), np.log(s)
+    fits = []
+    if (lt ** 2).sum() > 0:
+        k = float((lt * ls).sum() / (lt ** 2).sum())
+        fits.append(("power", k, float(((t ** k - s) ** 2).sum())))
+    d, e = t - 1.0, s - 1.0
+    if (d ** 2).sum() > 0:
+        m = float((d * e).sum() / (d ** 2).sum())
+        fits.append(("linear", m, float(((1.0 + m * d - s) ** 2).sum())))
+    form, k, sse = min(fits, key=lambda f: f[2])
+    total = float(((s - s.mean()) ** 2).sum())
+    r2 = 1.0 - sse / total if total > 0 else float("nan")
+    if not k > 0:
+        return dataclasses.replace(SpeedSlope.identity(f"the fitted slope {k:.2f} is not positive"), r2=r2,
+                                   spread=spread, points=len(keys))
+    return SpeedSlope(form, k, r2, spread, len(keys))
 
 
 def mean_table(tables: list[list[dict]]) -> list[dict]:
@@ -726,20 +818,25 @@ def fidelity_engine(args) -> dict[str, int]:
             "num_blocks": args.blocks}
 
 
-def write_steps(path: str, runs: dict[str, list[RealRun]], profiler) -> None:
-    """Every step the figures rest on, one JSON object a line, for a look at any step kind afterwards."""
+def write_steps(path: str, runs: dict[str, list[RealRun]], profiler, ticks: SpeedTicks | None = None) -> None:
+    """Every step the figures rest on, one JSON object a line, for a look at any step kind afterwards
+    (sim.profile's engine rows as run "sim.profile pass G", G its group); the speed ticks' samples by label
+    (the runs', each pass's, the bursts after the runs) as a line with run "ticks"."""
     import json
 
     from sim.cost.fitted import profile_rows
 
     sources = [(f"{label} #{i + 1}", profile_rows(r.steps)) for label, rs in runs.items() for i, r in enumerate(rs)]
     if profiler is not None:
-        sources.append(("sim.profile engine", profiler.rows))
+        for g in sorted(set(profiler.groups)):
+            sources.append((f"sim.profile pass {g}", [r for r, h in zip(profiler.rows, profiler.groups) if h == g]))
     with open(path, "w") as f:
         for name, rows in sources:
             for new, cached, t, logits in rows:
                 f.write(json.dumps({"run": name, "new": [int(x) for x in new], "cached": [int(x) for x in cached],
                                     "s": t, "logits": logits}) + "\n")
+        if ticks is not None:
+            f.write(json.dumps({"run": "ticks", "samples": ticks.samples}) + "\n")
 
 
 def main() -> None:
@@ -770,8 +867,9 @@ def main() -> None:
     p.add_argument("--profiles-out", default=None,
                    help="with --measured, copy its build (sim.profile's folder layout) to this folder")
     p.add_argument("--steps-out", default=None,
-                   help="write every real run's step rows (and sim.profile's engine rows with --measured) to this "
-                        "JSON-lines file: run, new and cached tokens per request, seconds, sampled rows")
+                   help="write every real run's step rows (and sim.profile's engine rows with --measured, by pass) to this "
+                        "JSON-lines file: run, new and cached tokens per request, seconds, sampled rows; and a last "
+                        "line with the speed ticks' samples by label")
     p.add_argument("--features", action="append", default=None,
                    help="comma-separated profiled-model features, NAME_1..8 for a range of sizes (default: "
                         "sim.cost.fitted.DEFAULT_FEATURES); give it again to compare feature sets on the same real runs")
@@ -851,8 +949,8 @@ def main() -> None:
                 before = probe.last
                 profiler.between_runs(i, ticks)
                 profiler.probes.append((before, probe.read(f"after sim.profile pass {i + 1}")))
-        pass_speeds = pass_factors(ticks, profiler.groups) if profiler is not None and ticks is not None else None
-        measured = profiler.model(pass_speeds) if profiler is not None else None
+        pass_ticks = pass_factors(ticks, profiler.groups) if profiler is not None and ticks is not None else None
+        measured = profiler.model(pass_ticks) if profiler is not None else None
         if profiler is not None:
             from sim.cost.fitted import profile_rows
 
@@ -869,7 +967,7 @@ def main() -> None:
             shutil.copytree(profiler.root, args.profiles_out, dirs_exist_ok=True)
             print(f"measured's build -> {args.profiles_out}")
     if args.steps_out:
-        write_steps(args.steps_out, runs, profiler)
+        write_steps(args.steps_out, runs, profiler, ticks)
     speed = diagnose(runs, feature_sets[0])
     # Each run's speed factor: its in-run ticks' median over the reference (the median of the runs'
     # medians); the measured model's: the ticks spread over its sim.profile passes, over the same reference.
@@ -879,10 +977,19 @@ def main() -> None:
         print("\nno speed-adjusted figures: --clock wall cannot take the speed ticks' time off the runs")
     else:
         reference = float(np.median([ticks.median(r) for r in brackets]))
-        speeds = {r: ticks.median(r) / reference for r in brackets}
+        tick_factors = {r: ticks.median(r) / reference for r in brackets}
         # The passes' ticks come in bursts, not between steps; they are compared with the same bursts taken
         # right after every run, so the two kinds of sample are never set against each other.
-        report_ticks(ticks, speeds, reference)
+        report_ticks(ticks, tick_factors, reference)
+        # Each run's step factor: its tick factor through the slope fitted on measured's own engine passes
+        # (never on these runs: they are what the figures judge).
+        slope = profiler.slope if profiler is not None else SpeedSlope.identity("no --measured engine passes")
+        speeds = {r: slope(v) for r, v in tick_factors.items()}
+        print(f"\neach run's speed factor for the adjusted figures: its tick factor through the passes' slope "
+              f"({slope.describe()}): " + ", ".join(f"{r} x{tick_factors[r]:.3f} -> x{v:.3f}" for r, v in speeds.items()))
+        own = fit_speed_slope(tick_factors, {r: v / np.median(list(speed.values())) for r, v in speed.items()})
+        print(f"  for comparison only (fitted on the judged runs, never applied): the runs' decode-step factor "
+              f"(diagnosis) against their tick factor: {own.describe()}")
     others = None
     if ticks is not None and ticks.also:
         o = ticks.also[0]
@@ -910,8 +1017,8 @@ def main() -> None:
         tables.update({"measured -> A": compare(measured, "measured, from sim.profile", runs["A"]),
                        "measured -> B": compare(measured, "measured, from sim.profile", runs["B"])})
     if measured is not None and speeds is not None:
-        print("\nmeasured, speed-adjusted (each run's factor; measured's engine passes were brought to their "
-              "median speed before its fit, taken as the runs' reference speed):")
+        print("\nmeasured, speed-adjusted (each run's factor through the slope; measured's engine passes were "
+              "brought to their median speed through the same slope before its fit, taken as the runs' reference speed):")
         for label in ("A", "B"):
             adjusted[f"measured -> {label}"] = compare_at_speeds(
                 measured, "measured, from sim.profile", runs[label],
