@@ -229,3 +229,65 @@ def test_the_verdict_judges_the_adjusted_figure_only_when_the_real_runs_stray_pa
     assert "raw 4.0%" in noisy[1]  # the raw figure stays beside the judged one
     none = sim_fidelity.verdict({"profiled": 4.0}, {}, noise=15.0)
     assert "judged figure: raw, for want of" in none[0] and "cannot resolve 5%" in none[0]
+
+
+def _passes_at(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ticks: dict[int, float], k: float):
+    """A MeasuredProfiler whose engine passes' steps ran at tick ** k (0.02 s at 1), its builds faked: the
+    fit returns nothing and the model times every step at 0.02 s. Returns it and the rows each fit got."""
+    import sim.profile
+
+    (tmp_path / "config.json").write_text("{}")
+    prof = sim_fidelity.MeasuredProfiler(str(tmp_path), "torch_sdpa", str(tmp_path / "p"))
+    prof.tables = [([], []), ([], [])]
+    prof.groups = [g for g in ticks for _ in range(3)]
+    prof.rows = [([1, 1], [10, 20], 0.02 * ticks[g] ** k, 2) for g in prof.groups]
+    fitted: list = []
+    fit = {"const_ms": 1.0, "per_seq_ms": 0.1, "per_prefill_ms": 0.1, "ops_scale": 1.0, "decode_ops_scale": 1.0,
+           "steps": len(prof.rows), "step_mape_pct": 0.0}
+
+    class Model:
+        notes: list[str] = []
+
+        def step_time(self, new, cached, logits) -> float:
+            return 0.02
+
+    monkeypatch.setattr(sim.profile, "write_table", lambda *a, **kw: None)
+    monkeypatch.setattr(sim.profile, "fit_engine_overhead", lambda rows, *a, **kw: fitted.append(rows) or fit)
+    monkeypatch.setattr("sim.cost.measured.MeasuredCostModel", lambda *a, **kw: Model())
+    return prof, fitted
+
+
+def test_the_speed_slope_is_fitted_on_the_passes_steps_and_divides_them_through_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys) -> None:
+    """Steps move ~1.7x as much as the ticks: the slope fitted on the passes' own steps recovers it, each pass
+    is divided by tick ** k (all back at the reference speed, which dividing by the tick alone does not do),
+    and a run's factor goes through the same slope."""
+    ticks = {0: 0.85, 1: 0.93, 2: 0.97, 3: 1.0, 4: 1.04, 5: 1.12, 6: 1.2}  # over their median, as pass_factors
+    prof, fitted = _passes_at(monkeypatch, tmp_path, ticks, 1.7)
+    prof.model(ticks)
+    assert prof.slope.form == "power" and prof.slope.k == pytest.approx(1.7, abs=0.01)
+    assert prof.slope.r2 == pytest.approx(1.0)
+    assert [t for _, _, t, _ in fitted[-1]] == pytest.approx([0.02] * len(prof.rows))  # the pooled build's rows
+    assert prof.slope(1.1) == pytest.approx(1.1 ** 1.7, rel=1e-3)  # a run whose ticks are 10% slow: ~17.6%
+    assert "k = 1.70 (power" in capsys.readouterr().out
+
+
+def test_a_steps_line_against_the_ticks_is_fitted_as_a_line() -> None:
+    ticks = {g: t for g, t in enumerate((0.8, 0.9, 1.0, 1.1, 1.25))}
+    slope = sim_fidelity.fit_speed_slope(ticks, {g: 1.0 + 1.7 * (t - 1.0) for g, t in ticks.items()})
+    assert slope.form == "linear" and slope.k == pytest.approx(1.7)
+    assert slope(1.1) == pytest.approx(1.17)
+
+
+def test_the_slope_falls_back_to_1_when_the_passes_ticks_spread_too_little_or_it_is_not_positive(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Ticks within 2%: the steps' noise over no signal would set k; k = 1, said so, and each pass divided
+    by its tick factor itself."""
+    ticks = {0: 0.99, 1: 1.0, 2: 1.01, 3: 0.995}
+    prof, fitted = _passes_at(monkeypatch, tmp_path, ticks, 5.0)
+    prof.model(ticks)
+    assert prof.slope.k == 1.0 and "spread 2.0%" in prof.slope.note and "fallback" in prof.slope.describe()
+    assert [t for _, _, t, _ in fitted[-1]] == pytest.approx(
+        [0.02 * ticks[g] ** 4 for g in prof.groups])  # divided by the tick (k = 1), not tick ** 5
+    backwards = sim_fidelity.fit_speed_slope({0: 0.9, 1: 1.0, 2: 1.1}, {0: 1.1, 1: 1.0, 2: 0.9})
+    assert backwards.k == 1.0 and "not positive" in backwards.note
