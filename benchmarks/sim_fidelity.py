@@ -367,18 +367,18 @@ def diagnose(runs: dict[str, list[RealRun]], features) -> dict[str, float]:
 def report_ticks(ticks: SpeedTicks, speeds: dict[str, float], reference: float) -> None:
     """The in-run speed ticks: each run's median, spread and factor; the sim.profile passes' factor."""
     print(f"\nspeed ticks (a fixed 1-row x 16 MB and 128-row x 1 MB product after every {ticks.every}th step of each "
-          f"real run, off its clock; after each batch of the sim.profile passes, 10 of them; reference "
-          f"{reference * 1e3:.3f} ms, the median of the runs' medians):")
+          f"real run and each sim.profile pass, off its clock; reference {reference * 1e3:.3f} ms, the median of "
+          "the runs' medians):")
     rows = {at: {"ticks": len(v), "median ms": np.median(v) * 1e3, "p90/p10": np.percentile(v, 90) / np.percentile(v, 10),
                  "factor": np.median(v) / reference} for at, v in ticks.samples.items()}
     print(pd.DataFrame(rows).T.to_string(float_format=lambda x: f"{x:.3f}"))
     print(f"  bursts after the runs over the in-run ticks: x{ticks.median('bursts after the runs') / reference:.3f} "
-          "(the kind of sample, not the machine: the passes' factor is taken against those bursts)")
-    passes = [v for at, v in ticks.samples.items() if at.startswith("sim.profile pass ")]
+          "(the kind of sample, not the machine: ticks are set only against ticks taken among steps)")
+    passes = [float(np.median(v)) for at, v in ticks.samples.items() if at.startswith("sim.profile pass ")]
     if passes:
-        print(f"  the measured model's sim.profile passes' bursts over the bursts after the runs: "
-              f"x{np.median([x for v in passes for x in v]) / ticks.median('bursts after the runs'):.3f} (printed "
-              "only: each pass is set against the passes' median, and the model taken at the runs' speed)")
+        print(f"  the measured model's sim.profile passes' median tick over the runs' reference: "
+              f"x{np.median(passes) / reference:.3f} (printed only: each pass is set against the passes' median, "
+              "and the model taken at the runs' speed)")
 
 
 def report_probe(probe: SpeedProbe, brackets: dict[str, tuple[float, float]], step_speed: dict[str, float],
@@ -636,19 +636,16 @@ class MeasuredProfiler:
         if i < self.TABLE_PAIRS:
             tokens = tuple(t for t in DEFAULT_TOKENS if t <= 512)  # sim.profile's, to the budget's range
             self.tables.append((profile_model(self.folder, tokens, 7), profile_attention(self.folder, self.backend, 7)))
-        # The speed ticks in bursts after each of the passes' batches, kept per pass (its group): the minutes
-        # each pass's steps ran in, a pass's steps divided by its own speed before the fit (model()).
-        between = None
+        # The speed ticks among each pass's steps, as among a real run's (the same kind of sample: after every
+        # `every`-th step), kept per pass (its group): the minutes each pass's steps ran in, a pass's steps
+        # divided by its own speed before the fit (model()). Bursts after the batches, the first design, set
+        # the passes' steps against another kind of sample: their slope came out 0.6 where the runs' was 2.1.
+        on_step = None
         if ticks is not None:
-            from sim.profile import ENGINE_BATCHES
-
-            done = [0]
-
-            def between() -> None:
-                ticks.burst(f"sim.profile pass {i * self.ENGINE_PASSES + done[0] // len(ENGINE_BATCHES)}", 10)
-                done[0] += 1
+            def on_step(p: int):
+                return ticks.on_step(f"sim.profile pass {i * self.ENGINE_PASSES + p}", CpuClock())
         got: list[int] = []
-        self.rows += profile_engine(self.folder, self.backend, 3, between=between, groups_out=got,
+        self.rows += profile_engine(self.folder, self.backend, 3, on_step=on_step, groups_out=got,
                                     settings=self.settings, passes=self.ENGINE_PASSES)
         self.groups += [i * self.ENGINE_PASSES + g for g in got]  # each pass its own group
 
@@ -690,7 +687,7 @@ class MeasuredProfiler:
             plain, _ = self._build(self.root.parent / "build_plain", pooled, lambda g: True)
             steps = self.pass_step_factors(plain)
             self.slope = fit_speed_slope(pass_ticks, steps)
-            print(f"\nmeasured's engine passes, tick factor (bursts over the passes' median) -> step factor (steps over "
+            print(f"\nmeasured's engine passes, tick factor (its ticks' median over the passes') -> step factor (steps over "
                   "one fit on every pass, undivided, over the passes' median): " + ", ".join(
                       f"pass {g + 1} x{pass_ticks[g]:.3f} -> x{steps[g]:.3f}" for g in sorted(pass_ticks)))
             print(f"  speed slope: {self.slope.describe()}")
@@ -715,7 +712,7 @@ class MeasuredProfiler:
 
 
 def pass_factors(ticks: SpeedTicks, groups: list[int]) -> dict[int, float]:
-    """Each engine pass's speed factor: its bursts' median over the median of the passes' (> 1: slower). Against
+    """Each engine pass's tick factor: its ticks' median over the median of the passes' (> 1: slower). Against
     the passes' own bursts, not the runs' ticks: only samples of one kind are set against each other."""
     own = {g: ticks.median(f"sim.profile pass {g}") for g in sorted(set(groups))}
     mid = float(np.median(list(own.values())))
@@ -870,6 +867,9 @@ def main() -> None:
                    help="write every real run's step rows (and sim.profile's engine rows with --measured, by pass) to this "
                         "JSON-lines file: run, new and cached tokens per request, seconds, sampled rows; and a last "
                         "line with the speed ticks' samples by label")
+    p.add_argument("--runs-out", default=None,
+                   help="pickle the real runs (requests, steps, headlines), the speed ticks and sim.profile's engine "
+                        "rows by pass to this file, to re-simulate them afterwards (with --profiles-out: measured too)")
     p.add_argument("--features", action="append", default=None,
                    help="comma-separated profiled-model features, NAME_1..8 for a range of sizes (default: "
                         "sim.cost.fitted.DEFAULT_FEATURES); give it again to compare feature sets on the same real runs")
@@ -968,6 +968,12 @@ def main() -> None:
             print(f"measured's build -> {args.profiles_out}")
     if args.steps_out:
         write_steps(args.steps_out, runs, profiler, ticks)
+    if args.runs_out:  # the real runs whole (requests, steps, headlines) and the ticks, for a look without a rerun
+        import pickle
+
+        with open(args.runs_out, "wb") as f:
+            pickle.dump({"runs": runs, "ticks": ticks.samples if ticks is not None else None,
+                         "passes": (profiler.rows, profiler.groups) if profiler is not None else None}, f)
     speed = diagnose(runs, feature_sets[0])
     # Each run's speed factor: its in-run ticks' median over the reference (the median of the runs'
     # medians); the measured model's: the ticks spread over its sim.profile passes, over the same reference.

@@ -183,19 +183,22 @@ def test_the_measured_build_times_two_tables_and_two_engine_passes_a_pair(monkey
 
 def test_each_engine_pass_is_ticked_apart_and_fitted_at_its_own_speed(monkeypatch: pytest.MonkeyPatch,
                                                                       tmp_path: Path) -> None:
-    """The passes a measured build fits its overhead on ran at 0.75-1.0x each other's speed: each pass's bursts
-    are kept under its own label, and its steps are divided by its own factor before the fit."""
+    """The passes a measured build fits its overhead on ran at 0.75-1.0x each other's speed: each pass's ticks,
+    taken among its steps as among a run's, are kept under its own label, and its steps are divided by its own
+    factor before the fit."""
     import sim.profile
 
     monkeypatch.setattr(sim.profile, "ENGINE_BATCHES", ((1, 4, 2), (2, 4, 2)))
 
-    def engine(*a, passes=None, groups_out=None, between=None, **k):
+    def engine(*a, passes=None, groups_out=None, on_step=None, **k):
         rows = []
         for p in range(passes):
             for _ in sim.profile.ENGINE_BATCHES:
-                rows.append(([1], [10], 0.02 * (p + 1), 1))  # the second pass twice as slow
-                groups_out.append(p)
-                between()
+                after = on_step(p)
+                for _ in range(8):  # a batch of 8 steps: a tick after the 4th and the 8th
+                    rows.append(([1], [10], 0.02 * (p + 1), 1))  # the second pass twice as slow
+                    groups_out.append(p)
+                    after([])
         return rows
 
     monkeypatch.setattr(sim.profile, "profile_engine", engine)
@@ -205,7 +208,7 @@ def test_each_engine_pass_is_ticked_apart_and_fitted_at_its_own_speed(monkeypatc
     ticks = sim_fidelity.SpeedTicks()
     prof.between_runs(1, ticks)
     assert sorted(ticks.samples) == ["sim.profile pass 2", "sim.profile pass 3"]
-    assert all(len(v) == 10 * 2 for v in ticks.samples.values())  # 10 ticks after each of a pass's 2 batches
+    assert all(len(v) == 2 * 2 for v in ticks.samples.values())  # 2 ticks in each of a pass's 2 batches
     ticks.samples = {"sim.profile pass 2": [1.0, 1.2, 1.1], "sim.profile pass 3": [0.9], "sim.profile pass 4": [1.5],
                      "bursts after the runs": [9.0]}  # another kind of sample: never set against the passes'
     assert sim_fidelity.pass_factors(ticks, [2, 2, 3, 4]) == pytest.approx({2: 1.0, 3: 0.9 / 1.1, 4: 1.5 / 1.1})
@@ -216,7 +219,7 @@ def test_each_engine_pass_is_ticked_apart_and_fitted_at_its_own_speed(monkeypatc
     monkeypatch.setattr("sim.cost.measured.MeasuredCostModel", lambda *a, **k: "model")
     prof.pass_speeds = {2: 1.0, 3: 2.0}
     prof._build(tmp_path / "b", ([], []), lambda g: True)
-    assert [t for _, _, t, _ in fitted[0]] == pytest.approx([0.02] * 4)  # every pass at the reference speed
+    assert [t for _, _, t, _ in fitted[0]] == pytest.approx([0.02] * 32)  # every pass at the reference speed
 
 
 def test_the_verdict_judges_the_adjusted_figure_only_when_the_real_runs_stray_past_the_goal() -> None:
