@@ -713,7 +713,7 @@ class MeasuredProfiler:
 
 def pass_factors(ticks: SpeedTicks, groups: list[int]) -> dict[int, float]:
     """Each engine pass's tick factor: its ticks' median over the median of the passes' (> 1: slower). Against
-    the passes' own bursts, not the runs' ticks: only samples of one kind are set against each other."""
+    the passes' own ticks, not the runs': each pass's speed is set against the passes' it is fitted with."""
     own = {g: ticks.median(f"sim.profile pass {g}") for g in sorted(set(groups))}
     mid = float(np.median(list(own.values())))
     return {g: v / mid for g, v in own.items()}
@@ -868,8 +868,8 @@ def main() -> None:
                         "JSON-lines file: run, new and cached tokens per request, seconds, sampled rows; and a last "
                         "line with the speed ticks' samples by label")
     p.add_argument("--runs-out", default=None,
-                   help="pickle the real runs (requests, steps, headlines), the speed ticks and sim.profile's engine "
-                        "rows by pass to this file, to re-simulate them afterwards (with --profiles-out: measured too)")
+                   help="pickle the real runs' step rows and headlines, the arguments, the speed ticks and sim.profile's "
+                        "engine rows by pass to this file, for a look afterwards without a rerun")
     p.add_argument("--features", action="append", default=None,
                    help="comma-separated profiled-model features, NAME_1..8 for a range of sizes (default: "
                         "sim.cost.fitted.DEFAULT_FEATURES); give it again to compare feature sets on the same real runs")
@@ -968,11 +968,15 @@ def main() -> None:
             print(f"measured's build -> {args.profiles_out}")
     if args.steps_out:
         write_steps(args.steps_out, runs, profiler, ticks)
-    if args.runs_out:  # the real runs whole (requests, steps, headlines) and the ticks, for a look without a rerun
+    if args.runs_out:  # plain data (the engine's compiled records do not unpickle): a look without a rerun
         import pickle
 
+        from sim.cost.fitted import profile_rows
+
         with open(args.runs_out, "wb") as f:
-            pickle.dump({"runs": runs, "ticks": ticks.samples if ticks is not None else None,
+            pickle.dump({"args": vars(args), "ticks": ticks.samples if ticks is not None else None,
+                         "runs": {r.name: {"rows": profile_rows(r.steps), "headline": r.headline}
+                                  for rs in runs.values() for r in rs},
                          "passes": (profiler.rows, profiler.groups) if profiler is not None else None}, f)
     speed = diagnose(runs, feature_sets[0])
     # Each run's speed factor: its in-run ticks' median over the reference (the median of the runs'
