@@ -37,7 +37,11 @@ the real median) the summary gives the speed-adjusted one: each real run simulat
 (cost.time_scale, i.e. ScaledCostModel; profiled fitted on steps rescaled to the reference speed) against
 that run, the median over the runs. The closing VERDICT names the figure held to the 5% goal: the raw one
 while the real engine's farthest run strays <= 5% from its median, else the speed-adjusted one (the median
-of three noisy runs cannot resolve 5% then); both stay printed, and a miss is printed as MISS. Each run's factor is printed
+of three noisy runs cannot resolve 5% then); both stay printed, and a miss is printed as MISS. Each raw
+comparison also says how far a 1% change in every step's time moves each metric of its simulation ("1% moves
+sim %"), and the cells past the goal are named after the VERDICT: a percentile of a few tens of requests can
+sit at a gap in their latencies (B's TTFT p50 moved 12% for a 0.06% step-time change), where neither a cost
+model nor a speed factor a few percent off can hold it to 5%. Each run's factor is printed
 beside the noise diagnosis' step factor, with how closely they agree; so is a speed probe read around the
 runs on its own engine (SpeedProbe), the first design, which did not track the runs on a shared machine.
 
