@@ -24,8 +24,9 @@ memory- and compute-bound product after every 4th step of each real run, off its
 each sim.profile batch and each run) give each run a factor (its ticks' median over the runs' median) and
 each of measured's engine passes one (its bursts over the passes' median burst): passes a minute apart ran
 at 0.75-1.0x each other's speed, so each pass's steps are divided by its own factor before the overhead fit,
-which leaves the measured model at the passes' median speed, taken as the runs' (they are interleaved over
-the same minutes). The steps move more than the ticks (a run whose ticks are 10% slow has steps ~17% slow), so
+and each pass's ticks, taken among its steps as the runs' are, are set against the runs' reference, so the
+measured model sits at the runs' speed (taking the passes' median speed as the runs' left it 6-7% fast on a run
+whose passes ticked 7% fast). The steps move more than the ticks (a run whose ticks are 10% slow has steps ~17% slow), so
 a tick factor becomes a step factor through a slope (SpeedSlope: tick^k, or a line, whichever fits better)
 fitted on measured's own engine passes, each pass's steps against one fit on every pass, undivided; the slope
 is printed with its fit, k = 1 where the passes' ticks spread too little to fit it, and it divides the passes
@@ -381,8 +382,8 @@ def report_ticks(ticks: SpeedTicks, speeds: dict[str, float], reference: float) 
     passes = [float(np.median(v)) for at, v in ticks.samples.items() if at.startswith("sim.profile pass ")]
     if passes:
         print(f"  the measured model's sim.profile passes' median tick over the runs' reference: "
-              f"x{np.median(passes) / reference:.3f} (printed only: each pass is set against the passes' median, "
-              "and the model taken at the runs' speed)")
+              f"x{np.median(passes) / reference:.3f} (each pass is brought to the runs' speed by its tick against that "
+              "reference, through the slope)")
 
 
 def report_probe(probe: SpeedProbe, brackets: dict[str, tuple[float, float]], step_speed: dict[str, float],
@@ -697,13 +698,16 @@ class MeasuredProfiler:
         mid = float(np.median(list(med.values())))
         return {g: v / mid for g, v in med.items()}
 
-    def model(self, pass_ticks: dict[int, float] | None = None):
+    def model(self, pass_ticks: dict[int, float] | None = None, level: float = 1.0):
         """The builds and the pooled model. pass_ticks: each engine pass's tick factor (its bursts over the
         passes' median; pass_factors). The steps move more than the ticks, so the slope (step factor against
         tick factor, fit_speed_slope) is fitted on these passes' own steps against a fit that ignores their
         speed, then each pass's steps are divided by its tick factor through that slope before the
         overhead fit: passes a minute apart ran at 0.75-1.0x each other's speed, and a fit over them mixes
-        those speeds into its terms. Sets self.slope (the identity without pass_ticks)."""
+        those speeds into its terms. level: the passes' median tick over the real runs' (the same kind of sample,
+        taken among steps), so the passes are brought to the runs' speed, not the passes' median: on a run whose
+        passes ticked 7% fast, measured sat 6-7% fast on every step kind. Sets self.slope (the identity without
+        pass_ticks)."""
         from sim.profile import overhead_confidence
 
         self.slope = SpeedSlope.identity("no engine passes' ticks")
@@ -717,8 +721,9 @@ class MeasuredProfiler:
                   "one fit on every pass, undivided, over the passes' median): " + ", ".join(
                       f"pass {g + 1} x{pass_ticks[g]:.3f} -> x{steps[g]:.3f}" for g in sorted(pass_ticks)))
             print(f"  speed slope: {self.slope.describe()}")
-            self.pass_speeds = {g: self.slope(v) for g, v in pass_ticks.items()}
-            print("  each pass divided by its tick factor through the slope before the overhead fit: "
+            self.pass_speeds = {g: self.slope(v * level) for g, v in pass_ticks.items()}
+            print(f"  each pass divided by its tick factor against the runs' reference (the passes' median tick over the "
+                  f"runs': x{level:.3f}) through the slope before the overhead fit: "
                   + ", ".join(f"pass {g + 1} x{v:.3f}" for g, v in sorted(self.pass_speeds.items())))
 
         first, second = self.tables[0], self.tables[-1]
@@ -980,7 +985,10 @@ def main() -> None:
                 profiler.between_runs(i, ticks)
                 profiler.probes.append((before, probe.read(f"after sim.profile pass {i + 1}")))
         pass_ticks = pass_factors(ticks, profiler.groups) if profiler is not None and ticks is not None else None
-        measured = profiler.model(pass_ticks) if profiler is not None else None
+        # The passes' ticks against the runs' (both taken among steps): the level the model is brought to.
+        level = float(np.median([ticks.median(f"sim.profile pass {g}") for g in pass_ticks]) / np.median(
+            [ticks.median(r.name) for rs in runs.values() for r in rs])) if pass_ticks else 1.0
+        measured = profiler.model(pass_ticks, level) if profiler is not None else None
         if profiler is not None:
             from sim.cost.fitted import profile_rows
 
@@ -1058,7 +1066,7 @@ def main() -> None:
                        "measured -> B": compare(measured, "measured, from sim.profile", runs["B"])})
     if measured is not None and speeds is not None:
         print("\nmeasured, speed-adjusted (each run's factor through the slope; measured's engine passes were "
-              "brought to their median speed through the same slope before its fit, taken as the runs' reference speed):")
+              "brought to the runs' reference speed through the same slope before its fit):")
         for label in ("A", "B"):
             adjusted[f"measured -> {label}"] = compare_at_speeds(
                 measured, "measured, from sim.profile", runs[label],

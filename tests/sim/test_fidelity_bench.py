@@ -273,6 +273,8 @@ def test_the_speed_slope_is_fitted_on_the_passes_steps_and_divides_them_through_
     assert [t for _, _, t, _ in fitted[-1]] == pytest.approx([0.02] * len(prof.rows))  # the pooled build's rows
     assert prof.slope(1.1) == pytest.approx(1.1 ** 1.7, rel=1e-3)  # a run whose ticks are 10% slow: ~17.6%
     assert "k = 1.70 +- 0.00 (power" in capsys.readouterr().out
+    prof.model(ticks, level=0.9)  # the passes ticked 10% fast against the runs: the model brought to the runs' speed
+    assert [t for _, _, t, _ in fitted[-1]] == pytest.approx([0.02 / 0.9 ** 1.7] * len(prof.rows))
 
 
 def test_a_steps_line_against_the_ticks_is_fitted_as_a_line() -> None:
