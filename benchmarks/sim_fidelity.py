@@ -24,15 +24,25 @@ memory- and compute-bound product after every 4th step of each real run, off its
 each sim.profile batch and each run) give each run a factor (its ticks' median over the runs' median) and
 each of measured's engine passes one (its bursts over the passes' median burst): passes a minute apart ran
 at 0.75-1.0x each other's speed, so each pass's steps are divided by its own factor before the overhead fit,
-which leaves the measured model at the passes' median speed, taken as the runs' (they are interleaved over
-the same minutes). Ticks are compared only with ticks of their own kind (in-run with in-run, a pass's bursts
+and each pass's ticks, taken among its steps as the runs' are, are set against the runs' reference, so the
+measured model sits at the runs' speed (taking the passes' median speed as the runs' left it 6-7% fast on a run
+whose passes ticked 7% fast). The steps move more than the ticks (a run whose ticks are 10% slow has steps ~17% slow), so
+a tick factor becomes a step factor through a slope (SpeedSlope: tick^k, or a line, whichever fits better)
+fitted on measured's own engine passes, each pass's steps against one fit on every pass, undivided; the slope
+is printed with its fit, k = 1 where the passes' ticks spread too little to fit it, and it divides the passes
+and scales each real run alike. The same slope fitted on the judged runs themselves is printed beside it,
+never applied. Ticks are compared only with ticks of their own kind (in-run with in-run, a pass's bursts
 with the passes'): the bursts' level against the in-run ticks moved the model 7-9% off the runs' steps in a
 run where the passes' own median matched them within 3%. Beside the raw error (one simulation against
 the real median) the summary gives the speed-adjusted one: each real run simulated at its own factor
 (cost.time_scale, i.e. ScaledCostModel; profiled fitted on steps rescaled to the reference speed) against
 that run, the median over the runs. The closing VERDICT names the figure held to the 5% goal: the raw one
 while the real engine's farthest run strays <= 5% from its median, else the speed-adjusted one (the median
-of three noisy runs cannot resolve 5% then); both stay printed, and a miss is printed as MISS. Each run's factor is printed
+of three noisy runs cannot resolve 5% then); both stay printed, and a miss is printed as MISS. Each raw
+comparison also says how far a 1% change in every step's time moves each metric of its simulation ("1% moves
+sim %"), and the cells past the goal are named after the VERDICT: a percentile of a few tens of requests can
+sit at a gap in their latencies (B's TTFT p50 moved 12% for a 0.06% step-time change), where neither a cost
+model nor a speed factor a few percent off can hold it to 5%. Each run's factor is printed
 beside the noise diagnosis' step factor, with how closely they agree; so is a speed probe read around the
 runs on its own engine (SpeedProbe), the first design, which did not track the runs on a shared machine.
 
@@ -362,18 +372,18 @@ def diagnose(runs: dict[str, list[RealRun]], features) -> dict[str, float]:
 def report_ticks(ticks: SpeedTicks, speeds: dict[str, float], reference: float) -> None:
     """The in-run speed ticks: each run's median, spread and factor; the sim.profile passes' factor."""
     print(f"\nspeed ticks (a fixed 1-row x 16 MB and 128-row x 1 MB product after every {ticks.every}th step of each "
-          f"real run, off its clock; after each batch of the sim.profile passes, 10 of them; reference "
-          f"{reference * 1e3:.3f} ms, the median of the runs' medians):")
+          f"real run and each sim.profile pass, off its clock; reference {reference * 1e3:.3f} ms, the median of "
+          "the runs' medians):")
     rows = {at: {"ticks": len(v), "median ms": np.median(v) * 1e3, "p90/p10": np.percentile(v, 90) / np.percentile(v, 10),
                  "factor": np.median(v) / reference} for at, v in ticks.samples.items()}
     print(pd.DataFrame(rows).T.to_string(float_format=lambda x: f"{x:.3f}"))
     print(f"  bursts after the runs over the in-run ticks: x{ticks.median('bursts after the runs') / reference:.3f} "
-          "(the kind of sample, not the machine: the passes' factor is taken against those bursts)")
-    passes = [v for at, v in ticks.samples.items() if at.startswith("sim.profile pass ")]
+          "(the kind of sample, not the machine: ticks are set only against ticks taken among steps)")
+    passes = [float(np.median(v)) for at, v in ticks.samples.items() if at.startswith("sim.profile pass ")]
     if passes:
-        print(f"  the measured model's sim.profile passes' bursts over the bursts after the runs: "
-              f"x{np.median([x for v in passes for x in v]) / ticks.median('bursts after the runs'):.3f} (printed "
-              "only: each pass is set against the passes' median, and the model taken at the runs' speed)")
+        print(f"  the measured model's sim.profile passes' median tick over the runs' reference: "
+              f"x{np.median(passes) / reference:.3f} (each pass is brought to the runs' speed by its tick against that "
+              "reference, through the slope)")
 
 
 def report_probe(probe: SpeedProbe, brackets: dict[str, tuple[float, float]], step_speed: dict[str, float],
@@ -514,6 +524,27 @@ def run_noise(real: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({"noise %": dev.max(axis=1), "noise MAD %": dev.median(axis=1)})
 
 
+#: Step-time factors a cell's resolution is read at: every step up to 1% faster or slower.
+RESOLUTION_FACTORS = (0.99, 0.995, 1.005, 1.01)
+
+
+def resolution(cost, target: list[RealRun], base: dict[str, float],
+               factors: tuple[float, ...] = RESOLUTION_FACTORS) -> pd.Series:
+    """How far each metric of the target slice's simulation moves when every step is up to 1% slower or faster
+    (ScaledCostModel), in percent of `base` (its value at 1): the largest move over `factors`. A percentile of 30
+    requests can sit at a gap in their latencies (B's TTFT p50: its 15th request across 294 -> 370 ms moved it 12%
+    for a 0.06% step-time change), where no cost model (nor speed factor, each a few % off) can hold it to 5%."""
+    from sim.cost.scaled import ScaledCostModel
+    from sim.validate import fresh_copies, simulate_like
+
+    t = target[0]
+    moves = []
+    for f in factors:
+        sim = simulate_like(fresh_copies(t.originals), t.make_policy, t.make_kv, t.max_model_len, ScaledCostModel(cost, f))
+        moves.append(pd.Series(headline(sim.requests, sim.steps, sim.total_slots)))
+    return (pd.concat(moves, axis=1).div(pd.Series(base), axis=0) - 1.0).abs().max(axis=1) * 100.0
+
+
 def compare(cost, desc: str, target: list[RealRun]) -> pd.DataFrame:
     """Simulate the target slice's requests under `cost`; compare with the median of its real repeats."""
     from sim.validate import fresh_copies, simulate_like
@@ -527,6 +558,7 @@ def compare(cost, desc: str, target: list[RealRun]) -> pd.DataFrame:
     df["sim"] = pd.Series(headline(sim.requests, sim.steps, sim.total_slots))
     df.loc["steps", "sim"] = sim.num_steps
     df["sim error %"] = pct(df["sim"], df["real median"])
+    df["1% moves sim %"] = resolution(cost, target, df["sim"].drop("steps").to_dict())
     df = df.join(run_noise(real))
     print(f"{dst}, real ({len(target)} runs) vs simulated ({desc}); {step_ratios(cost, target)}:")
     print(pd.concat([real, df], axis=1).to_string(float_format=lambda x: f"{x:.2f}"))
@@ -622,7 +654,8 @@ class MeasuredProfiler:
         self.groups: list[int] = []
         self.probes: list[tuple[float, float]] = []  # the speed probe right before and after each pass
         self.builds: dict[str, object] = {}
-        self.pass_speeds: dict[int, float] = {}  # engine pass (group) -> its speed factor, set by model()
+        self.pass_speeds: dict[int, float] = {}  # engine pass (group) -> its step factor, set by model()
+        self.slope = SpeedSlope.identity("the model not built yet")  # set by model()
 
     def between_runs(self, i: int, ticks: SpeedTicks | None = None) -> None:
         from sim.profile import DEFAULT_TOKENS, profile_attention, profile_engine, profile_model
@@ -630,19 +663,16 @@ class MeasuredProfiler:
         if i < self.TABLE_PAIRS:
             tokens = tuple(t for t in DEFAULT_TOKENS if t <= 512)  # sim.profile's, to the budget's range
             self.tables.append((profile_model(self.folder, tokens, 7), profile_attention(self.folder, self.backend, 7)))
-        # The speed ticks in bursts after each of the passes' batches, kept per pass (its group): the minutes
-        # each pass's steps ran in, a pass's steps divided by its own speed before the fit (model()).
-        between = None
+        # The speed ticks among each pass's steps, as among a real run's (the same kind of sample: after every
+        # `every`-th step), kept per pass (its group): the minutes each pass's steps ran in, a pass's steps
+        # divided by its own speed before the fit (model()). Bursts after the batches, the first design, set
+        # the passes' steps against another kind of sample: their slope came out 0.6 where the runs' was 2.1.
+        on_step = None
         if ticks is not None:
-            from sim.profile import ENGINE_BATCHES
-
-            done = [0]
-
-            def between() -> None:
-                ticks.burst(f"sim.profile pass {i * self.ENGINE_PASSES + done[0] // len(ENGINE_BATCHES)}", 10)
-                done[0] += 1
+            def on_step(p: int):
+                return ticks.on_step(f"sim.profile pass {i * self.ENGINE_PASSES + p}", CpuClock())
         got: list[int] = []
-        self.rows += profile_engine(self.folder, self.backend, 3, between=between, groups_out=got,
+        self.rows += profile_engine(self.folder, self.backend, 3, on_step=on_step, groups_out=got,
                                     settings=self.settings, passes=self.ENGINE_PASSES)
         self.groups += [i * self.ENGINE_PASSES + g for g in got]  # each pass its own group
 
@@ -658,17 +688,43 @@ class MeasuredProfiler:
         write_table([fit], root, "cpu_2core", "m", "overhead")
         return MeasuredCostModel(self.cfg, "cpu_2core", profiles=root), fit
 
-    def model(self, pass_speeds: dict[int, float] | None = None):
-        """The builds and the pooled model; pass_speeds: each engine pass's speed factor (its ticks over the
-        runs' reference), its steps divided by it before the overhead fit: passes a minute apart ran at
-        0.75-1.0x each other's speed, and a fit over them mixes those speeds into its terms."""
+    def pass_step_factors(self, cost) -> dict[int, float]:
+        """Each engine pass's steps over `cost`'s time for them (the median step), over the passes' median: how
+        fast each pass's steps ran, in the passes' own terms (every pass runs the same batches)."""
+        own: dict[int, list[float]] = {}
+        for (new, cached, t, logits), g in zip(self.rows, self.groups):
+            own.setdefault(g, []).append(t / cost.step_time(new, cached, logits))
+        med = {g: float(np.median(v)) for g, v in sorted(own.items())}
+        mid = float(np.median(list(med.values())))
+        return {g: v / mid for g, v in med.items()}
+
+    def model(self, pass_ticks: dict[int, float] | None = None, level: float = 1.0):
+        """The builds and the pooled model. pass_ticks: each engine pass's tick factor (its bursts over the
+        passes' median; pass_factors). The steps move more than the ticks, so the slope (step factor against
+        tick factor, fit_speed_slope) is fitted on these passes' own steps against a fit that ignores their
+        speed, then each pass's steps are divided by its tick factor through that slope before the
+        overhead fit: passes a minute apart ran at 0.75-1.0x each other's speed, and a fit over them mixes
+        those speeds into its terms. level: the passes' median tick over the real runs' (the same kind of sample,
+        taken among steps), so the passes are brought to the runs' speed, not the passes' median: on a run whose
+        passes ticked 7% fast, measured sat 6-7% fast on every step kind. Sets self.slope (the identity without
+        pass_ticks)."""
         from sim.profile import overhead_confidence
 
-        self.pass_speeds = dict(pass_speeds or {})
-        if self.pass_speeds:
-            print("\nmeasured's engine passes, each divided by its own speed factor (its bursts over the passes' "
-                  "median) before the overhead fit: " + ", ".join(f"pass {g + 1} x{v:.3f}"
-                                                                 for g, v in sorted(self.pass_speeds.items())))
+        self.slope = SpeedSlope.identity("no engine passes' ticks")
+        self.pass_speeds = {}
+        pooled = (mean_table([t[0] for t in self.tables]), mean_table([t[1] for t in self.tables]))
+        if pass_ticks:
+            plain, _ = self._build(self.root.parent / "build_plain", pooled, lambda g: True)
+            steps = self.pass_step_factors(plain)
+            self.slope = fit_speed_slope(pass_ticks, steps)
+            print(f"\nmeasured's engine passes, tick factor (its ticks' median over the passes') -> step factor (steps over "
+                  "one fit on every pass, undivided, over the passes' median): " + ", ".join(
+                      f"pass {g + 1} x{pass_ticks[g]:.3f} -> x{steps[g]:.3f}" for g in sorted(pass_ticks)))
+            print(f"  speed slope: {self.slope.describe()}")
+            self.pass_speeds = {g: self.slope(v * level) for g, v in pass_ticks.items()}
+            print(f"  each pass divided by its tick factor against the runs' reference (the passes' median tick over the "
+                  f"runs': x{level:.3f}) through the slope before the overhead fit: "
+                  + ", ".join(f"pass {g + 1} x{v:.3f}" for g, v in sorted(self.pass_speeds.items())))
 
         first, second = self.tables[0], self.tables[-1]
         n = self.ENGINE_PASSES
@@ -679,8 +735,7 @@ class MeasuredProfiler:
                   f"{sorted({g for g in self.groups if keep(g)})}): {fit['const_ms']:.3g} ms a step + "
                   f"{fit['per_seq_ms']:.3g} a request + {fit['per_prefill_ms']:.3g} a prefill, operators "
                   f"x{fit['ops_scale']:.3g} (decode x{fit['decode_ops_scale']:.3g}); {overhead_confidence(fit)}")
-        cost, fit = self._build(self.root, (mean_table([t[0] for t in self.tables]),
-                                            mean_table([t[1] for t in self.tables])), lambda g: True)
+        cost, fit = self._build(self.root, pooled, lambda g: True)
         print(f"\nmeasured model from sim.profile (the mean of {len(self.tables)} tables, engine overhead on "
               f"{fit['steps']} steps of {len(set(self.groups))} passes, step MAPE {fit['step_mape_pct']:.1f}%; "
               f"{overhead_confidence(fit)}):\n  " + "\n  ".join(cost.notes))
@@ -688,11 +743,80 @@ class MeasuredProfiler:
 
 
 def pass_factors(ticks: SpeedTicks, groups: list[int]) -> dict[int, float]:
-    """Each engine pass's speed factor: its bursts' median over the median of the passes' (> 1: slower). Against
-    the passes' own bursts, not the runs' ticks: only samples of one kind are set against each other."""
+    """Each engine pass's tick factor: its ticks' median over the median of the passes' (> 1: slower). Against
+    the passes' own ticks, not the runs': each pass's speed is set against the passes' it is fitted with."""
     own = {g: ticks.median(f"sim.profile pass {g}") for g in sorted(set(groups))}
     mid = float(np.median(list(own.values())))
     return {g: v / mid for g, v in own.items()}
+
+
+#: Passes' tick factors spread less than this ((max - min) / median): too little to fit a slope on; k = 1.
+SLOPE_MIN_SPREAD = 0.03
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedSlope:
+    """How far steps move when the ticks move: step factor = tick factor ** k ("power") or
+    1 + k * (tick factor - 1) ("linear"). The ticks are a small fixed product, the steps a whole engine's, and
+    a machine that slows the ticks by 10% slowed the steps by ~17%: dividing by the tick factor itself left
+    most of the drift in. r2: the fit's on its points, se: k's standard error (NaN when not fitted); note: why
+    k = 1 when it is."""
+
+    form: str
+    k: float
+    r2: float = float("nan")
+    se: float = float("nan")
+    spread: float = float("nan")
+    points: int = 0
+    note: str = ""
+
+    @classmethod
+    def identity(cls, note: str) -> SpeedSlope:
+        return cls("power", 1.0, note=note)
+
+    def __call__(self, tick: float) -> float:
+        """The step factor of a run or pass whose tick factor is `tick`."""
+        return float(tick ** self.k) if self.form == "power" else float(1.0 + self.k * (tick - 1.0))
+
+    def describe(self) -> str:
+        law = f"step = tick^{self.k:.2f}" if self.form == "power" else f"step = 1 + {self.k:.2f} (tick - 1)"
+        if self.note:
+            return f"k = 1 (fallback: {self.note}), {law}"
+        return (f"k = {self.k:.2f} +- {self.se:.2f} ({self.form}: {law}), R2 {self.r2:.2f} on {self.points} points "
+                f"whose tick factors spread {self.spread * 100:.1f}%")
+
+
+def fit_speed_slope(ticks: dict, steps: dict, min_spread: float = SLOPE_MIN_SPREAD) -> SpeedSlope:
+    """The slope of step factors against tick factors (both over their median, keyed alike: one point a pass),
+    as a power and as a line through (1, 1), by least squares; the one with the smaller squared error in the
+    factors is kept. Falls back to k = 1 (each factor the tick factor itself) when the tick factors spread <
+    min_spread (the slope would be the steps' noise over next to no signal), when the fit finds no positive
+    slope, or when k is within two standard errors of 1 (the points cannot tell it from 1; with 6 passes a
+    third of whose variance the fit explained, k = 0.6 +- 0.3 twice on this machine)."""
+    keys = sorted(set(ticks) & set(steps))
+    t = np.array([ticks[g] for g in keys], dtype=float)
+    s = np.array([steps[g] for g in keys], dtype=float)
+    spread = float((t.max() - t.min()) / np.median(t)) if len(t) else 0.0
+    if len(keys) < 3 or spread < min_spread:
+        return dataclasses.replace(SpeedSlope.identity(
+            f"the tick factors spread {spread * 100:.1f}% over {len(keys)} points, under the "
+            f"{min_spread * 100:g}% and 3 points a slope needs"), spread=spread, points=len(keys))
+    fits = []
+    for form, x, y in (("power", np.log(t), np.log(s)), ("linear", t - 1.0, s - 1.0)):
+        if (x ** 2).sum() > 0:  # least squares through the origin (tick 1, step 1), k's standard error with it
+            k = float((x * y).sum() / (x ** 2).sum())
+            se = float(np.sqrt(((y - k * x) ** 2).sum() / (len(x) - 1) / (x ** 2).sum()))
+            fitted = t ** k if form == "power" else 1.0 + k * (t - 1.0)
+            fits.append((form, k, se, float(((fitted - s) ** 2).sum())))
+    form, k, se, sse = min(fits, key=lambda f: f[3])
+    total = float(((s - s.mean()) ** 2).sum())
+    r2 = 1.0 - sse / total if total > 0 else float("nan")
+    fallback = (f"the fitted slope {k:.2f} is not positive" if not k > 0 else
+                f"the fitted k = {k:.2f} +- {se:.2f} ({form}, R2 {r2:.2f}) is within two standard errors of 1"
+                if abs(k - 1.0) <= 2.0 * se else "")
+    if fallback:
+        return dataclasses.replace(SpeedSlope.identity(fallback), r2=r2, se=se, spread=spread, points=len(keys))
+    return SpeedSlope(form, k, r2, se, spread, len(keys))
 
 
 def mean_table(tables: list[list[dict]]) -> list[dict]:
@@ -726,20 +850,25 @@ def fidelity_engine(args) -> dict[str, int]:
             "num_blocks": args.blocks}
 
 
-def write_steps(path: str, runs: dict[str, list[RealRun]], profiler) -> None:
-    """Every step the figures rest on, one JSON object a line, for a look at any step kind afterwards."""
+def write_steps(path: str, runs: dict[str, list[RealRun]], profiler, ticks: SpeedTicks | None = None) -> None:
+    """Every step the figures rest on, one JSON object a line, for a look at any step kind afterwards
+    (sim.profile's engine rows as run "sim.profile pass G", G its group); the speed ticks' samples by label
+    (the runs', each pass's, the bursts after the runs) as a line with run "ticks"."""
     import json
 
     from sim.cost.fitted import profile_rows
 
     sources = [(f"{label} #{i + 1}", profile_rows(r.steps)) for label, rs in runs.items() for i, r in enumerate(rs)]
     if profiler is not None:
-        sources.append(("sim.profile engine", profiler.rows))
+        for g in sorted(set(profiler.groups)):
+            sources.append((f"sim.profile pass {g}", [r for r, h in zip(profiler.rows, profiler.groups) if h == g]))
     with open(path, "w") as f:
         for name, rows in sources:
             for new, cached, t, logits in rows:
                 f.write(json.dumps({"run": name, "new": [int(x) for x in new], "cached": [int(x) for x in cached],
                                     "s": t, "logits": logits}) + "\n")
+        if ticks is not None:
+            f.write(json.dumps({"run": "ticks", "samples": ticks.samples}) + "\n")
 
 
 def main() -> None:
@@ -770,8 +899,12 @@ def main() -> None:
     p.add_argument("--profiles-out", default=None,
                    help="with --measured, copy its build (sim.profile's folder layout) to this folder")
     p.add_argument("--steps-out", default=None,
-                   help="write every real run's step rows (and sim.profile's engine rows with --measured) to this "
-                        "JSON-lines file: run, new and cached tokens per request, seconds, sampled rows")
+                   help="write every real run's step rows (and sim.profile's engine rows with --measured, by pass) to this "
+                        "JSON-lines file: run, new and cached tokens per request, seconds, sampled rows; and a last "
+                        "line with the speed ticks' samples by label")
+    p.add_argument("--runs-out", default=None,
+                   help="pickle the real runs' step rows and headlines, the arguments, the speed ticks and sim.profile's "
+                        "engine rows by pass to this file, for a look afterwards without a rerun")
     p.add_argument("--features", action="append", default=None,
                    help="comma-separated profiled-model features, NAME_1..8 for a range of sizes (default: "
                         "sim.cost.fitted.DEFAULT_FEATURES); give it again to compare feature sets on the same real runs")
@@ -851,8 +984,11 @@ def main() -> None:
                 before = probe.last
                 profiler.between_runs(i, ticks)
                 profiler.probes.append((before, probe.read(f"after sim.profile pass {i + 1}")))
-        pass_speeds = pass_factors(ticks, profiler.groups) if profiler is not None and ticks is not None else None
-        measured = profiler.model(pass_speeds) if profiler is not None else None
+        pass_ticks = pass_factors(ticks, profiler.groups) if profiler is not None and ticks is not None else None
+        # The passes' ticks against the runs' (both taken among steps): the level the model is brought to.
+        level = float(np.median([ticks.median(f"sim.profile pass {g}") for g in pass_ticks]) / np.median(
+            [ticks.median(r.name) for rs in runs.values() for r in rs])) if pass_ticks else 1.0
+        measured = profiler.model(pass_ticks, level) if profiler is not None else None
         if profiler is not None:
             from sim.cost.fitted import profile_rows
 
@@ -869,7 +1005,17 @@ def main() -> None:
             shutil.copytree(profiler.root, args.profiles_out, dirs_exist_ok=True)
             print(f"measured's build -> {args.profiles_out}")
     if args.steps_out:
-        write_steps(args.steps_out, runs, profiler)
+        write_steps(args.steps_out, runs, profiler, ticks)
+    if args.runs_out:  # plain data (the engine's compiled records do not unpickle): a look without a rerun
+        import pickle
+
+        from sim.cost.fitted import profile_rows
+
+        with open(args.runs_out, "wb") as f:
+            pickle.dump({"args": vars(args), "ticks": ticks.samples if ticks is not None else None,
+                         "runs": {r.name: {"rows": profile_rows(r.steps), "headline": r.headline}
+                                  for rs in runs.values() for r in rs},
+                         "passes": (profiler.rows, profiler.groups) if profiler is not None else None}, f)
     speed = diagnose(runs, feature_sets[0])
     # Each run's speed factor: its in-run ticks' median over the reference (the median of the runs'
     # medians); the measured model's: the ticks spread over its sim.profile passes, over the same reference.
@@ -879,10 +1025,19 @@ def main() -> None:
         print("\nno speed-adjusted figures: --clock wall cannot take the speed ticks' time off the runs")
     else:
         reference = float(np.median([ticks.median(r) for r in brackets]))
-        speeds = {r: ticks.median(r) / reference for r in brackets}
+        tick_factors = {r: ticks.median(r) / reference for r in brackets}
         # The passes' ticks come in bursts, not between steps; they are compared with the same bursts taken
         # right after every run, so the two kinds of sample are never set against each other.
-        report_ticks(ticks, speeds, reference)
+        report_ticks(ticks, tick_factors, reference)
+        # Each run's step factor: its tick factor through the slope fitted on measured's own engine passes
+        # (never on these runs: they are what the figures judge).
+        slope = profiler.slope if profiler is not None else SpeedSlope.identity("no --measured engine passes")
+        speeds = {r: slope(v) for r, v in tick_factors.items()}
+        print(f"\neach run's speed factor for the adjusted figures: its tick factor through the passes' slope "
+              f"({slope.describe()}): " + ", ".join(f"{r} x{tick_factors[r]:.3f} -> x{v:.3f}" for r, v in speeds.items()))
+        own = fit_speed_slope(tick_factors, {r: v / np.median(list(speed.values())) for r, v in speed.items()})
+        print(f"  for comparison only (fitted on the judged runs, never applied): the runs' decode-step factor "
+              f"(diagnosis) against their tick factor: {own.describe()}")
     others = None
     if ticks is not None and ticks.also:
         o = ticks.also[0]
@@ -910,8 +1065,8 @@ def main() -> None:
         tables.update({"measured -> A": compare(measured, "measured, from sim.profile", runs["A"]),
                        "measured -> B": compare(measured, "measured, from sim.profile", runs["B"])})
     if measured is not None and speeds is not None:
-        print("\nmeasured, speed-adjusted (each run's factor; measured's engine passes were brought to their "
-              "median speed before its fit, taken as the runs' reference speed):")
+        print("\nmeasured, speed-adjusted (each run's factor through the slope; measured's engine passes were "
+              "brought to the runs' reference speed through the same slope before its fit):")
         for label in ("A", "B"):
             adjusted[f"measured -> {label}"] = compare_at_speeds(
                 measured, "measured, from sim.profile", runs[label],
@@ -950,6 +1105,13 @@ def main() -> None:
               "fitted on all runs: the machine, not the schedule); the farthest-run noise includes it")
     print("\n" + "\n".join(verdict({c.split()[0]: v for c, v in worst.items()},
                                    {c.split()[0]: v for c, v in worst_adj.items()}, out["noise %"].max())))
+    # Why a cell can miss whatever the cost model: the simulation's own resolution there (printed, not judged).
+    loose = [f"{key.split(' -> ')[-1]} {m} under {key.split(' -> ')[0].replace(' ', ' on ', 1)} "
+             f"({t.loc[m, '1% moves sim %']:.1f}%)"
+             for key, t in tables.items() for m in GOAL_METRICS if t.loc[m, "1% moves sim %"] > GOAL_PCT]
+    print(f"  cells a 1% change in every step's time moves by more than the goal (a percentile at a gap in {args.n} "
+          "requests' latencies; no cost model nor speed factor resolves them to "
+          f"{GOAL_PCT:g}%): " + ("; ".join(loose) if loose else "none"))
 
 if __name__ == "__main__":
     main()

@@ -396,13 +396,16 @@ def engine_settings(given: dict[str, int] | None = None) -> dict[str, int]:
 def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu", dtype: str = "float32",
                    linear_kernel: str = "auto", temperature: float = 0.0,
                    between: Callable[[], None] | None = None, passes: int | None = None,
-                   groups_out: list[int] | None = None, settings: dict[str, int] | None = None) -> list[Any]:
+                   groups_out: list[int] | None = None, settings: dict[str, int] | None = None,
+                   on_step: Callable[[int], Callable[[Any], None]] | None = None) -> list[Any]:
     """The real engine's step log over a few synthetic batches (sim.cost.fitted.profile_rows), each
     batch run once untimed first: a GEMM's first call at a new row count creates its oneDNN
     primitive, a one-off the operator tables (timed after warm calls) and a long run do not pay.
     temperature: the sampling the fitted overhead includes, as the simulated engine samples (0: greedy,
     one argmax over the batch; above 0 each request draws from its own softmax, a per-request cost).
     between: called after each timed batch, outside every step.
+    on_step: given a pass number, an Engine.run on_step callback for that pass's timed steps (called after
+    each step, outside it: e.g. a machine-speed sample taken among the steps, as inside a served run).
     passes: timed passes over ENGINE_BATCHES (default max(1, repeats // 3)), each in its own order: the
     machine's speed moves from one call to the next, and a batch size timed in one call only carries that
     call's speed into the fit. groups_out: gets each returned row's pass number (fit_engine_overhead's groups).
@@ -421,13 +424,18 @@ def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu"
     rng = np.random.default_rng(0)
     vocab = llm.runner.config.vocab_size
 
-    def run(b: int, prompt: int, out: int) -> list[Any]:
+    def run(b: int, prompt: int, out: int, after_step: Callable[[Any], None] | None = None) -> list[Any]:
         prompt = max(1, min(prompt, sizes["max_model_len"] - out))  # a shorter engine's longest request
         # Random prompts: repeated ones would be prefix-cache hits, and the prefills not computed.
+        prompts = rng.integers(3, vocab, (b, prompt)).tolist()
+        params = SamplingParams(max_tokens=out, ignore_eos=True, temperature=temperature)
+        if after_step is not None:  # the engine's own replay loop: the only one that calls back between steps
+            reqs = [r for g in llm._request_groups(prompts, params) for r in g]
+            llm.engine.run(reqs, on_step=after_step)
+            return profile_rows(list(llm.engine.steps))
         before = llm.engine.steps
         first = len(before)
-        llm.generate(rng.integers(3, vocab, (b, prompt)).tolist(),
-                     SamplingParams(max_tokens=out, ignore_eos=True, temperature=temperature), use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False)
         # The engine loop starts a new log when it leaves idle (each call here): slicing that one
         # by the old log's length dropped most of every batch's steps.
         steps = llm.engine.steps
@@ -440,7 +448,7 @@ def profile_engine(folder: Path, backend: str, repeats: int, device: str = "cpu"
     order = np.random.default_rng(1)
     for p in range(passes if passes is not None else max(1, repeats // 3)):
         for i in (range(len(ENGINE_BATCHES)) if p == 0 else order.permutation(len(ENGINE_BATCHES))):
-            got = run(*ENGINE_BATCHES[i])
+            got = run(*ENGINE_BATCHES[i], after_step=on_step(p) if on_step is not None else None)
             rows += got
             if groups_out is not None:
                 groups_out += [p] * len(got)

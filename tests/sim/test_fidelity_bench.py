@@ -183,19 +183,22 @@ def test_the_measured_build_times_two_tables_and_two_engine_passes_a_pair(monkey
 
 def test_each_engine_pass_is_ticked_apart_and_fitted_at_its_own_speed(monkeypatch: pytest.MonkeyPatch,
                                                                       tmp_path: Path) -> None:
-    """The passes a measured build fits its overhead on ran at 0.75-1.0x each other's speed: each pass's bursts
-    are kept under its own label, and its steps are divided by its own factor before the fit."""
+    """The passes a measured build fits its overhead on ran at 0.75-1.0x each other's speed: each pass's ticks,
+    taken among its steps as among a run's, are kept under its own label, and its steps are divided by its own
+    factor before the fit."""
     import sim.profile
 
     monkeypatch.setattr(sim.profile, "ENGINE_BATCHES", ((1, 4, 2), (2, 4, 2)))
 
-    def engine(*a, passes=None, groups_out=None, between=None, **k):
+    def engine(*a, passes=None, groups_out=None, on_step=None, **k):
         rows = []
         for p in range(passes):
             for _ in sim.profile.ENGINE_BATCHES:
-                rows.append(([1], [10], 0.02 * (p + 1), 1))  # the second pass twice as slow
-                groups_out.append(p)
-                between()
+                after = on_step(p)
+                for _ in range(8):  # a batch of 8 steps: a tick after the 4th and the 8th
+                    rows.append(([1], [10], 0.02 * (p + 1), 1))  # the second pass twice as slow
+                    groups_out.append(p)
+                    after([])
         return rows
 
     monkeypatch.setattr(sim.profile, "profile_engine", engine)
@@ -205,7 +208,7 @@ def test_each_engine_pass_is_ticked_apart_and_fitted_at_its_own_speed(monkeypatc
     ticks = sim_fidelity.SpeedTicks()
     prof.between_runs(1, ticks)
     assert sorted(ticks.samples) == ["sim.profile pass 2", "sim.profile pass 3"]
-    assert all(len(v) == 10 * 2 for v in ticks.samples.values())  # 10 ticks after each of a pass's 2 batches
+    assert all(len(v) == 2 * 2 for v in ticks.samples.values())  # 2 ticks in each of a pass's 2 batches
     ticks.samples = {"sim.profile pass 2": [1.0, 1.2, 1.1], "sim.profile pass 3": [0.9], "sim.profile pass 4": [1.5],
                      "bursts after the runs": [9.0]}  # another kind of sample: never set against the passes'
     assert sim_fidelity.pass_factors(ticks, [2, 2, 3, 4]) == pytest.approx({2: 1.0, 3: 0.9 / 1.1, 4: 1.5 / 1.1})
@@ -216,7 +219,7 @@ def test_each_engine_pass_is_ticked_apart_and_fitted_at_its_own_speed(monkeypatc
     monkeypatch.setattr("sim.cost.measured.MeasuredCostModel", lambda *a, **k: "model")
     prof.pass_speeds = {2: 1.0, 3: 2.0}
     prof._build(tmp_path / "b", ([], []), lambda g: True)
-    assert [t for _, _, t, _ in fitted[0]] == pytest.approx([0.02] * 4)  # every pass at the reference speed
+    assert [t for _, _, t, _ in fitted[0]] == pytest.approx([0.02] * 32)  # every pass at the reference speed
 
 
 def test_the_verdict_judges_the_adjusted_figure_only_when_the_real_runs_stray_past_the_goal() -> None:
@@ -229,3 +232,99 @@ def test_the_verdict_judges_the_adjusted_figure_only_when_the_real_runs_stray_pa
     assert "raw 4.0%" in noisy[1]  # the raw figure stays beside the judged one
     none = sim_fidelity.verdict({"profiled": 4.0}, {}, noise=15.0)
     assert "judged figure: raw, for want of" in none[0] and "cannot resolve 5%" in none[0]
+
+
+def _passes_at(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ticks: dict[int, float], k: float):
+    """A MeasuredProfiler whose engine passes' steps ran at tick ** k (0.02 s at 1), its builds faked: the
+    fit returns nothing and the model times every step at 0.02 s. Returns it and the rows each fit got."""
+    import sim.profile
+
+    (tmp_path / "config.json").write_text("{}")
+    prof = sim_fidelity.MeasuredProfiler(str(tmp_path), "torch_sdpa", str(tmp_path / "p"))
+    prof.tables = [([], []), ([], [])]
+    prof.groups = [g for g in ticks for _ in range(3)]
+    prof.rows = [([1, 1], [10, 20], 0.02 * ticks[g] ** k, 2) for g in prof.groups]
+    fitted: list = []
+    fit = {"const_ms": 1.0, "per_seq_ms": 0.1, "per_prefill_ms": 0.1, "ops_scale": 1.0, "decode_ops_scale": 1.0,
+           "steps": len(prof.rows), "step_mape_pct": 0.0}
+
+    class Model:
+        notes: list[str] = []
+
+        def step_time(self, new, cached, logits) -> float:
+            return 0.02
+
+    monkeypatch.setattr(sim.profile, "write_table", lambda *a, **kw: None)
+    monkeypatch.setattr(sim.profile, "fit_engine_overhead", lambda rows, *a, **kw: fitted.append(rows) or fit)
+    monkeypatch.setattr("sim.cost.measured.MeasuredCostModel", lambda *a, **kw: Model())
+    return prof, fitted
+
+
+def test_the_speed_slope_is_fitted_on_the_passes_steps_and_divides_them_through_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys) -> None:
+    """Steps move ~1.7x as much as the ticks: the slope fitted on the passes' own steps recovers it, each pass
+    is divided by tick ** k (all back at the reference speed, which dividing by the tick alone does not do),
+    and a run's factor goes through the same slope."""
+    ticks = {0: 0.85, 1: 0.93, 2: 0.97, 3: 1.0, 4: 1.04, 5: 1.12, 6: 1.2}  # over their median, as pass_factors
+    prof, fitted = _passes_at(monkeypatch, tmp_path, ticks, 1.7)
+    prof.model(ticks)
+    assert prof.slope.form == "power" and prof.slope.k == pytest.approx(1.7, abs=0.01)
+    assert prof.slope.r2 == pytest.approx(1.0)
+    assert [t for _, _, t, _ in fitted[-1]] == pytest.approx([0.02] * len(prof.rows))  # the pooled build's rows
+    assert prof.slope(1.1) == pytest.approx(1.1 ** 1.7, rel=1e-3)  # a run whose ticks are 10% slow: ~17.6%
+    assert "k = 1.70 +- 0.00 (power" in capsys.readouterr().out
+    prof.model(ticks, level=0.9)  # the passes ticked 10% fast against the runs: the model brought to the runs' speed
+    assert [t for _, _, t, _ in fitted[-1]] == pytest.approx([0.02 / 0.9 ** 1.7] * len(prof.rows))
+
+
+def test_a_steps_line_against_the_ticks_is_fitted_as_a_line() -> None:
+    ticks = {g: t for g, t in enumerate((0.8, 0.9, 1.0, 1.1, 1.25))}
+    slope = sim_fidelity.fit_speed_slope(ticks, {g: 1.0 + 1.7 * (t - 1.0) for g, t in ticks.items()})
+    assert slope.form == "linear" and slope.k == pytest.approx(1.7)
+    assert slope(1.1) == pytest.approx(1.17)
+
+
+def test_the_slope_falls_back_to_1_when_the_passes_ticks_spread_too_little_or_it_is_not_positive(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Ticks within 2%: the steps' noise over no signal would set k; k = 1, said so, and each pass divided
+    by its tick factor itself."""
+    ticks = {0: 0.99, 1: 1.0, 2: 1.01, 3: 0.995}
+    prof, fitted = _passes_at(monkeypatch, tmp_path, ticks, 5.0)
+    prof.model(ticks)
+    assert prof.slope.k == 1.0 and "spread 2.0%" in prof.slope.note and "fallback" in prof.slope.describe()
+    assert [t for _, _, t, _ in fitted[-1]] == pytest.approx(
+        [0.02 * ticks[g] ** 4 for g in prof.groups])  # divided by the tick (k = 1), not tick ** 5
+    backwards = sim_fidelity.fit_speed_slope({0: 0.9, 1: 1.0, 2: 1.1}, {0: 1.1, 1: 1.0, 2: 0.9})
+    assert backwards.k == 1.0 and "not positive" in backwards.note
+    # Points a third of whose variance the slope explains (this machine's passes): k 0.6 +- 0.3, not told from 1.
+    ticks = {0: 1.022, 1: 1.058, 2: 0.986, 3: 1.014, 4: 0.946, 5: 0.986}
+    loose = sim_fidelity.fit_speed_slope(ticks, {0: 1.005, 1: 1.021, 2: 0.995, 3: 0.964, 4: 0.935, 5: 1.006})
+    assert loose.k == 1.0 and "within two standard errors of 1" in loose.note and 0.2 < loose.se < 0.4
+
+
+def test_a_cells_resolution_is_how_far_a_1pct_step_time_change_moves_its_simulation() -> None:
+    """Every step 1% slower or faster moves a steady decode metric by about 1% (TPOT, step-bound) and leaves the
+    offered load's throughput; the largest move over the factors, against the metric at 1."""
+    from functools import partial
+
+    from schedulers import ChunkedPolicy
+    from sim.cost.fitted import ProfiledCostModel
+    from sim.validate import fresh_copies, simulate_like
+    from varlen.kv import PagedAllocator
+    from varlen.sampling_params import SamplingParams
+    from varlen.traces import Trace, TraceStats, load_trace
+    from varlen.workload import trace_requests
+
+    trace = load_trace("azure_conv", limit=8, max_model_len=256, over_length="clip")
+    reqs = trace_requests(Trace(sim_fidelity.slice_trace(trace, 0, 8, 0.5), TraceStats("slice", "azure")), 1000,
+                          SamplingParams(ignore_eos=True, temperature=0.0), token_ids=True)
+    run = sim_fidelity.RealRun("A", [], {}, reqs, partial(ChunkedPolicy, max_num_seqs=4, max_num_batched_tokens=64),
+                               partial(PagedAllocator, 256, 16, 256), 256, 0.0, 0.0, {}, 0)
+    rows = [([n] + [1] * d, [0] + [50] * d, 0.01 + 2e-4 * n + 1e-3 * d, 1 + d) for n in (1, 16, 64) for d in range(4)]
+    cost = ProfiledCostModel.fit(rows)
+    sim = simulate_like(fresh_copies(reqs), run.make_policy, run.make_kv, 256, cost)
+    base = sim_fidelity.headline(sim.requests, sim.steps, sim.total_slots)
+    moves = sim_fidelity.resolution(cost, [run], base)
+    assert moves["TPOT p50 (ms)"] == pytest.approx(1.0, abs=0.05)
+    assert moves["throughput (tok/s)"] < 1.0
+    assert set(sim_fidelity.GOAL_METRICS) <= set(moves.index)

@@ -181,6 +181,22 @@ def test_profile_engine_passes_are_labelled_for_the_fit(monkeypatch: pytest.Monk
         assert sum(sum(new) for (new, *_), g in zip(rows, groups) if g == p) == per_pass
 
 
+def test_profile_engine_calls_back_after_every_timed_step_with_its_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """on_step: a callback among each pass's steps (sim_fidelity's speed ticks, the runs' kind of sample), once
+    after every timed step, told its pass; the steps are the same batches' as without it."""
+    import sim.profile
+    from varlen.tiny_model import ensure_tiny_model
+
+    monkeypatch.setattr(sim.profile, "ENGINE_BATCHES", ((2, 8, 3), (1, 4, 2)))
+    seen: list[int] = []
+    groups: list[int] = []
+    rows = sim.profile.profile_engine(ensure_tiny_model("qwen3"), "torch_sdpa", 3, passes=2, groups_out=groups,
+                                      on_step=lambda p: lambda finished: seen.append(p))
+    assert seen == groups and len(seen) == len(rows)
+    per_pass = sum(b * (p + o - 1) for b, p, o in sim.profile.ENGINE_BATCHES)
+    assert sum(sum(new) for new, *_ in rows) == 2 * per_pass
+
+
 def test_profile_engine_runs_the_simulated_engines_budget_and_seats(monkeypatch: pytest.MonkeyPatch) -> None:
     """The overhead is fitted on the steps the simulated engine makes: at its token budget its prompts come in
     chunks of at most that many tokens and at its seats no more decodes share a step (the fixed 512 / 64 engine
