@@ -20,9 +20,9 @@ batches, its CPU time, page faults and preemptions.
 
 The machine's speed drifts between minutes (up to ~10% on a VM; more between seconds on a busy one), and
 each model inherits the speed of the minutes it was timed in. Speed ticks (SpeedTicks: a fixed small
-memory- and compute-bound product after every 4th step of each real run, off its clock, and in bursts after
-each sim.profile batch and each run) give each run a factor (its ticks' median over the runs' median) and
-each of measured's engine passes one (its bursts over the passes' median burst): passes a minute apart ran
+memory- and compute-bound product after every 4th step of each real run and of each of measured's sim.profile
+engine passes, off its clock) give each run a factor (its ticks' median over the runs' median) and
+each of measured's engine passes one (its ticks' median against the passes'): passes a minute apart ran
 at 0.75-1.0x each other's speed, so each pass's steps are divided by its own factor before the overhead fit,
 and each pass's ticks, taken among its steps as the runs' are, are set against the runs' reference, so the
 measured model sits at the runs' speed (taking the passes' median speed as the runs' left it 6-7% fast on a run
@@ -31,9 +31,8 @@ a tick factor becomes a step factor through a slope (SpeedSlope: tick^k, or a li
 fitted on measured's own engine passes, each pass's steps against one fit on every pass, undivided; the slope
 is printed with its fit, k = 1 where the passes' ticks spread too little to fit it, and it divides the passes
 and scales each real run alike. The same slope fitted on the judged runs themselves is printed beside it,
-never applied. Ticks are compared only with ticks of their own kind (in-run with in-run, a pass's bursts
-with the passes'): the bursts' level against the in-run ticks moved the model 7-9% off the runs' steps in a
-run where the passes' own median matched them within 3%. Beside the raw error (one simulation against
+never applied. Ticks are set only against ticks of their own kind (taken among steps): bursts after each
+batch, the earlier design, sat 7-9% off the in-run ticks as a kind of sample. Beside the raw error (one simulation against
 the real median) the summary gives the speed-adjusted one: each real run simulated at its own factor
 (cost.time_scale, i.e. ScaledCostModel; profiled fitted on steps rescaled to the reference speed) against
 that run, the median over the runs. The closing VERDICT names the figure held to the 5% goal: the raw one
@@ -699,8 +698,8 @@ class MeasuredProfiler:
         return {g: v / mid for g, v in med.items()}
 
     def model(self, pass_ticks: dict[int, float] | None = None, level: float = 1.0):
-        """The builds and the pooled model. pass_ticks: each engine pass's tick factor (its bursts over the
-        passes' median; pass_factors). The steps move more than the ticks, so the slope (step factor against
+        """The builds and the pooled model. pass_ticks: each engine pass's tick factor (its ticks' median over
+        the passes' median; pass_factors). The steps move more than the ticks, so the slope (step factor against
         tick factor, fit_speed_slope) is fitted on these passes' own steps against a fit that ignores their
         speed, then each pass's steps are divided by its tick factor through that slope before the
         overhead fit: passes a minute apart ran at 0.75-1.0x each other's speed, and a fit over them mixes
@@ -1026,8 +1025,6 @@ def main() -> None:
     else:
         reference = float(np.median([ticks.median(r) for r in brackets]))
         tick_factors = {r: ticks.median(r) / reference for r in brackets}
-        # The passes' ticks come in bursts, not between steps; they are compared with the same bursts taken
-        # right after every run, so the two kinds of sample are never set against each other.
         report_ticks(ticks, tick_factors, reference)
         # Each run's step factor: its tick factor through the slope fitted on measured's own engine passes
         # (never on these runs: they are what the figures judge).
