@@ -126,6 +126,10 @@ class CostModelExecutor(FastForwardExecutor):
         # This very class only: a subclass's decode_run is its own.
         return type(self) is CostModelExecutor
 
+    def idle_past_until(self) -> bool:
+        # This very class only: a subclass's decode_run is its own.
+        return type(self) is CostModelExecutor
+
     def ready_time(self, now: float) -> float:
         """When the next step may start: now, unless the cost model replays a recorded timeline."""
         t: object = self.cost.next_start(now)

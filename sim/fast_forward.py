@@ -40,6 +40,11 @@ class FastForwardExecutor(Executor):
         times for n > m, with the same token (count_horizon may then time a stretch in pieces)."""
         return False
 
+    def idle_past_until(self) -> bool:
+        """Whether decode_run(batch, m, until) with the clock at or past `until` times no step and changes nothing
+        a result depends on, so FastForwardEngine need not ask it then. Only a class whose decode_run is exactly that."""
+        return False
+
     def fuses_steps(self) -> bool:
         """Whether FastForwardEngine may run execute() inline: sum the batch itself and call advance_step
         (same clock, same tokens, nothing else changed). Only a class whose execute() is exactly that."""
@@ -68,7 +73,7 @@ class FastForwardEngine(Engine):
         self._fused = -1  # whether _step runs the executor inline (_fuses; -1: not checked)
         self._own_rules = -1  # whether the stop rule and step limits are this module's own (_rules_own; -1: not checked)
         # Whether a decode run from the clock's now at or past `until` is known to time nothing: the run's
-        # methods are this class's and the executor is CostModelExecutor itself (_promises_kept decides).
+        # methods and stop rules are this class's and the executor says so (idle_past_until; _promises_kept decides).
         self._own_run = -1
         self._blank_ids: dict[int, list[str]] = {}  # batch size -> the req_ids a log that reads none gets
         self.horizon_bound = 0  # count_horizon's last answer a lower bound: the steps to time next; 0: exact
@@ -286,7 +291,7 @@ class FastForwardEngine(Engine):
         if not batch or not self._promises_kept():
             return finished
         if self._own_run > 0 and self._now() >= until:
-            return finished  # the step ended at or past `until`: a run would time no step (CostModelExecutor)
+            return finished  # the step ended at or past `until`: a run would time no step (idle_past_until)
         return finished + self._timed_decode_run(batch, until)
 
     def count_horizon(self, bound: int = 0) -> float:
@@ -363,9 +368,9 @@ class FastForwardEngine(Engine):
             self._fits = int(all(kept) and keeps_promise(kv, "decode_steps_fit", (*ALLOCATION_PROMISE_BEHAVIOUR,
                              "next_allocation_event", "grow_decodes"), KVAllocator))
             self._growth = kv if isinstance(kv, DecodeGrowth) else None
-            from sim.executor import CostModelExecutor  # here: sim.executor imports this module
             cls = type(self)
-            self._own_run = int(type(ex) is CostModelExecutor and cls._timed_decode_run is FastForwardEngine._timed_decode_run
+            self._own_run = int(isinstance(ex, FastForwardExecutor) and ex.idle_past_until() and self._rules_own()
+                                and cls._timed_decode_run is FastForwardEngine._timed_decode_run
                                 and cls._decode_run is FastForwardEngine._decode_run
                                 and cls._decode_segment is FastForwardEngine._decode_segment)
         return self._decode_promises > 0
