@@ -8,7 +8,6 @@ import dataclasses
 import gzip
 import json
 import os
-import time
 from datetime import datetime
 from pathlib import Path
 
@@ -429,17 +428,13 @@ def test_prompt_tokens_deterministic_unique_and_sized() -> None:
 
 
 def test_full_azure_conv_trace_loads() -> None:
-    load_trace(AZURE_CONV)  # pandas imported before timing
-    t0 = time.perf_counter()
     tr = load_trace("azure_conv")  # as shipped: gzipped package data
-    elapsed = time.perf_counter() - t0
     s = tr.stats
     assert len(tr) == 19_366 and s.num_reordered == 0
     # The statistics the traces README reports.
     assert round(s.prompt_mean) == 1155 and s.prompt_p50 == 1020 and round(s.prompt_p99) == 4142
     assert round(s.output_mean) == 211 and s.output_p50 == 129
     assert s.duration_s == pytest.approx(3501.72, abs=0.01)
-    assert elapsed < 5.0, f"loading took {elapsed:.2f} s"
 
 
 def test_full_azure_code_and_mooncake_traces_load() -> None:
