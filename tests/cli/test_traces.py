@@ -602,7 +602,7 @@ def test_old_names_and_a_workload_the_command_cannot_serve_fail_in_one_line(modu
 
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-m", module, arg, f"hydra.run.dir={tmp_path / 'out'}"], cwd=tmp_path,
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=600)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert out.stderr.startswith(line), out.stderr
     assert not list(tmp_path.rglob("summary.json"))  # nothing ran

@@ -42,7 +42,7 @@ def test_the_command_serves_the_default_model_with_its_chat_template(tmp_path):
                 assert time.monotonic() < deadline and proc.poll() is None, "the server never answered /health"
                 time.sleep(0.05)
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
-        resp = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        resp = httpx.post(f"{url}/v1/chat/completions", timeout=600, json={
             "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,
             "ignore_eos": True})
         assert resp.status_code == 200, resp.text
