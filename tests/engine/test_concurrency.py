@@ -60,7 +60,7 @@ class GateExecutor(Executor):
         self.inner.release(req)
 
 
-def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+def wait_for(condition, what: str, timeout: float = 600.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, f"never happened: {what}"

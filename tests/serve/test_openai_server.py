@@ -24,7 +24,7 @@ GREEDY = dict(max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
 PROMPTS = ["Hello world! Once upon a time", "The quick brown fox", "def forward(self, x):", "Pack my box"]
 
 
-def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+def wait_for(condition, what: str, timeout: float = 600.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, f"never happened: {what}"
