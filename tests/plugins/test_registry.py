@@ -87,7 +87,7 @@ def test_the_clis_refuse_a_bad_config_path_in_one_line(tmp_path):
     env = dict(os.environ, VARLEN_CONFIG_PATH=str(_folder(tmp_path / "u", "allocator", "paged")))
     for module in ("varlen.run", "sim.run"):
         res = subprocess.run([sys.executable, "-m", module, "--cfg", "job"], capture_output=True, text=True,
-                             env=env, timeout=120)
+                             env=env, timeout=600)
         assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
         assert res.stderr.startswith("error: allocator 'paged' is defined twice"), res.stderr
 

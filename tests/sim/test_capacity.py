@@ -152,7 +152,7 @@ def test_capacity_command_writes_bound_by(tmp_path):
 
     out = subprocess.run([sys.executable, "-m", "sim.capacity", *SHAREGPT, "workload.limit=100", "capacity.high=32",
                           "capacity.criterion=normalized_latency", f"hydra.run.dir={tmp_path}"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     result = json.loads((tmp_path / "capacity.json").read_text())
     assert result["criterion"] == "normalized_latency" and result["bound_by"]

@@ -294,19 +294,19 @@ def test_model_key_matches_configs_by_shape() -> None:
 def test_sim_run_with_the_measured_model_and_its_errors(tmp_path: Path) -> None:
     base = [sys.executable, "-m", "sim.run", f"hydra.run.dir={tmp_path}", "workload.limit=40", "output.requests=false"]
     ok = subprocess.run([*base, "cost.model=measured", "hardware=a100_80gb_sxm"], cwd=ROOT, capture_output=True,
-                        text=True, timeout=120)
+                        text=True, timeout=600)
     assert ok.returncode == 0, ok.stderr
     assert "40/40 finished" in ok.stdout
     # No tables for the H200: it runs, and the headline names each part the roofline stands in for.
     est = subprocess.run([*base, "cost.model=measured", "hardware=h200_sxm"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=600)
     assert est.returncode == 0, est.stderr
     assert "40/40 finished" in est.stdout
     line = next(ln for ln in est.stdout.splitlines() if "cost measured, not from measurements:" in ln)
     assert "linear: estimated (roofline: no operator tables for h200_sxm" in line
     assert "lm_head: estimated (roofline" in line and "attention: estimated" in line
     bad = subprocess.run([*base, "cost.model=measured", "hardware=a100_80gb_sxm", "parallel.tensor=2",
-                          "hardware.node=null"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          "hardware.node=null"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "names no node (hardware.node)" in bad.stderr
     assert bad.stderr.strip().count("\n") == 0
 

@@ -169,6 +169,6 @@ def test_single_run_starts_without_the_collector_and_a_sweep_with_it(args, colle
     code = ("import gc, runpy, sys\nsys.argv = ['sim.run', *sys.argv[1:]]\ntry:\n"
             "    runpy.run_module('sim.run', run_name='__main__', alter_sys=True)\nexcept SystemExit:\n    pass\n"
             "print('collecting', gc.isenabled())")
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == f"collecting {collecting}"
