@@ -531,7 +531,7 @@ def resolution(cost, target: list[RealRun], base: dict[str, float],
                factors: tuple[float, ...] = RESOLUTION_FACTORS) -> pd.Series:
     """How far each metric of the target slice's simulation moves when every step is up to 1% slower or faster
     (ScaledCostModel), in percent of `base` (its value at 1): the largest move over `factors`. A percentile of 30
-    requests can sit at a gap in their latencies (B's TTFT p50: its 15th request across 294 -> 370 ms moved it 12%
+    requests (the slices' size before 45) can sit at a gap in their latencies (B's TTFT p50: its 15th request across 294 -> 370 ms moved it 12%
     for a 0.06% step-time change), where no cost model (nor speed factor, each a few % off) can hold it to 5%."""
     from sim.cost.scaled import ScaledCostModel
     from sim.validate import fresh_copies, simulate_like
@@ -875,7 +875,7 @@ def main() -> None:
     p.add_argument("--model", default="50m",
                    help="50m (benchmarks/throughput.py's ~50M Qwen3 shape: steps of tens of ms), tiny (hidden 256 "
                         "x 4 layers: ~4 ms steps, jitter-bound) or an HF model folder")
-    p.add_argument("--n", type=int, default=None, help="requests per slice (default: 30 on 50m, 100 on tiny)")
+    p.add_argument("--n", type=int, default=None, help="requests per slice (default: 45 on 50m, 100 on tiny)")
     p.add_argument("--rate-a", type=float, default=None,
                    help="req/s of slice A, requests 0..n (default: 0.3 on 50m, 1.0 on tiny)")
     p.add_argument("--rate-b", type=float, default=None,
@@ -919,10 +919,13 @@ def main() -> None:
             p.error(f"--features: {e}")
     if args.model not in ("50m", "tiny") and not (Path(args.model) / "config.json").is_file():
         p.error(f"--model {args.model!r}: not 50m, tiny or a model folder holding config.json")
-    # A keeps the engine busy about half the time, B (longer outputs) ~85%: nearer saturation a few
-    # percent of step time moves the TTFT tail by tens of percent in the real engine itself.
+    # A keeps the engine busy about two thirds of the time, B (longer outputs) ~80-85%: nearer saturation a few
+    # percent of step time moves the TTFT tail by tens of percent in the real engine itself. 45 requests a
+    # slice, not 30: at 30, B's TTFT p50 sat at a gap in its requests' latencies (a 1% change in every step
+    # moved it 5-10% in simulation); at 45 every judged cell moves <= ~3% (at 0.92-1.08x the step times),
+    # for ~70 s more of real runs a pair.
     small = args.model == "tiny"
-    args.n = args.n or (100 if small else 30)
+    args.n = args.n or (100 if small else 45)
     args.rate_a = args.rate_a or (1.0 if small else 0.3)
     args.rate_b = args.rate_b or (1.5 if small else 0.35)
 
