@@ -40,12 +40,13 @@ while the real engine's farthest run strays <= 5% from its median, else the spee
 of three noisy runs cannot resolve 5% then); both stay printed, and a miss is printed as MISS. Each raw
 comparison also says how far a 1% change in every step's time moves each metric of its simulation ("1% moves
 sim %"), and the cells past the goal are named after the VERDICT: a percentile of a few tens of requests can
-sit at a gap in their latencies (B's TTFT p50 moved 12% for a 0.06% step-time change), where neither a cost
-model nor a speed factor a few percent off can hold it to 5%. Each run's factor is printed
+sit at a gap in their latencies (at 30 requests a slice, B's TTFT p50 moved 12% for a 0.06% step-time change),
+where neither a cost model nor a speed factor a few percent off can hold it to 5%; at 45, the default, no judged
+cell moved more than ~2-4%. Each run's factor is printed
 beside the noise diagnosis' step factor, with how closely they agree; so is a speed probe read around the
 runs on its own engine (SpeedProbe), the first design, which did not track the runs on a shared machine.
 
-    taskset -c 1 python benchmarks/sim_fidelity.py --measured     # the ~50M model: ~9-11 minutes on one core
+    taskset -c 1 python benchmarks/sim_fidelity.py --measured     # the ~50M model, 45 requests a slice: ~23 minutes on one core
     taskset -c 1 python benchmarks/sim_fidelity.py --model tiny   # ~4 ms steps: run-to-run jitter dominates
 
 --measured also predicts both slices with cost.model=measured built by `python -m sim.profile`'s
@@ -923,7 +924,7 @@ def main() -> None:
     # percent of step time moves the TTFT tail by tens of percent in the real engine itself. 45 requests a
     # slice, not 30: at 30, B's TTFT p50 sat at a gap in its requests' latencies (a 1% change in every step
     # moved it 5-10% in simulation); at 45 every judged cell moves <= ~3% (at 0.92-1.08x the step times),
-    # for ~70 s more of real runs a pair.
+    # for ~95 s more of real runs a pair (--measured: ~23 minutes in all, from ~17-19).
     small = args.model == "tiny"
     args.n = args.n or (100 if small else 45)
     args.rate_a = args.rate_a or (1.0 if small else 0.3)
