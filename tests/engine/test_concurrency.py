@@ -88,7 +88,7 @@ def test_concurrent_generate_calls_share_one_loop_and_each_gets_its_serial_resul
     wait_for(lambda: len(llm.loop._live) == total, f"{total} requests submitted")
     gate.open.set()
     for w in workers:
-        w.join(60)
+        w.join(600)
     assert not errors, errors
     for c in range(threads):
         outs = results[c]
