@@ -87,3 +87,43 @@ def test_blocks_go_out_in_the_full_stacks_order(num_blocks, bs, steps):
         held = {b for r in live for b in kv.block_table(r)}
         assert [b for b in range(kv.fresh) if kv.ref_count[b]] == sorted(held)
         assert kv.usage().free_slots == len(stack) * bs
+
+
+def _ops_on(kv: PagedAllocator) -> list[Request]:
+    """A few takes, decodes and frees (without prefix caching); the requests still held."""
+    reqs = [Request(f"q{i}", [1] * n, SamplingParams(max_tokens=50)) for i, n in enumerate((9, 3, 17))]
+    for r in reqs:
+        assert kv.allocate(r, r.num_prompt_tokens)
+        r.num_computed_tokens = r.num_prompt_tokens
+    kv.free(reqs[1])
+    live = [reqs[0], reqs[2]]
+    assert kv.allocate_decodes(live, 2) == 2
+    assert kv.grow_decodes(live, [r.num_computed_tokens + 1 for r in live], 9) is not None
+    return live
+
+
+class Subclassed(PagedAllocator):
+    pass
+
+
+def test_ref_count_without_caching_is_the_tables_in_the_class_and_kept_in_a_subclass():
+    # PagedAllocator itself keeps no count per block without caching (each block has one holder): it
+    # reads them off the tables; a subclass keeps and checks them as before. Both show the same counts.
+    own, sub = PagedAllocator(40, 4, None, enable_prefix_caching=False), Subclassed(40, 4, None, False)
+    for kv in (own, sub):
+        live = _ops_on(kv)
+        held = {b for r in live for b in kv.block_table(r)}
+        assert kv.ref_count == [int(b in held) for b in range(kv.fresh)]
+    assert own.free_stack() == sub.free_stack() and dict(own.tables) == dict(sub.tables)
+    assert own.ref_count is not own.ref_count and sub.ref_count is sub.ref_count  # made on read / kept
+    for rid in list(own.held):
+        own.free(Request(rid, [1], SamplingParams()))
+    assert own.ref_count == [0] * own.fresh and own.num_free_plain() == 40 and own.live_tokens == 0
+    victim = next(iter(sub.held))
+    sub.ref_count[sub.held[victim].blocks[0]] = 2  # a count the subclass's free checks
+    try:
+        sub.free(Request(victim, [1], SamplingParams()))
+    except AssertionError as e:
+        assert "holders without prefix caching" in str(e)
+    else:
+        raise AssertionError("a subclass's kept counts are no longer checked")

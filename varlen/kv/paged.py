@@ -42,7 +42,7 @@ class PagedAllocator(KVAllocator):
         super().__init__(num_blocks, block_size, max_model_len)
         self.enable_prefix_caching = enable_prefix_caching
         # Blocks [0, fresh) have been handed out at least once; ref_count covers exactly those.
-        self.ref_count: list[int] = []
+        self._rc: list[int] = []
         self.fresh = 0
         # Returned blocks without cached content; top = next. The never-used ids lie beneath them
         # (fresh first), so blocks go out in the order of one stack [num_blocks-1, ..., 0] + returns.
@@ -63,6 +63,21 @@ class PagedAllocator(KVAllocator):
                and cls._register_full_blocks is PagedAllocator._register_full_blocks)
         self._own_calls = int(own)
         self._own_leading = int(own and cls.allocate_decodes is PagedAllocator.allocate_decodes)
+        # Without prefix caching a block has one holder or none: this class then keeps no count per block
+        # (a take or free touches no block one by one) and ref_count lists them from the tables. A
+        # subclass keeps them written (it may give blocks back its own way: WindowedPagedAllocator).
+        self._implicit_rc = int(cls is PagedAllocator and not enable_prefix_caching)
+
+    @property
+    def ref_count(self) -> list[int]:
+        """Holders of each block handed out so far (blocks [0, fresh)); made on read where not kept."""
+        if not self._implicit_rc:
+            return self._rc
+        rc = [0] * self.fresh
+        for h in self.held.values():
+            for b in h.blocks:
+                rc[b] = 1
+        return rc
 
     @property
     def tables(self) -> Mapping[str, list[int]]:
@@ -119,7 +134,8 @@ class PagedAllocator(KVAllocator):
         """_take_plain(n) appended to `got` (a block table grows in place, no list in between)."""
         # The stack's top k as a slice (its int objects moved, not rebuilt); never-used ids counted out in
         # native ints (compiled).
-        plain, rc = self.free_plain, self.ref_count
+        plain, rc = self.free_plain, self._rc
+        counted = not self._implicit_rc
         want: i64 = n
         k: i64 = min(want, len(plain))
         if k:
@@ -127,8 +143,9 @@ class PagedAllocator(KVAllocator):
             top = plain[start:]
             del plain[start:]
             top.reverse()
-            for b in top:
-                rc[b] = 1
+            if counted:
+                for b in top:
+                    rc[b] = 1
             got += top
         if want > k:
             f: i64 = self.fresh
@@ -137,7 +154,8 @@ class PagedAllocator(KVAllocator):
             while j < end:
                 got.append(j)
                 j += 1
-            rc.extend([1] * (want - k))
+            if counted:
+                rc.extend([1] * (want - k))
             self.fresh = end
 
     def _hits(self, req: Request) -> list[int]:
@@ -172,7 +190,7 @@ class PagedAllocator(KVAllocator):
         else:
             table = rec.blocks
         need = -(-num_tokens // self.block_size) - len(table) - len(hits)
-        revived = sum(1 for b in hits if self.ref_count[b] == 0)
+        revived = sum(1 for b in hits if self._rc[b] == 0)
         if need > self.num_free_plain() + len(self.free_cached) - revived:
             return False
         if rec is None:
@@ -180,12 +198,12 @@ class PagedAllocator(KVAllocator):
             self.prefix_hit_blocks += len(hits)
             self.prefix_query_blocks += (req.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0
             for b in hits:
-                if self.ref_count[b] == 0:
+                if self._rc[b] == 0:
                     del self.free_cached[b]  # a hit has content, so it is never a plain block
-                self.ref_count[b] += 1
+                self._rc[b] += 1
             table.extend(hits)
         if need > 0:
-            rc = self.ref_count
+            rc = self._rc
             n = min(need, self.num_free_plain())
             if n:
                 self._take_plain_into(table, n)
@@ -224,7 +242,8 @@ class PagedAllocator(KVAllocator):
         # loop runs for every running request at every step; compiled, native ints skip tagged arithmetic.)
         bs: i64 = self.block_size
         held, caching = self.held, self.enable_prefix_caching
-        plain, rc = self.free_plain, self.ref_count
+        plain, rc = self.free_plain, self._rc
+        counted = not self._implicit_rc
         grown: i64 = 0
         n: i64 = num
         p: i64 = 0
@@ -247,11 +266,13 @@ class PagedAllocator(KVAllocator):
                     continue
                 if plain:
                     b = plain.pop()
-                    rc[b] = 1
+                    if counted:
+                        rc[b] = 1
                 elif self.fresh < self.num_blocks:
                     b = self.fresh
                     self.fresh = b + 1
-                    rc.append(1)
+                    if counted:
+                        rc.append(1)
                 else:
                     self.live_tokens += grown
                     grown = 0
@@ -294,17 +315,30 @@ class PagedAllocator(KVAllocator):
         free: i64 = self.num_free_plain()
         takes: list[int] = []
         held = self.held
+        own_counts: bool = bool(self._own_calls) or self._count_own()
+        # A decode takes at most one block per bs steps (counts[p] <= its table's slots): when even that
+        # many fit, every step succeeds and the counts are recorded in the same pass (_record_count inline).
+        sure: bool = own_counts and n * ((steps + bs - 1) // bs) <= free
+        grown: i64 = 0
         p: i64 = 0
         while p < n:
             r = rl[p]
             k = r.kv_handle
             h = k if isinstance(k, Held) and k.owner is self else held[r.req_id]
-            j: i64 = len(h.blocks) * bs - cl[p]
+            c: i64 = cl[p]
+            j: i64 = len(h.blocks) * bs - c
             while j < steps:
                 takes.append(j * n + p)
                 j += bs
+            if sure:
+                m0 = c + steps
+                had0 = h.count
+                if m0 > had0:
+                    h.count = m0
+                    grown += m0 - had0
             p += 1
-        takes.sort()
+        if len(takes) > 1:
+            takes.sort()
         ok: i64 = steps
         if len(takes) > free:
             ok = takes[free] // n
@@ -326,9 +360,10 @@ class PagedAllocator(KVAllocator):
                 h.blocks.append(got[i])
                 reserved += bs
             changed[step] = reserved
-        if self._own_calls or self._count_own():
+        if sure:
+            self.live_tokens += grown
+        elif own_counts:
             # _record_count inline, the live total added once.
-            grown: i64 = 0
             p = 0
             while p < n:
                 r = rl[p]
@@ -407,6 +442,20 @@ class PagedAllocator(KVAllocator):
         rec.registered = full
 
     def free(self, req: Request) -> None:
+        if self._implicit_rc:  # this class's _forget_count, inline: one lookup, not two
+            h = self.held.pop(req.req_id, None)
+            if h is None:
+                return
+            self.live_tokens -= h.count
+            h.count = 0
+            h.owner = None
+            k0: object = req.kv_handle
+            if k0 is h:
+                req.kv_handle = None
+            table0 = h.blocks
+            table0.reverse()  # its one holder gone: back on the stack, nothing counted
+            self.free_plain += table0
+            return
         self._forget_count(req.req_id)
         h = self.held.pop(req.req_id, None)
         if h is None:
@@ -417,7 +466,7 @@ class PagedAllocator(KVAllocator):
         k: object = req.kv_handle  # (typed: `is` against an Any would make h an Any)
         if k is h:
             req.kv_handle = None
-        rc, plain = self.ref_count, self.free_plain
+        rc, plain = self._rc, self.free_plain
         if not self.enable_prefix_caching:
             for b in table:
                 if rc[b] != 1:
@@ -430,8 +479,11 @@ class PagedAllocator(KVAllocator):
 
     def _release(self, blocks: list[int]) -> None:
         """Drop one holder of each block; a block nobody holds goes to the stack, or the LRU if cached."""
-        rc, plain, block_hash = self.ref_count, self.free_plain, self.block_hash
+        rc, plain, block_hash = self._rc, self.free_plain, self.block_hash
         caching = self.enable_prefix_caching
+        if self._implicit_rc:  # each block's one holder: all of them go to the stack
+            plain.extend(reversed(blocks))
+            return
         for b in reversed(blocks):  # a prefix's tail is evicted before its head
             c = rc[b] - 1
             rc[b] = c
