@@ -113,9 +113,10 @@ class SchedulingMachine(RuleBasedStateMachine):
             if self.kv.enable_prefix_caching:  # block_hash exists only with it
                 assert all(self.kv.block_hash[b] is None for b in self.kv.free_plain), "cached content on the plain stack"
             assert self.kv.live_tokens == sum(self.kv.num_tokens.values())
-            assert len(self.kv.ref_count) == self.kv.fresh, "ref_count covers exactly the blocks used so far"
+            counts = self.kv.ref_count  # read once: the pool itself builds it from its tables on each read
+            assert len(counts) == self.kv.fresh, "ref_count covers exactly the blocks used so far"
             for b in range(self.kv.num_blocks):
-                rc = self.kv.ref_count[b] if b < self.kv.fresh else 0  # never used: held by nobody
+                rc = counts[b] if b < self.kv.fresh else 0  # never used: held by nobody
                 assert rc == held[b], f"block {b}: refcount != holders"
                 assert (b in free) == (held[b] == 0), f"block {b} leaked or double-listed"
             for t in self.kv.tables.values():
