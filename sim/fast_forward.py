@@ -75,7 +75,6 @@ class FastForwardEngine(Engine):
         # Whether a decode run from the clock's now at or past `until` is known to time nothing: the run's
         # methods and stop rules are this class's and the executor says so (idle_past_until; _promises_kept decides).
         self._own_run = -1
-        self._blank_ids: dict[int, list[str]] = {}  # batch size -> the req_ids a log that reads none gets
         self.horizon_bound = 0  # count_horizon's last answer a lower bound: the steps to time next; 0: exact
         # _base_and_limit's last answer, its batch and the step log and count it was read at: a step is the
         # one thing that changes a running request's counts, and count_horizon, timing further in doubling
@@ -85,15 +84,6 @@ class FastForwardEngine(Engine):
         self._limits_batch: list[Request] = []
         self._limits_base: list[int] = []
         self._limits_min = 0
-
-    def _batch_ids(self, batch_size: int) -> list[str] | None:
-        """None where the step log reads the batch's request ids, else a shared list of that size."""
-        if self.steps.reads_batches():
-            return None
-        ids = self._blank_ids.get(batch_size)
-        if ids is None:
-            ids = self._blank_ids[batch_size] = [""] * batch_size
-        return ids
 
     def _fuses(self) -> bool:
         """Whether _step may fuse Engine._step's loops with the executor's: the executor offers it
@@ -170,8 +160,7 @@ class FastForwardEngine(Engine):
         nd = len(decodes)
         size = nd + len(rest)
         steps = self.steps
-        blank = self._batch_ids(size)
-        detail = blank is None
+        detail = steps.reads_batches()  # else the log reads the step's figures only (append_step)
         cached: list[int] = []
         tc = 0
         for r in decodes:
@@ -255,17 +244,16 @@ class FastForwardEngine(Engine):
                 continue
             finished.append(r)
         usage = kv.usage()
-        new: list[int] = []
-        if blank is None:
+        if detail:
             ids = [r.req_id for r in decodes]
             ids += [r.req_id for r, _ in rest]
             new = [1] * nd
             new += [n for _, n in rest]
-        else:  # not read: only the batch's size is
-            ids = blank
-        steps.append(StepRecord(
-            len(steps), start, end - start, ids, new, cached, len(out.preempted), usage.reserved_slots,
-            usage.live_tokens, len(policy.waiting), sampled, len(policy.running)))
+            steps.append(StepRecord(
+                len(steps), start, end - start, ids, new, cached, len(out.preempted), usage.reserved_slots,
+                usage.live_tokens, len(policy.waiting), sampled, len(policy.running)))
+        else:
+            steps.append_step(start, end - start, size, usage.reserved_slots, usage.live_tokens, len(policy.waiting))
         timings = self.timings
         timings["schedule"] += t1 - t0
         timings["execute"] += t2 - t1
@@ -499,10 +487,11 @@ class FastForwardEngine(Engine):
             usage = kv.usage()
             reserved_after[-1], live_last = usage.reserved_slots, usage.live_tokens
         steps = self.steps
-        blank = self._batch_ids(len(batch))  # not None: only the batch's size is read
-        steps.append(DecodeRun(len(steps), start, times, [r.req_id for r in batch] if blank is None else blank,
-                               base if blank is None else [], reserved_after, live_before, live_last,
-                               len(self.policy.waiting), len(self.policy.running)))
+        if steps.reads_batches():
+            steps.append(DecodeRun(len(steps), start, times, [r.req_id for r in batch], base, reserved_after,
+                                   live_before, live_last, len(self.policy.waiting), len(self.policy.running)))
+        else:
+            steps.append_run(start, times, len(batch), reserved_after, live_before, live_last, len(self.policy.waiting))
         self.num_fast_forwarded_steps += k
         return finished, bool(finished) and not failed and times[-1] < until
 
