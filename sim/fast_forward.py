@@ -84,6 +84,7 @@ class FastForwardEngine(Engine):
         self._limits_batch: list[Request] = []
         self._limits_base: list[int] = []
         self._limits_min = 0
+        self._limits_stops = False  # whether a token may stop a request of that batch (else none ever does)
 
     def _fuses(self) -> bool:
         """Whether _step may fuse Engine._step's loops with the executor's: the executor offers it
@@ -103,7 +104,8 @@ class FastForwardEngine(Engine):
 
     def _base_and_limit(self, batch: Sequence[Request]) -> tuple[list[int], int]:
         """(each request's computed tokens, min(_steps_to_limit)) in one pass (own rules only); the list is
-        shared with the next caller asking of the same batch before a step (not to be changed)."""
+        shared with the next caller asking of the same batch before a step (not to be changed). Also sets
+        _limits_stops: whether any of them has a stop token (its own, or EOS unless it ignores EOS)."""
         log = self.steps
         at = len(log)
         if at == self._limits_at and log is self._limits_log and batch == self._limits_batch:
@@ -111,16 +113,21 @@ class FastForwardEngine(Engine):
         reqs: list[Request] = batch if isinstance(batch, list) else list(batch)
         max_len = self.max_model_len
         base = [r.num_computed_tokens for r in reqs]
+        eos = len(self.eos_token_ids) > 0
+        stops = False
         limit = 0
         first = True
         for r in reqs:
-            n_out = len(r.output_token_ids)
-            s = r.sampling.max_tokens - n_out
-            t = max_len - r.num_prompt_tokens - n_out
-            if t < s:
-                s = t
+            sp = r.sampling
+            s = max_len - r.num_prompt_tokens  # min(max_tokens - n, max_len - prompt - n), n subtracted once
+            if sp.max_tokens < s:
+                s = sp.max_tokens
+            s -= len(r.output_token_ids)
             if s < limit or first:
                 limit, first = s, False
+            if not stops and (sp.stop_token_ids or (eos and not sp.ignore_eos)):
+                stops = True
+        self._limits_stops = stops
         self._limits_log, self._limits_at, self._limits_batch = log, at, reqs
         self._limits_base, self._limits_min = base, limit
         return base, limit
@@ -314,7 +321,8 @@ class FastForwardEngine(Engine):
                 if run is None:
                     return now
                 tok, ends = run
-                if self._any_stop_token(batch, tok) if own else any(self._is_stop_token(r, tok) for r in batch):
+                if (self._limits_stops and self._any_stop_token(batch, tok) if own
+                        else any(self._is_stop_token(r, tok) for r in batch)):
                     return now
                 if n < k:
                     if len(ends) == n:  # cut by the bound: the whole run's horizon is at least this
@@ -380,8 +388,10 @@ class FastForwardEngine(Engine):
         own = self._rules_own()
         n_out: list[int] = []
         stop_at: list[int] = []
+        stops = True  # whether a token may stop a request of the batch
         if own:  # the limits' minimum only; who reaches a limit is read off the counts after the steps
             base, limit = self._base_and_limit(batch)
+            stops = self._limits_stops
         else:
             base = [r.num_computed_tokens for r in batch]
             n_out = [len(r.output_token_ids) for r in batch]
@@ -394,7 +404,8 @@ class FastForwardEngine(Engine):
             return [], False
         tok, ends = run
         k = len(ends)
-        if k > 1 and (self._any_stop_token(batch, tok) if own else any(self._is_stop_token(r, tok) for r in batch)):
+        if k > 1 and stops and (self._any_stop_token(batch, tok) if own
+                                else any(self._is_stop_token(r, tok) for r in batch)):
             k = 1
         if k == 0:
             return [], False
@@ -453,15 +464,17 @@ class FastForwardEngine(Engine):
         finished = []
         if own:
             # Engine._stop_reason, inline: a stop token only where k == 1 (a longer run has none); a length
-            # limit where the request's own limit was k (its count now at max_tokens or max_model_len).
+            # limit where the request's own limit was k (its count now at max_tokens or max_model_len), so
+            # none short of the batch's least limit, and no stop token where nobody has one: no finish.
             tok_obj = tok
             eos = tok_obj in self.eos_token_ids
             max_len = self.max_model_len
             stop, length = FinishReason.STOP, FinishReason.LENGTH
-            for r in batch:
+            stop_token = k == 1 and stops
+            for r in (batch if k >= limit or stop_token else []):
                 sp = r.sampling
                 n = len(r.output_token_ids)
-                if k == 1 and (tok_obj in sp.stop_token_ids or (eos and not sp.ignore_eos)):
+                if stop_token and (tok_obj in sp.stop_token_ids or (eos and not sp.ignore_eos)):
                     self._finish(r, stop)
                 elif n >= sp.max_tokens or r.num_prompt_tokens + n >= max_len:
                     self._finish(r, length)
