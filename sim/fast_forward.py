@@ -75,7 +75,6 @@ class FastForwardEngine(Engine):
         # Whether a decode run from the clock's now at or past `until` is known to time nothing: the run's
         # methods and stop rules are this class's and the executor says so (idle_past_until; _promises_kept decides).
         self._own_run = -1
-        self._blank_ids: dict[int, list[str]] = {}  # batch size -> the req_ids a log that reads none gets
         self.horizon_bound = 0  # count_horizon's last answer a lower bound: the steps to time next; 0: exact
         # _base_and_limit's last answer, its batch and the step log and count it was read at: a step is the
         # one thing that changes a running request's counts, and count_horizon, timing further in doubling
@@ -85,15 +84,7 @@ class FastForwardEngine(Engine):
         self._limits_batch: list[Request] = []
         self._limits_base: list[int] = []
         self._limits_min = 0
-
-    def _batch_ids(self, batch_size: int) -> list[str] | None:
-        """None where the step log reads the batch's request ids, else a shared list of that size."""
-        if self.steps.reads_batches():
-            return None
-        ids = self._blank_ids.get(batch_size)
-        if ids is None:
-            ids = self._blank_ids[batch_size] = [""] * batch_size
-        return ids
+        self._limits_stops = False  # whether a token may stop a request of that batch (else none ever does)
 
     def _fuses(self) -> bool:
         """Whether _step may fuse Engine._step's loops with the executor's: the executor offers it
@@ -113,7 +104,8 @@ class FastForwardEngine(Engine):
 
     def _base_and_limit(self, batch: Sequence[Request]) -> tuple[list[int], int]:
         """(each request's computed tokens, min(_steps_to_limit)) in one pass (own rules only); the list is
-        shared with the next caller asking of the same batch before a step (not to be changed)."""
+        shared with the next caller asking of the same batch before a step (not to be changed). Also sets
+        _limits_stops: whether any of them has a stop token (its own, or EOS unless it ignores EOS)."""
         log = self.steps
         at = len(log)
         if at == self._limits_at and log is self._limits_log and batch == self._limits_batch:
@@ -121,16 +113,21 @@ class FastForwardEngine(Engine):
         reqs: list[Request] = batch if isinstance(batch, list) else list(batch)
         max_len = self.max_model_len
         base = [r.num_computed_tokens for r in reqs]
+        eos = len(self.eos_token_ids) > 0
+        stops = False
         limit = 0
         first = True
         for r in reqs:
-            n_out = len(r.output_token_ids)
-            s = r.sampling.max_tokens - n_out
-            t = max_len - r.num_prompt_tokens - n_out
-            if t < s:
-                s = t
+            sp = r.sampling
+            s = max_len - r.num_prompt_tokens  # min(max_tokens - n, max_len - prompt - n), n subtracted once
+            if sp.max_tokens < s:
+                s = sp.max_tokens
+            s -= len(r.output_token_ids)
             if s < limit or first:
                 limit, first = s, False
+            if not stops and (sp.stop_token_ids or (eos and not sp.ignore_eos)):
+                stops = True
+        self._limits_stops = stops
         self._limits_log, self._limits_at, self._limits_batch = log, at, reqs
         self._limits_base, self._limits_min = base, limit
         return base, limit
@@ -170,8 +167,7 @@ class FastForwardEngine(Engine):
         nd = len(decodes)
         size = nd + len(rest)
         steps = self.steps
-        blank = self._batch_ids(size)
-        detail = blank is None
+        detail = steps.reads_batches()  # else the log reads the step's figures only (append_step)
         cached: list[int] = []
         tc = 0
         for r in decodes:
@@ -255,17 +251,16 @@ class FastForwardEngine(Engine):
                 continue
             finished.append(r)
         usage = kv.usage()
-        new: list[int] = []
-        if blank is None:
+        if detail:
             ids = [r.req_id for r in decodes]
             ids += [r.req_id for r, _ in rest]
             new = [1] * nd
             new += [n for _, n in rest]
-        else:  # not read: only the batch's size is
-            ids = blank
-        steps.append(StepRecord(
-            len(steps), start, end - start, ids, new, cached, len(out.preempted), usage.reserved_slots,
-            usage.live_tokens, len(policy.waiting), sampled, len(policy.running)))
+            steps.append(StepRecord(
+                len(steps), start, end - start, ids, new, cached, len(out.preempted), usage.reserved_slots,
+                usage.live_tokens, len(policy.waiting), sampled, len(policy.running)))
+        else:
+            steps.append_step(start, end - start, size, usage.reserved_slots, usage.live_tokens, len(policy.waiting))
         timings = self.timings
         timings["schedule"] += t1 - t0
         timings["execute"] += t2 - t1
@@ -326,7 +321,8 @@ class FastForwardEngine(Engine):
                 if run is None:
                     return now
                 tok, ends = run
-                if self._any_stop_token(batch, tok) if own else any(self._is_stop_token(r, tok) for r in batch):
+                if (self._limits_stops and self._any_stop_token(batch, tok) if own
+                        else any(self._is_stop_token(r, tok) for r in batch)):
                     return now
                 if n < k:
                     if len(ends) == n:  # cut by the bound: the whole run's horizon is at least this
@@ -392,8 +388,10 @@ class FastForwardEngine(Engine):
         own = self._rules_own()
         n_out: list[int] = []
         stop_at: list[int] = []
+        stops = True  # whether a token may stop a request of the batch
         if own:  # the limits' minimum only; who reaches a limit is read off the counts after the steps
             base, limit = self._base_and_limit(batch)
+            stops = self._limits_stops
         else:
             base = [r.num_computed_tokens for r in batch]
             n_out = [len(r.output_token_ids) for r in batch]
@@ -406,7 +404,8 @@ class FastForwardEngine(Engine):
             return [], False
         tok, ends = run
         k = len(ends)
-        if k > 1 and (self._any_stop_token(batch, tok) if own else any(self._is_stop_token(r, tok) for r in batch)):
+        if k > 1 and stops and (self._any_stop_token(batch, tok) if own
+                                else any(self._is_stop_token(r, tok) for r in batch)):
             k = 1
         if k == 0:
             return [], False
@@ -465,15 +464,17 @@ class FastForwardEngine(Engine):
         finished = []
         if own:
             # Engine._stop_reason, inline: a stop token only where k == 1 (a longer run has none); a length
-            # limit where the request's own limit was k (its count now at max_tokens or max_model_len).
+            # limit where the request's own limit was k (its count now at max_tokens or max_model_len), so
+            # none short of the batch's least limit, and no stop token where nobody has one: no finish.
             tok_obj = tok
             eos = tok_obj in self.eos_token_ids
             max_len = self.max_model_len
             stop, length = FinishReason.STOP, FinishReason.LENGTH
-            for r in batch:
+            stop_token = k == 1 and stops
+            for r in (batch if k >= limit or stop_token else []):
                 sp = r.sampling
                 n = len(r.output_token_ids)
-                if k == 1 and (tok_obj in sp.stop_token_ids or (eos and not sp.ignore_eos)):
+                if stop_token and (tok_obj in sp.stop_token_ids or (eos and not sp.ignore_eos)):
                     self._finish(r, stop)
                 elif n >= sp.max_tokens or r.num_prompt_tokens + n >= max_len:
                     self._finish(r, length)
@@ -499,10 +500,11 @@ class FastForwardEngine(Engine):
             usage = kv.usage()
             reserved_after[-1], live_last = usage.reserved_slots, usage.live_tokens
         steps = self.steps
-        blank = self._batch_ids(len(batch))  # not None: only the batch's size is read
-        steps.append(DecodeRun(len(steps), start, times, [r.req_id for r in batch] if blank is None else blank,
-                               base if blank is None else [], reserved_after, live_before, live_last,
-                               len(self.policy.waiting), len(self.policy.running)))
+        if steps.reads_batches():
+            steps.append(DecodeRun(len(steps), start, times, [r.req_id for r in batch], base, reserved_after,
+                                   live_before, live_last, len(self.policy.waiting), len(self.policy.running)))
+        else:
+            steps.append_run(start, times, len(batch), reserved_after, live_before, live_last, len(self.policy.waiting))
         self.num_fast_forwarded_steps += k
         return finished, bool(finished) and not failed and times[-1] < until
 

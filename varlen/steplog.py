@@ -4,7 +4,8 @@ gives the metrics' per-step arrays without expanding runs. StepLog(keep=False) k
 columns the summary and kv_usage.csv read (columns(tokens=False), 32 bytes a step: the counts as
 int32 where they fit): the entries are folded into arrays every HOLD steps, per-request list items
 and ENTRY per entry held,
-handed to `sink` (steps.csv written as the run goes) and dropped.
+handed to `sink` (steps.csv written as the run goes) and dropped. With no sink either, no entry is
+held at all: each step's figures go straight to per-entry column lists (append_step, append_run).
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ HOLD: Final = 4096  # Final: compiled, a constant rather than a module lookup pe
 #: What an entry itself counts toward HOLD beside its steps and its per-request list items: a writer
 #: that leaves those out where they are not read (reads_batches) is folded less often, in as much memory.
 ENTRY: Final = 8
+#: Where a column has no figure for an entry (a run's duration, a record's end); Final: a C constant.
+_NAN: Final = float("nan")
 #: Folded chunks joined into one every this many (few arrays, not one per fold).
 JOIN: Final = 64
 
@@ -104,6 +107,18 @@ class StepLog:
         self._chunks: list[dict[str, np.ndarray]] = []  # keep=False: the folded entries' columns
         self._held = 0  # steps, per-request list items and ENTRY per entry, in `entries`
         self._joined = 0  # _chunks[:_joined] are joins of JOIN folds; those after, single folds
+        # keep=False without a sink: the entries not folded yet as the lists _compute_columns reads (no
+        # entry objects; nothing reads them), one item per entry except ends and reserved (one per step).
+        self._held_entries = 0
+        self._col_steps: list[int] = []
+        self._col_seqs: list[int] = []
+        self._col_waiting: list[int] = []
+        self._col_start: list[float] = []
+        self._col_live0: list[int] = []
+        self._col_live_last: list[int] = []
+        self._col_duration: list[float] = []  # nan for a run (its steps' durations come from `ends`)
+        self._col_ends: list[float] = []  # nan for a record
+        self._col_reserved: list[int] = []
         for e in entries:
             self.append(e)
 
@@ -114,6 +129,15 @@ class StepLog:
         return self.keep or self._sink is not None
 
     def append(self, entry: StepRecord | DecodeRun) -> None:
+        if not self.keep and self._sink is None:  # its figures only (what append_step/append_run take)
+            if isinstance(entry, DecodeRun):
+                self._add_run(entry.start, entry.ends, len(entry.req_ids), entry.kv_reserved_slots,
+                              entry.kv_live_before, entry.last_kv_live_tokens, entry.num_waiting,
+                              len(entry.cached_tokens))
+            else:
+                self._add_step(entry.start, entry.duration, len(entry.req_ids), entry.kv_reserved_slots,
+                               entry.kv_live_tokens, entry.num_waiting, len(entry.cached_tokens))
+            return
         self.entries.append(entry)
         self._first.append(self._len)
         n = len(entry) if type(entry) is DecodeRun else 1
@@ -124,9 +148,60 @@ class StepLog:
             if self._held >= HOLD:
                 self.flush()
 
+    def append_step(self, start: float, duration: float, num_seqs: int, kv_reserved_slots: int,
+                    kv_live_tokens: int, num_waiting: int) -> None:
+        """append(StepRecord(...)) where the log reads no batches (reads_batches() False): only what
+        columns(tokens=False) reads, no record built."""
+        if self.reads_batches():
+            raise RuntimeError("append_step: this step log reads each step's batch; append a StepRecord")
+        self._add_step(start, duration, num_seqs, kv_reserved_slots, kv_live_tokens, num_waiting, 0)
+
+    def append_run(self, start: float, ends: list[float], num_seqs: int, kv_reserved_slots: list[int],
+                   kv_live_before: int, last_kv_live_tokens: int, num_waiting: int) -> None:
+        """append(DecodeRun(...)) where the log reads no batches (reads_batches() False), as append_step."""
+        if self.reads_batches():
+            raise RuntimeError("append_run: this step log reads each step's batch; append a DecodeRun")
+        self._add_run(start, ends, num_seqs, kv_reserved_slots, kv_live_before, last_kv_live_tokens, num_waiting, 0)
+
+    def _add_step(self, start: float, duration: float, num_seqs: int, reserved: int, live: int, waiting: int,
+                  items: int) -> None:
+        self._col_steps.append(1)
+        self._col_seqs.append(num_seqs)
+        self._col_waiting.append(waiting)
+        self._col_start.append(start)
+        self._col_live0.append(live - num_seqs)
+        self._col_live_last.append(live)
+        self._col_duration.append(duration)
+        self._col_ends.append(_NAN)
+        self._col_reserved.append(reserved)
+        self._held_ended(1, items)
+
+    def _add_run(self, start: float, ends: list[float], num_seqs: int, reserved: list[int], live_before: int,
+                 live_last: int, waiting: int, items: int) -> None:
+        n = len(ends)
+        self._col_steps.append(n)
+        self._col_seqs.append(num_seqs)
+        self._col_waiting.append(waiting)
+        self._col_start.append(start)
+        self._col_live0.append(live_before)
+        self._col_live_last.append(live_last)
+        self._col_duration.append(_NAN)
+        self._col_ends.extend(ends)
+        self._col_reserved.extend(reserved)
+        self._held_ended(n, items)
+
+    def _held_ended(self, n: int, items: int) -> None:
+        """An entry of `n` steps and `items` per-request list items added to the column lists."""
+        self._held_entries += 1
+        self._len += n
+        self._appends += 1
+        self._held += n + items + ENTRY  # as append() counts an entry: the same folds
+        if self._held >= HOLD:
+            self.flush()
+
     def flush(self) -> None:
         """keep=False: the entries held folded into columns and handed to the sink (at a run's end too)."""
-        if self.keep or not self.entries:
+        if self.keep or not (self.entries or self._held_entries):
             return
         chunks = self._chunks
         chunks.append(_narrow(self._compute_columns(False)))
@@ -139,6 +214,11 @@ class StepLog:
         self.entries = []
         self._first = []
         self._held = 0
+        if self._held_entries:
+            self._held_entries = 0
+            self._col_steps, self._col_seqs, self._col_waiting, self._col_start = [], [], [], []
+            self._col_live0, self._col_live_last, self._col_duration = [], [], []
+            self._col_ends, self._col_reserved = [], []
 
     @classmethod
     def concat(cls, logs: Iterable[StepLog]) -> StepLog:
@@ -208,7 +288,8 @@ class StepLog:
                     chunks = self._chunks
                     self._chunks = [{k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}]
                     self._joined = 1
-                rest = [_narrow(self._compute_columns(False))] if self.entries or not self._chunks else []
+                held = self.entries or self._held_entries
+                rest = [_narrow(self._compute_columns(False))] if held or not self._chunks else []
                 both = self._chunks + rest
                 self._columns = {k: np.concatenate([c[k] for c in both]) for k in both[0]} if len(both) > 1 \
                     else dict(both[0])
@@ -224,6 +305,10 @@ class StepLog:
 
     def _compute_columns(self, tokens: bool = True) -> dict[str, np.ndarray]:
         """columns(): a few figures per entry in one pass, spread over the steps by numpy."""
+        if self._held_entries:  # held as columns already (no entries beside them)
+            return _spread(self._col_steps, self._col_seqs, [], [], self._col_live0, self._col_live_last,
+                           self._col_waiting, self._col_start, self._col_duration, self._col_ends,
+                           self._col_reserved, False)
         steps: list[int] = []
         seqs: list[int] = []
         new: list[int] = []
@@ -235,7 +320,7 @@ class StepLog:
         record_dur: list[float] = []
         ends: list[float] = []
         reserved: list[int] = []
-        nan = float("nan")
+        nan = _NAN
         for e in self.entries:
             B = len(e.req_ids)
             seqs.append(B)
@@ -261,28 +346,36 @@ class StepLog:
                 record_dur.append(e.duration)
                 ends.append(nan)
                 reserved.append(e.kv_reserved_slots)
-        n = len(steps)
-        steps_a = _ints(steps)
-        first = np.cumsum(steps_a) - steps_a
-        per_step: np.ndarray = np.repeat(np.arange(n), steps_a)
-        offset = np.arange(len(per_step)) - first[per_step]
-        seqs_s = _ints(seqs)[per_step]
-        live = _ints(live0)[per_step] + seqs_s * (offset + 1)
-        live[first + steps_a - 1] = _ints(live_last)
-        end = _floats(ends)
-        start = np.empty(len(end))
-        start[1:] = end[:-1]  # a run's step starts where the one before it ended...
-        start[first] = _floats(start0)  # ...but its first, and every record, start where recorded
-        in_run = ~np.isnan(end)
-        duration = _floats(record_dur)[per_step]
-        duration[in_run] = end[in_run] - start[in_run]
-        cols = dict(start=start, duration=duration, num_seqs=seqs_s)
-        if tokens:
-            cols.update(num_new_tokens=_ints(new)[per_step],
-                        num_cached_tokens=_ints(cached0)[per_step] + seqs_s * offset)
-        cols.update(kv_reserved_slots=_ints(reserved), kv_live_tokens=live,
-                    num_waiting=_ints(waiting)[per_step])
-        return cols
+        return _spread(steps, seqs, new, cached0, live0, live_last, waiting, start0, record_dur, ends, reserved,
+                       tokens)
+
+
+def _spread(steps: list[int], seqs: list[int], new: list[int], cached0: list[int], live0: list[int],
+            live_last: list[int], waiting: list[int], start0: list[float], record_dur: list[float],
+            ends: list[float], reserved: list[int], tokens: bool) -> dict[str, np.ndarray]:
+    """The per-step columns from per-entry figures (ends and reserved: per step), spread by numpy."""
+    n = len(steps)
+    steps_a = _ints(steps)
+    first = np.cumsum(steps_a) - steps_a
+    per_step: np.ndarray = np.repeat(np.arange(n), steps_a)
+    offset = np.arange(len(per_step)) - first[per_step]
+    seqs_s = _ints(seqs)[per_step]
+    live = _ints(live0)[per_step] + seqs_s * (offset + 1)
+    live[first + steps_a - 1] = _ints(live_last)
+    end = _floats(ends)
+    start = np.empty(len(end))
+    start[1:] = end[:-1]  # a run's step starts where the one before it ended...
+    start[first] = _floats(start0)  # ...but its first, and every record, start where recorded
+    in_run = ~np.isnan(end)
+    duration = _floats(record_dur)[per_step]
+    duration[in_run] = end[in_run] - start[in_run]
+    cols = dict(start=start, duration=duration, num_seqs=seqs_s)
+    if tokens:
+        cols.update(num_new_tokens=_ints(new)[per_step],
+                    num_cached_tokens=_ints(cached0)[per_step] + seqs_s * offset)
+    cols.update(kv_reserved_slots=_ints(reserved), kv_live_tokens=live,
+                num_waiting=_ints(waiting)[per_step])
+    return cols
 
 
 def _ints(values: list[int]) -> np.ndarray:

@@ -84,3 +84,35 @@ def test_packed_columns_are_numpys_own_conversion():
     for floats in ([], [0.5], [float("nan"), -1e300, 3.0, float("inf")]):
         got, want = _floats(floats), np.array(floats, np.float64)
         assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=True) and got.flags.writeable
+
+
+def test_a_log_reading_no_batches_holds_columns_the_same_as_entries():
+    """StepLog(keep=False) with no sink holds each entry's figures as columns (append, append_step,
+    append_run alike): its columns are those of the same entries kept, across folds too."""
+    kept = _log(0.0, 3)
+    entries = list(kept.entries)
+    by_entries = StepLog(entries, keep=False)
+    direct = StepLog(keep=False)
+    for e in entries:
+        if isinstance(e, DecodeRun):
+            direct.append_run(e.start, e.ends, len(e.req_ids), e.kv_reserved_slots, e.kv_live_before,
+                              e.last_kv_live_tokens, e.num_waiting)
+        else:
+            direct.append_step(e.start, e.duration, len(e.req_ids), e.kv_reserved_slots, e.kv_live_tokens,
+                               e.num_waiting)
+    want = kept.columns(tokens=False)
+    for log in (by_entries, direct):
+        assert not log.entries and len(log) == len(kept)
+        got = log.columns(tokens=False)
+        assert got.keys() == want.keys()
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k])
+    direct.flush()  # folded: the held columns become a chunk, then more entries after it
+    direct.append_step(20.0, 0.5, 1, 16, 4, 0)
+    kept.append(StepRecord(len(kept), 20.0, 0.5, ["c"], [4], [0], 0, 16, 4, 0, 1, 1))
+    for k, v in kept.columns(tokens=False).items():
+        np.testing.assert_array_equal(direct.columns(tokens=False)[k], v)
+    with pytest.raises(RuntimeError, match="append a StepRecord"):
+        StepLog().append_step(0.0, 0.5, 1, 16, 4, 0)  # a kept log reads batches: a record it is
+    with pytest.raises(RuntimeError, match="append a DecodeRun"):
+        StepLog(keep=False, sink=lambda entries: None).append_run(0.0, [0.5], 1, [16], 4, 5, 0)

@@ -157,3 +157,40 @@ def test_a_run_past_until_is_skipped_for_the_shipped_executor_only():
     assert sum(r.executor.late_calls for r in ref.replicas) > 0
     assert sum(r.engine.num_fast_forwarded_steps for r in got.replicas) > 0
     assert_same(ref, got)
+
+
+class SamplesSeven(CostModelExecutor):
+    """A user's executor whose decode runs sample token 7 (its steps one at a time, SIM_TOKEN)."""
+
+    def decode_run(self, batch, max_steps, until):
+        run = super().decode_run(batch, max_steps, until)
+        return None if run is None else (7, run[1])
+
+
+def test_a_stop_token_sampled_in_a_decode_run_ends_its_requests_there():
+    """A batch with a request that stops on the run's token: the run is cut to one step and that request
+    stops, inline as with the calls; batches where nobody stops on it run on (their limits only)."""
+    base = factory("chunked", "paged", 400)
+
+    def make(inline):
+        def build(clock):
+            eng, _ = base(clock)
+            ex = SamplesSeven(eng.executor.cost, clock)
+            eng = FastForwardEngine(eng.policy, eng.kv, ex, clock=clock, max_model_len=eng.max_model_len)
+            if not inline:
+                eng._own_rules = 0
+            return eng, ex
+        return build
+
+    reqs = []
+    for i, r in enumerate(shared_prefix_requests(60, rate=40.0, seed=6)):
+        sp = SamplingParams(max_tokens=r.sampling.max_tokens, stop_token_ids=[7] if i % 5 == 0 else [], ignore_eos=True)
+        reqs.append(Request(r.req_id, r.prompt_token_ids, sp, arrival=r.arrival))
+    ref = simulate(fresh_copies(reqs), make(False), num_replicas=2, router="least_outstanding")
+    got = simulate(fresh_copies(reqs), make(True), num_replicas=2, router="least_outstanding")
+    assert all(r.engine._own_rules == 1 for r in got.replicas)
+    assert sum(r.engine.num_fast_forwarded_steps for r in got.replicas) > 0
+    assert_same(ref, got)
+    stopped = [r for r in got.requests if r.finish_reason is FinishReason.STOP]
+    assert stopped and all(r.output_token_ids[-1] == 7 for r in stopped)
+    assert any(r.finish_reason is FinishReason.LENGTH and len(r.output_token_ids) > 1 for r in got.requests)
