@@ -302,7 +302,11 @@ class LLM:
             try:
                 self.loop.wait(streams, on_done=bar.update if bar is not None else None)
             except BaseException as err:
+                ended = [s.done() for s in streams]
                 self._stop(streams, err)
+                if bar is not None:  # count what ended on its own, the interrupted step's too: no update ran for it
+                    bar.n = sum(was or (s.request.finish_reason is not None and s.request.finish_reason.value != "aborted")
+                                for was, s in zip(ended, streams))
                 raise
             failed = next((s.error for s in streams if s.error is not None), None)
             if failed is not None:

@@ -5,6 +5,7 @@ Also the API's input checks: arrivals out of range, a call whose requests are al
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -228,3 +229,24 @@ def test_a_generate_call_whose_requests_are_all_rejected_warns(model_dir):
         warnings.simplefilter("error")  # one good request: no warning
         outs = llm.generate([[], CALLERS[0][0]], GREEDY)
     assert [o.finish_reason for o in outs] == ["rejected", "length"]
+
+
+def test_after_ctrl_c_the_progress_bar_counts_the_requests_that_ended(model_dir, monkeypatch, capsys):
+    """Ctrl-C can land after a step ended requests but before the bar counted them: the bar's last
+    line must still say how many ended (varlen.run's "wrote the N requests finished" agrees with it)."""
+    llm = make_llm(model_dir)
+    reqs = llm.make_requests(CALLERS[0], GREEDY, arrivals=[0.0, 0.0, 3600.0])  # the third never starts
+    real_wait = llm.loop.wait
+
+    def wait_then_ctrl_c(streams, on_done=None):
+        if on_done is None:  # the abort's own wait
+            return real_wait(streams)
+        real_wait(streams[:2])  # two requests end; their on_done never runs
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm.loop, "wait", wait_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        llm.run(reqs, use_tqdm=True)
+    assert [r.finish_reason.value for r in reqs] == ["length", "length", "aborted"]
+    last = capsys.readouterr().err.strip().replace("\r", "\n").splitlines()[-1]
+    assert re.search(r"\| 2/3 \[", last), last
