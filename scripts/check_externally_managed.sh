@@ -6,7 +6,7 @@
 # site-packages holds only pip, puts it first on the PATH with no venv active, checks that it
 # refuses an install, then runs the two commands in a clean clone of HEAD:
 #   bash scripts/setup.sh && scripts/py -m varlen.run
-#   bash scripts/setup.sh && scripts/py -m pytest -q [ARGS]   (ARGS: this script's arguments)
+#   bash scripts/setup.sh && scripts/py -m pytest -q -n logical --dist loadfile [ARGS]   (ARGS: this script's arguments)
 # Usage, from the project root: bash scripts/check_externally_managed.sh [pytest args] ; KEEP=1 keeps the folder.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
@@ -37,5 +37,5 @@ SECONDS=0
 bash scripts/setup.sh && scripts/py -m varlen.run
 [ -x .venv/bin/python ] || { echo "FAIL: setup.sh did not create .venv"; exit 1; }
 echo "run command: ok (${SECONDS}s)"
-bash scripts/setup.sh && scripts/py -m pytest -q "$@"
+bash scripts/setup.sh && scripts/py -m pytest -q -n logical --dist loadfile "$@"
 echo "externally managed Python: both README commands PASSED in ${SECONDS}s"
