@@ -124,7 +124,9 @@ def test_an_allocator_with_its_own_count_bookkeeping_is_called_in_decode_runs():
     reqs = shared_prefix_requests(40, rate=20.0, seed=4)
     res = simulate(fresh_copies(reqs), make)
     assert res.replicas[0].engine.num_fast_forwarded_steps > 0 and res.replicas[0].engine.kv.records_in_runs > 0
+    assert res.replicas[0].engine._pool is None  # its grow_decodes is its own: asked with the counts, as it is
     ref = simulate(fresh_copies(reqs), base)
+    assert ref.replicas[0].engine._pool is ref.replicas[0].engine.kv  # PagedAllocator's own: counts read off
     assert [(r.req_id, r.token_times, r.finish_reason) for r in ref.requests] == \
            [(r.req_id, r.token_times, r.finish_reason) for r in res.requests]
 
