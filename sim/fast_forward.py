@@ -70,8 +70,9 @@ class FastForwardEngine(Engine):
         self.num_fast_forwarded_steps = 0  # steps run by _decode_run rather than one by one
         self._decode_promises = -1  # whether the allocator's and executor's promises are their own (-1: not checked)
         self._growth: DecodeGrowth | None = None  # the allocator, if it has DecodeGrowth's methods
-        # The allocator, where its grow_decodes and decode_steps_fit are PagedAllocator's: asked with the counts
-        # read off the requests (grow_running, running_steps_fit), no list of them built per run.
+        # The allocator, where its grow_decodes, decode_steps_fit and usage are PagedAllocator's: asked with the
+        # counts read off the requests (grow_running, running_steps_fit), no list of them built per run, and
+        # its step figures read without a KVUsage (reserved_slots, live_tokens).
         self._pool: PagedAllocator | None = None
         self._fits = -1  # whether the allocator's decode_steps_fit is its own class's (-1: not checked)
         self._fused = -1  # whether _step runs the executor inline (_fuses; -1: not checked)
@@ -262,17 +263,22 @@ class FastForwardEngine(Engine):
             else:
                 continue
             finished.append(r)
-        usage = kv.usage()
+        pool = self._pool
+        if pool is not None:  # usage()'s two figures, no KVUsage
+            reserved, live = pool.reserved_slots(), pool.live_tokens
+        else:
+            usage = kv.usage()
+            reserved, live = usage.reserved_slots, usage.live_tokens
         if detail:
             ids = [r.req_id for r in decodes]
             ids += [r.req_id for r, _ in rest]
             new = [1] * nd
             new += [n for _, n in rest]
             steps.append(StepRecord(
-                len(steps), start, end - start, ids, new, cached, len(out.preempted), usage.reserved_slots,
-                usage.live_tokens, len(policy.waiting), sampled, len(policy.running)))
+                len(steps), start, end - start, ids, new, cached, len(out.preempted), reserved,
+                live, len(policy.waiting), sampled, len(policy.running)))
         else:
-            steps.append_step(start, end - start, size, usage.reserved_slots, usage.live_tokens, len(policy.waiting))
+            steps.append_step(start, end - start, size, reserved, live, len(policy.waiting))
         timings = self.timings
         timings["schedule"] += t1 - t0
         timings["execute"] += t2 - t1
@@ -383,8 +389,9 @@ class FastForwardEngine(Engine):
             self._pool = None
             if isinstance(kv, PagedAllocator) and self._growth is not None:
                 kv_cls = type(kv)
-                if kv_cls.grow_decodes is PagedAllocator.grow_decodes and \
-                        kv_cls.decode_steps_fit is PagedAllocator.decode_steps_fit:
+                if (kv_cls.grow_decodes is PagedAllocator.grow_decodes
+                        and kv_cls.decode_steps_fit is PagedAllocator.decode_steps_fit
+                        and kv_cls.usage is PagedAllocator.usage and kv_cls.num_free_plain is PagedAllocator.num_free_plain):
                     self._pool = kv
             cls = type(self)
             self._own_run = int(isinstance(ex, FastForwardExecutor) and ex.idle_past_until() and self._rules_own()
@@ -433,11 +440,14 @@ class FastForwardEngine(Engine):
         if k == 0:
             return [], False
         kv = self.kv
-        usage = kv.usage()
-        reserved, live_before = usage.reserved_slots, usage.live_tokens
+        growth, pool = self._growth, self._pool
+        if pool is not None:  # usage()'s two figures, no KVUsage
+            reserved, live_before = pool.reserved_slots(), pool.live_tokens
+        else:
+            usage = kv.usage()
+            reserved, live_before = usage.reserved_slots, usage.live_tokens
         changed: dict[int, int] = {}  # run step -> reserved slots after its allocations
         failed = False
-        growth, pool = self._growth, self._pool
         steps = self.steps
         if pool is not None:
             bulk = pool.grow_running(batch, k)
@@ -522,7 +532,8 @@ class FastForwardEngine(Engine):
                     finished.append(r)
         reserved_after: list[int] = []
         done = 0
-        for j in (sorted(changed) if len(changed) > 1 else changed):
+        # PagedAllocator's grow_running lists the steps in order; another allocator's dict may not.
+        for j in (sorted(changed) if len(changed) > 1 and (pool is None or bulk is None) else changed):
             if j < k:
                 reserved_after += [reserved] * (j - done)
                 reserved, done = changed[j], j
@@ -530,8 +541,11 @@ class FastForwardEngine(Engine):
         live_last = live_before + len(batch) * k
         if not failed:
             # After the finishes freed their blocks (a failed step's allocations are not the run's).
-            usage = kv.usage()
-            reserved_after[-1], live_last = usage.reserved_slots, usage.live_tokens
+            if pool is not None:
+                reserved_after[-1], live_last = pool.reserved_slots(), pool.live_tokens
+            else:
+                usage = kv.usage()
+                reserved_after[-1], live_last = usage.reserved_slots, usage.live_tokens
         if steps.reads_batches():
             assert base is not None
             steps.append(DecodeRun(len(steps), start, times, [r.req_id for r in batch], base, reserved_after,

@@ -66,3 +66,4 @@ def test_grow_decodes_is_its_calls_one_by_one(num_blocks, bs, prompts, num_steps
     assert dict(bulk.tables) == dict(calls.tables) and bulk.free_stack() == calls.free_stack()
     want = {r.req_id: c + ok + (r.req_id in took_at_failed) for r, c in zip(reqs, counts)}
     assert dict(bulk.num_tokens) == want and bulk.live_tokens == sum(want.values())
+    assert bulk.reserved_slots() == bulk.usage().reserved_slots == calls.usage().reserved_slots

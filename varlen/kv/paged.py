@@ -533,3 +533,7 @@ class PagedAllocator(KVAllocator):
 
     def usage(self) -> KVUsage:
         return self._usage(self.num_free_plain() + len(self.free_cached))
+
+    def reserved_slots(self) -> int:
+        """usage().reserved_slots, without the KVUsage (the decode fast-forward reads it every step)."""
+        return (self.num_blocks - self.num_free_plain() - len(self.free_cached)) * self.block_size
