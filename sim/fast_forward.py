@@ -16,6 +16,7 @@ from mypy_extensions import mypyc_attr
 from varlen.engine import Engine, Executor, grant_problem
 from varlen.kv.base import ALLOCATION_PROMISE_BEHAVIOUR, KVAllocator
 from varlen.kv.growth import DecodeGrowth
+from varlen.kv.paged import PagedAllocator
 from varlen.promises import keeps_promise
 from varlen.request import FinishReason, Request
 from varlen.scheduler_api import SchedulerPolicy
@@ -69,6 +70,10 @@ class FastForwardEngine(Engine):
         self.num_fast_forwarded_steps = 0  # steps run by _decode_run rather than one by one
         self._decode_promises = -1  # whether the allocator's and executor's promises are their own (-1: not checked)
         self._growth: DecodeGrowth | None = None  # the allocator, if it has DecodeGrowth's methods
+        # The allocator, where its grow_decodes, decode_steps_fit and usage are PagedAllocator's: asked with the
+        # counts read off the requests (grow_running, running_steps_fit), no list of them built per run, and
+        # its step figures read without a KVUsage (reserved_slots, live_tokens).
+        self._pool: PagedAllocator | None = None
         self._fits = -1  # whether the allocator's decode_steps_fit is its own class's (-1: not checked)
         self._fused = -1  # whether _step runs the executor inline (_fuses; -1: not checked)
         self._own_rules = -1  # whether the stop rule and step limits are this module's own (_rules_own; -1: not checked)
@@ -82,7 +87,7 @@ class FastForwardEngine(Engine):
         self._limits_log: StepLog | None = None
         self._limits_at = -1
         self._limits_batch: list[Request] = []
-        self._limits_base: list[int] = []
+        self._limits_base: list[int] | None = None  # built when first asked (_base_and_limit)
         self._limits_min = 0
         self._limits_stops = False  # whether a token may stop a request of that batch (else none ever does)
 
@@ -102,17 +107,16 @@ class FastForwardEngine(Engine):
                                   and cls._steps_to_limit is FastForwardEngine._steps_to_limit)
         return self._own_rules > 0
 
-    def _base_and_limit(self, batch: Sequence[Request]) -> tuple[list[int], int]:
-        """(each request's computed tokens, min(_steps_to_limit)) in one pass (own rules only); the list is
-        shared with the next caller asking of the same batch before a step (not to be changed). Also sets
-        _limits_stops: whether any of them has a stop token (its own, or EOS unless it ignores EOS)."""
+    def _limit(self, batch: Sequence[Request]) -> int:
+        """min(_steps_to_limit) of `batch` in one pass (own rules only), kept for the next caller asking of the
+        same batch before a step. Also sets _limits_stops: whether any of them has a stop token (its own, or
+        EOS unless it ignores EOS)."""
         log = self.steps
         at = len(log)
         if at == self._limits_at and log is self._limits_log and batch == self._limits_batch:
-            return self._limits_base, self._limits_min
+            return self._limits_min
         reqs: list[Request] = batch if isinstance(batch, list) else list(batch)
         max_len = self.max_model_len
-        base = [r.num_computed_tokens for r in reqs]
         eos = len(self.eos_token_ids) > 0
         stops = False
         limit = 0
@@ -129,7 +133,16 @@ class FastForwardEngine(Engine):
                 stops = True
         self._limits_stops = stops
         self._limits_log, self._limits_at, self._limits_batch = log, at, reqs
-        self._limits_base, self._limits_min = base, limit
+        self._limits_base, self._limits_min = None, limit
+        return limit
+
+    def _base_and_limit(self, batch: Sequence[Request]) -> tuple[list[int], int]:
+        """(each request's computed tokens, _limit(batch)); the list is shared with the next caller asking of
+        the same batch before a step (not to be changed)."""
+        limit = self._limit(batch)
+        base = self._limits_base
+        if base is None:
+            base = self._limits_base = [r.num_computed_tokens for r in self._limits_batch]
         return base, limit
 
     def _any_stop_token(self, batch: Sequence[Request], tok: object) -> bool:
@@ -250,17 +263,22 @@ class FastForwardEngine(Engine):
             else:
                 continue
             finished.append(r)
-        usage = kv.usage()
+        pool = self._pool
+        if pool is not None:  # usage()'s two figures, no KVUsage
+            reserved, live = pool.reserved_slots(), pool.live_tokens
+        else:
+            usage = kv.usage()
+            reserved, live = usage.reserved_slots, usage.live_tokens
         if detail:
             ids = [r.req_id for r in decodes]
             ids += [r.req_id for r, _ in rest]
             new = [1] * nd
             new += [n for _, n in rest]
             steps.append(StepRecord(
-                len(steps), start, end - start, ids, new, cached, len(out.preempted), usage.reserved_slots,
-                usage.live_tokens, len(policy.waiting), sampled, len(policy.running)))
+                len(steps), start, end - start, ids, new, cached, len(out.preempted), reserved,
+                live, len(policy.waiting), sampled, len(policy.running)))
         else:
-            steps.append_step(start, end - start, size, usage.reserved_slots, usage.live_tokens, len(policy.waiting))
+            steps.append_step(start, end - start, size, reserved, live, len(policy.waiting))
         timings = self.timings
         timings["schedule"] += t1 - t0
         timings["execute"] += t2 - t1
@@ -303,16 +321,20 @@ class FastForwardEngine(Engine):
             return now
         own = self._rules_own()
         if own:
-            base, k = self._base_and_limit(batch)
+            k = self._limit(batch)
         else:
-            base = [r.num_computed_tokens for r in batch]
             k = min(self._steps_to_limit(batch, [len(r.output_token_ids) for r in batch]))
         if k <= 1:
             return now
         ex = self.executor
         assert isinstance(ex, FastForwardExecutor)
+        pool = self._pool
         try:
-            fits = self.kv.decode_steps_fit(batch, base, k)
+            if pool is not None:
+                fits = pool.running_steps_fit(batch, k)
+            else:
+                fits = self.kv.decode_steps_fit(batch, self._base_and_limit(batch)[0] if own
+                                                else [r.num_computed_tokens for r in batch], k)
             n = k
             if 0 < bound < min(k - 1, fits) and ex.times_prefixes():
                 n = bound  # a shorter run first: its steps are the longer one's first steps
@@ -364,6 +386,13 @@ class FastForwardEngine(Engine):
             self._fits = int(all(kept) and keeps_promise(kv, "decode_steps_fit", (*ALLOCATION_PROMISE_BEHAVIOUR,
                              "next_allocation_event", "grow_decodes"), KVAllocator))
             self._growth = kv if isinstance(kv, DecodeGrowth) else None
+            self._pool = None
+            if isinstance(kv, PagedAllocator) and self._growth is not None:
+                kv_cls = type(kv)
+                if (kv_cls.grow_decodes is PagedAllocator.grow_decodes
+                        and kv_cls.decode_steps_fit is PagedAllocator.decode_steps_fit
+                        and kv_cls.usage is PagedAllocator.usage and kv_cls.num_free_plain is PagedAllocator.num_free_plain):
+                    self._pool = kv
             cls = type(self)
             self._own_run = int(isinstance(ex, FastForwardExecutor) and ex.idle_past_until() and self._rules_own()
                                 and cls._timed_decode_run is FastForwardEngine._timed_decode_run
@@ -389,8 +418,9 @@ class FastForwardEngine(Engine):
         n_out: list[int] = []
         stop_at: list[int] = []
         stops = True  # whether a token may stop a request of the batch
+        base: list[int] | None = None  # each request's computed tokens, read where needed
         if own:  # the limits' minimum only; who reaches a limit is read off the counts after the steps
-            base, limit = self._base_and_limit(batch)
+            limit = self._limit(batch)
             stops = self._limits_stops
         else:
             base = [r.num_computed_tokens for r in batch]
@@ -410,18 +440,30 @@ class FastForwardEngine(Engine):
         if k == 0:
             return [], False
         kv = self.kv
-        usage = kv.usage()
-        reserved, live_before = usage.reserved_slots, usage.live_tokens
+        growth, pool = self._growth, self._pool
+        if pool is not None:  # usage()'s two figures, no KVUsage
+            reserved, live_before = pool.reserved_slots(), pool.live_tokens
+        else:
+            usage = kv.usage()
+            reserved, live_before = usage.reserved_slots, usage.live_tokens
         changed: dict[int, int] = {}  # run step -> reserved slots after its allocations
         failed = False
-        growth = self._growth
-        bulk = growth.grow_decodes(batch, base, k) if growth is not None else None
+        steps = self.steps
+        if pool is not None:
+            bulk = pool.grow_running(batch, k)
+        else:
+            if base is None:
+                base = self._base_and_limit(batch)[0]
+            bulk = growth.grow_decodes(batch, base, k) if growth is not None else None
+        if base is None and (bulk is None or steps.reads_batches()):
+            base = self._base_and_limit(batch)[0]  # before the counts move (no allocation changes them)
         asked: list[int] = []
         if bulk is not None:
             ok, changed = bulk
             if ok < k:
                 k, failed = ok, True
         else:
+            assert base is not None
             asked = base[:]
             if own:
                 n_out = [len(r.output_token_ids) for r in batch]
@@ -445,6 +487,7 @@ class FastForwardEngine(Engine):
                 if keep and not r.streams_token_times:
                     r.token_times.extend(times)
         else:
+            assert base is not None
             for p, r in enumerate(batch):
                 r.num_computed_tokens = base[p] + k
                 missing = n_out[p] + k - len(r.output_token_ids)  # events may have added some
@@ -489,7 +532,8 @@ class FastForwardEngine(Engine):
                     finished.append(r)
         reserved_after: list[int] = []
         done = 0
-        for j in (sorted(changed) if len(changed) > 1 else changed):
+        # PagedAllocator's grow_running lists the steps in order; another allocator's dict may not.
+        for j in (sorted(changed) if len(changed) > 1 and (pool is None or bulk is None) else changed):
             if j < k:
                 reserved_after += [reserved] * (j - done)
                 reserved, done = changed[j], j
@@ -497,10 +541,13 @@ class FastForwardEngine(Engine):
         live_last = live_before + len(batch) * k
         if not failed:
             # After the finishes freed their blocks (a failed step's allocations are not the run's).
-            usage = kv.usage()
-            reserved_after[-1], live_last = usage.reserved_slots, usage.live_tokens
-        steps = self.steps
+            if pool is not None:
+                reserved_after[-1], live_last = pool.reserved_slots(), pool.live_tokens
+            else:
+                usage = kv.usage()
+                reserved_after[-1], live_last = usage.reserved_slots, usage.live_tokens
         if steps.reads_batches():
+            assert base is not None
             steps.append(DecodeRun(len(steps), start, times, [r.req_id for r in batch], base, reserved_after,
                                    live_before, live_last, len(self.policy.waiting), len(self.policy.running)))
         else:

@@ -176,10 +176,18 @@ def one_gpu(model: str, parallel: Any, why: str) -> None:
 
 
 def formula_holds(cls: type, behaviour: tuple[str, ...] = ("step_time_sums", "step_time")) -> bool:
-    """Whether `cls` has a formula that no subclass overrides `behaviour` below."""
-    if cls.step_fixed is CostModel.step_fixed:  # type: ignore[attr-defined]
-        return False
-    return not any(broken_by(cls, name, behaviour, CostModel) for name in FORMULA)
+    """Whether `cls` has a formula that no subclass overrides `behaviour` below (decided once per class,
+    as keeps_promise decides: every replica's executor asks it of each batch size's decode_step_time)."""
+    key = (cls, behaviour)
+    held = _FORMULA_HOLDS.get(key)
+    if held is None:
+        own = cls.step_fixed is not CostModel.step_fixed  # type: ignore[attr-defined]
+        held = _FORMULA_HOLDS[key] = own and not any(broken_by(cls, name, behaviour, CostModel) for name in FORMULA)
+    return held
+
+
+#: formula_holds' answers by (class, behaviour).
+_FORMULA_HOLDS: dict[tuple[type, tuple[str, ...]], bool] = {}
 
 
 def _as_arrays(new_tokens: Any, cached_tokens: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -1,7 +1,8 @@
 """PagedAllocator.grow_decodes (k decode steps in one call) takes the blocks of the calls it stands
 for, allocate(reqs[p], counts[p] + j + 1) step by step until one fails, and records the counts of
 the steps that succeeded (and of the failed step's requests that took a block), whatever sequence
-type it is given; decode_steps_fit answers how many of those steps succeed.
+type it is given; decode_steps_fit answers how many of those steps succeed. grow_running and
+running_steps_fit (the counts read off the requests) answer and act exactly as they do.
 """
 
 from __future__ import annotations
@@ -26,16 +27,21 @@ def _pool(num_blocks: int, bs: int, prompts: list[int]) -> tuple[PagedAllocator,
 
 @settings(max_examples=80, deadline=None)
 @given(st.integers(2, 40), st.sampled_from([1, 2, 4, 16]), st.lists(st.integers(1, 40), min_size=1, max_size=8),
-       st.integers(1, 70), st.booleans())
-def test_grow_decodes_is_its_calls_one_by_one(num_blocks, bs, prompts, num_steps, as_tuples):
+       st.integers(1, 70), st.booleans(), st.booleans())
+def test_grow_decodes_is_its_calls_one_by_one(num_blocks, bs, prompts, num_steps, as_tuples, read_off):
     bulk, reqs = _pool(num_blocks, bs, prompts)
     calls, twins = _pool(num_blocks, bs, prompts)
     if not reqs:
         return
     counts = [r.num_computed_tokens for r in reqs]
-    fit = bulk.decode_steps_fit(tuple(reqs) if as_tuples else reqs, tuple(counts) if as_tuples else counts,
+    if read_off:  # the fast-forward's calls: each count is the request's num_computed_tokens
+        fit = bulk.running_steps_fit(reqs, num_steps)
+        res = bulk.grow_running(reqs, num_steps)
+    else:
+        fit = bulk.decode_steps_fit(tuple(reqs) if as_tuples else reqs, tuple(counts) if as_tuples else counts,
+                                    num_steps)
+        res = bulk.grow_decodes(tuple(reqs) if as_tuples else reqs, tuple(counts) if as_tuples else counts,
                                 num_steps)
-    res = bulk.grow_decodes(tuple(reqs) if as_tuples else reqs, tuple(counts) if as_tuples else counts, num_steps)
     assert res is not None
     ok, changed = res
     done, reserved = num_steps, {}
@@ -60,3 +66,4 @@ def test_grow_decodes_is_its_calls_one_by_one(num_blocks, bs, prompts, num_steps
     assert dict(bulk.tables) == dict(calls.tables) and bulk.free_stack() == calls.free_stack()
     want = {r.req_id: c + ok + (r.req_id in took_at_failed) for r, c in zip(reqs, counts)}
     assert dict(bulk.num_tokens) == want and bulk.live_tokens == sum(want.values())
+    assert bulk.reserved_slots() == bulk.usage().reserved_slots == calls.usage().reserved_slots

@@ -13,7 +13,7 @@ from sim.validate import fresh_copies
 from varlen.kv import PagedAllocator
 from varlen.request import FinishReason, Request
 from varlen.sampling_params import SamplingParams
-from varlen.testing.fast_forward import ALLOCATORS, assert_same, factory, shared_prefix_requests
+from varlen.testing.fast_forward import ALLOCATORS, assert_same, factory, shared_prefix_requests, step_table
 
 
 def rules(make, inline: bool):
@@ -124,9 +124,41 @@ def test_an_allocator_with_its_own_count_bookkeeping_is_called_in_decode_runs():
     reqs = shared_prefix_requests(40, rate=20.0, seed=4)
     res = simulate(fresh_copies(reqs), make)
     assert res.replicas[0].engine.num_fast_forwarded_steps > 0 and res.replicas[0].engine.kv.records_in_runs > 0
+    assert res.replicas[0].engine._pool is None  # its grow_decodes is its own: asked with the counts, as it is
     ref = simulate(fresh_copies(reqs), base)
+    assert ref.replicas[0].engine._pool is ref.replicas[0].engine.kv  # PagedAllocator's own: counts read off
     assert [(r.req_id, r.token_times, r.finish_reason) for r in ref.requests] == \
            [(r.req_id, r.token_times, r.finish_reason) for r in res.requests]
+
+
+class OwnUsage(PagedAllocator):
+    """A user's allocator with its own usage(): the engine's step figures are read through it."""
+
+    usage_calls = 0
+
+    def usage(self):
+        self.usage_calls += 1
+        return super().usage()
+
+
+def test_an_allocator_with_its_own_usage_is_asked_for_the_step_figures():
+    base = factory("chunked", "paged", 400)
+
+    def make(clock):
+        eng, ex = base(clock)
+        kv = OwnUsage(eng.kv.num_blocks, eng.kv.block_size, eng.kv.max_model_len, enable_prefix_caching=False)
+        return FastForwardEngine(eng.policy, kv, ex, clock=clock, max_model_len=eng.max_model_len), ex
+
+    reqs = shared_prefix_requests(40, rate=20.0, seed=4)
+    with pytest.warns(UserWarning):  # its usage() voids the decode-growth promise: steps one at a time
+        res = simulate(fresh_copies(reqs), make)
+    eng = res.replicas[0].engine
+    assert eng._pool is None and eng.kv.usage_calls >= len(eng.steps) > 0
+    ref = simulate(fresh_copies(reqs), base)  # fast-forwarded: its step figures read without usage()
+    assert ref.replicas[0].engine._pool is ref.replicas[0].engine.kv
+    assert [(r.req_id, r.token_times, r.finish_reason) for r in ref.requests] == \
+           [(r.req_id, r.token_times, r.finish_reason) for r in res.requests]
+    assert step_table(ref.replicas[0].engine.steps).equals(step_table(eng.steps))  # reserved and live slots too
 
 
 class PastUntil(CostModelExecutor):

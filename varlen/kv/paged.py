@@ -304,13 +304,24 @@ class PagedAllocator(KVAllocator):
                      num_steps: int) -> tuple[int, dict[int, int]] | None:
         if self.enable_prefix_caching:
             return None  # decodes fill blocks that must be registered as they fill: call by call
+        rl: list[Request] = reqs if isinstance(reqs, list) else list(reqs)
+        cl: list[int] = counts if isinstance(counts, list) else list(counts)
+        return self._grow(rl, cl, num_steps)
+
+    def grow_running(self, reqs: list[Request], num_steps: int) -> tuple[int, dict[int, int]] | None:
+        """grow_decodes(reqs, [r.num_computed_tokens for r in reqs], num_steps), the counts read off the
+        requests: the decode fast-forward's call, with no list of boxed counts built per run."""
+        if self.enable_prefix_caching:
+            return None
+        return self._grow(reqs, None, num_steps)
+
+    def _grow(self, rl: list[Request], cl: list[int] | None, num_steps: int) -> tuple[int, dict[int, int]]:
+        """grow_decodes; cl None: each request's count is its num_computed_tokens."""
         # Without prefix caching only takes matter: list them, step then batch order, off the stack, each
         # as one int (step * n + position: ints sort faster than pairs). A record is looked up again
         # where needed (cheaper than keeping a list of them).
         bs: i64 = self.block_size
-        rl: list[Request] = reqs if isinstance(reqs, list) else list(reqs)
-        cl: list[int] = counts if isinstance(counts, list) else list(counts)
-        n: i64 = min(len(rl), len(cl))
+        n: i64 = len(rl) if cl is None else min(len(rl), len(cl))
         steps: i64 = num_steps
         free: i64 = self.num_free_plain()
         takes: list[int] = []
@@ -325,7 +336,7 @@ class PagedAllocator(KVAllocator):
             r = rl[p]
             k = r.kv_handle
             h = k if isinstance(k, Held) and k.owner is self else held[r.req_id]
-            c: i64 = cl[p]
+            c: i64 = r.num_computed_tokens if cl is None else cl[p]
             j: i64 = len(h.blocks) * bs - c
             while j < steps:
                 takes.append(j * n + p)
@@ -369,7 +380,7 @@ class PagedAllocator(KVAllocator):
                 r = rl[p]
                 k = r.kv_handle
                 h = k if isinstance(k, Held) and k.owner is self else held[r.req_id]
-                m: i64 = cl[p] + ok
+                m: i64 = (r.num_computed_tokens if cl is None else cl[p]) + ok
                 had = h.count
                 if m > had:
                     h.count = m
@@ -378,20 +389,29 @@ class PagedAllocator(KVAllocator):
             self.live_tokens += grown
         else:
             for q in range(n):
-                self._record_count(rl[q].req_id, cl[q] + ok)
+                self._record_count(rl[q].req_id, (rl[q].num_computed_tokens if cl is None else cl[q]) + ok)
         if ok < steps:  # the failing step's calls before the failing one succeeded
             for t2 in takes:
                 if t2 // n == ok:
                     q = t2 % n
-                    self._record_count(rl[q].req_id, cl[q] + ok + 1)
+                    self._record_count(rl[q].req_id, (rl[q].num_computed_tokens if cl is None else cl[q]) + ok + 1)
         return ok, changed
 
     def decode_steps_fit(self, reqs: Sequence[Request], counts: Sequence[int], num_steps: int) -> int:
-        # A decode takes at most one block, when its count passes its table; any free block serves.
-        bs: i64 = self.block_size
         rl: list[Request] = reqs if isinstance(reqs, list) else list(reqs)
         cl: list[int] = counts if isinstance(counts, list) else list(counts)
-        n: i64 = min(len(rl), len(cl))
+        return self._steps_fit(rl, cl, num_steps)
+
+    def running_steps_fit(self, reqs: list[Request], num_steps: int) -> int:
+        """decode_steps_fit(reqs, [r.num_computed_tokens for r in reqs], num_steps), the counts read off
+        the requests (as grow_running)."""
+        return self._steps_fit(reqs, None, num_steps)
+
+    def _steps_fit(self, rl: list[Request], cl: list[int] | None, num_steps: int) -> int:
+        """decode_steps_fit; cl None: each request's count is its num_computed_tokens."""
+        # A decode takes at most one block, when its count passes its table; any free block serves.
+        bs: i64 = self.block_size
+        n: i64 = len(rl) if cl is None else min(len(rl), len(cl))
         steps: i64 = num_steps
         free: i64 = self.num_free_plain() + len(self.free_cached)
         held = self.held
@@ -402,7 +422,7 @@ class PagedAllocator(KVAllocator):
             r = rl[p]
             k = r.kv_handle
             h = k if isinstance(k, Held) and k.owner is self else held[r.req_id]
-            j: i64 = len(h.blocks) * bs - cl[p]
+            j: i64 = len(h.blocks) * bs - (r.num_computed_tokens if cl is None else cl[p])
             if j < steps:
                 num_takes += (steps - j + bs - 1) // bs
             p += 1
@@ -413,7 +433,7 @@ class PagedAllocator(KVAllocator):
             r = rl[q]
             k = r.kv_handle
             g = k if isinstance(k, Held) and k.owner is self else held[r.req_id]
-            j2 = len(g.blocks) * bs - cl[q]
+            j2 = len(g.blocks) * bs - (r.num_computed_tokens if cl is None else cl[q])
             while j2 < steps:
                 takes.append(j2)
                 j2 += bs
@@ -513,3 +533,7 @@ class PagedAllocator(KVAllocator):
 
     def usage(self) -> KVUsage:
         return self._usage(self.num_free_plain() + len(self.free_cached))
+
+    def reserved_slots(self) -> int:
+        """usage().reserved_slots, without the KVUsage (the decode fast-forward reads it every step)."""
+        return (self.num_blocks - self.num_free_plain() - len(self.free_cached)) * self.block_size
