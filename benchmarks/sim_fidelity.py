@@ -50,7 +50,7 @@ deterministic simulation's do not: the requests of a cluster (TTFT: those whose 
 out in a real run, and a percentile at a cluster's edge sits lower than a deterministic simulation puts it. TTFT
 p50 of 45 requests sits at the low edge of the two-chunk cluster: simulated by a model fitted on the very run's
 own steps, it came out +5.1% above the real one on average over 18 saved runs (-5% to +17%), where TTFT p90, TPOT
-p50 and throughput came out within 0.5%. So each simulated figure is the median of --jitter-seeds (32)
+p50 and throughput came out within 0.5% on average. So each simulated figure is the median of --jitter-seeds (32)
 simulations in which every step's time is multiplied by a factor drawn (seeded) from the model's own training
 steps' scatter around it, by kind (decode-only steps, steps with a prompt chunk), each training run's (or engine
 pass's) factors over their median (a whole run's speed is drift, which the speed factors handle) and each kind's
@@ -68,7 +68,7 @@ Why measured's passes give a smaller slope (0.6-0.8) than the runs themselves (1
 whose median carries ~3% noise against a 4.5-8% spread between passes (its reliability 0.50-0.85; a run's ~500
 ticks: 0.95-0.99), and noise in the ticks pulls a fitted slope toward 0 (errors in variables); divided by that
 reliability the passes' slope is ~1.4, near the runs'. A slope over 1 suits decode steps but overcorrects steps
-with a chunk (they move less with the machine: prefill speed 0.92-1.04 where decode speed ran 0.89-1.14), and
+with a chunk (they move less with the machine: 0.93-1.04 where decode steps ran 0.89-1.08, 2026-12-07 18:09), and
 k = 1.5 on whole runs made profiled's adjusted figures worse on 3 of 3 saved runs; the recent runs all fell
 back to k = 1. Each run's factor is printed
 beside the noise diagnosis' step factor, with how closely they agree; so is a speed probe read around the
