@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -328,3 +329,83 @@ def test_a_cells_resolution_is_how_far_a_1pct_step_time_change_moves_its_simulat
     assert moves["TPOT p50 (ms)"] == pytest.approx(1.0, abs=0.05)
     assert moves["throughput (tok/s)"] < 1.0
     assert set(sim_fidelity.GOAL_METRICS) <= set(moves.index)
+
+
+def test_step_jitter_is_each_runs_scatter_over_its_median_by_kind_with_mean_1() -> None:
+    """A run 20% slow throughout (drift) adds the same factors as the one it copies, not more spread; decode-only
+    steps and steps with a prompt chunk draw apart; each kind's factors average 1 (the model's mean step stays)."""
+
+    class Flat:
+        def step_time(self, new, cached, logits=None) -> float:
+            return 0.1 if max(new) > 1 else 0.01
+
+    run = [([1], [5], 0.010, 1), ([1, 1], [5, 6], 0.012, 2), ([1], [7], 0.008, 1), ([64], [0], 0.11, 1)]
+    slow = [(new, cached, 1.2 * t, logits) for new, cached, t, logits in run]
+    pools = sim_fidelity.step_jitter(Flat(), [run, slow])
+    assert sorted(pools["decode"]) == pytest.approx(sorted([1.0, 1.2, 0.8] * 2))
+    assert pools["chunk"] == pytest.approx([1.0, 1.0])  # 1.1 over the run's median 1.0, over the kind's mean 1.1
+    assert set(sim_fidelity.step_jitter(Flat(), [run[:3]])) == {"decode"}  # no chunk steps: none to draw from
+
+
+def _slice_and_model():
+    from functools import partial
+
+    from schedulers import ChunkedPolicy
+    from sim.cost.fitted import ProfiledCostModel
+    from varlen.kv import PagedAllocator
+    from varlen.sampling_params import SamplingParams
+    from varlen.traces import Trace, TraceStats, load_trace
+    from varlen.workload import trace_requests
+
+    trace = load_trace("azure_conv", limit=8, max_model_len=256, over_length="clip")
+    reqs = trace_requests(Trace(sim_fidelity.slice_trace(trace, 0, 8, 0.5), TraceStats("slice", "azure")), 1000,
+                          SamplingParams(ignore_eos=True, temperature=0.0), token_ids=True)
+    run = sim_fidelity.RealRun("A", [], {}, reqs, partial(ChunkedPolicy, max_num_seqs=4, max_num_batched_tokens=64),
+                               partial(PagedAllocator, 256, 16, 256), 256, 0.0, 0.0, {}, 0)
+    rows = [([n] + [1] * d, [0] + [50] * d, 0.01 + 2e-4 * n + 1e-3 * d, 1 + d) for n in (1, 16, 64) for d in range(4)]
+    return run, ProfiledCostModel.fit(rows)
+
+
+def test_a_jittered_step_draws_its_kinds_factor_and_unit_factors_are_the_deterministic_simulation() -> None:
+    """Unit factors reproduce the deterministic simulation (at its scale) exactly, though the decode fast path is
+    off; spread factors move it, the same seed alike; a chunk step draws from the chunk factors only."""
+    import numpy as np
+
+    from sim.cost.scaled import ScaledCostModel
+
+    run, cost = _slice_and_model()
+    chunky = sim_fidelity.JitteredCostModel(cost, 1.0, {"chunk": np.array([2.0])}, seed=0)
+    assert chunky.step_time([1, 1], [10, 20], 2) == cost.step_time([1, 1], [10, 20], 2)
+    assert chunky.step_time([64, 1], [0, 20], 1) == pytest.approx(2.0 * cost.step_time([64, 1], [0, 20], 1))
+
+    ones = {"decode": np.ones(3), "chunk": np.ones(2)}
+    det, jittered, steps = sim_fidelity.simulated(cost, [run], 1.1, ones, seeds=2)
+    assert jittered.shape[1] == 2 and steps > 0
+    assert jittered[0].tolist() == pytest.approx(det.tolist(), rel=1e-12)
+    at_scale, _, _ = sim_fidelity.simulated(ScaledCostModel(cost, 1.1), [run], 1.0)
+    assert det.tolist() == pytest.approx(at_scale.tolist(), rel=1e-12)
+
+    spread = {"decode": np.array([0.5, 1.5]), "chunk": np.array([0.5, 1.5])}
+    _, a, _ = sim_fidelity.simulated(cost, [run], 1.0, spread, seeds=3)
+    _, b, _ = sim_fidelity.simulated(cost, [run], 1.0, spread, seeds=3)
+    assert a.equals(b)  # seeded: the same figures on every run of the benchmark
+    assert not a[0].equals(a[1]) and not a[0].equals(det)
+    assert sim_fidelity.simulated(cost, [run], 1.0, spread, seeds=0)[1] is None  # --jitter-seeds 0: deterministic
+
+
+def test_the_adjusted_figure_keeps_the_deterministic_error_beside_the_jittered_one() -> None:
+    """Against a run the deterministic simulation matches, unit jitter leaves every error 0; spread jitter moves
+    the judged (median) figure off it while the deterministic error stays printed at 0, with the seeds' spread."""
+    import numpy as np
+
+    run, cost = _slice_and_model()
+    det, _, _ = sim_fidelity.simulated(cost, [run], 1.0)
+    real = dataclasses.replace(run, headline=det.to_dict())  # a real run the simulation matches exactly
+    ones = {"decode": np.ones(2)}
+    err = sim_fidelity.compare_at_speeds(cost, "test", [real], [1.0], ones, seeds=2)
+    assert err.loc[sim_fidelity.GOAL_METRICS, "adjusted error %"].abs().max() == pytest.approx(0.0, abs=1e-9)
+    assert err.attrs["deterministic"].loc[sim_fidelity.GOAL_METRICS].abs().max() == pytest.approx(0.0, abs=1e-9)
+    raw = sim_fidelity.compare(cost, "test", [real], {"decode": np.array([0.5, 1.5])}, seeds=4)
+    assert raw.loc["TPOT p50 (ms)", "deterministic error %"] == pytest.approx(0.0, abs=1e-9)
+    assert raw.loc["TPOT p50 (ms)", "sim error %"] != pytest.approx(0.0, abs=1e-6)
+    assert raw.loc["TPOT p50 (ms)", "jitter sd %"] > 0
