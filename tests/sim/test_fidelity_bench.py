@@ -392,7 +392,15 @@ def test_a_jittered_step_draws_its_kinds_factor_and_unit_factors_are_the_determi
     assert not a[0].equals(a[1]) and not a[0].equals(det)
     assert sim_fidelity.simulated(cost, [run], 1.0, spread, seeds=0)[1] is None  # --jitter-seeds 0: deterministic
 
+    # Every step through step_total: the decode fast path (which reuses a stretch's end times) is off for it.
+    from sim.executor import CostModelExecutor
+    from varlen.clock import SimClock
 
+    assert CostModelExecutor(cost, SimClock())._decode
+    assert not CostModelExecutor(chunky, SimClock())._decode
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the stand-in run has no steps to count
 def test_the_adjusted_figure_keeps_the_deterministic_error_beside_the_jittered_one() -> None:
     """Against a run the deterministic simulation matches, unit jitter leaves every error 0; spread jitter moves
     the judged (median) figure off it while the deterministic error stays printed at 0, with the seeds' spread."""
