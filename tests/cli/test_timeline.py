@@ -131,18 +131,17 @@ def test_off_by_default(tmp_path):
         assert compose("sim", []).output.timeline is False
 
 
-def test_varlen_run_writes_the_timeline(tmp_path):
-    import os
-    import subprocess
-    import sys
-
+def test_varlen_run_writes_the_timeline(tmp_path, monkeypatch, capsys):
     import pandas as pd
 
-    env = dict(os.environ, VARLEN_HOME=str(tmp_path / "home"))
-    res = subprocess.run([sys.executable, "-m", "varlen.run", f"hydra.run.dir={tmp_path / 'out'}", "progress=false",
-                          "engine.threads=1", "workload.limit=6", "workload.output_len=uniform:2:6",
-                          "output.timeline=true"], capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr
+    from tests.cli.test_cli_errors import run_main
+
+    # In this process (a subprocess would spend ~10 s importing torch and transformers).
+    monkeypatch.setenv("VARLEN_HOME", str(tmp_path / "home"))
+    code, _, err = run_main("varlen.run", [f"hydra.run.dir={tmp_path / 'out'}", "progress=false", "engine.threads=1",
+                                           "workload.limit=6", "workload.output_len=uniform:2:6", "output.timeline=true"],
+                            monkeypatch, capsys, through_cli=True)
+    assert code == 0, err
     out = tmp_path / "out"
     events = json.loads((out / "timeline.json").read_text())["traceEvents"]
     _check_fields(events)

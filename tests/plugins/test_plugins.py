@@ -17,6 +17,7 @@ from typing import Iterator
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from tests.cli.test_cli_errors import run_main
 from varlen import LLM, SamplingParams, registry
 from varlen.testing.equivalence import check_mixed_batches_match_each_request_alone
 
@@ -125,14 +126,17 @@ def test_the_user_backend_passes_the_batch_equivalence_check(user_plugins, model
     check_mixed_batches_match_each_request_alone(models, "fancy", data)
 
 
-def test_varlen_run_runs_them(user_plugins, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "varlen.run", "backend=fancy", "scheduler=mine",
-                          "scheduler.max_chunk=4", f"hydra.run.dir={tmp_path / 'out'}", "progress=false",
-                          "engine.threads=1", "workload.limit=5", "workload.output_len=uniform:2:4"],
-                         capture_output=True, text=True, env=dict(user_plugins["env"], VARLEN_HOME=str(tmp_path)),
-                         timeout=300, cwd=tmp_path)
-    assert res.returncode == 0, res.stderr
-    assert "backend fancy | scheduler FewestTokensFirst" in res.stdout
+def test_varlen_run_runs_them(user_plugins, tmp_path, monkeypatch, capsys):
+    # In this process, as `python -m varlen.run` runs it (run_cli, Hydra): a subprocess would pay
+    # ~10 s of torch and transformers imports; the user's folder and packages are set up here too.
+    monkeypatch.setenv("VARLEN_HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main("varlen.run", ["backend=fancy", "scheduler=mine", "scheduler.max_chunk=4",
+                                             f"hydra.run.dir={tmp_path / 'out'}", "progress=false", "engine.threads=1",
+                                             "workload.limit=5", "workload.output_len=uniform:2:4"],
+                              monkeypatch, capsys, through_cli=True)
+    assert code == 0, err
+    assert "backend fancy | scheduler FewestTokensFirst" in out
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["finished"] == 5
     assert max_new_tokens(tmp_path / "out" / "steps.csv") == 4  # scheduler.max_chunk=4 reached the policy
 

@@ -108,14 +108,16 @@ def _env(tmp_path) -> dict:
     return dict(os.environ, VARLEN_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
 
 
-@pytest.mark.slow
-def test_varlen_run_with_sjf(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "varlen.run", "scheduler=sjf", f"hydra.run.dir={tmp_path / 'out'}",
-                          "progress=false", "engine.threads=1", "workload.limit=5",
-                          "workload.output_len=uniform:2:4"],
-                         capture_output=True, text=True, env=_env(tmp_path), timeout=300)
-    assert res.returncode == 0, res.stderr
-    assert "scheduler SJFPolicy" in res.stdout
+def test_varlen_run_with_sjf(tmp_path, monkeypatch, capsys):
+    from tests.cli.test_cli_errors import run_main
+
+    # In this process (a subprocess would spend ~10 s importing torch and transformers).
+    monkeypatch.setenv("VARLEN_HOME", str(tmp_path / "home"))
+    code, out, err = run_main("varlen.run", ["scheduler=sjf", f"hydra.run.dir={tmp_path / 'out'}", "progress=false",
+                                             "engine.threads=1", "workload.limit=5", "workload.output_len=uniform:2:4"],
+                              monkeypatch, capsys, through_cli=True)
+    assert code == 0, err
+    assert "scheduler SJFPolicy" in out
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["finished"] == 5
 
 

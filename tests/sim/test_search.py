@@ -290,7 +290,11 @@ def test_bad_search_settings_are_refused_before_any_simulation(args, expect) -> 
         hardware_prices(cfg)
 
 
-def test_a_bad_search_setting_ends_the_command_in_one_line(tmp_path) -> None:
-    res = run("sim.search", tmp_path / "run", "search.hardware=[b200]")
-    assert res.returncode == 2 and res.stderr.startswith("error: search.hardware: unknown hardware 'b200'")
-    assert res.stderr.strip().count("\n") == 0 and not (tmp_path / "run" / "search.csv").exists()
+def test_a_bad_search_setting_ends_the_command_in_one_line(tmp_path, monkeypatch, capsys) -> None:
+    from tests.cli.test_cli_errors import run_main
+
+    # In this process, through run_cli as `python -m sim.search` runs (no second interpreter start).
+    code, _, err = run_main("sim.search", [f"hydra.run.dir={tmp_path / 'run'}", "search.hardware=[b200]"],
+                            monkeypatch, capsys, through_cli=True)
+    assert code == 2 and err.startswith("error: search.hardware: unknown hardware 'b200'")
+    assert err.strip().count("\n") == 0 and not (tmp_path / "run" / "search.csv").exists()

@@ -145,7 +145,7 @@ def test_bisection_refuses_bad_ranges(low, high, rel_tol):
 
 
 @pytest.mark.slow
-def test_sweep_command_and_report(tmp_path):
+def test_sweep_command_and_report(tmp_path, monkeypatch, capsys):
     """The sweep of the issue, small: one command, a Hydra multirun through the joblib launcher
     that ends with the report (sim.callbacks.SweepReport); sim.report alone redraws it."""
     sweep = tmp_path / "sweep"
@@ -164,8 +164,10 @@ def test_sweep_command_and_report(tmp_path):
     assert len(pd.read_csv(sweep / "summary.csv")) == 4
     for f in files:
         (sweep / f).unlink()
-    out = subprocess.run([sys.executable, "-m", "sim.report", str(sweep)], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout
+    from tests.cli.test_cli_errors import run_main
+
+    code, out, err = run_main("sim.report", [str(sweep)], monkeypatch, capsys)  # in this process: no second start-up
+    assert code == 0, err
     assert "chunked/paged" in out and "static/paged" in out
     for f in files:
         assert (sweep / f).stat().st_size > 0
