@@ -485,7 +485,9 @@ def _time_weighted_kv(c: dict[str, np.ndarray], total_slots: int) -> float:
     busy = float(c["duration"].sum())
     if busy <= 0 or total_slots <= 0:
         return 0.0
-    return float(np.dot(c["kv_reserved_slots"], c["duration"])) / busy / total_slots
+    # numpy's pairwise sum, not np.dot: BLAS splits a long dot across its threads, so the last bits
+    # would depend on OPENBLAS_NUM_THREADS (a Ray cell and the same cell in one process disagreed).
+    return float(np.sum(c["kv_reserved_slots"] * c["duration"])) / busy / total_slots
 
 
 def request_latencies(reqs: Sequence[Request]) -> dict[str, np.ndarray]:

@@ -260,7 +260,7 @@ def _same_run(a: Path, b: Path) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                     reason="ray is not installed: install the cluster extra: pip install -e '.[cluster]' (scripts/setup.sh does)")
 @pytest.mark.parametrize("fleet", [[*SMALL, "workload.limit=120"], DISAGG], ids=["colocated", "disaggregated"])
-def test_cells_on_ray_equal_cells_in_one_process(fleet, tmp_path):
+def test_cells_on_ray_equal_cells_in_one_process(fleet, tmp_path, monkeypatch, capsys):
     """One run on a local Ray instance (2 CPUs, no dashboard), in a subprocess of its own so that the
     instance ends with it; the same cells in this process give the same files, bit for bit."""
     import os
@@ -276,9 +276,8 @@ def test_cells_on_ray_equal_cells_in_one_process(fleet, tmp_path):
                            f"hydra.run.dir={tmp_path / 'ray'}"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     print(f"sim.run with 3 cells on Ray: {time.perf_counter() - t0:.1f} s wall")
-    proc = subprocess.run([sys.executable, "-m", "sim.run", *args, f"hydra.run.dir={tmp_path / 'local'}"], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, _, err = run_main("sim.run", [*args, f"hydra.run.dir={tmp_path / 'local'}"], monkeypatch, capsys)
+    assert code == 0, err
     _same_run(tmp_path / "ray", tmp_path / "local")
     assert (tmp_path / "ray" / "steps.csv").read_bytes() == (tmp_path / "local" / "steps.csv").read_bytes()
     assert json.loads((tmp_path / "ray" / "summary.json").read_text())["cells"] == 3
