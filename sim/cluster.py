@@ -5,6 +5,7 @@ summary figures. The simulation itself is sim/disagg.py."""
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Mapping
 
 import numpy as np
@@ -174,16 +175,20 @@ class Pools:
 
 def pool_utilisation(reps: list, span: float) -> dict[str, float]:
     """busy: the pool's fraction of instance-time in steps; KV: time-weighted mean and peak usage."""
-    busy = kv_mean = kv_peak = 0.0
+    busy: list[float] = []
+    kv_mean: list[float] = []
+    kv_peak = 0.0
     for rep in reps:
         col = rep.engine.steps.columns(tokens=False)
         cap = rep.engine.kv.capacity_tokens
         dur, kv = col["duration"], col["kv_reserved_slots"]
-        busy += float(dur.sum())
-        kv_mean += float((dur * kv).sum()) / cap / max(span, 1e-12)
+        busy += dur.tolist()
+        kv_mean.append(math.fsum((dur * kv).tolist()) / cap / max(span, 1e-12))
         kv_peak = max(kv_peak, float(kv.max(initial=0)) / cap)
     n = max(len(reps), 1)
-    return dict(busy=busy / n / max(span, 1e-12), mean_kv_usage=kv_mean / n, peak_kv_usage=kv_peak)
+    # Exactly rounded sums: the same figures whatever order the replicas come in (cells or one fleet).
+    return dict(busy=math.fsum(busy) / n / max(span, 1e-12), mean_kv_usage=math.fsum(kv_mean) / n,
+                peak_kv_usage=kv_peak)
 
 
 def _span_and_prompt(requests: Any) -> tuple[float, float, int]:
