@@ -182,11 +182,11 @@ def pool_utilisation(reps: list, span: float) -> dict[str, float]:
         col = rep.engine.steps.columns(tokens=False)
         cap = rep.engine.kv.capacity_tokens
         dur, kv = col["duration"], col["kv_reserved_slots"]
-        busy += dur.tolist()
-        kv_mean.append(math.fsum((dur * kv).tolist()) / cap / max(span, 1e-12))
+        busy.append(float(dur.sum()))
+        kv_mean.append(float((dur * kv).sum()) / cap / max(span, 1e-12))
         kv_peak = max(kv_peak, float(kv.max(initial=0)) / cap)
     n = max(len(reps), 1)
-    # Exactly rounded sums: the same figures whatever order the replicas come in (cells or one fleet).
+    # Exactly rounded sums over the replicas: the same figures whatever order they come in (cells or one fleet).
     return dict(busy=math.fsum(busy) / n / max(span, 1e-12), mean_kv_usage=math.fsum(kv_mean) / n,
                 peak_kv_usage=kv_peak)
 

@@ -3,7 +3,6 @@ imported only when a table is asked for, so the simulator starts fast."""
 
 from __future__ import annotations
 
-import math
 import operator
 import struct
 from dataclasses import dataclass
@@ -483,12 +482,12 @@ def median(x: np.ndarray) -> float:
 
 def _time_weighted_kv(c: dict[str, np.ndarray], total_slots: int) -> float:
     """Reserved KV fraction averaged over busy time (each step weighs its duration)."""
-    # Exactly rounded sums: the figure is the same whatever order the replicas' steps come in (cells,
-    # one fleet) and however many threads BLAS uses (np.dot's last bits moved with OPENBLAS_NUM_THREADS).
-    busy = math.fsum(c["duration"].tolist())
+    busy = float(c["duration"].sum())
     if busy <= 0 or total_slots <= 0:
         return 0.0
-    return math.fsum((c["kv_reserved_slots"] * c["duration"]).tolist()) / busy / total_slots
+    # numpy's pairwise sum, not np.dot: BLAS splits a long dot across its threads, so its last bits
+    # moved with OPENBLAS_NUM_THREADS.
+    return float(np.sum(c["kv_reserved_slots"] * c["duration"])) / busy / total_slots
 
 
 def request_latencies(reqs: Sequence[Request]) -> dict[str, np.ndarray]:

@@ -49,8 +49,10 @@ def test_round_robin_cells_are_the_round_robin_fleet(tokens):
     # Cell c's replica k (numbered 2c + k) is the fleet's replica c + 2k: request i goes to i % 4 both ways.
     assert {r: g // 2 + g % 2 * 2 for r, g in cells.routed.items()} == one.routed
     assert row["cells"] == 2 and row["replicas_per_cell"] == 2 and row["replicas"] == 4 and row["gpus"] == 4
-    # Replicas' steps come concatenated in another order; every figure is still the same (sums exactly rounded).
-    assert {k for k in rows_one if rows_one[k] != row[k]} - UNCOMPARED == set()
+    differ = {k for k in rows_one if rows_one[k] != row[k]} - UNCOMPARED
+    # Replicas' steps concatenated in another order: a time-weighted sum may round differently.
+    assert differ <= {"mean_kv_usage"}
+    assert row["mean_kv_usage"] == pytest.approx(rows_one["mean_kv_usage"], rel=1e-12)
     assert set(row) - set(rows_one) == {"cells", "replicas_per_cell"}
 
 
