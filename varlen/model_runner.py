@@ -11,6 +11,7 @@ only at `logits_indices`. At load a probe forward reads every layer's attention
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,23 @@ def precomputed_masks(model: torch.nn.Module) -> dict[str, None] | None:
     return masks
 
 
+# model -> (what its answer depends on, the answer): tests build hundreds of runners over one loaded
+# model, and these two probe forwards were most of a runner's set-up. Weak: a dropped model goes.
+_MASKS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, dict[str, None] | None]] = weakref.WeakKeyDictionary()
+
+
+def shared_precomputed_masks(model: torch.nn.Module) -> dict[str, None] | None:
+    """precomputed_masks(model), probed once per model while its config, module classes, device and
+    dtype stay the same; the mapping returned is the caller's own."""
+    param = next(model.parameters())
+    key = (repr(model.config.to_dict()), model.config._attn_implementation, param.device, param.dtype,
+           tuple(type(m) for m in model.modules()))
+    hit = _MASKS.get(model)
+    if hit is None or hit[0] != key:
+        hit = _MASKS[model] = (key, precomputed_masks(model))
+    return None if hit[1] is None else dict(hit[1])
+
+
 def register_varlen_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -176,7 +194,7 @@ class ModelRunner:
         backend.bind(attn.num_q_heads, self.num_kv_heads, self.head_dim, dtype, block_size, self.device,
                      self.layers, model_name=f"{type(self.model).__name__} ({model_path})")
         self.layer_kwargs = [{"layer": spec} if spec.features else {} for spec in self.layers]
-        masks = precomputed_masks(self.model)
+        masks = shared_precomputed_masks(self.model)
         self.forward_kwargs: dict[str, Any] = {"attention_mask": masks} if masks is not None else {}
         self.kv_caches = backend.allocate_kv_cache(self.num_layers, num_blocks, block_size, self.num_kv_heads,
                                                    self.head_dim, dtype, self.device)

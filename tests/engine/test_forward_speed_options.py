@@ -60,3 +60,25 @@ def test_a_model_refusing_the_mapping_keeps_building_masks():
     model = load_model(ensure_tiny_model("llama"), torch.float32, "cpu")
     assert precomputed_masks(model) is None
     assert ModelRunner(model, registry.build("backend", "torch_paged"), BS, 8).forward_kwargs == {}
+
+
+def test_runners_over_one_model_probe_it_once_and_own_their_mapping(monkeypatch):
+    """The probe's answer is shared by the runners of one model (shared_precomputed_masks): a
+    changed config probes again, and one runner's mapping changed in place is not another's."""
+    import varlen.model_runner as model_runner
+
+    model = load_model(ensure_tiny_model("qwen3"), torch.float32, "cpu")
+    probed = []
+    real = model_runner.precomputed_masks
+    monkeypatch.setattr(model_runner, "precomputed_masks", lambda m: probed.append(m) or real(m))
+    a, b = (ModelRunner(model, registry.build("backend", "torch_paged"), BS, 8) for _ in range(2))
+    assert probed == [model]
+    mapping = a.forward_kwargs["attention_mask"]
+    assert mapping and all(v is None for v in mapping.values())
+    mapping["full_attention"] = torch.zeros(1)
+    assert b.forward_kwargs["attention_mask"]["full_attention"] is None
+    assert ModelRunner(model, registry.build("backend", "torch_ref"), BS, 8).forward_kwargs["attention_mask"] == (
+        dict.fromkeys(mapping))
+    monkeypatch.setattr(model.config, "varlen_test_setting", 1, raising=False)
+    ModelRunner(model, registry.build("backend", "torch_paged"), BS, 8)
+    assert probed == [model, model]
