@@ -216,6 +216,12 @@ def _table(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return v, np.add.reduceat(counts[order], np.cumsum(n) - n) if len(v) else counts[:0]
 
 
+def _packed(values: list, code: str) -> np.ndarray:
+    """A list of Python floats (code "d") or ints ("q") as a read-only array, packed whole: ~4x cheaper than
+    np.array's element by element (as GapCounts.add_counts packs)."""
+    return np.frombuffer(struct.pack(f"{len(values)}{code}", *values), np.float64 if code == "d" else np.int64)
+
+
 def _num_streamed(r: Any) -> int:
     """A request's streamed token times (0 for any other object with a Request's fields, sim.cells')."""
     return getattr(r, "num_token_times", 0)
@@ -288,14 +294,16 @@ class RequestResults:
         if cols is not None:
             (reasons, ids, messages, arrival, scheduled, finish, prompt, output, preemptions, hits, priority, times,
              num_streamed, first, last, longest) = cols
-            counts: Iterable[tuple[str, list[int]]] = zip(
-                [c for c, _ in _COUNTS], (prompt, output, preemptions, hits, priority))
+            # Compiled fields: exactly floats and ints, packed whole (_packed).
+            arrivals = _packed(arrival, "d")
+            counts: Iterable[tuple[str, np.ndarray]] = zip(
+                [c for c, _ in _COUNTS], (_packed(v, "q") for v in (prompt, output, preemptions, hits, priority)))
         else:
             reasons = list(map(get("finish_reason"), requests))
             ids, messages = list(map(get("req_id"), requests)), list(map(get("finish_message"), requests))
-            arrival = list(map(get("arrival"), requests))
+            arrivals = np.fromiter(map(get("arrival"), requests), np.float64, n)
             scheduled, finish = list(map(get("first_scheduled"), requests)), list(map(get("finish_time"), requests))
-            counts = ((c, list(map(get(f), requests))) for c, f in _COUNTS)
+            counts = ((c, np.fromiter(map(get(f), requests), np.int64, n)) for c, f in _COUNTS)
             times = list(map(get("token_times"), requests))
         known = list(map(_CODE_OF_ID.get, map(id, reasons)))
         codes = np.fromiter(known if None not in known else map(_CODES.__getitem__, reasons), np.int8, n)
@@ -303,12 +311,12 @@ class RequestResults:
         req_id, finish_message = self.req_id, self.finish_message
         for j, r, m in zip(idx.tolist(), ids, messages):
             req_id[j], finish_message[j] = r, m
-        self.arrival[idx] = np.array(arrival, np.float64)
+        self.arrival[idx] = arrivals
         # None (not scheduled, not finished) becomes NaN in a float column.
         self.first_scheduled[idx] = scheduled
         self.finish[idx] = finish
         for column, values in counts:
-            getattr(self, column)[idx] = np.array(values, np.int64)
+            getattr(self, column)[idx] = values
         self.filled[idx] = True
         lens = np.fromiter(map(len, times), np.int64, n)
         ends = np.cumsum(lens)
@@ -322,11 +330,11 @@ class RequestResults:
             self._add_times(idx[start:end], times[start:end], lens[start:end], done[start:end])
             start = end
         if cols is not None:
-            streamed = np.array(num_streamed, np.int64)
+            streamed = _packed(num_streamed, "q")
             if streamed.any():
                 has = streamed > 0
-                self._streamed_figures(idx[has], streamed[has], np.array(first)[has], np.array(last)[has],
-                                       np.array(longest)[has])
+                self._streamed_figures(idx[has], streamed[has], _packed(first, "d")[has], _packed(last, "d")[has],
+                                       _packed(longest, "d")[has])
             return
         try:
             streamed = np.fromiter(map(get("num_token_times"), requests), np.int64, n)
