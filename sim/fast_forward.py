@@ -19,7 +19,7 @@ from varlen.kv.growth import DecodeGrowth
 from varlen.kv.paged import PagedAllocator
 from varlen.promises import keeps_promise
 from varlen.request import FinishReason, Request
-from varlen.scheduler_api import SchedulerPolicy
+from varlen.scheduler_api import DECODE_PROMISE_BEHAVIOUR, SchedulerPolicy
 from varlen.steplog import DecodeRun, StepLog, StepRecord
 
 #: Final: compiled, read from a C static rather than looked up in the module's dict at every step.
@@ -90,6 +90,37 @@ class FastForwardEngine(Engine):
         self._limits_base: list[int] | None = None  # built when first asked (_base_and_limit)
         self._limits_min = 0
         self._limits_stops = False  # whether a token may stop a request of that batch (else none ever does)
+        # The policy's last next_decode_batch answer and what it was read at (_decode_batch): asked up to three
+        # times between two steps (after a step, for the horizon, before the next step), it changes only with
+        # a step, a finish or an admission. -1: whether the policy's behaviour is SchedulerPolicy's not checked.
+        self._own_batch = -1
+        self._batch_log: StepLog | None = None
+        self._batch_at = -1
+        self._batch_running: list[Request] | None = None
+        self._batch_len = -1
+        self._batch_memo: list[Request] | None = None
+
+    def _decode_batch(self) -> list[Request] | None:
+        """policy.next_decode_batch(); its last answer again while nothing it reads can have changed: no step
+        logged since, the same running list of the same length, nothing waiting then or now. Only for a policy
+        whose every behaviour method is SchedulerPolicy's (DECODE_PROMISE_BEHAVIOUR); another is asked each time."""
+        policy = self.policy
+        if self._own_batch < 0:
+            cls = type(policy)
+            self._own_batch = int(all(getattr(cls, m) is getattr(SchedulerPolicy, m) for m in DECODE_PROMISE_BEHAVIOUR))
+        if not self._own_batch:
+            return policy.next_decode_batch()
+        log, running = self.steps, policy.running
+        if policy.waiting:
+            self._batch_at = -1
+            return policy.next_decode_batch()
+        if (len(log) == self._batch_at and log is self._batch_log and running is self._batch_running
+                and len(running) == self._batch_len):
+            return self._batch_memo
+        batch = policy.next_decode_batch()
+        self._batch_log, self._batch_at, self._batch_running, self._batch_len = log, len(log), running, len(running)
+        self._batch_memo = batch
+        return batch
 
     def _fuses(self) -> bool:
         """Whether _step may fuse Engine._step's loops with the executor's: the executor offers it
@@ -292,7 +323,7 @@ class FastForwardEngine(Engine):
         now = self._now() if until is not None else 0.0
         if until is not None and (start is None or start == now) and now < until:
             # A run cut short at `until` resumes as a run: no full step between two stretches of decodes.
-            batch = self.policy.next_decode_batch()
+            batch = self._decode_batch()
             if batch and self._promises_kept():
                 finished = self._timed_decode_run(batch, until)
                 if len(self.steps) != before:
@@ -300,7 +331,7 @@ class FastForwardEngine(Engine):
         finished = super().step(start)
         if until is None or len(self.steps) == before or self.num_preemptions != preemptions:
             return finished  # no step recorded (nothing schedulable), or it preempted: no promise
-        batch = self.policy.next_decode_batch()
+        batch = self._decode_batch()
         if not batch or not self._promises_kept():
             return finished
         if self._own_run > 0 and self._now() >= until:
@@ -316,7 +347,7 @@ class FastForwardEngine(Engine):
         last one is returned, a lower bound, and horizon_bound says how far to time next (else 0)."""
         self.horizon_bound = 0
         now = self._now()
-        batch = self.policy.next_decode_batch()
+        batch = self._decode_batch()
         if not batch or not self._promises_kept() or self._fits < 1:
             return now
         own = self._rules_own()
@@ -408,7 +439,7 @@ class FastForwardEngine(Engine):
             finished += done
             if not go_on:
                 break
-            batch = self.policy.next_decode_batch()
+            batch = self._decode_batch()
         return finished
 
     def _decode_segment(self, batch: list[Request], until: float) -> tuple[list[Request], bool]:

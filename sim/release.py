@@ -32,8 +32,9 @@ class Release:
         self.seen = 0  # positions below this have arrived
 
     def fold(self, arrived: int, force: bool = False) -> None:
-        """Look at the `arrived` first positions; amortised: only once the new arrivals are many."""
-        if not force and arrived - self.seen < max(len(self.held) // 2, 256):
+        """Look at the `arrived` first positions; amortised: only once the new arrivals are as many as the
+        requests held at the last fold (each fold reads those again), so a request is read about twice."""
+        if not force and arrived - self.seen < max(len(self.held), 256):
             return
         positions = self.held + list(range(self.seen, arrived))
         reqs = _read(self.pending, positions)

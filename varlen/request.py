@@ -179,3 +179,55 @@ def prompt_problem(ids: object, vocab_size: int) -> str:
         if not 0 <= t < vocab_size:
             return f"prompt token {i} is {t}: {want}"
     return ""
+
+
+#: results_columns' answer: each list one field of every request, in order.
+Columns = tuple[list["FinishReason | None"], list[str], list[str], list[float], list["float | None"],
+                list["float | None"], list[int], list[int], list[int], list[int], list[int], list[list[float]],
+                list[int], list[float], list[float], list[float]]
+
+
+def results_columns(reqs: list[Any]) -> Columns | None:
+    """The fields RequestResults.add keeps, read off every request in one pass (compiled: native reads,
+    where a getter per field and request costs ~10x more): finish_reason, req_id, finish_message, arrival,
+    first_scheduled, finish_time, num_prompt_tokens, num_output_tokens, num_preemptions,
+    num_prefix_hit_tokens, priority, token_times, num_token_times, first_token_time, last_token_time,
+    max_token_gap. None where one is not exactly a Request (a subclass's properties are read as they are)."""
+    reasons: list[FinishReason | None] = []
+    ids: list[str] = []
+    messages: list[str] = []
+    arrival: list[float] = []
+    scheduled: list[float | None] = []
+    finish: list[float | None] = []
+    prompt: list[int] = []
+    output: list[int] = []
+    preemptions: list[int] = []
+    hits: list[int] = []
+    priority: list[int] = []
+    times: list[list[float]] = []
+    streamed: list[int] = []
+    first: list[float] = []
+    last: list[float] = []
+    longest: list[float] = []
+    for o in reqs:
+        if type(o) is not Request:
+            return None
+        r: Request = o
+        reasons.append(r.finish_reason)
+        ids.append(r.req_id)
+        messages.append(r.finish_message)
+        arrival.append(r.arrival)
+        scheduled.append(r.first_scheduled)
+        finish.append(r.finish_time)
+        prompt.append(r.num_prompt_tokens)
+        output.append(len(r.output_token_ids))
+        preemptions.append(r.num_preemptions)
+        hits.append(r.num_prefix_hit_tokens)
+        priority.append(r.priority)
+        times.append(r.token_times)
+        streamed.append(r.num_token_times)
+        first.append(r.first_token_time)
+        last.append(r.last_token_time)
+        longest.append(r.max_token_gap)
+    return (reasons, ids, messages, arrival, scheduled, finish, prompt, output, preemptions, hits, priority, times,
+            streamed, first, last, longest)

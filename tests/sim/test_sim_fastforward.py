@@ -136,3 +136,56 @@ def test_fast_forward_needs_the_simulators_engine():
         simulate(fresh_copies(reqs), make)
     res = simulate(fresh_copies(reqs), make, fast_forward=False)
     assert all(r.finish_reason is not None and r.finish_reason.value == "length" for r in res.requests)
+
+
+def _decoding_engine(policy):
+    """An engine whose four requests are all past their prompts (the next batch a pure decode)."""
+    from sim.fast_forward import FastForwardEngine
+    from varlen.clock import SimClock
+    from varlen.request import Request
+
+    clock = SimClock()
+    kv = PagedAllocator(num_blocks=64, block_size=16, max_model_len=1024)
+    eng = FastForwardEngine(policy, kv, CostModelExecutor(RooflineCostModel("tiny", "cpu_2core"), clock), clock=clock)
+    for i in range(4):
+        eng.add_request(Request(f"r{i}", [1] * 20, SamplingParams(max_tokens=50, ignore_eos=True)))
+    while eng.policy.next_decode_batch() is None:
+        eng.step()
+    return eng
+
+
+def test_decode_batch_is_asked_again_after_a_step_a_finish_or_an_arrival():
+    """The engine reuses the shipped policy's next_decode_batch answer between two steps; a step, a finish
+    without a step (abort) or an arrival gives a fresh answer, the policy's own."""
+    from schedulers import ChunkedPolicy
+    from varlen.request import Request
+
+    eng = _decoding_engine(ChunkedPolicy(max_num_seqs=8, max_num_batched_tokens=256))
+    batch = eng._decode_batch()
+    assert batch == eng.policy.next_decode_batch() and len(batch) == 4
+    assert eng._decode_batch() is batch  # nothing changed: the same answer, not asked again
+    eng.abort("r1")
+    assert [r.req_id for r in eng._decode_batch()] == ["r0", "r2", "r3"]
+    eng.step()
+    fresh = eng._decode_batch()
+    assert fresh == eng.policy.next_decode_batch() and fresh is not batch
+    eng.add_request(Request("late", [1] * 20))
+    assert eng._decode_batch() is None and eng.policy.next_decode_batch() is None
+
+
+def test_a_user_policys_decode_batch_is_asked_every_time():
+    """A policy with its own next_decode_batch (its promise declared) is asked each time, never answered for."""
+    from schedulers import ChunkedPolicy
+
+    class Counting(ChunkedPolicy):
+        repeats_decode_batches = True
+        calls = 0
+
+        def next_decode_batch(self):
+            type(self).calls += 1
+            return super().next_decode_batch()
+
+    eng = _decoding_engine(Counting(max_num_seqs=8, max_num_batched_tokens=256))
+    before = Counting.calls
+    assert eng._decode_batch() == eng._decode_batch() and len(eng._decode_batch()) == 4
+    assert Counting.calls == before + 3

@@ -280,6 +280,38 @@ def test_request_results_fold_in_groups_of_token_times_into_the_same_rows():
     assert np.array_equal(v, wv) and np.array_equal(c, wc) and len(grouped.itl) == len(whole.itl)
 
 
+def test_requests_fold_in_one_pass_into_the_columns_their_fields_give_read_one_by_one():
+    """RequestResults.add reads Requests in one compiled pass (results_columns); any other rows (sim.cells'
+    records, a subclass) field by field: the same columns either way, streamed figures included."""
+    from types import SimpleNamespace
+
+    reqs = _ended(40, 6, seed=3)
+    for i, r in enumerate(reqs):
+        r.priority, r.num_preemptions, r.num_prefix_hit_tokens = i % 3, i % 2, 4 * (i % 4)
+        if i % 5 == 0:
+            r.first_scheduled = None  # NaN in the column
+        if i % 2:  # streamed: its figures, not its times
+            k = len(r.token_times)
+            r.num_token_times, r.token_times = k, []
+            if k:
+                r.first_token_time, r.last_token_time, r.max_token_gap = i + 0.5, i + 0.5 + k, 1.25
+    fields = ("req_id", "finish_reason", "finish_message", "arrival", "first_scheduled", "finish_time",
+              "num_prompt_tokens", "num_output_tokens", "num_preemptions", "num_prefix_hit_tokens", "priority",
+              "token_times", "num_token_times", "first_token_time", "last_token_time", "max_token_gap")
+    rows = [SimpleNamespace(**{f: getattr(r, f) for f in fields}) for r in reqs]
+    fast, slow = RequestResults(40), RequestResults(40)
+    fast.add(range(39, -1, -1), reqs)
+    slow.add(range(39, -1, -1), rows)
+    for k in RequestResults._ARRAYS:
+        assert np.array_equal(getattr(fast, k), getattr(slow, k), equal_nan=getattr(fast, k).dtype.kind == "f"), k
+    assert fast.req_id == slow.req_id and fast.finish_message == slow.finish_message
+    assert np.isnan(fast.first_scheduled[39]) and fast.priority[39 - 2] == 2 and fast.prefix_hit_tokens[39 - 3] == 12
+    streamed = [i for i, r in enumerate(reqs) if r.num_token_times > 1]
+    assert streamed and all(fast.max_tbt[39 - i] == 1.25 for i in streamed)
+    (v, c), (sv, sc) = fast.itl.table(), slow.itl.table()
+    assert np.array_equal(v, sv) and np.array_equal(c, sc)
+
+
 def test_folding_many_ended_requests_at_once_needs_memory_for_a_group_only():
     import tracemalloc
 
