@@ -176,16 +176,19 @@ class SpeedTicks:
             for other in self.also:
                 other.tick(at)
 
-    def on_step(self, at: str, clock: CpuClock):
-        """An Engine.run on_step callback: a tick after every `every`-th step, off the clock."""
+    def on_step(self, at: str, clock: CpuClock | None):
+        """An Engine.run on_step callback: a tick after every `every`-th step, off `clock` (None: the caller takes
+        the callback's time off its engine's clock, as sim.profile's profile_engine does)."""
         count = [0]
 
         def after_step(_finished) -> None:
             count[0] += 1
             if count[0] % self.every == 0:
-                clock.exclude(self.tick(at))
+                dt = self.tick(at)
                 for other in self.also:  # a second instrument on the same steps, compared in the output
-                    clock.exclude(other.tick(at))
+                    dt += other.tick(at)
+                if clock is not None:
+                    clock.exclude(dt)
         return after_step
 
     also: tuple[SpeedTicks, ...] = ()
@@ -218,6 +221,7 @@ class RealRun:
     prefix_hits: int  # prompt tokens served from the prefix cache (distinct prompts: none)
     probe: tuple[float, float] | None = None  # the speed probe's seconds right before and right after the run
     index: int = 1  # its place among its slice's repeats
+    long_query_min: int = 0  # its attention backend's long-prompt threshold (profiled's long_chunks, short_chunk_pairs)
 
     @property
     def name(self) -> str:
@@ -261,7 +265,8 @@ def real_run(label: str, model_dir: str, backend: str, treqs, args, ticks: Speed
     make_kv = partial(PagedAllocator, kv.num_blocks, kv.block_size, kv.max_model_len)
     busy = sum(s.duration for s in steps) / end
     return RealRun(label, steps, headline(reqs, steps, kv.capacity_tokens), originals, make_policy, make_kv,
-                   eng.max_model_len, wall, busy, usage, sum(r.num_prefix_hit_tokens for r in reqs))
+                   eng.max_model_len, wall, busy, usage, sum(r.num_prefix_hit_tokens for r in reqs),
+                   long_query_min=int(getattr(llm.runner.backend, "long_query_min", 0)))
 
 
 #: The speed probe's fixed workload: decode-only steps of these batch sizes, and one prompt chunk.
@@ -442,7 +447,7 @@ def diagnose(runs: dict[str, list[RealRun]], features) -> dict[str, float]:
     from sim.validate import batch_sequence, first_difference
 
     pooled = ProfiledCostModel.fit([row for rs in runs.values() for r in rs for row in profile_rows(r.steps)],
-                                   features=features)
+                                   features=features, long_query_min=next(iter(runs.values()))[0].long_query_min)
     table = {}
     for label, rs in runs.items():
         first = batch_sequence(rs[0].steps)
@@ -598,11 +603,12 @@ def predict(fit_on: list[RealRun], target: list[RealRun], features, weighting: s
 
     src, dst = fit_on[0].label, target[0].label
     rows = [row for r in fit_on for row in profile_rows(r.steps)]
-    cost = ProfiledCostModel.fit(rows, features=features, weighting=weighting)
+    cost = ProfiledCostModel.fit(rows, features=features, weighting=weighting, long_query_min=fit_on[0].long_query_min)
     held = cost.score([row for r in target for row in profile_rows(r.steps)])
     print(f"\nfit on {src} ({len(rows)} steps of {len(fit_on)} runs, {weighting}): R2 {cost.report.r2:.3f}, "
           f"step MAPE {cost.report.mape:.1f}%, {cost.meta['outliers_dropped']} outlier steps dropped; "
-          f"on {dst}'s steps (held out): R2 {held.r2:.3f}, MAPE {held.mape:.1f}%\n  coefficients: "
+          f"on {dst}'s steps (held out): R2 {held.r2:.3f}, MAPE {held.mape:.1f}%; long-prompt path from "
+          f"{cost.long_query_min} new tokens\n  coefficients: "
           + ", ".join(f"{k} {v:.3g}" for k, v in cost.coefficients().items()))
     jitter = step_jitter(cost, [profile_rows(r.steps) for r in fit_on])
     return compare(cost, f"profiled on {src}", target, jitter, seeds)
@@ -615,7 +621,8 @@ def predict_adjusted(fit_on: list[RealRun], target: list[RealRun], features, wei
     from sim.cost.fitted import ProfiledCostModel, profile_rows
 
     runs_rows = [at_speed(profile_rows(r.steps), speeds[r.name]) for r in fit_on]
-    cost = ProfiledCostModel.fit([row for rows in runs_rows for row in rows], features=features, weighting=weighting)
+    cost = ProfiledCostModel.fit([row for rows in runs_rows for row in rows], features=features, weighting=weighting,
+                                 long_query_min=fit_on[0].long_query_min)
     print(f"\nfit on {fit_on[0].label}'s steps at the reference speed (each run's over its speed factor): "
           f"R2 {cost.report.r2:.3f}, step MAPE {cost.report.mape:.1f}%")
     return compare_at_speeds(cost, f"profiled on {fit_on[0].label}, at the reference speed",
@@ -785,7 +792,9 @@ class MeasuredProfiler:
         on_step = None
         if ticks is not None:
             def on_step(p: int):
-                return ticks.on_step(f"sim.profile pass {i * self.ENGINE_PASSES + p}", CpuClock())
+                # None: profile_engine takes the ticks' time off its engine's clock (until 2026-12-07 a throwaway
+                # clock here left every 4th pass step ~9 ms slow, measured's 1-2 request decodes 3-5% slow).
+                return ticks.on_step(f"sim.profile pass {i * self.ENGINE_PASSES + p}", None)
         got: list[int] = []
         self.rows += profile_engine(self.folder, self.backend, 3, on_step=on_step, groups_out=got,
                                     settings=self.settings, passes=self.ENGINE_PASSES)
@@ -1137,6 +1146,7 @@ def main() -> None:
 
         with open(args.runs_out, "wb") as f:
             pickle.dump({"args": vars(args), "ticks": ticks.samples if ticks is not None else None,
+                         "long_query_min": runs["A"][0].long_query_min,
                          "runs": {r.name: {"rows": profile_rows(r.steps), "headline": r.headline}
                                   for rs in runs.values() for r in rs},
                          "passes": (profiler.rows, profiler.groups) if profiler is not None else None}, f)

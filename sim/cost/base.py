@@ -57,6 +57,23 @@ class StepSums:
                    len(n) if num_logits is None else int(num_logits), int((n > 1).sum()))
 
 
+def chunk_shape(num_seqs: int, num_prefills: int, new: float, new_sq: float, pairs: float,
+                cached: float) -> tuple[float, float]:
+    """A step's prompt chunks (its requests of > 1 new token) from its sums: their mean length sum(n^2) / sum(n)
+    and the context behind them (sum c over the chunks). Decodes (n = 1) add nothing to sum (n - 1) c =
+    sum n c - cached, which over the mean length less one is the chunks' context: exact with one chunk (a
+    chunked engine's usual step) or chunks of one length. (0, 0) without a chunk or without new_sq (NaN)."""
+    decodes = num_seqs - num_prefills
+    chunk_new = new - decodes
+    if not chunk_new > 0:
+        return 0.0, 0.0
+    mean = (new_sq - decodes) / chunk_new
+    if not mean > 1.0:  # NaN new_sq: not given
+        return 0.0, 0.0
+    new_cached = pairs - (new_sq + new) / 2.0
+    return mean, min(max((new_cached - cached) / (mean - 1.0), 0.0), cached)
+
+
 @dataclass(init=False, slots=True)
 class StepFixed:
     """What a step's sizes fix: step = per_step + layers x (per_layer + attention), in seconds; the *_s

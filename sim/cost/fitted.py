@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 from mypy_extensions import mypyc_attr
 
-from sim.cost.base import NOT_SPLIT, CostModel, StepFixed, StepSums, load_path, one_gpu
+from sim.cost.base import NOT_SPLIT, CostModel, StepFixed, StepSums, chunk_shape, load_path, one_gpu
 
 # Features a step's time scales with, from its exact sums (logit_rows equals num_seqs by default).
 FEATURES: dict[str, Callable[[StepSums], float]] = {
@@ -28,7 +28,34 @@ FEATURES: dict[str, Callable[[StepSums], float]] = {
 }
 # logit_rows: the LM head and sampling run on sampled rows only, and a prompt chunk that does not end
 # the prompt samples nothing; on step logs that do not tell the two apart it is fitted at 0.
-LINEAR_FEATURES = ("const", "new_tokens", "num_seqs", "attn_work", "cached_tokens", "prefill_seqs", "logit_rows")
+
+
+def _chunk_path(s: StepSums, long_query_min: int) -> tuple[bool, float]:
+    """Whether the step's prompt chunks take the backend's long-prompt path (their mean length >= long_query_min;
+    every chunk where the backend has none, long_query_min 0) and their causal query-key pairs (chunk_shape)."""
+    mean, context = chunk_shape(s.num_seqs, s.num_prefills, s.new, s.new_sq, s.attention_pairs, s.cached)
+    if mean == 0.0:
+        return False, 0.0
+    decodes = s.num_seqs - s.num_prefills
+    return mean >= long_query_min, s.attention_pairs - (s.cached - context + decodes)
+
+
+# Features that depend on the backend's long-prompt threshold (the model's long_query_min): torch_paged sends a
+# request of >= 64 new tokens to SDPA (a per-request plan and context gather, its pairs at a matrix product's
+# rate) and a shorter one through its paged kernel with the decodes (each query token reads the context as a
+# decode does). long_chunks: prompt chunks on the long path (per-request); short_chunk_pairs: the causal pairs
+# of chunks under it. With prefill_seqs and one attn_work rate for both, held out on the fidelity benchmark's
+# saved real runs (5 runs, each slice's fit scoring the other's steps), chunks < 64 tokens after > 512 cached
+# came out 0.78-1.03 model/real (the kernel's pairs priced at SDPA's rate) and fresh ones 1.00-1.38 (charged
+# SDPA's per-request cost); with these, 0.94-1.11 and 0.77-1.07, the other step kinds within 0.5 points.
+PATH_FEATURES: dict[str, Callable[[StepSums, int], float]] = {
+    "long_chunks": lambda s, m: float(s.num_prefills) if _chunk_path(s, m)[0] else 0.0,
+    "short_chunk_pairs": lambda s, m: 0.0 if _chunk_path(s, m)[0] else _chunk_path(s, m)[1],
+}
+LINEAR_FEATURES = ("const", "new_tokens", "num_seqs", "attn_work", "cached_tokens", "long_chunks", "short_chunk_pairs",
+                   "logit_rows")
+#: The form before long_chunks and short_chunk_pairs (every prompt chunk one per-request cost, all pairs one rate).
+PLAIN_FEATURES = ("const", "new_tokens", "num_seqs", "attn_work", "cached_tokens", "prefill_seqs", "logit_rows")
 # Per-size offsets, NAME + K: a signed step-time offset from the linear form for one exact size, as
 # small GEMMs change kernel path by row count. decode_batch_K: a decode-only step of K requests;
 # chunk_sampled_K: a step with a prompt chunk that samples K rows (the LM head's rows).
@@ -53,9 +80,9 @@ def size_feature(name: str) -> tuple[int, int] | None:
 
 def check_features(features: Sequence[str]) -> None:
     """One line naming the unknown features and the known ones."""
-    unknown = [f for f in features if f not in FEATURES and size_feature(f) is None]
+    unknown = [f for f in features if f not in FEATURES and f not in PATH_FEATURES and size_feature(f) is None]
     if unknown:
-        raise ValueError(f"unknown features {unknown} (known: {', '.join(FEATURES)}, "
+        raise ValueError(f"unknown features {unknown} (known: {', '.join((*FEATURES, *PATH_FEATURES))}, "
                          f"{', '.join(p + 'K' for p in SIZE_FAMILIES)} for K in 1..{MAX_SIZE})")
     if len(set(features)) != len(features):
         raise ValueError(f"features {list(features)}: each at most once")
@@ -66,10 +93,13 @@ def size_features(k: int) -> tuple[str, ...]:
     return tuple(f"{p}{i}" for p in SIZE_FAMILIES for i in range(1, k + 1))
 
 
-def _feature_value(name: str, s: StepSums) -> float:
+def _feature_value(name: str, s: StepSums, long_query_min: int = 0) -> float:
     fn = FEATURES.get(name)
     if fn is not None:
         return fn(s)
+    path = PATH_FEATURES.get(name)
+    if path is not None:
+        return path(s, long_query_min)
     fam = size_feature(name)
     assert fam is not None
     if fam[0] == 0:
@@ -134,14 +164,17 @@ class ProfiledCostModel(CostModel):
 
     def __init__(self, path: str | os.PathLike | None = None, *,
                  coef: Sequence[float] | Mapping[str, float] | None = None,
-                 features: Sequence[str] = DEFAULT_FEATURES):
+                 features: Sequence[str] = DEFAULT_FEATURES, long_query_min: int = 0):
         self.report: FitReport | None = None
         self.meta: dict[str, Any] = {}
+        # The profiled backend's long-prompt threshold in new tokens (PATH_FEATURES; 0: one path for every chunk).
+        self.long_query_min = int(long_query_min)
         if path is not None:
             d = json.loads(Path(path).read_text())
             if d.get("format") != "varlen.profiled_cost_model":
                 raise ValueError(f"{path}: not a profiled cost model file")
             features, coef = d["features"], d["coef"]
+            self.long_query_min = int(d.get("long_query_min", 0))
             self.report = FitReport(**d["report"]) if d.get("report") else None
             self.meta = d.get("meta", {})
         if isinstance(coef, Mapping):
@@ -155,10 +188,11 @@ class ProfiledCostModel(CostModel):
         self._set_terms()
 
     def _set_terms(self) -> None:
-        c = dict.fromkeys(FEATURES, 0.0)
+        c = dict.fromkeys((*FEATURES, *PATH_FEATURES), 0.0)
         c.update(zip(self.features, self.coef.tolist()))
         self._c_const, self._c_new, self._c_seqs = c["const"], c["new_tokens"], c["num_seqs"]
         self._c_attn, self._c_cached = c["attn_work"], c["cached_tokens"]
+        self._c_long, self._c_short = c["long_chunks"], c["short_chunk_pairs"]
         self._c_logits, self._c_prefills = c["logit_rows"], c["prefill_seqs"]
         self._has_logits = "logit_rows" in self.features
         sizes = [size_feature(f) for f in self.features]
@@ -171,7 +205,7 @@ class ProfiledCostModel(CostModel):
 
     def feature_row(self, new_tokens: Any, cached_tokens: Any, num_logits: int | None = None) -> np.ndarray:
         s = StepSums.of(new_tokens, cached_tokens, num_logits)
-        return np.array([_feature_value(f, s) for f in self.features])
+        return np.array([_feature_value(f, s, self.long_query_min) for f in self.features])
 
     def _design(self, steps: Iterable[Step]) -> tuple[np.ndarray, np.ndarray]:
         X, y = [], []
@@ -185,14 +219,15 @@ class ProfiledCostModel(CostModel):
     @classmethod
     def fit(cls, steps: Iterable[Step], features: Sequence[str] = DEFAULT_FEATURES,
             weighting: str = "absolute", outlier_factor: float | None = 3.0,
-            iterations: int = 4, min_size_steps: int = MIN_SIZE_STEPS) -> ProfiledCostModel:
+            iterations: int = 4, min_size_steps: int = MIN_SIZE_STEPS, long_query_min: int = 0) -> ProfiledCostModel:
         """Fit to (new_tokens, cached_tokens, duration_s[, num_logits]) per step. weighting "relative":
         by 1 / predicted time squared (the measured one would bias low); outlier_factor: steps slower
         than this many predictions (a GC pause) leave the next iteration's fit; a per-size offset
-        seen on fewer than min_size_steps steps stays 0 (the linear form) and is named in meta."""
+        seen on fewer than min_size_steps steps stays 0 (the linear form) and is named in meta; long_query_min:
+        the engine's attention backend's long-prompt threshold (its long_query_min; PATH_FEATURES)."""
         if weighting not in ("relative", "absolute"):
             raise ValueError(f"weighting must be 'relative' or 'absolute', got {weighting!r}")
-        model = cls(features=features)
+        model = cls(features=features, long_query_min=long_query_min)
         X_all, y = model._design(steps)
         # A column equal to an earlier one on every step (logit_rows when every request sampled)
         # cannot be told apart from it: fitted at 0 rather than splitting the cost at random.
@@ -250,7 +285,7 @@ class ProfiledCostModel(CostModel):
     def save(self, path: str | os.PathLike) -> None:
         d = {"format": "varlen.profiled_cost_model", "version": 1, "features": list(self.features),
              "coef": self.coef.tolist(), "report": self.report.as_dict() if self.report else None,
-             "meta": self.meta}
+             "meta": self.meta, "long_query_min": self.long_query_min}
         Path(path).write_text(json.dumps(d, indent=2) + "\n")
 
     @classmethod
@@ -287,10 +322,18 @@ class ProfiledCostModel(CostModel):
         overhead += self.size_offset(num_seqs, num_logits, num_prefills)
         # The fit knows no layers: one "layer" of the new tokens' linear work.
         return StepFixed(1.0, linear, overhead + head, num_seqs=num_seqs, new=new, linear_s=linear,
-                         lm_head_s=head if self._has_logits else NOT_SPLIT, overhead_s=overhead)
+                         lm_head_s=head if self._has_logits else NOT_SPLIT, overhead_s=overhead,
+                         num_prefills=num_prefills)
 
     def layer_attention(self, f: StepFixed, pairs: float, cached: float) -> float:
-        return self._c_attn * pairs + self._c_cached * cached
+        t = self._c_attn * pairs + self._c_cached * cached
+        if self._c_long or self._c_short:  # PATH_FEATURES: _chunk_path's arithmetic on the step's sums
+            mean, context = chunk_shape(f.num_seqs, f.num_prefills, f.new, f.new_sq, pairs, cached)
+            if mean >= self.long_query_min and mean > 0.0:
+                t += self._c_long * f.num_prefills
+            elif mean > 0.0:
+                t += self._c_short * (pairs - (cached - context + (f.num_seqs - f.num_prefills)))
+        return t
 def profile_rows(steps: Sequence[Any], busy_period: bool = True,
                  max_gap_factor: float = 5.0) -> list[Step]:
     """(new_tokens, cached_tokens, seconds, num_logits) per recorded step, for ProfiledCostModel.fit;

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import numpy as np
 from mypy_extensions import mypyc_attr
 
-from sim.cost.base import CostModel, StepFixed, settings
+from sim.cost.base import CostModel, StepFixed, chunk_shape, settings
 from sim.cost.hardware import HardwareSpec, ModelShape, load_model_config
 from sim.cost.attention import calibrate_attention
 from sim.cost.collectives import Collectives
@@ -244,18 +244,15 @@ class MeasuredCostModel(CostModel):
         return k * max(self._pair_flops * pairs / self._F, b)
 
     def _two_paths(self, f: StepFixed, pairs: float, cached: float) -> float:
-        """A step with prompt chunks on a backend with a long-prompt path, from the step's sums: the chunks'
-        mean length sum(n^2) / sum(n) decides their path, exact with one chunk (the usual step of a chunked
-        engine) or chunks of one length. Decodes (n = 1) add c + 1 causal pairs each and nothing to
-        sum n(n - 1), so sum (n - 1) c = sum n c - cached is the chunks' alone."""
+        """A step with prompt chunks on a backend with a long-prompt path, from the step's sums (chunk_shape: the
+        chunks' mean length, which decides their path, and their context; exact with one chunk, the usual step
+        of a chunked engine, or chunks of one length). Decodes (n = 1) add c + 1 causal pairs each."""
+        mean, chunk_cached = chunk_shape(f.num_seqs, f.num_prefills, f.new, f.new_sq, pairs, cached)
+        if not (mean > 0.0 and mean >= self._long_min):  # no chunk, or NaN new_sq (not given): one path
+            return self._pair_flops * pairs / self._F
         decodes = f.num_seqs - f.num_prefills
         chunk_new = f.new - decodes
         chunk_sq = f.new_sq - decodes
-        if not (chunk_new > 0 and chunk_sq / chunk_new >= self._long_min):  # NaN new_sq: not given, one path
-            return self._pair_flops * pairs / self._F
-        mean = chunk_sq / chunk_new
-        new_cached = pairs - (f.new_sq + f.new) / 2.0
-        chunk_cached = min(max((new_cached - cached) / (mean - 1.0), 0.0), cached)  # sum c over the chunks
         kernel = cached - chunk_cached + decodes  # the decodes' causal pairs
         if chunk_cached > 0.5:  # after a context (masked SDPA): sum n (c + n) over the chunks
             chunks = (mean * chunk_cached + chunk_sq) / self._F_rect + self._a_key * (chunk_cached + chunk_new) / self._pair_flops

@@ -304,6 +304,63 @@ def test_profiled_save_load_round_trip(tmp_path: Path) -> None:
         ProfiledCostModel.load(tmp_path / "other.json")
 
 
+def _chunked_steps(rng: np.random.Generator, count: int) -> list[tuple[list[int], list[int]]]:
+    """A chunked engine's steps: decodes, each beside at most one prompt chunk of 2..256 tokens after 0..2000."""
+    steps = []
+    for _ in range(count):
+        k = int(rng.integers(0, 9))
+        new, cached = [1] * k, [int(c) for c in rng.integers(20, 900, k)]
+        if rng.random() < 0.6 or not k:
+            new.append(int(rng.choice([rng.integers(2, 64), rng.integers(64, 257)])))
+            cached.append(int(rng.choice([0, rng.integers(1, 2000)])))
+        steps.append((new, cached))
+    return steps
+
+
+def test_profiled_prices_the_backends_two_prompt_paths_apart() -> None:
+    """A backend with a long-prompt path (torch_paged: SDPA from 64 new tokens, a per-request cost; shorter chunks
+    through the decode kernel, each query token reading the context): long_chunks and short_chunk_pairs, fitted
+    with the backend's threshold, recover such steps, where one per-prompt cost and one pair rate (PLAIN_FEATURES)
+    left short chunks tens of percent off; the simulated step (layer_attention) is the fitted form exactly."""
+    from sim.cost.fitted import PLAIN_FEATURES
+
+    truth = {"const": 4e-3, "new_tokens": 2.5e-5, "num_seqs": 1.2e-4, "attn_work": 3e-9, "cached_tokens": 4e-8,
+             "long_chunks": 3e-3, "short_chunk_pairs": 6e-8}
+    rng = np.random.default_rng(7)
+    steps = _chunked_steps(rng, 600)
+    true_model = ProfiledCostModel(coef=truth, long_query_min=64)
+    data = [(n, c, true_model.step_time(n, c)) for n, c in steps]
+    model = ProfiledCostModel.fit(data[:400], long_query_min=64)
+    for k, v in truth.items():
+        assert model.coefficients()[k] == pytest.approx(v, rel=0.01), k
+    plain = ProfiledCostModel.fit(data[:400], features=PLAIN_FEATURES)
+    short = [(n, c, t) for n, c, t in data[400:] if 1 < max(n) < 64 and max(c) > 500]
+    assert len(short) > 5
+    assert max(abs(model.step_time(n, c) / t - 1) for n, c, t in short) < 0.01
+    assert max(abs(plain.step_time(n, c) / t - 1) for n, c, t in short) > 0.1
+    for n, c, _ in data[400:]:
+        assert model.step_time(n, c) == pytest.approx(float(model.feature_row(n, c) @ model.coef), rel=1e-12)
+    decode = ([1, 1, 1], [40, 300, 700])  # no chunk: neither path's term
+    assert model.step_time(*decode) == pytest.approx(ProfiledCostModel(coef={
+        k: v for k, v in model.coefficients().items() if k not in ("long_chunks", "short_chunk_pairs")}).step_time(*decode))
+
+
+def test_profiled_long_query_min_is_saved_and_zero_is_one_path(tmp_path: Path) -> None:
+    """long_query_min travels with the model's file; at 0 (a backend with one path) every prompt chunk is a
+    long_chunk, the per-prompt cost prefill_seqs priced before."""
+    coef = {"const": 1e-3, "long_chunks": 2e-3, "short_chunk_pairs": 1e-6}
+    model = ProfiledCostModel(coef=coef, long_query_min=64)
+    model.save(tmp_path / "m.json")
+    back = ProfiledCostModel.load(tmp_path / "m.json")
+    assert back.long_query_min == 64 and back.step_time([1, 20], [5, 600]) == model.step_time([1, 20], [5, 600])
+    assert model.step_time([1, 20], [5, 600]) == pytest.approx(1e-3 + 1e-6 * (20 * 600 + 20 * 21 / 2))
+    assert model.step_time([1, 80], [5, 600]) == pytest.approx(1e-3 + 2e-3)
+    one_path = ProfiledCostModel(coef=coef)
+    assert one_path.step_time([1, 20], [5, 600]) == pytest.approx(1e-3 + 2e-3)
+    assert one_path.step_time([1, 20], [5, 600]) == pytest.approx(
+        ProfiledCostModel(coef={"const": 1e-3, "prefill_seqs": 2e-3}).step_time([1, 20], [5, 600]))
+
+
 def test_profiled_logit_rows_feature_and_errors() -> None:
     model = ProfiledCostModel(coef={"const": 1e-3, "logit_rows": 1e-4})
     assert model.step_time([5, 1, 1], [0, 9, 9]) == pytest.approx(1e-3 + 3e-4)

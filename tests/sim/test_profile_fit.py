@@ -197,6 +197,26 @@ def test_profile_engine_calls_back_after_every_timed_step_with_its_pass(monkeypa
     assert sum(sum(new) for new, *_ in rows) == 2 * per_pass
 
 
+def test_profile_engine_takes_the_callbacks_cpu_time_off_the_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A callback among the steps (a speed tick) is not the engine's work: its CPU time stays off the step log,
+    where profile_rows would charge it to the step before it (every 4th pass step ran ~9 ms slow)."""
+    import time
+
+    import sim.profile
+    from varlen.tiny_model import ensure_tiny_model
+
+    monkeypatch.setattr(sim.profile, "ENGINE_BATCHES", ((2, 8, 6),))
+
+    def burn(finished) -> None:  # 20 ms of CPU after every step
+        t = time.process_time()
+        while time.process_time() - t < 0.02:
+            pass
+
+    rows = sim.profile.profile_engine(ensure_tiny_model("qwen3"), "torch_sdpa", 3, passes=1, on_step=lambda p: burn)
+    # The tiny model's steps take ~1-5 ms: 20 ms left in any gap would show on that step.
+    assert len(rows) >= 5 and max(t for _, _, t, _ in rows) < 0.015
+
+
 def test_profile_engine_runs_the_simulated_engines_budget_and_seats(monkeypatch: pytest.MonkeyPatch) -> None:
     """The overhead is fitted on the steps the simulated engine makes: at its token budget its prompts come in
     chunks of at most that many tokens and at its seats no more decodes share a step (the fixed 512 / 64 engine
