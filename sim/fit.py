@@ -13,6 +13,7 @@ and worst step error and the coefficients.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -74,9 +75,19 @@ def fit_run(run_dir: Path, features: Sequence[str] | None = None, weighting: str
     if len(rows) <= n_linear:
         raise FitInputError(f"{run_dir / 'steps.csv'}: {len(rows)} steps, too few to fit {n_linear} "
                             f"coefficients (serve more or longer requests: more than {n_linear} steps)")
-    model = ProfiledCostModel.fit(rows, features=features, weighting=weighting)
+    model = ProfiledCostModel.fit(rows, features=features, weighting=weighting,
+                                  long_query_min=long_query_min_of(run_dir))
     model.meta["fitted_on"] = str(run_dir.resolve() / "steps.csv")
     return model
+
+
+def long_query_min_of(run_dir: Path) -> int:
+    """The run's backend's long-prompt threshold (varlen.run's summary.json records it); 0, one path for
+    every prompt chunk, for a run that did not record it."""
+    try:
+        return int(json.loads((run_dir / "summary.json").read_text()).get("backend_long_query_min", 0))
+    except (OSError, ValueError):
+        return 0
 
 
 def expand_features(spec: str) -> list[str]:
@@ -115,6 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rep = model.report
     print(f"fitted on {rep.n_steps} steps of {args.run_dir / 'steps.csv'}: R2 {rep.r2:.3f}, "
           f"mean error {rep.mape:.1f}%, worst step {rep.max_ape:.1f}%")
+    print(f"  prompt chunks of >= {model.long_query_min} new tokens priced as the backend's long path"
+          if model.long_query_min else "  every prompt chunk priced on one path (the run recorded no long-prompt path)")
     for name, c in model.coefficients().items():
         print(f"  {name:<14} {c:.4g} s")
     print(f"wrote {args.out}: python -m sim.run cost.model=profiled cost.path={args.out} "

@@ -137,6 +137,8 @@ def write_results(cfg: DictConfig, llm: Any, reqs: list, trace: Any, out: Path, 
                     cfg.slo.get("tbt_s"))
     row["partial"] = partial
     row["backend"] = llm.backend.name  # the backend that ran (with backend=auto, the one it chose)
+    # New tokens from which its prompts take another attention path: sim.fit prices the two paths apart.
+    row["backend_long_query_min"] = int(getattr(llm.backend, "long_query_min", 0))
     row["unfinished"] = sum(r.finish_reason is None or r.finish_reason.value == "aborted" for r in reqs)
     if trace is not None:
         row.update({f"trace_{k}": getattr(trace.stats, k) for k in

@@ -44,10 +44,7 @@ def _chunk_path(s: StepSums, long_query_min: int) -> tuple[bool, float]:
 # request of >= 64 new tokens to SDPA (a per-request plan and context gather, its pairs at a matrix product's
 # rate) and a shorter one through its paged kernel with the decodes (each query token reads the context as a
 # decode does). long_chunks: prompt chunks on the long path (per-request); short_chunk_pairs: the causal pairs
-# of chunks under it. With prefill_seqs and one attn_work rate for both, held out on the fidelity benchmark's
-# saved real runs (5 runs, each slice's fit scoring the other's steps), chunks < 64 tokens after > 512 cached
-# came out 0.78-1.03 model/real (the kernel's pairs priced at SDPA's rate) and fresh ones 1.00-1.38 (charged
-# SDPA's per-request cost); with these, 0.94-1.11 and 0.77-1.07, the other step kinds within 0.5 points.
+# of chunks under it. The held-out residuals that led here are in README's fidelity section.
 PATH_FEATURES: dict[str, Callable[[StepSums, int], float]] = {
     "long_chunks": lambda s, m: float(s.num_prefills) if _chunk_path(s, m)[0] else 0.0,
     "short_chunk_pairs": lambda s, m: 0.0 if _chunk_path(s, m)[0] else _chunk_path(s, m)[1],

@@ -40,6 +40,9 @@ def test_a_real_run_fits_and_the_readme_command_runs(tmp_path, monkeypatch, caps
     model = ProfiledCostModel.load(tmp_path / "fit.json")
     assert model.report.n_steps == n_steps and f"fitted on {n_steps} steps" in fit.stdout
     assert model.meta["fitted_on"] == str((tmp_path / "real" / "steps.csv").resolve())
+    # torch_paged sends prompts of >= 64 new tokens to SDPA: the fit prices the two paths apart.
+    assert json.loads((tmp_path / "real" / "summary.json").read_text())["backend_long_query_min"] == 64
+    assert model.long_query_min == 64 and "prompt chunks of >= 64 new tokens" in fit.stdout
     linear = [c for f, c in model.coefficients().items() if not f.startswith("decode_batch_")]  # offsets are signed
     assert min(linear) >= 0 and sum(linear) > 0
     # The README's command, as written (plus a short workload and an output folder).
