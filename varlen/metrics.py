@@ -66,9 +66,8 @@ class GapCounts:
         """counts[i] gaps of values[i] seconds each (an engine's streamed gaps, Engine.stream_token_times)."""
         n = len(values)
         if n:
-            if type(values) is list and type(counts) is list:  # packed whole: ~4x cheaper than asarray's
-                v = np.frombuffer(struct.pack(f"{n}d", *values), np.float64)  # element by element
-                c = np.frombuffer(struct.pack(f"{len(counts)}q", *counts), np.int64)
+            if type(values) is list and type(counts) is list:
+                v, c = _packed(values, "d"), _packed(counts, "q")
             else:
                 v, c = np.asarray(values, np.float64), np.asarray(counts, np.int64)
             self._push(*_table(v, c), int(c.sum()))
@@ -218,7 +217,7 @@ def _table(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 def _packed(values: list, code: str) -> np.ndarray:
     """A list of Python floats (code "d") or ints ("q") as a read-only array, packed whole: ~4x cheaper than
-    np.array's element by element (as GapCounts.add_counts packs)."""
+    np.array's element by element."""
     return np.frombuffer(struct.pack(f"{len(values)}{code}", *values), np.float64 if code == "d" else np.int64)
 
 

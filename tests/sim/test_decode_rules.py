@@ -113,14 +113,19 @@ class CountingRecords(PagedAllocator):
             self._growing = False
 
 
-def test_an_allocator_with_its_own_count_bookkeeping_is_called_in_decode_runs():
-    base = factory("chunked", "paged", 400)
-
+def with_pool(base, kv_cls):
+    """base's engine factory with its paged pool replaced by a kv_cls of the same shape (no prefix caching)."""
     def make(clock):
         eng, ex = base(clock)
-        kv = CountingRecords(eng.kv.num_blocks, eng.kv.block_size, eng.kv.max_model_len, enable_prefix_caching=False)
+        kv = kv_cls(eng.kv.num_blocks, eng.kv.block_size, eng.kv.max_model_len, enable_prefix_caching=False)
         return FastForwardEngine(eng.policy, kv, ex, clock=clock, max_model_len=eng.max_model_len), ex
 
+    return make
+
+
+def test_an_allocator_with_its_own_count_bookkeeping_is_called_in_decode_runs():
+    base = factory("chunked", "paged", 400)
+    make = with_pool(base, CountingRecords)
     reqs = shared_prefix_requests(40, rate=20.0, seed=4)
     res = simulate(fresh_copies(reqs), make)
     assert res.replicas[0].engine.num_fast_forwarded_steps > 0 and res.replicas[0].engine.kv.records_in_runs > 0
@@ -143,12 +148,7 @@ class OwnUsage(PagedAllocator):
 
 def test_an_allocator_with_its_own_usage_is_asked_for_the_step_figures():
     base = factory("chunked", "paged", 400)
-
-    def make(clock):
-        eng, ex = base(clock)
-        kv = OwnUsage(eng.kv.num_blocks, eng.kv.block_size, eng.kv.max_model_len, enable_prefix_caching=False)
-        return FastForwardEngine(eng.policy, kv, ex, clock=clock, max_model_len=eng.max_model_len), ex
-
+    make = with_pool(base, OwnUsage)
     reqs = shared_prefix_requests(40, rate=20.0, seed=4)
     with pytest.warns(UserWarning):  # its usage() voids the decode-growth promise: steps one at a time
         res = simulate(fresh_copies(reqs), make)

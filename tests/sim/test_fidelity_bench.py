@@ -306,24 +306,10 @@ def test_the_slope_falls_back_to_1_when_the_passes_ticks_spread_too_little_or_it
 def test_a_cells_resolution_is_how_far_a_1pct_step_time_change_moves_its_simulation() -> None:
     """Every step 1% slower or faster moves a steady decode metric by about 1% (TPOT, step-bound) and leaves the
     offered load's throughput; the largest move over the factors, against the metric at 1."""
-    from functools import partial
-
-    from schedulers import ChunkedPolicy
-    from sim.cost.fitted import ProfiledCostModel
     from sim.validate import fresh_copies, simulate_like
-    from varlen.kv import PagedAllocator
-    from varlen.sampling_params import SamplingParams
-    from varlen.traces import Trace, TraceStats, load_trace
-    from varlen.workload import trace_requests
 
-    trace = load_trace("azure_conv", limit=8, max_model_len=256, over_length="clip")
-    reqs = trace_requests(Trace(sim_fidelity.slice_trace(trace, 0, 8, 0.5), TraceStats("slice", "azure")), 1000,
-                          SamplingParams(ignore_eos=True, temperature=0.0), token_ids=True)
-    run = sim_fidelity.RealRun("A", [], {}, reqs, partial(ChunkedPolicy, max_num_seqs=4, max_num_batched_tokens=64),
-                               partial(PagedAllocator, 256, 16, 256), 256, 0.0, 0.0, {}, 0)
-    rows = [([n] + [1] * d, [0] + [50] * d, 0.01 + 2e-4 * n + 1e-3 * d, 1 + d) for n in (1, 16, 64) for d in range(4)]
-    cost = ProfiledCostModel.fit(rows)
-    sim = simulate_like(fresh_copies(reqs), run.make_policy, run.make_kv, 256, cost)
+    run, cost = _slice_and_model()
+    sim = simulate_like(fresh_copies(run.originals), run.make_policy, run.make_kv, 256, cost)
     base = sim_fidelity.headline(sim.requests, sim.steps, sim.total_slots)
     moves = sim_fidelity.resolution(cost, [run], base)
     assert moves["TPOT p50 (ms)"] == pytest.approx(1.0, abs=0.05)
