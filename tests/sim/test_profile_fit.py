@@ -199,22 +199,37 @@ def test_profile_engine_calls_back_after_every_timed_step_with_its_pass(monkeypa
 
 def test_profile_engine_takes_the_callbacks_cpu_time_off_the_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """A callback among the steps (a speed tick) is not the engine's work: its CPU time stays off the step log,
-    where profile_rows would charge it to the step before it (every 4th pass step ran ~9 ms slow)."""
+    where profile_rows would charge it to the step before it (every 4th pass step ran ~9 ms slow).
+    The CPU clock is a counter (1 ms a reading) so the steps' times do not depend on the machine's load."""
     import time
+    import types
 
     import sim.profile
     from varlen.tiny_model import ensure_tiny_model
 
     monkeypatch.setattr(sim.profile, "ENGINE_BATCHES", ((2, 8, 6),))
+    cpu = [0.0]
 
-    def burn(finished) -> None:  # 20 ms of CPU after every step
-        t = time.process_time()
-        while time.process_time() - t < 0.02:
-            pass
+    def process_time() -> float:
+        cpu[0] += 0.001
+        return cpu[0]
 
-    rows = sim.profile.profile_engine(ensure_tiny_model("qwen3"), "torch_sdpa", 3, passes=1, on_step=lambda p: burn)
-    # The tiny model's steps take ~1-5 ms: 20 ms left in any gap would show on that step.
-    assert len(rows) >= 5 and max(t for _, _, t, _ in rows) < 0.015
+    fake = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
+    fake.process_time = process_time
+    monkeypatch.setattr(sim.profile, "time", fake)
+
+    def burn(finished) -> None:  # 20 ms of the callback's own CPU after every step
+        cpu[0] += 0.02
+
+    def rows(callback) -> list:
+        cpu[0] = 0.0
+        return sim.profile.profile_engine(ensure_tiny_model("qwen3"), "torch_sdpa", 3, passes=1,
+                                          on_step=lambda p: callback)
+
+    quiet, burnt = rows(lambda finished: None), rows(burn)
+    assert len(quiet) >= 5 and all(t > 0 for _, _, t, _ in quiet)
+    # The same steps read the clock the same number of times: only the callback's 20 ms could differ.
+    assert [t for _, _, t, _ in burnt] == pytest.approx([t for _, _, t, _ in quiet], abs=1e-9)
 
 
 def test_profile_engine_runs_the_simulated_engines_budget_and_seats(monkeypatch: pytest.MonkeyPatch) -> None:
