@@ -176,6 +176,15 @@ class FastForwardEngine(Engine):
             base = self._limits_base = [r.num_computed_tokens for r in self._limits_batch]
         return base, limit
 
+    def _kv_figures(self) -> tuple[int, int]:
+        """The pool's (reserved slots, live tokens), as kv.usage() gives them; a PagedAllocator's own usage()
+        is read without building a KVUsage (the step log takes both at every step and run)."""
+        pool = self._pool
+        if pool is not None:
+            return pool.reserved_slots(), pool.live_tokens
+        usage = self.kv.usage()
+        return usage.reserved_slots, usage.live_tokens
+
     def _any_stop_token(self, batch: Sequence[Request], tok: object) -> bool:
         """any(Engine._is_stop_token(r, tok) for r in batch), inline (own rules only); `tok` boxed once."""
         reqs: list[Request] = batch if isinstance(batch, list) else list(batch)
@@ -294,12 +303,7 @@ class FastForwardEngine(Engine):
             else:
                 continue
             finished.append(r)
-        pool = self._pool
-        if pool is not None:  # usage()'s two figures, no KVUsage
-            reserved, live = pool.reserved_slots(), pool.live_tokens
-        else:
-            usage = kv.usage()
-            reserved, live = usage.reserved_slots, usage.live_tokens
+        reserved, live = self._kv_figures()
         if detail:
             ids = [r.req_id for r in decodes]
             ids += [r.req_id for r, _ in rest]
@@ -472,11 +476,7 @@ class FastForwardEngine(Engine):
             return [], False
         kv = self.kv
         growth, pool = self._growth, self._pool
-        if pool is not None:  # usage()'s two figures, no KVUsage
-            reserved, live_before = pool.reserved_slots(), pool.live_tokens
-        else:
-            usage = kv.usage()
-            reserved, live_before = usage.reserved_slots, usage.live_tokens
+        reserved, live_before = self._kv_figures()
         changed: dict[int, int] = {}  # run step -> reserved slots after its allocations
         failed = False
         steps = self.steps
@@ -572,11 +572,7 @@ class FastForwardEngine(Engine):
         live_last = live_before + len(batch) * k
         if not failed:
             # After the finishes freed their blocks (a failed step's allocations are not the run's).
-            if pool is not None:
-                reserved_after[-1], live_last = pool.reserved_slots(), pool.live_tokens
-            else:
-                usage = kv.usage()
-                reserved_after[-1], live_last = usage.reserved_slots, usage.live_tokens
+            reserved_after[-1], live_last = self._kv_figures()
         if steps.reads_batches():
             assert base is not None
             steps.append(DecodeRun(len(steps), start, times, [r.req_id for r in batch], base, reserved_after,

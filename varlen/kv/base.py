@@ -89,7 +89,11 @@ class KVAllocator(ABC):
     def _usage(self, free_blocks: int) -> KVUsage:
         """usage() of a pool of whole blocks with `free_blocks` of them free."""
         bs = self.block_size
-        return KVUsage(self.live_tokens, (self.num_blocks - free_blocks) * bs, free_blocks * bs, self.num_blocks * bs)
+        return KVUsage(self.live_tokens, self._reserved(free_blocks), free_blocks * bs, self.num_blocks * bs)
+
+    def _reserved(self, free_blocks: int) -> int:
+        """usage().reserved_slots of a pool of whole blocks with `free_blocks` of them free."""
+        return (self.num_blocks - free_blocks) * self.block_size
 
     def allocate_decodes(self, reqs: list[Request], num: int) -> int:
         """allocate(r, r.num_computed_tokens + 1) for reqs[0], reqs[1], ... in order, up to `num` of them,

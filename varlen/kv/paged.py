@@ -413,7 +413,7 @@ class PagedAllocator(KVAllocator):
         bs: i64 = self.block_size
         n: i64 = len(rl) if cl is None else min(len(rl), len(cl))
         steps: i64 = num_steps
-        free: i64 = self.num_free_plain() + len(self.free_cached)
+        free: i64 = self._free_blocks()
         held = self.held
         # Counted first: the steps are listed only when they may not all fit.
         num_takes: i64 = 0
@@ -531,9 +531,13 @@ class PagedAllocator(KVAllocator):
         h = self._record(req)
         return h.blocks if h is not None else ()
 
+    def _free_blocks(self) -> int:
+        """Blocks a new allocation could take: content-free ones and evictable cached ones."""
+        return self.num_free_plain() + len(self.free_cached)
+
     def usage(self) -> KVUsage:
-        return self._usage(self.num_free_plain() + len(self.free_cached))
+        return self._usage(self._free_blocks())
 
     def reserved_slots(self) -> int:
         """usage().reserved_slots, without the KVUsage (the decode fast-forward reads it every step)."""
-        return (self.num_blocks - self.num_free_plain() - len(self.free_cached)) * self.block_size
+        return self._reserved(self._free_blocks())
